@@ -1,0 +1,866 @@
+"""fp8 KV-cache bypass for MiniMax-M3's fused qknorm+rope+kv-insert op.
+
+The fork-era op writes bf16 caches only. The bypass runs it in norm+rope-only
+mode (cache arguments ``None``) when the cache is fp8 and writes the cache with
+``reshape_and_cache_flash``, which quantizes. Reading order of this module:
+
+1. ``SiteState`` - the states a call of the op can be in (examples in
+   ``codemods/examples.py``).
+2. ``analyze`` - finds every call, classifies it, and for a site that needs
+   work builds a ``BypassPlan`` whose every name comes from the file.
+3. ``Fp8KvBypass`` - the LibCST transformer that applies one plan.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from codemods import anchors as a
+
+DESCRIPTION = "Route fp8 KV-cache writes of MiniMax-M3 sparse attention around the bf16-only fused insert op."
+
+GUARD_NAME = "insert_via_fused"
+
+
+class SiteState(str, enum.Enum):
+    NEEDS_BYPASS = "needs-bypass"
+    PATCHED = "patched"
+    HALF_APPLIED = "half-applied"
+    NATIVE = "native"
+    NOT_A_SITE = "not-a-site"
+    UNSUPPORTED = "unsupported"
+
+
+class Action(str, enum.Enum):
+    REWRITE = "rewrite"  # needs-bypass: add the whole bypass
+    COMPLETE = "complete"  # half-applied on a fork-era call: add what is missing
+    NONE = "none"
+    REFUSE = "refuse"
+
+
+# The pieces of the bypass, in the words the reports use.
+PIECES = {
+    "flag": f"`self.{a.FP8_FLAG}` set in __init__",
+    "guard": "the guard (`insert_via_fused = not self._fp8_kv`) assigned before the call",
+    "guarded-args": "cache arguments `X if insert_via_fused else None`",
+    "post-insert": "`self._insert_kv(k, v, index_k, <slots>)` after the call",
+    "insert-kv": "`_insert_kv` taking the slot mappings",
+}
+
+
+class Unsupported(Exception):
+    """The rewrite cannot be proven safe; the message says what was missing."""
+
+
+@dataclass
+class InsertSite:
+    """One call of the fused op, what state it is in and what `run` does with it."""
+
+    class_name: str | None
+    method: str | None
+    line: int
+    state: SiteState
+    action: Action
+    reason: str
+    pieces: dict[str, bool] = field(default_factory=dict)
+    plan: BypassPlan | None = field(default=None, repr=False, compare=False)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "class": self.class_name,
+            "method": self.method,
+            "line": self.line,
+            "state": self.state.value,
+            "action": self.action.value,
+            "reason": self.reason,
+            "pieces": dict(self.pieces),
+        }
+
+
+@dataclass
+class FileAnalysis:
+    module: cst.Module
+    sites: list[InsertSite]
+
+    @property
+    def plans(self) -> list[BypassPlan]:
+        return [s.plan for s in self.sites if s.plan is not None]
+
+    @property
+    def needs_rewrite(self) -> bool:
+        return any(s.action in (Action.REWRITE, Action.COMPLETE) for s in self.sites)
+
+    @property
+    def refused(self) -> list[InsertSite]:
+        return [s for s in self.sites if s.action is Action.REFUSE]
+
+
+# --- finding the calls --------------------------------------------------------
+
+
+@dataclass
+class _FoundCall:
+    call: cst.Call
+    line: int
+    cls: cst.ClassDef | None
+    method: cst.FunctionDef | None
+    nested_in: str | None  # name of a def/lambda between the method and the call
+    module_function: str | None
+    class_depth: int = 0  # how many defs/classes enclose the class
+
+
+class _CallFinder(cst.CSTVisitor):
+    METADATA_DEPENDENCIES = (PositionProvider,)
+
+    def __init__(self) -> None:
+        self.stack: list[cst.CSTNode] = []
+        self.found: list[_FoundCall] = []
+
+    def _push(self, node: cst.CSTNode) -> None:
+        self.stack.append(node)
+
+    def _pop(self, node: cst.CSTNode) -> None:
+        self.stack.pop()
+
+    visit_ClassDef = visit_FunctionDef = visit_Lambda = _push  # type: ignore[assignment]
+    leave_ClassDef = leave_FunctionDef = leave_Lambda = _pop  # type: ignore[assignment]
+
+    def visit_Call(self, node: cst.Call) -> None:
+        if not a.is_fused_call(node):
+            return
+        line = self.get_metadata(PositionProvider, node).start.line
+        classes = [i for i, n in enumerate(self.stack) if isinstance(n, cst.ClassDef)]
+        if not classes:
+            outer = self.stack[0] if self.stack else None
+            name = outer.name.value if isinstance(outer, cst.FunctionDef) else None
+            self.found.append(_FoundCall(node, line, None, None, None, name or "<module>"))
+            return
+        ci = classes[-1]
+        cls = self.stack[ci]
+        inner = self.stack[ci + 1 :]
+        method = inner[0] if inner and isinstance(inner[0], cst.FunctionDef) else None
+        nested = None
+        if len(inner) > 1:
+            n = inner[-1]
+            nested = n.name.value if isinstance(n, cst.FunctionDef) else "<lambda>"
+        assert isinstance(cls, cst.ClassDef)
+        self.found.append(_FoundCall(node, line, cls, method, nested, None, ci))
+
+
+# --- the pieces of a bypass ----------------------------------------------------
+
+
+@dataclass
+class _Pieces:
+    flag_set: bool = False
+    flag_read: bool = False
+    guard_args: list[str] = field(default_factory=list)  # guard names in the cache args
+    guard_assigned: str | None = None  # `G = not self._fp8_kv` before the call
+    guard_other: bool = False  # G assigned some other way
+    post_insert: cst.Call | None = None
+    post_insert_wired: bool = False
+    insert_kv: str = "absent"  # absent | metadata | slots | other
+
+    def present(self) -> dict[str, bool]:
+        return {
+            "flag": self.flag_set,
+            "guard": self.guard_assigned is not None,
+            "guarded-args": len(self.guard_args) == 2,
+            "post-insert": self.post_insert is not None and self.post_insert_wired,
+            "insert-kv": self.insert_kv == "slots",
+        }
+
+    def any_bypass(self) -> bool:
+        return (
+            self.flag_set
+            or self.flag_read
+            or bool(self.guard_args)
+            or self.guard_assigned is not None
+            or self.post_insert is not None
+            or self.insert_kv == "slots"
+        )
+
+
+def _guard_of(arg: cst.Arg | None) -> str | None:
+    """``X if G else None`` -> ``"G"``."""
+    if arg is not None and isinstance(arg.value, cst.IfExp):
+        ifexp = arg.value
+        if isinstance(ifexp.test, cst.Name) and a.is_none(ifexp.orelse):
+            return ifexp.test.value
+    return None
+
+
+def _unguarded(arg: cst.Arg) -> cst.BaseExpression:
+    value = arg.value
+    if isinstance(value, cst.IfExp) and _guard_of(arg) is not None:
+        return value.body
+    return value
+
+
+def _is_not_flag(expr: cst.BaseExpression) -> bool:
+    """``not self._fp8_kv``."""
+    return (
+        isinstance(expr, cst.UnaryOperation)
+        and isinstance(expr.operator, cst.Not)
+        and a.self_attr(expr.expression) == a.FP8_FLAG
+    )
+
+
+def _find_call_slot(method: cst.FunctionDef, call: cst.Call) -> a.StatementSlot | None:
+    for slot in a.statement_slots(method):
+        if a.expression_call(slot.statement) is call:
+            return slot
+    return None
+
+
+def _insert_kv_form(fn: cst.FunctionDef | None) -> str:
+    if fn is None:
+        return "absent"
+    reads_metadata = any(
+        isinstance(n, cst.Attribute) and n.attr.value == "attn_metadata"
+        for n in a.walk_all(fn.body)
+    )
+    n_params = len(a.param_names(fn)) - 1
+    if reads_metadata and n_params == 3:
+        return "metadata"
+    if not reads_metadata and n_params == 5:
+        return "slots"
+    return "other"
+
+
+def _is_insert_kv_call(node: cst.CSTNode) -> bool:
+    return (
+        isinstance(node, cst.Call)
+        and isinstance(node.func, cst.Attribute)
+        and a.self_attr(node.func) == a.INSERT_KV
+    )
+
+
+def _collect_pieces(
+    cls: cst.ClassDef, method: cst.FunctionDef, call: cst.Call, slot: a.StatementSlot | None
+) -> _Pieces:
+    p = _Pieces()
+    init = a.find_method(cls, "__init__")
+    if init is not None:
+        p.flag_set = a.FP8_FLAG in a.self_assignments(init)
+    for node in a.walk_all(cls.body):
+        if a.self_attr(node) == a.FP8_FLAG:
+            p.flag_read = True
+    p.guard_args = [g for g in (_guard_of(a.get_arg(call, a.KV_CACHE)), _guard_of(a.get_arg(call, a.INDEX_CACHE))) if g]
+    p.insert_kv = _insert_kv_form(a.find_method(cls, a.INSERT_KV))
+    if slot is None:
+        return p
+    guard_names = set(p.guard_args) | {GUARD_NAME}
+    for stmt in slot.before():
+        pair = a.simple_assignment(stmt)
+        if pair and isinstance(pair[0], cst.Name) and pair[0].value in guard_names:
+            if _is_not_flag(pair[1]):
+                p.guard_assigned = pair[0].value
+            else:
+                p.guard_other = True
+    for stmt in slot.after():
+        for node in a.walk_all(stmt):
+            if _is_insert_kv_call(node):
+                assert isinstance(node, cst.Call)
+                p.post_insert = node
+                p.post_insert_wired = _insert_is_wired(node, call) and _is_guarded_block(stmt, p)
+                break
+        if p.post_insert is not None:
+            break
+    return p
+
+
+def _is_guarded_block(stmt: cst.BaseStatement, p: _Pieces) -> bool:
+    """``if not G:`` or ``if self._fp8_kv:`` around the post-call insert."""
+    if not isinstance(stmt, cst.If):
+        return False
+    test = stmt.test
+    if a.self_attr(test) == a.FP8_FLAG:
+        return True
+    return (
+        isinstance(test, cst.UnaryOperation)
+        and isinstance(test.operator, cst.Not)
+        and isinstance(test.expression, cst.Name)
+        and test.expression.value in (set(p.guard_args) | {p.guard_assigned or GUARD_NAME})
+    )
+
+
+def _insert_is_wired(insert: cst.Call, fused: cst.Call) -> bool:
+    args = [x for x in insert.args if x.keyword is None]
+    main = a.get_arg(fused, a.SLOT_MAPPING)
+    index = a.get_arg(fused, a.INDEX_SLOT_MAPPING)
+    if len(insert.args) != 5 or len(args) != 5 or main is None or index is None:
+        return False
+    return a.same_expr(args[3].value, main.value) and a.same_expr(args[4].value, index.value)
+
+
+# --- the plan -------------------------------------------------------------------
+
+
+@dataclass
+class BypassPlan:
+    """Everything the transformer needs, found in and checked against the file."""
+
+    cls: cst.ClassDef
+    method: cst.FunctionDef
+    call: cst.Call
+    call_slot: a.StatementSlot
+    guard: str
+    add_guard: bool
+    guard_code: str
+    wrap_args: list[a.OpParam]
+    add_post_insert: bool
+    post_insert_code: str
+    flag_slot: a.StatementSlot | None  # insert `self._fp8_kv = ...` after it
+    flag_code: str
+    insert_kv: str  # keep | replace | add
+    insert_kv_code: str
+    old_insert_kv: cst.FunctionDef | None
+    reshape_import: tuple[cst.SimpleStatementLine, cst.ImportFrom] | None
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    candidate, n = name, 1
+    while candidate in taken:
+        candidate = f"{name}_fp8" if n == 1 else f"{name}_fp8_{n}"
+        n += 1
+    taken.add(candidate)
+    return candidate
+
+
+def _size_attrs(
+    init: cst.FunctionDef, count: cst.BaseExpression
+) -> tuple[str | None, str | None]:
+    """For ``self.W = <count> * self.D`` in __init__: (``"self.W"``, ``"self.D"``)."""
+    for attr, defs in a.self_assignments(init).items():
+        factors = a.product_of(defs[0][1])
+        if factors is None:
+            continue
+        left, right = factors
+        for this, other in ((left, right), (right, left)):
+            if a.same_expr(this, count) and a.self_attr(other) is not None:
+                return f"self.{attr}", a.code(other)
+    return None, None
+
+
+def _op_namespace(call: cst.Call) -> str | None:
+    """Where ``reshape_and_cache_flash`` lives, by the fused op's callee."""
+    func = call.func
+    if isinstance(func, cst.Attribute):
+        owner = a.code(func.value)
+        if owner.replace(" ", "") == "torch.ops._C":
+            return "torch.ops._C_cache_ops"
+        return owner
+    return None
+
+
+def _build_plan(
+    module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p: _Pieces
+) -> BypassPlan:
+    cls, method, call = found.cls, found.method, found.call
+    assert cls is not None and method is not None
+    if method.name.value == "__init__":
+        raise Unsupported("the insert call is in __init__, not in a forward path")
+    init = a.find_method(cls, "__init__")
+    if init is None:
+        raise Unsupported(f"class {cls.name.value} has no __init__ to hold `self._fp8_kv`")
+    imports = a.module_imports(module)
+    if not any(i.bound == "torch" and a.code(i.alias.name) == "torch" for i in imports):
+        raise Unsupported("the module does not `import torch`, which the bypass uses")
+
+    # Guard name: from guarded arguments, else an existing assignment, else fresh.
+    if len(set(p.guard_args)) > 1:
+        raise Unsupported(f"cache arguments are guarded by different names: {sorted(set(p.guard_args))}")
+    if p.guard_other:
+        raise Unsupported("the guard name is assigned something other than `not self._fp8_kv`")
+    taken = a.bound_names(method)
+    if p.guard_args:
+        guard = p.guard_args[0]
+    elif p.guard_assigned:
+        guard = p.guard_assigned
+    else:
+        guard = _fresh(GUARD_NAME, taken)
+
+    # Cache arguments: plain (to be guarded) or already `X if guard else None`.
+    caches: dict[str, str] = {}
+    wrap: list[a.OpParam] = []
+    for param in (a.KV_CACHE, a.INDEX_CACHE):
+        arg = a.get_arg(call, param)
+        if arg is None or a.is_none(arg.value):
+            raise Unsupported(f"the call passes no `{param.keyword}` argument to guard")
+        if isinstance(arg.value, cst.IfExp) and _guard_of(arg) is None:
+            raise Unsupported(f"`{param.keyword}` is a conditional that cannot be guarded: {a.code(arg.value)}")
+        if _guard_of(arg) is None:
+            wrap.append(param)
+        value = _unguarded(arg)
+        resolved = a.resolve_self_expr(method, value, slot)
+        if resolved is None:
+            raise Unsupported(
+                f"`{param.keyword}` argument `{a.code(value)}` is not a `self.` attribute "
+                "(or a local holding one) that _insert_kv can reach"
+            )
+        caches[param.keyword] = a.code(resolved)
+
+    qkv = a.get_arg(call, a.QKV)
+    if qkv is None or not isinstance(qkv.value, cst.Name):
+        raise Unsupported("the fused qkv argument is not a plain local name")
+    slots: dict[str, str] = {}
+    for param in (a.SLOT_MAPPING, a.INDEX_SLOT_MAPPING):
+        arg = a.get_arg(call, param)
+        if arg is None or a.is_none(arg.value) or not a.is_pure(arg.value):
+            shown = a.code(arg.value) if arg is not None else "nothing"
+            raise Unsupported(f"`{param.keyword}` ({shown}) is not a name or attribute that can be passed again")
+        slots[param.keyword] = a.code(arg.value)
+
+    # Sizes: the head counts the call passes, and their products in __init__.
+    counts: dict[str, cst.BaseExpression] = {}
+    for param in (a.NUM_HEADS, a.NUM_KV_HEADS, a.NUM_INDEX_HEADS):
+        arg = a.get_arg(call, param)
+        resolved = a.resolve_self_expr(method, arg.value, slot) if arg is not None else None
+        if resolved is None:
+            raise Unsupported(f"`{param.keyword}` is not a `self.` attribute (or a local holding one)")
+        counts[param.keyword] = resolved
+    q_width, head_dim = _size_attrs(init, counts["num_heads"])
+    kv_width, kv_head_dim = _size_attrs(init, counts["num_kv_heads"])
+    index_q_width, idx_head_dim = _size_attrs(init, counts["num_index_heads"])
+    head_dim = head_dim or kv_head_dim
+    if head_dim is None:
+        raise Unsupported("cannot find the head size: no `self.<width> = <num_heads> * self.<head_dim>` in __init__")
+    if idx_head_dim is None:
+        raise Unsupported(
+            "cannot find the index head size: no `self.<width> = <num_index_heads> * self.<idx_head_dim>` in __init__"
+        )
+    nkv = a.code(counts["num_kv_heads"])
+    q_width = q_width or f"{a.code(counts['num_heads'])} * {head_dim}"
+    kv_width = kv_width or f"{nkv} * {head_dim}"
+    index_q_width = index_q_width or f"{a.code(counts['num_index_heads'])} * {idx_head_dim}"
+
+    # The cache dtype attribute and where the flag goes.
+    init_attrs = a.self_assignments(init)
+    flag_slot, dtype_attr = _dtype_anchor(init, init_attrs)
+    if dtype_attr is None or flag_slot is None:
+        raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
+
+    namespace = _op_namespace(call)
+    reshape_import = None
+    if namespace is None:
+        reshape_import = _bare_import(module, imports)
+        reshape_call = a.RESHAPE_OP
+    else:
+        reshape_call = f"{namespace}.{a.RESHAPE_OP}"
+
+    n = module.default_newline
+    indent = module.default_indent
+    old_insert = a.find_method(cls, a.INSERT_KV)
+    insert_kv = {"absent": "add", "metadata": "replace", "slots": "keep"}.get(p.insert_kv)
+    if insert_kv is None:
+        raise Unsupported("`_insert_kv` exists in a form that is neither the attn_metadata one nor the slot-mapping one")
+
+    names = {k: _fresh(k, taken) for k in ("kv", "k0", "ik0", "k", "v", "index_k")}
+    post = _render(
+        POST_INSERT,
+        n,
+        indent,
+        guard=guard,
+        qkv=qkv.value.value,
+        kv_width=kv_width,
+        q_width=q_width,
+        index_q_width=index_q_width,
+        idx_head_dim=idx_head_dim,
+        main_slots=slots["slot_mapping"],
+        index_slots=slots["index_slot_mapping"],
+        **{f"n_{k}": v for k, v in names.items()},
+    )
+    return BypassPlan(
+        cls=cls,
+        method=method,
+        call=call,
+        call_slot=slot,
+        guard=guard,
+        add_guard=p.guard_assigned is None,
+        guard_code=_render(GUARD, n, indent, guard=guard),
+        wrap_args=wrap,
+        add_post_insert=p.post_insert is None,
+        post_insert_code=post,
+        flag_slot=None if p.flag_set else flag_slot,
+        flag_code=_render(FLAG, n, indent, dtype=dtype_attr),
+        insert_kv=insert_kv,
+        insert_kv_code=_render(
+            INSERT_KV_METHOD,
+            n,
+            indent,
+            found.class_depth + 1,
+            kv_cache=caches["kv_cache"],
+            index_cache=caches["index_cache"],
+            num_kv_heads=nkv,
+            head_dim=head_dim,
+            idx_head_dim=idx_head_dim,
+            dtype=dtype_attr,
+            reshape=reshape_call,
+        ),
+        old_insert_kv=old_insert if insert_kv == "replace" else None,
+        reshape_import=reshape_import,
+    )
+
+
+def _dtype_anchor(
+    init: cst.FunctionDef, attrs: dict[str, list[tuple[a.StatementSlot, cst.BaseExpression]]]
+) -> tuple[a.StatementSlot | None, str | None]:
+    """The statement after which the flag goes, and the dtype attribute's code."""
+    for slot in a.statement_slots(init):
+        for node in a.walk_all(slot.statement):
+            if (
+                isinstance(node, cst.Call)
+                and isinstance(node.func, (cst.Name, cst.Attribute))
+                and a.code(node.func).endswith("kv_cache_dtype_str_to_dtype")
+                and node.args
+                and a.self_attr(node.args[0].value) is not None
+            ):
+                return slot, a.code(node.args[0].value)
+    if "kv_cache_dtype" in attrs:
+        return attrs["kv_cache_dtype"][-1][0], "self.kv_cache_dtype"
+    return None, None
+
+
+def _bare_import(
+    module: cst.Module, imports: list[a.ImportedName]
+) -> tuple[cst.SimpleStatementLine, cst.ImportFrom] | None:
+    """For a bare ``fused_…(…)`` callee: the from-import that brings it in."""
+    if any(i.bound == a.RESHAPE_OP for i in imports):
+        return None
+    for imp in imports:
+        if imp.bound == a.FUSED_OP and imp.alias.asname is None:
+            for small in imp.statement.body:
+                if isinstance(small, cst.ImportFrom) and imp.alias in small.names:
+                    return imp.statement, small
+    raise Unsupported(f"`{a.FUSED_OP}` is called by a bare name that no `from … import` brings in")
+
+
+# --- generated code ---------------------------------------------------------------
+
+FLAG = """\
+# fp8 KV cache: the fused qknorm+rope+kv-insert op writes bf16 caches only;
+# forward() then runs it norm+rope-only and writes the cache via _insert_kv().
+self._fp8_kv = "fp8" in {dtype}
+"""
+
+GUARD = """\
+# fp8 KV cache: cache arguments None -> the fused op only norms/ropes in place.
+{guard} = not self._fp8_kv
+"""
+
+POST_INSERT = """\
+if not {guard}:
+{I}# {qkv} is [q | k | v | index_q | index_k]: the fused op left k and index_k
+{I}# normed/roped in place and v raw; write them (strided views) to the cache.
+{I}{n_kv} = {kv_width}
+{I}{n_k0} = {q_width}
+{I}{n_ik0} = {n_k0} + 2 * {n_kv} + {index_q_width}
+{I}{n_k} = {qkv}[:, {n_k0} : {n_k0} + {n_kv}]
+{I}{n_v} = {qkv}[:, {n_k0} + {n_kv} : {n_k0} + 2 * {n_kv}]
+{I}{n_index_k} = {qkv}[:, {n_ik0} : {n_ik0} + {idx_head_dim}]  # one index-key head
+{I}self._insert_kv({n_k}, {n_v}, {n_index_k}, {main_slots}, {index_slots})
+"""
+
+INSERT_KV_METHOD = '''\
+def _insert_kv(
+{I}self,
+{I}key: torch.Tensor,
+{I}value: torch.Tensor,
+{I}index_key: torch.Tensor,
+{I}main_slot_mapping: torch.Tensor,
+{I}index_slot_mapping: torch.Tensor,
+) -> None:
+{I}"""Write main K/V (fp8-quantizing) and index-K into their paged caches.
+
+{D}Used only on the fp8-KV path, where the bf16-only fused op runs in
+{D}norm+rope-only mode: ``reshape_and_cache_flash`` honours kv_cache_dtype.
+{D}The index cache stays bf16 (no quantization).
+{D}"""
+{I}key_cache, value_cache = {kv_cache}.unbind(1)
+{I}scale = torch.ones((), device=key.device)  # identity: stores x / 1
+{I}{reshape}(
+{I}{I}key.view(-1, {num_kv_heads}, {head_dim}),
+{I}{I}value.view(-1, {num_kv_heads}, {head_dim}),
+{I}{I}key_cache,
+{I}{I}value_cache,
+{I}{I}main_slot_mapping,
+{I}{I}{dtype},
+{I}{I}scale,
+{I}{I}scale,
+{I})
+{I}# Index-key cache: one vector per token, scattered by slot.
+{I}idx_cache = {index_cache}.view(-1, {idx_head_dim})
+{I}idx_cache[index_slot_mapping] = index_key.to(idx_cache.dtype)
+'''
+
+
+def _render(template: str, newline: str, indent: str, depth: int = 1, **names: str) -> str:
+    """Fill a template; ``{I}`` is one indent step, ``{D}`` a docstring line of a
+    method in a class ``depth`` blocks deep (its text is not re-indented)."""
+    text = template.format(I=indent, D=indent * (depth + 1), **names)
+    return text.replace("\n", newline)
+
+
+def _statements(text: str, module: cst.Module) -> list[cst.BaseStatement]:
+    """Parse generated code with the file's indent and newline; comments included."""
+    # A leading `pass` keeps the first comment lines on the first statement
+    # instead of the module header.
+    parsed = cst.parse_module("pass" + module.default_newline + text, config=module.config_for_parsing)
+    return list(parsed.body[1:])
+
+
+# --- classification -----------------------------------------------------------------
+
+
+def analyze(module: cst.Module) -> FileAnalysis:
+    """Classify every call of the fused op in ``module`` (and plan what needs work)."""
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    finder = _CallFinder()
+    wrapper.visit(finder)
+    sites = [_classify(module, f) for f in finder.found]
+
+    candidates = [s for s in sites if s.plan is not None or s.state is SiteState.PATCHED]
+    candidates += [s for s in sites if s.state is SiteState.UNSUPPORTED and s.class_name]
+    if len(candidates) > 1 and any(s.plan is not None for s in candidates):
+        where = ", ".join(f"{s.class_name}.{s.method} (line {s.line})" for s in candidates)
+        for s in candidates:
+            s.state, s.action, s.plan = SiteState.UNSUPPORTED, Action.REFUSE, None
+            s.reason = f"{len(candidates)} candidate insert sites ({where}); the bypass can be proven for one only"
+    return FileAnalysis(module, sites)
+
+
+def _site(found: _FoundCall, state: SiteState, action: Action, reason: str, **kw: object) -> InsertSite:
+    return InsertSite(
+        class_name=found.cls.name.value if found.cls else None,
+        method=found.method.name.value if found.method else found.module_function,
+        line=found.line,
+        state=state,
+        action=action,
+        reason=reason,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _classify(module: cst.Module, found: _FoundCall) -> InsertSite:
+    call = found.call
+    if a.has_star_args(call):
+        return _site(found, SiteState.UNSUPPORTED, Action.REFUSE, "the call passes *args/**kwargs: its cache arguments cannot be seen")
+    kv = a.get_arg(call, a.KV_CACHE)
+    if kv is None or a.is_none(kv.value):
+        return _site(found, SiteState.NOT_A_SITE, Action.NONE, "no main K/V cache argument: a norm+rope-only call")
+    if found.cls is None:
+        return _site(
+            found, SiteState.NOT_A_SITE, Action.NONE, f"in module-level function `{found.module_function}`, not a layer class"
+        )
+    if found.method is None or found.nested_in is not None:
+        return _site(
+            found, SiteState.UNSUPPORTED, Action.REFUSE, f"the call sits inside nested `{found.nested_in}`, not directly in a method"
+        )
+
+    slot = _find_call_slot(found.method, call)
+    pieces = _collect_pieces(found.cls, found.method, call, slot)
+    present = pieces.present()
+    dtype = a.get_arg(call, a.KV_CACHE_DTYPE)
+    if dtype is not None:
+        literal = dtype.value
+        if isinstance(literal, cst.SimpleString) and literal.evaluated_value == "auto":
+            return _site(
+                found,
+                SiteState.UNSUPPORTED,
+                Action.REFUSE,
+                'the call passes kv_cache_dtype="auto" together with a cache: neither a fork-era nor a native call',
+                pieces=present,
+            )
+        if pieces.any_bypass():
+            have = ", ".join(PIECES[k] for k, v in present.items() if v) or "`self._fp8_kv` read"
+            return _site(
+                found,
+                SiteState.HALF_APPLIED,
+                Action.REFUSE,
+                f"native call (passes kv_cache_dtype={a.code(literal)}) carrying a stale fp8 bypass ({have}); "
+                "the bypass assumes the fork-era cache layout and must not run here: remove it and "
+                "run with --kv-cache-dtype fp8 directly",
+                pieces=present,
+            )
+        return _site(
+            found,
+            SiteState.NATIVE,
+            Action.NONE,
+            f"native fp8 support (passes kv_cache_dtype={a.code(literal)}): run with --kv-cache-dtype fp8 directly",
+            pieces=present,
+        )
+
+    if slot is None:
+        return _site(
+            found,
+            SiteState.UNSUPPORTED,
+            Action.REFUSE,
+            "the call is not a statement of its own in a block (assigned, returned or on one line with `if`)",
+            pieces=present,
+        )
+    if all(present.values()):
+        return _site(found, SiteState.PATCHED, Action.NONE, "fp8 bypass present and wired", pieces=present)
+
+    if pieces.any_bypass():
+        state, action = SiteState.HALF_APPLIED, Action.COMPLETE
+        reason = _half_applied_reason(pieces, present)
+    else:
+        state, action = SiteState.NEEDS_BYPASS, Action.REWRITE
+        reason = "fork-era insert call (no kv_cache_dtype): the fused op would assert on an fp8 cache"
+    try:
+        plan = _build_plan(module, found, slot, pieces)
+    except Unsupported as exc:
+        return _site(found, SiteState.UNSUPPORTED, Action.REFUSE, str(exc), pieces=present)
+    return _site(found, state, action, reason, pieces=present, plan=plan)
+
+
+def _half_applied_reason(p: _Pieces, present: dict[str, bool]) -> str:
+    missing = [PIECES[k] for k, v in present.items() if not v]
+    problems = []
+    if p.guard_args and p.guard_assigned is None:
+        problems.append(f"`{p.guard_args[0]}` is read but never assigned (NameError at runtime)")
+    if p.flag_read and not p.flag_set:
+        problems.append("`self._fp8_kv` is read but never set (AttributeError at runtime)")
+    if p.post_insert is not None and not p.post_insert_wired:
+        problems.append("the post-call `_insert_kv` is not guarded or not passed the call's slot mappings")
+    text = "partial fp8 bypass; missing: " + "; ".join(missing)
+    return text + (" - " + "; ".join(problems) if problems else "")
+
+
+# --- the transformer --------------------------------------------------------------------
+
+
+class Fp8KvBypass(cst.CSTTransformer):
+    """Apply one ``BypassPlan``: flag in __init__, guard and insert in the forward path."""
+
+    def __init__(self, module: cst.Module, plan: BypassPlan) -> None:
+        super().__init__()
+        self.module = module
+        self.plan = plan
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        if original is not self.plan.call:
+            return updated
+        wrap = {p.keyword for p in self.plan.wrap_args}
+        new_args = []
+        for orig_arg, arg in zip(original.args, updated.args):
+            param = next(
+                (p for p in (a.KV_CACHE, a.INDEX_CACHE) if a.get_arg(original, p) is orig_arg),
+                None,
+            )
+            if param is not None and param.keyword in wrap:
+                arg = arg.with_changes(
+                    value=cst.IfExp(
+                        test=cst.Name(self.plan.guard),
+                        body=arg.value,
+                        orelse=cst.Name("None"),
+                    )
+                )
+            new_args.append(arg)
+        return updated.with_changes(args=new_args)
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+        if original is self.plan.old_insert_kv:
+            (new,) = _statements(self.plan.insert_kv_code, self.module)
+            assert isinstance(new, cst.FunctionDef)
+            return new.with_changes(leading_lines=original.leading_lines, decorators=original.decorators)
+        return updated
+
+    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
+        plan = self.plan
+        body = list(updated.body)
+        if original is plan.call_slot.block:
+            i = plan.call_slot.index
+            after = _statements(plan.post_insert_code, self.module) if plan.add_post_insert else []
+            before = _statements(plan.guard_code, self.module) if plan.add_guard else []
+            body[i + 1 : i + 1] = after
+            body[i:i] = before
+        if plan.flag_slot is not None and original is plan.flag_slot.block:
+            i = plan.flag_slot.index
+            body[i + 1 : i + 1] = _statements(plan.flag_code, self.module)
+        if original is plan.cls.body and plan.insert_kv == "add":
+            (new,) = _statements(plan.insert_kv_code, self.module)
+            assert isinstance(new, cst.FunctionDef)
+            new = new.with_changes(leading_lines=[cst.EmptyLine()])
+            index = next(i for i, s in enumerate(original.body) if s is plan.method)
+            body.insert(index, new)
+        return updated.with_changes(body=body)
+
+
+def apply_plan(module: cst.Module, plan: BypassPlan) -> cst.Module:
+    """Rewrite one site; then drop imports that only the replaced method used."""
+    new = module.visit(Fp8KvBypass(module, plan))
+    if plan.reshape_import is not None:
+        new = _add_reshape_import(new, plan.reshape_import)
+    if plan.old_insert_kv is not None:
+        added = a.names_read(cst.parse_module(plan.insert_kv_code, config=module.config_for_parsing))
+        dropped = a.names_read(plan.old_insert_kv) - added
+        new = remove_unused_imports(new, dropped)
+    return new
+
+
+def rewrite(analysis: FileAnalysis) -> cst.Module:
+    module = analysis.module
+    plans = analysis.plans
+    assert len(plans) <= 1, "analyze() refuses files with several candidate sites"
+    for plan in plans:
+        module = apply_plan(module, plan)
+    return module
+
+
+# --- imports ------------------------------------------------------------------------------
+
+
+def _add_reshape_import(
+    module: cst.Module, target: tuple[cst.SimpleStatementLine, cst.ImportFrom]
+) -> cst.Module:
+    _, import_from = target
+
+    class AddName(cst.CSTTransformer):
+        def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
+            if original is not import_from or isinstance(updated.names, cst.ImportStar):
+                return updated
+            names = list(updated.names)
+            last = names[-1]
+            comma = last.comma if isinstance(last.comma, cst.Comma) else cst.MaybeSentinel.DEFAULT
+            names[-1] = last.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+            names.append(cst.ImportAlias(name=cst.Name(a.RESHAPE_OP), comma=comma))
+            return updated.with_changes(names=names)
+
+    return module.visit(AddName())
+
+
+def remove_unused_imports(module: cst.Module, candidates: set[str]) -> cst.Module:
+    """Remove from-import aliases among ``candidates`` that nothing reads any more."""
+    uses = a.name_uses(module)
+    unused = {n for n in candidates if uses.get(n, 0) == 0}
+    if not unused:
+        return module
+
+    class Remove(cst.CSTTransformer):
+        def leave_SimpleStatementLine(
+            self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
+        ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
+            if len(updated.body) != 1 or not isinstance(updated.body[0], cst.ImportFrom):
+                return updated
+            imp = updated.body[0]
+            if isinstance(imp.names, cst.ImportStar):
+                return updated
+            names = list(imp.names)
+            keep = [n for n in names if n.asname is not None or a.code(n.name) not in unused]
+            if len(keep) == len(names):
+                return updated
+            if not keep:
+                if any(line.comment for line in updated.leading_lines):
+                    return updated  # keep it rather than lose its comment
+                return cst.RemoveFromParent()
+            if names[-1] not in keep:  # the removed last alias hands its comma on
+                keep[-1] = keep[-1].with_changes(comma=names[-1].comma)
+            return updated.with_changes(body=[imp.with_changes(names=keep)])
+
+    return module.visit(Remove())

@@ -1,0 +1,3 @@
+from rewriter.cli import main
+
+main()

@@ -1,0 +1,222 @@
+"""Parse -> analyze -> rewrite -> validate -> atomic write, one file at a time.
+
+Nothing is written unless the new source parses, compiles, and a second pass
+of the codemod finds every rewritten site ``patched`` (black's discipline).
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import hashlib
+import os
+import shutil
+import stat
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import libcst as cst
+
+from codemods import anchors
+from codemods.fp8_kv_bypass import Action, InsertSite, SiteState, analyze, rewrite
+
+BOM = b"\xef\xbb\xbf"
+
+
+class FileStatus(str, enum.Enum):
+    NO_SITES = "no-sites"  # no call of the fused op at all
+    UNCHANGED = "unchanged"  # sites found, nothing to do
+    NEEDS_REWRITE = "needs-rewrite"
+    REWRITTEN = "rewritten"
+    REFUSED = "refused"  # unsupported structure or a site that must not be rewritten
+    ERROR = "error"  # unreadable, not Python, failed validation, write failed
+
+
+class FileError(Exception):
+    """A one-line reason why a file could not be handled."""
+
+
+@dataclass
+class FileResult:
+    path: Path
+    status: FileStatus
+    sites: list[InsertSite] = field(default_factory=list)
+    error: str | None = None
+    diff: str = ""
+    backup: Path | None = None
+    original: bytes = field(default=b"", repr=False)
+    new: bytes | None = field(default=None, repr=False)
+
+    @property
+    def failed(self) -> bool:
+        return self.status in (FileStatus.REFUSED, FileStatus.ERROR)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "path": str(self.path),
+            "status": self.status.value,
+            "error": self.error,
+            "sites": [s.to_json() for s in self.sites],
+            "diff": self.diff,
+            "backup": str(self.backup) if self.backup else None,
+        }
+
+
+def read_bytes(path: Path) -> bytes:
+    if not path.exists() and not path.is_symlink():
+        raise FileError("no such file")
+    if path.is_dir():
+        raise FileError("is a directory, not a file")
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise FileError(f"cannot read: {exc.strerror or exc}") from exc
+
+
+def _parse(raw: bytes) -> cst.Module:
+    body = raw[len(BOM) :] if raw.startswith(BOM) else raw
+    try:
+        return cst.parse_module(body)
+    except cst.ParserSyntaxError as exc:
+        raise FileError(f"not valid Python (line {exc.raw_line}, column {exc.raw_column}): {exc.message}") from exc
+    except (UnicodeDecodeError, LookupError, SyntaxError) as exc:
+        raise FileError(f"cannot decode source: {exc}") from exc
+
+
+def _encode(module: cst.Module, bom: bool) -> bytes:
+    return (BOM if bom else b"") + module.bytes
+
+
+def plan_file(path: Path) -> FileResult:
+    """Analyze one file and, where a rewrite is needed, prepare the validated new bytes."""
+    try:
+        raw = read_bytes(path)
+    except FileError as exc:
+        return FileResult(path, FileStatus.ERROR, error=str(exc))
+    # Cheap pre-filter: no mention of the op, no LibCST parse.
+    if anchors.FUSED_OP.encode() not in raw:
+        return FileResult(path, FileStatus.NO_SITES, original=raw)
+    try:
+        module = _parse(raw)
+        analysis = analyze(module)
+    except FileError as exc:
+        return FileResult(path, FileStatus.ERROR, error=str(exc), original=raw)
+    result = FileResult(path, FileStatus.UNCHANGED, sites=analysis.sites, original=raw)
+    if analysis.refused:
+        first = analysis.refused[0]
+        result.status = FileStatus.REFUSED
+        result.error = f"line {first.line}: {first.state.value}: {first.reason}"
+        return result
+    if not analysis.needs_rewrite:
+        if not analysis.sites:
+            result.status = FileStatus.NO_SITES
+        return result
+    try:
+        new_module = rewrite(analysis)
+        new = _encode(new_module, raw.startswith(BOM))
+        validate(new, path, expected_patched=len(analysis.plans))
+    except FileError as exc:
+        result.status = FileStatus.ERROR
+        result.error = f"rewrite failed validation, nothing written: {exc}"
+        return result
+    result.status = FileStatus.NEEDS_REWRITE
+    result.new = new
+    result.diff = unified_diff(path, raw, new)
+    return result
+
+
+def validate(new: bytes, path: Path, expected_patched: int) -> None:
+    """The new source parses, compiles, and a second pass has nothing to do."""
+    module = _parse(new)
+    try:
+        compile(new[len(BOM) :] if new.startswith(BOM) else new, str(path), "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        raise FileError(f"output does not compile: {exc.msg} (line {exc.lineno})") from exc
+    again = analyze(module)
+    leftover = [s for s in again.sites if s.action is not Action.NONE]
+    if leftover:
+        s = leftover[0]
+        raise FileError(f"second pass still finds line {s.line} {s.state.value}: {s.reason}")
+    patched = sum(1 for s in again.sites if s.state is SiteState.PATCHED)
+    if patched < expected_patched:
+        raise FileError(f"second pass finds {patched} patched site(s), expected {expected_patched}")
+
+
+def _decode_for_diff(raw: bytes) -> list[str]:
+    body = raw[len(BOM) :] if raw.startswith(BOM) else raw
+    try:
+        text = body.decode(cst.parse_module(body).encoding)
+    except (LookupError, UnicodeDecodeError, cst.ParserSyntaxError):
+        text = body.decode("utf-8", errors="replace")
+    return text.splitlines(keepends=True)
+
+
+def unified_diff(path: Path, old: bytes, new: bytes) -> str:
+    lines = difflib.unified_diff(
+        _decode_for_diff(old),
+        _decode_for_diff(new),
+        fromfile=str(path),
+        tofile=str(path),
+    )
+    out = []
+    for line in lines:
+        out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    return "".join(out)
+
+
+# --- writing ---------------------------------------------------------------------------
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_result(result: FileResult, backup: bool = False) -> None:
+    """Atomically replace the file with ``result.new``; the link stays a link."""
+    assert result.new is not None
+    real = Path(os.path.realpath(result.path))
+    try:
+        current = real.read_bytes()
+    except OSError as exc:
+        raise FileError(f"cannot re-read before writing: {exc.strerror or exc}") from exc
+    if digest(current) != digest(result.original):
+        raise FileError("changed by someone else since it was read; nothing written, run again")
+    mode = stat.S_IMODE(real.stat().st_mode)
+    if not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
+        raise FileError("file is read-only; nothing written")
+    if backup:
+        result.backup = _backup_path(real)
+        shutil.copy2(real, result.backup)
+    atomic_write(real, result.new, mode)
+    result.status = FileStatus.REWRITTEN
+
+
+def _backup_path(real: Path) -> Path:
+    candidate = real.with_name(real.name + ".orig")
+    n = 1
+    while candidate.exists():
+        candidate = real.with_name(f"{real.name}.orig.{n}")
+        n += 1
+    return candidate
+
+
+def atomic_write(path: Path, data: bytes, mode: int) -> None:
+    """Temp file in the same folder, fsync, keep the mode, ``os.replace``."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".mm3-codemod.tmp")
+    except OSError as exc:
+        raise FileError(f"cannot create a temporary file beside it: {exc.strerror or exc}") from exc
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise FileError(f"cannot write: {exc.strerror or exc}") from exc

@@ -1,0 +1,114 @@
+"""Thin typer CLI: parse options, call ``rewriter.commands``, print, exit."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from rewriter import __version__
+from rewriter.commands import Report, analyze_targets, example_copy, run as run_targets
+from rewriter.report import print_human, print_json, render_diff
+from rewriter.targets import Target, TargetError, resolve
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Rewrite vLLM's MiniMax-M3 NVIDIA model so that an fp8 KV cache works on SM89 GPUs.",
+)
+
+Paths = Annotated[
+    Optional[list[Path]],
+    typer.Argument(help="Model files or directories. None given: the vLLM of this interpreter.", show_default=False),
+]
+Pythons = Annotated[
+    Optional[list[str]],
+    typer.Option("--python", help="Find the vLLM of this interpreter (repeatable).", show_default=False),
+]
+Roots = Annotated[
+    Optional[list[Path]],
+    typer.Option("--vllm-root", help="A vLLM source checkout or site-packages folder (repeatable).", show_default=False),
+]
+Example = Annotated[bool, typer.Option("--example", help="Also process the bundled fork-era example model file.")]
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON report on stdout (human output stays on stderr).")]
+ShowAll = Annotated[bool, typer.Option("--all", help="List not-a-site calls too.")]
+
+
+def _stderr() -> Console:
+    return Console(file=sys.stderr, highlight=False)
+
+
+def _targets(command: str, paths, pythons, roots, example: bool) -> tuple[list[Target], Report | None]:
+    try:
+        return resolve(paths or [], pythons or [], roots or [], example=example), None
+    except TargetError as exc:
+        return [], Report(command, [], error=str(exc))
+
+
+def _finish(report: Report, as_json: bool, show_all: bool) -> None:
+    print_human(report, _stderr(), show_all=show_all)
+    if as_json:
+        print_json(report, sys.stdout)
+    raise typer.Exit(int(report.exit_code))
+
+
+@app.command()
+def check(paths: Paths = None, python: Pythons = None, vllm_root: Roots = None, example: Example = False,
+          json: Json = False, show_all: ShowAll = False) -> None:
+    """Report each call site's state; write nothing. Exit 1 when a rewrite is needed."""
+    targets, failed = _targets("check", paths, python, vllm_root, example)
+    _finish(failed or analyze_targets("check", targets), json, show_all)
+
+
+@app.command()
+def preview(paths: Paths = None, python: Pythons = None, vllm_root: Roots = None, example: Example = False,
+            json: Json = False, show_all: ShowAll = False) -> None:
+    """Show the unified diff `run` would apply (stdout); write nothing. Exit 1 when there is one."""
+    targets, failed = _targets("preview", paths, python, vllm_root, example)
+    report = failed or analyze_targets("preview", targets)
+    if not json:
+        out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+        for result in report.files:
+            if result.diff:
+                out.print(render_diff(result.diff), end="")
+    _finish(report, json, show_all)
+
+
+@app.command()
+def run(paths: Paths = None, python: Pythons = None, vllm_root: Roots = None,
+        example: Annotated[bool, typer.Option("--example", help="Rewrite a fresh copy of the bundled example (never the package's own file).")] = False,
+        backup: Annotated[bool, typer.Option("--backup", help="Keep the original as <file>.orig.")] = False,
+        show_diff: Annotated[bool, typer.Option("--show-diff", help="Also print the diff of each file written (stdout).")] = False,
+        json: Json = False, show_all: ShowAll = False) -> None:
+    """Apply the fp8 bypass where needed: validated, atomic, all or nothing."""
+    extra = [example_copy()] if example else []
+    targets, failed = _targets("run", (paths or []) + extra, python, vllm_root, False)
+    report = failed or run_targets(targets, backup=backup)
+    if example and not failed:
+        _stderr().print(f"example copied to {extra[0]}", soft_wrap=True)
+    if show_diff and not json:
+        out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+        for result in report.files:
+            if result.diff and result.status.value == "rewritten":
+                out.print(render_diff(result.diff), end="")
+    _finish(report, json, show_all)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"mm3-codemod {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")] = False,
+) -> None:
+    pass
+
+
+def main() -> None:
+    app(prog_name="mm3-codemod")

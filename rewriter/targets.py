@@ -1,0 +1,161 @@
+"""Which files to look at: explicit paths, vLLM trees, or another interpreter's vLLM.
+
+vLLM is located with ``importlib.util.find_spec`` and never imported: importing
+it is slow and wants a GPU stack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+NVIDIA_PARTS = ("models", "minimax_m3", "nvidia")
+
+
+class TargetError(Exception):
+    """A target that cannot be resolved; the message is one line and names it."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One file to process and where it came from."""
+
+    path: Path
+    origin: str
+
+
+def example_path() -> Path:
+    """The bundled fork-era model file (state ``needs-bypass``)."""
+    return Path(str(resources.files("rewriter") / "data" / "example_model.py"))
+
+
+def nvidia_dir(root: Path, origin: str) -> Path:
+    """``vllm/models/minimax_m3/nvidia`` under a checkout, site-packages or the package."""
+    if not root.is_dir():
+        raise TargetError(f"{root}: {origin}: no such directory")
+    for base in (root / "vllm", root):
+        candidate = base.joinpath(*NVIDIA_PARTS)
+        if candidate.is_dir():
+            return candidate
+    if (root / "vllm").is_dir() or (root / "__init__.py").is_file():
+        raise TargetError(f"{root}: {origin}: this vLLM has no MiniMax-M3 NVIDIA model (no vllm/models/minimax_m3/nvidia/)")
+    raise TargetError(f"{root}: {origin}: not a vLLM checkout, site-packages or package (no vllm/models/minimax_m3/nvidia/)")
+
+
+def python_files(folder: Path) -> list[Path]:
+    return sorted(
+        p
+        for p in folder.rglob("*.py")
+        if not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(folder).parts)
+    )
+
+
+# Runs inside the target interpreter: locate vllm without importing it.
+_FIND_VLLM = """
+import importlib.util, json
+try:
+    spec = importlib.util.find_spec("vllm")
+except Exception as exc:
+    print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+else:
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    print(json.dumps({"locations": locations}))
+"""
+
+
+def _vllm_from_report(report: dict[str, object], who: str) -> Path:
+    if "error" in report:
+        raise TargetError(f"{who}: cannot look up vllm: {report['error']}")
+    locations = report.get("locations") or []
+    if not locations:
+        raise TargetError(f"{who}: vLLM is not installed in this environment")
+    return Path(str(locations[0]))  # type: ignore[index]
+
+
+def vllm_of_current_interpreter() -> Path:
+    """The vLLM package folder of this interpreter (no import of vllm)."""
+    import importlib.util
+
+    who = f"{sys.executable} (current interpreter)"
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError) as exc:
+        raise TargetError(f"{who}: cannot look up vllm: {exc}") from exc
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return _vllm_from_report({"locations": locations}, who)
+
+
+def vllm_of_interpreter(python: str) -> Path:
+    """The vLLM package folder of another interpreter, found by running it."""
+    try:
+        proc = subprocess.run(
+            [python, "-c", _FIND_VLLM],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        )
+    except FileNotFoundError as exc:
+        raise TargetError(f"{python}: --python: no such interpreter") from exc
+    except PermissionError as exc:
+        raise TargetError(f"{python}: --python: not executable") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise TargetError(f"{python}: --python: did not answer within 120 s") from exc
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        detail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise TargetError(f"{python}: --python: interpreter failed: {detail}")
+    try:
+        report = json.loads(lines[-1])
+    except json.JSONDecodeError as exc:
+        raise TargetError(f"{python}: --python: unexpected output: {lines[-1][:80]}") from exc
+    return _vllm_from_report(report, f"{python} (--python)")
+
+
+def resolve(
+    paths: list[Path] | None = None,
+    pythons: list[str] | None = None,
+    vllm_roots: list[Path] | None = None,
+    example: bool = False,
+) -> list[Target]:
+    """All files to process, de-duplicated, in a stable order.
+
+    With nothing given, the vLLM of the current interpreter.
+    """
+    paths, pythons, vllm_roots = paths or [], pythons or [], vllm_roots or []
+    targets: list[Target] = []
+    for path in paths:
+        if path.is_dir():
+            files = python_files(path)
+            if not files:
+                raise TargetError(f"{path}: directory holds no .py files")
+            targets += [Target(f, str(path)) for f in files]
+        elif path.exists() or path.is_symlink():
+            targets.append(Target(path, "path"))
+        else:
+            raise TargetError(f"{path}: no such file or directory")
+    for root in vllm_roots:
+        folder = nvidia_dir(root, "--vllm-root")
+        targets += [Target(f, f"--vllm-root {root}") for f in python_files(folder)]
+    for python in pythons:
+        folder = nvidia_dir(vllm_of_interpreter(python), f"vLLM of {python}")
+        targets += [Target(f, f"--python {python}") for f in python_files(folder)]
+    if example:
+        targets.append(Target(example_path(), "--example"))
+    if not (paths or pythons or vllm_roots or example):
+        folder = nvidia_dir(vllm_of_current_interpreter(), f"vLLM of {sys.executable}")
+        targets += [Target(f, "current interpreter") for f in python_files(folder)]
+
+    seen: set[str] = set()
+    unique = []
+    for target in targets:
+        key = os.path.realpath(target.path)
+        if key not in seen:
+            seen.add(key)
+            unique.append(target)
+    return unique
