@@ -4,8 +4,8 @@ The fork-era op writes bf16 caches only. The bypass runs it in norm+rope-only
 mode (cache arguments ``None``) when the cache is fp8 and writes the cache with
 ``reshape_and_cache_flash``, which quantizes. Reading order of this module:
 
-1. ``SiteState`` - the states a call of the op can be in (examples in
-   ``codemods/examples.py``).
+1. ``SiteState`` - the states a call of the op can be in (one example file
+   per state under ``fixtures/``, each with a one-line README).
 2. ``analyze`` - finds every call, classifies it, and for a site that needs
    work builds a ``BypassPlan`` whose every name comes from the file.
 3. ``Fp8KvBypass`` - the LibCST transformer that applies one plan.
@@ -624,8 +624,8 @@ def analyze(module: cst.Module) -> FileAnalysis:
     wrapper.visit(finder)
     sites = [_classify(module, f) for f in finder.found]
 
+    # Fork-era insert sites the bypass could own; more than one cannot be proven.
     candidates = [s for s in sites if s.plan is not None or s.state is SiteState.PATCHED]
-    candidates += [s for s in sites if s.state is SiteState.UNSUPPORTED and s.class_name]
     if len(candidates) > 1 and any(s.plan is not None for s in candidates):
         where = ", ".join(f"{s.class_name}.{s.method} (line {s.line})" for s in candidates)
         for s in candidates:
@@ -677,14 +677,14 @@ def _classify(module: cst.Module, found: _FoundCall) -> InsertSite:
                 pieces=present,
             )
         if pieces.any_bypass():
-            have = ", ".join(PIECES[k] for k, v in present.items() if v) or "`self._fp8_kv` read"
+            have = ", ".join(k for k, v in present.items() if v) or "a read of self._fp8_kv"
             return _site(
                 found,
                 SiteState.HALF_APPLIED,
                 Action.REFUSE,
-                f"native call (passes kv_cache_dtype={a.code(literal)}) carrying a stale fp8 bypass ({have}); "
-                "the bypass assumes the fork-era cache layout and must not run here: remove it and "
-                "run with --kv-cache-dtype fp8 directly",
+                f"native call (kv_cache_dtype={a.code(literal)}) carrying a stale fp8 bypass ({have}): "
+                "the bypass assumes the fork-era cache layout and must not run here; remove it "
+                "and run with --kv-cache-dtype fp8 directly",
                 pieces=present,
             )
         return _site(
@@ -786,7 +786,7 @@ class Fp8KvBypass(cst.CSTTransformer):
         if original is plan.cls.body and plan.insert_kv == "add":
             (new,) = _statements(plan.insert_kv_code, self.module)
             assert isinstance(new, cst.FunctionDef)
-            new = new.with_changes(leading_lines=[cst.EmptyLine()])
+            new = new.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
             index = next(i for i, s in enumerate(original.body) if s is plan.method)
             body.insert(index, new)
         return updated.with_changes(body=body)

@@ -106,7 +106,7 @@ def plan_file(path: Path) -> FileResult:
     if analysis.refused:
         first = analysis.refused[0]
         result.status = FileStatus.REFUSED
-        result.error = f"line {first.line}: {first.state.value}: {first.reason}"
+        result.error = f"refused at line {first.line} ({first.state.value}); nothing written"
         return result
     if not analysis.needs_rewrite:
         if not analysis.sites:
