@@ -764,6 +764,17 @@ class Fp8KvBypass(cst.CSTTransformer):
             new_args.append(arg)
         return updated.with_changes(args=new_args)
 
+    def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
+        """For a bare-name callee: import ``reshape_and_cache_flash`` beside it."""
+        if self.plan.reshape_import is None or original is not self.plan.reshape_import[1]:
+            return updated
+        assert not isinstance(updated.names, cst.ImportStar)
+        names = list(updated.names)
+        last = names[-1]
+        names[-1] = last.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+        names.append(cst.ImportAlias(name=cst.Name(a.RESHAPE_OP), comma=last.comma))
+        return updated.with_changes(names=names)
+
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         if original is self.plan.old_insert_kv:
             (new,) = _statements(self.plan.insert_kv_code, self.module)
@@ -795,8 +806,6 @@ class Fp8KvBypass(cst.CSTTransformer):
 def apply_plan(module: cst.Module, plan: BypassPlan) -> cst.Module:
     """Rewrite one site; then drop imports that only the replaced method used."""
     new = module.visit(Fp8KvBypass(module, plan))
-    if plan.reshape_import is not None:
-        new = _add_reshape_import(new, plan.reshape_import)
     if plan.old_insert_kv is not None:
         added = a.names_read(cst.parse_module(plan.insert_kv_code, config=module.config_for_parsing))
         dropped = a.names_read(plan.old_insert_kv) - added
@@ -814,25 +823,6 @@ def rewrite(analysis: FileAnalysis) -> cst.Module:
 
 
 # --- imports ------------------------------------------------------------------------------
-
-
-def _add_reshape_import(
-    module: cst.Module, target: tuple[cst.SimpleStatementLine, cst.ImportFrom]
-) -> cst.Module:
-    _, import_from = target
-
-    class AddName(cst.CSTTransformer):
-        def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
-            if original is not import_from or isinstance(updated.names, cst.ImportStar):
-                return updated
-            names = list(updated.names)
-            last = names[-1]
-            comma = last.comma if isinstance(last.comma, cst.Comma) else cst.MaybeSentinel.DEFAULT
-            names[-1] = last.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-            names.append(cst.ImportAlias(name=cst.Name(a.RESHAPE_OP), comma=comma))
-            return updated.with_changes(names=names)
-
-    return module.visit(AddName())
 
 
 def remove_unused_imports(module: cst.Module, candidates: set[str]) -> cst.Module:

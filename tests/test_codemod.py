@@ -1,0 +1,304 @@
+"""The codemod on small inline files: before/after pairs and the refusals."""
+
+from __future__ import annotations
+
+import textwrap
+
+import libcst as cst
+import pytest
+
+from codemods.fp8_kv_bypass import Action, SiteState, analyze, rewrite
+
+BEFORE = '''\
+import torch
+from vllm import _custom_ops as ops
+
+
+class Layer:
+    def __init__(self, cfg):
+        self.num_heads = cfg.heads
+        self.num_kv_heads = cfg.kv_heads
+        self.num_idx_heads = cfg.kv_heads
+        self.head_dim = cfg.head_dim
+        self.idx_head_dim = cfg.idx_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.index_q_size = self.num_idx_heads * self.idx_head_dim
+        self.kv_cache_dtype = cfg.cache_dtype
+        self.kv_cache = torch.tensor([])
+
+    def forward(self, positions, qkv, slots, index_slots, q, index_q):
+        ops.fused_minimax_m3_qknorm_rope_kv_insert(
+            qkv, self.q_norm.weight, self.k_norm.weight, self.cos_sin_cache,
+            positions, self.num_heads, self.num_kv_heads, self.rotary_dim, self.eps,
+            self.index_q_norm.weight, self.index_k_norm.weight, self.num_idx_heads,
+            slots, index_slots, self.kv_cache, self.index_cache, 128, q, index_q,
+        )
+        return q, index_q
+'''
+
+AFTER = '''\
+import torch
+from vllm import _custom_ops as ops
+
+
+class Layer:
+    def __init__(self, cfg):
+        self.num_heads = cfg.heads
+        self.num_kv_heads = cfg.kv_heads
+        self.num_idx_heads = cfg.kv_heads
+        self.head_dim = cfg.head_dim
+        self.idx_head_dim = cfg.idx_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.index_q_size = self.num_idx_heads * self.idx_head_dim
+        self.kv_cache_dtype = cfg.cache_dtype
+        # fp8 KV cache: the fused qknorm+rope+kv-insert op writes bf16 caches only;
+        # forward() then runs it norm+rope-only and writes the cache via _insert_kv().
+        self._fp8_kv = "fp8" in self.kv_cache_dtype
+        self.kv_cache = torch.tensor([])
+
+    def _insert_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        index_key: torch.Tensor,
+        main_slot_mapping: torch.Tensor,
+        index_slot_mapping: torch.Tensor,
+    ) -> None:
+        \"\"\"Write main K/V (fp8-quantizing) and index-K into their paged caches.
+
+        Used only on the fp8-KV path, where the bf16-only fused op runs in
+        norm+rope-only mode: ``reshape_and_cache_flash`` honours kv_cache_dtype.
+        The index cache stays bf16 (no quantization).
+        \"\"\"
+        key_cache, value_cache = self.kv_cache.unbind(1)
+        scale = torch.ones((), device=key.device)  # identity: stores x / 1
+        ops.reshape_and_cache_flash(
+            key.view(-1, self.num_kv_heads, self.head_dim),
+            value.view(-1, self.num_kv_heads, self.head_dim),
+            key_cache,
+            value_cache,
+            main_slot_mapping,
+            self.kv_cache_dtype,
+            scale,
+            scale,
+        )
+        # Index-key cache: one vector per token, scattered by slot.
+        idx_cache = self.index_cache.view(-1, self.idx_head_dim)
+        idx_cache[index_slot_mapping] = index_key.to(idx_cache.dtype)
+
+    def forward(self, positions, qkv, slots, index_slots, q, index_q):
+        # fp8 KV cache: cache arguments None -> the fused op only norms/ropes in place.
+        insert_via_fused = not self._fp8_kv
+        ops.fused_minimax_m3_qknorm_rope_kv_insert(
+            qkv, self.q_norm.weight, self.k_norm.weight, self.cos_sin_cache,
+            positions, self.num_heads, self.num_kv_heads, self.rotary_dim, self.eps,
+            self.index_q_norm.weight, self.index_k_norm.weight, self.num_idx_heads,
+            slots, index_slots, self.kv_cache if insert_via_fused else None, self.index_cache if insert_via_fused else None, 128, q, index_q,
+        )
+        if not insert_via_fused:
+            # qkv is [q | k | v | index_q | index_k]: the fused op left k and index_k
+            # normed/roped in place and v raw; write them (strided views) to the cache.
+            kv = self.num_kv_heads * self.head_dim
+            k0 = self.q_size
+            ik0 = k0 + 2 * kv + self.index_q_size
+            k = qkv[:, k0 : k0 + kv]
+            v = qkv[:, k0 + kv : k0 + 2 * kv]
+            index_k = qkv[:, ik0 : ik0 + self.idx_head_dim]  # one index-key head
+            self._insert_kv(k, v, index_k, slots, index_slots)
+        return q, index_q
+'''
+
+
+def sites(source: str):
+    return analyze(cst.parse_module(source)).sites
+
+
+def transform(source: str) -> str:
+    return rewrite(analyze(cst.parse_module(source))).code
+
+
+def only_site(source: str):
+    (site,) = [s for s in sites(source) if s.state is not SiteState.NOT_A_SITE]
+    return site
+
+
+def test_before_after() -> None:
+    assert only_site(BEFORE).state is SiteState.NEEDS_BYPASS
+    assert transform(BEFORE) == AFTER
+    assert only_site(AFTER).state is SiteState.PATCHED
+    assert transform(AFTER) == AFTER
+
+
+def variant(source: str, *edits: tuple[str, str]) -> str:
+    """Apply exact text edits, each of which must match once."""
+    for old, new in edits:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    return source
+
+
+CALL_CACHES = "slots, index_slots, self.kv_cache, self.index_cache, 128, q, index_q,"
+
+
+# --- states --------------------------------------------------------------------------
+
+
+def test_native_call_is_left_alone() -> None:
+    native = variant(BEFORE, (CALL_CACHES, CALL_CACHES + " self.kv_cache_dtype,"))
+    site = only_site(native)
+    assert (site.state, site.action) == (SiteState.NATIVE, Action.NONE)
+    assert "--kv-cache-dtype fp8" in site.reason
+    assert transform(native) == native
+
+
+def test_native_by_keyword_too() -> None:
+    native = variant(BEFORE, (CALL_CACHES, CALL_CACHES + ' kv_cache_dtype="fp8_e4m3",'))
+    assert only_site(native).state is SiteState.NATIVE
+
+
+def test_auto_dtype_with_a_cache_is_unsupported() -> None:
+    odd = variant(BEFORE, (CALL_CACHES, CALL_CACHES + ' kv_cache_dtype="auto",'))
+    site = only_site(odd)
+    assert (site.state, site.action) == (SiteState.UNSUPPORTED, Action.REFUSE)
+    assert '"auto"' in site.reason
+
+
+def test_none_cache_is_not_a_site() -> None:
+    plain = variant(BEFORE, (CALL_CACHES, "slots, index_slots, None, None, 128, q, index_q,"))
+    assert [s.state for s in sites(plain)] == [SiteState.NOT_A_SITE]
+
+
+def test_module_level_wrapper_with_a_cache_is_not_a_site() -> None:
+    source = textwrap.dedent(
+        """\
+        from vllm import _custom_ops as ops
+
+        def insert(qkv, *caches):
+            ops.fused_minimax_m3_qknorm_rope_kv_insert(qkv, kv_cache=caches[0])
+        """
+    )
+    (site,) = sites(source)
+    assert site.state is SiteState.NOT_A_SITE and "module-level" in site.reason
+
+
+def test_flag_read_but_never_set_is_half_applied() -> None:
+    half = variant(
+        BEFORE,
+        ("        ops.fused", "        use = not self._fp8_kv\n        ops.fused"),
+    )
+    site = only_site(half)
+    assert (site.state, site.action) == (SiteState.HALF_APPLIED, Action.COMPLETE)
+    assert "never set" in site.reason
+    out = transform(half)
+    assert only_site(out).state is SiteState.PATCHED
+    assert 'self._fp8_kv = "fp8" in self.kv_cache_dtype' in out
+
+
+# --- refusals: anything the rewrite cannot prove safe ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        ((CALL_CACHES, "*rest,"), "*args"),
+        (("self.kv_cache, self.index_cache, 128", "self.get_cache(), self.index_cache, 128"), "`kv_cache` argument"),
+        (("self.kv_cache, self.index_cache, 128", "self.kv_cache if on else x, self.index_cache, 128"), "cannot be guarded"),
+        (("slots, index_slots, self.kv_cache", "slots.long(), index_slots, self.kv_cache"), "`slot_mapping`"),
+        (("        self.q_size = self.num_heads * self.head_dim\n", ""), "head size"),
+        (("        self.index_q_size = self.num_idx_heads * self.idx_head_dim\n", ""), "index head size"),
+        (("        self.kv_cache_dtype = cfg.cache_dtype\n", ""), "kv-cache dtype"),
+        (("import torch\n", ""), "import torch"),
+        (("        ops.fused", "        _ = ops.fused"), "not a statement of its own"),
+        (("    def forward(self, positions, qkv, slots, index_slots, q, index_q):\n        ops.fused",
+          "    def forward(self, positions, qkv, slots, index_slots, q, index_q):\n      def inner():\n        ops.fused"),
+         "nested"),
+    ],
+    ids=["star-args", "cache-call", "odd-conditional", "impure-slots", "no-head-size",
+         "no-index-head-size", "no-dtype", "no-torch", "assigned-call", "nested-function"],
+)
+def test_refusals(edit: tuple[str, str], reason: str) -> None:
+    source = variant(BEFORE, edit)
+    compile(source, "<variant>", "exec")
+    site = only_site(source)
+    assert (site.state, site.action) == (SiteState.UNSUPPORTED, Action.REFUSE), site.reason
+    assert reason in site.reason
+
+
+def test_insert_kv_of_unknown_shape_is_refused() -> None:
+    source = variant(BEFORE, ("    def forward(", "    def _insert_kv(self, key):\n        pass\n\n    def forward("))
+    site = only_site(source)
+    assert site.state is SiteState.UNSUPPORTED and "_insert_kv" in site.reason
+
+
+def test_guard_assigned_something_else_is_refused() -> None:
+    source = variant(
+        BEFORE,
+        ("        ops.fused", "        insert_via_fused = True\n        ops.fused"),
+        ("self.kv_cache, self.index_cache, 128", "self.kv_cache if insert_via_fused else None, self.index_cache, 128"),
+    )
+    site = only_site(source)
+    assert site.state is SiteState.UNSUPPORTED and "guard" in site.reason
+
+
+# --- names come from the file -------------------------------------------------------------
+
+
+def test_taken_local_names_get_fresh_ones() -> None:
+    source = variant(BEFORE, ("        return q, index_q", "        k = v = kv = 0\n        return q, index_q, k, v, kv"))
+    out = transform(source)
+    assert "k_fp8 = qkv[:, k0 : k0 + kv_fp8]" in out
+    assert "self._insert_kv(k_fp8, v_fp8, index_k, slots, index_slots)" in out
+    assert "return q, index_q, k, v, kv" in out
+    assert only_site(out).state is SiteState.PATCHED
+
+
+def test_locals_holding_self_attributes_are_resolved() -> None:
+    source = variant(
+        BEFORE,
+        ("        ops.fused", "        cache = self.kv_cache\n        nkv = self.num_kv_heads\n        ops.fused"),
+        ("self.num_heads, self.num_kv_heads, self.rotary_dim", "self.num_heads, nkv, self.rotary_dim"),
+        ("self.kv_cache, self.index_cache, 128", "cache, self.index_cache, 128"),
+    )
+    out = transform(source)
+    assert "cache if insert_via_fused else None" in out
+    assert "key_cache, value_cache = self.kv_cache.unbind(1)" in out
+    assert "key.view(-1, self.num_kv_heads, self.head_dim)" in out
+
+
+def test_bare_callee_gets_its_reshape_import() -> None:
+    source = variant(
+        BEFORE,
+        ("from vllm import _custom_ops as ops\n", "from vllm._custom_ops import fused_minimax_m3_qknorm_rope_kv_insert\n"),
+        ("        ops.fused", "        fused"),
+    )
+    out = transform(source)
+    assert "from vllm._custom_ops import fused_minimax_m3_qknorm_rope_kv_insert, reshape_and_cache_flash\n" in out
+    assert "        reshape_and_cache_flash(\n" in out
+    assert only_site(out).state is SiteState.PATCHED
+
+
+def test_torch_ops_callee_uses_the_cache_ops_namespace() -> None:
+    source = variant(BEFORE, ("        ops.fused", "        torch.ops._C.fused"))
+    assert "torch.ops._C_cache_ops.reshape_and_cache_flash(" in transform(source)
+
+
+# --- formatting is the file's own ------------------------------------------------------------
+
+
+def test_tabs_and_crlf_are_kept() -> None:
+    source = BEFORE.replace("    ", "\t").replace("\n", "\r\n")
+    out = transform(source)
+    assert out.count("\r\n") == out.count("\n")  # every line ends in CRLF
+    assert "\n\tdef _insert_kv(\r\n\t\tself," in out
+    assert "\r\n\t\tinsert_via_fused = not self._fp8_kv\r\n" in out
+    assert not any(line.startswith(" ") for line in out.splitlines())
+    assert only_site(out).state is SiteState.PATCHED
+
+
+def test_everything_outside_the_sites_is_byte_identical() -> None:
+    out = transform(BEFORE)
+    # Every original line survives, in order (the rewrite only inserts, except the
+    # two cache arguments on the call's line).
+    kept = [line for line in BEFORE.splitlines() if "self.kv_cache, self.index_cache" not in line]
+    it = iter(out.splitlines())
+    assert all(any(line == o for o in it) for line in kept)
