@@ -377,6 +377,11 @@ def _build_plan(
         raise Unsupported(f"cache arguments are guarded by different names: {sorted(set(p.guard_args))}")
     if p.guard_other:
         raise Unsupported("the guard name is assigned something other than `not self._fp8_kv`")
+    if p.post_insert is not None and not p.post_insert_wired:
+        raise Unsupported(
+            "a post-call `self._insert_kv(...)` exists but is not under `if not <guard>:` "
+            "or is not passed the call's own slot mappings"
+        )
     taken = a.bound_names(method)
     if p.guard_args:
         guard = p.guard_args[0]
@@ -657,7 +662,9 @@ def _classify(module: cst.Module, found: _FoundCall) -> InsertSite:
         return _site(
             found, SiteState.NOT_A_SITE, Action.NONE, f"in module-level function `{found.module_function}`, not a layer class"
         )
-    if found.method is None or found.nested_in is not None:
+    if found.method is None:
+        return _site(found, SiteState.UNSUPPORTED, Action.REFUSE, "the call is in a class body, not in a method")
+    if found.nested_in is not None:
         return _site(
             found, SiteState.UNSUPPORTED, Action.REFUSE, f"the call sits inside nested `{found.nested_in}`, not directly in a method"
         )

@@ -302,3 +302,31 @@ def test_everything_outside_the_sites_is_byte_identical() -> None:
     kept = [line for line in BEFORE.splitlines() if "self.kv_cache, self.index_cache" not in line]
     it = iter(out.splitlines())
     assert all(any(line == o for o in it) for line in kept)
+
+
+def test_unwired_post_insert_is_refused() -> None:
+    patched = transform(BEFORE)
+    # A merge that swapped the slot mappings in the post-call insert.
+    swapped = variant(patched, ("self._insert_kv(k, v, index_k, slots, index_slots)", "self._insert_kv(k, v, index_k, index_slots, slots)"))
+    site = only_site(swapped)
+    assert site.state is SiteState.UNSUPPORTED and "slot mappings" in site.reason
+
+
+def test_unguarded_post_insert_is_refused() -> None:
+    patched = transform(BEFORE)
+    unguarded = variant(patched, ("        if not insert_via_fused:\n", "        if True:\n"))
+    site = only_site(unguarded)
+    assert site.state is SiteState.UNSUPPORTED and "if not <guard>" in site.reason
+
+
+def test_call_in_class_body_is_refused() -> None:
+    source = textwrap.dedent(
+        """\
+        from vllm import _custom_ops as ops
+
+        class Odd:
+            ops.fused_minimax_m3_qknorm_rope_kv_insert(x, kv_cache=c)
+        """
+    )
+    (site,) = sites(source)
+    assert site.state is SiteState.UNSUPPORTED and "class body" in site.reason

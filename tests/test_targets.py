@@ -94,3 +94,12 @@ def test_targets_are_deduplicated(tmp_path: Path) -> None:
     nvidia = fork_tree(tmp_path)
     targets = resolve(paths=[nvidia / "model.py"], vllm_roots=[tmp_path])
     assert [t.path.name for t in targets].count("model.py") == 1
+
+
+def test_vllm_without_minimax_is_a_one_line_error(tmp_path: Path) -> None:
+    (tmp_path / "vllm" / "models").mkdir(parents=True)
+    (tmp_path / "vllm" / "__init__.py").write_text(POISON)
+    proc = cli("check", env={"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "no MiniMax-M3 NVIDIA model" in line and str(tmp_path / "vllm") in line
