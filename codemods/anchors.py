@@ -76,9 +76,7 @@ def code(node: cst.CSTNode) -> str:
 def same_expr(a: cst.BaseExpression, b: cst.BaseExpression) -> bool:
     """Equal as Python expressions: formatting, comments and parens ignored."""
     try:
-        return ast.dump(ast.parse(code(a), mode="eval")) == ast.dump(
-            ast.parse(code(b), mode="eval")
-        )
+        return ast.dump(ast.parse(code(a), mode="eval")) == ast.dump(ast.parse(code(b), mode="eval"))
     except SyntaxError:
         return False
 
@@ -106,8 +104,7 @@ def is_pure(node: cst.BaseExpression) -> bool:
         return is_pure(node.value)
     if isinstance(node, cst.Subscript):
         return is_pure(node.value) and all(
-            isinstance(el.slice, cst.Index) and is_pure(el.slice.value)
-            for el in node.slice
+            isinstance(el.slice, cst.Index) and is_pure(el.slice.value) for el in node.slice
         )
     return False
 
@@ -123,13 +120,6 @@ def methods(cls: cst.ClassDef) -> list[cst.FunctionDef]:
 def find_method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
     found = [f for f in methods(cls) if f.name.value == name]
     return found[-1] if found else None
-
-
-def iter_classes(module: cst.Module) -> Iterator[cst.ClassDef]:
-    """Every class of the module, nested ones included."""
-    for node in _walk(module):
-        if isinstance(node, cst.ClassDef):
-            yield node
 
 
 def _walk(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
@@ -205,7 +195,9 @@ def expression_call(stmt: cst.BaseStatement) -> cst.Call | None:
     return None
 
 
-def simple_assignment(stmt: cst.BaseStatement) -> tuple[cst.BaseAssignTargetExpression, cst.BaseExpression] | None:
+def simple_assignment(
+    stmt: cst.BaseStatement,
+) -> tuple[cst.BaseAssignTargetExpression, cst.BaseExpression] | None:
     """``target = value`` (one target, annotated or not) -> (target, value)."""
     if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
         return None
@@ -251,9 +243,7 @@ def param_names(func: cst.FunctionDef) -> list[str]:
     return [p.name.value for p in _all_params(func.params)]
 
 
-def local_value(
-    func: cst.FunctionDef, name: str, before: StatementSlot
-) -> cst.BaseExpression | None:
+def local_value(func: cst.FunctionDef, name: str, before: StatementSlot) -> cst.BaseExpression | None:
     """The value of a local assigned exactly once in ``func``, before ``before``."""
     values: list[cst.BaseExpression] = []
     seen_target = False

@@ -221,8 +221,7 @@ def _insert_kv_form(fn: cst.FunctionDef | None) -> str:
     if fn is None:
         return "absent"
     reads_metadata = any(
-        isinstance(n, cst.Attribute) and n.attr.value == "attn_metadata"
-        for n in a.walk_all(fn.body)
+        isinstance(n, cst.Attribute) and n.attr.value == "attn_metadata" for n in a.walk_all(fn.body)
     )
     n_params = len(a.param_names(fn)) - 1
     if reads_metadata and n_params == 3:
@@ -250,7 +249,9 @@ def _collect_pieces(
     for node in a.walk_all(cls.body):
         if a.self_attr(node) == a.FP8_FLAG:
             p.flag_read = True
-    p.guard_args = [g for g in (_guard_of(a.get_arg(call, a.KV_CACHE)), _guard_of(a.get_arg(call, a.INDEX_CACHE))) if g]
+    p.guard_args = [
+        g for g in (_guard_of(a.get_arg(call, a.KV_CACHE)), _guard_of(a.get_arg(call, a.INDEX_CACHE))) if g
+    ]
     p.insert_kv = _insert_kv_form(a.find_method(cls, a.INSERT_KV))
     if slot is None:
         return p
@@ -332,9 +333,7 @@ def _fresh(name: str, taken: set[str]) -> str:
     return candidate
 
 
-def _size_attrs(
-    init: cst.FunctionDef, count: cst.BaseExpression
-) -> tuple[str | None, str | None]:
+def _size_attrs(init: cst.FunctionDef, count: cst.BaseExpression) -> tuple[str | None, str | None]:
     """For ``self.W = <count> * self.D`` in __init__: (``"self.W"``, ``"self.D"``)."""
     for attr, defs in a.self_assignments(init).items():
         factors = a.product_of(defs[0][1])
@@ -358,9 +357,8 @@ def _op_namespace(call: cst.Call) -> str | None:
     return None
 
 
-def _build_plan(
-    module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p: _Pieces
-) -> BypassPlan:
+def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p: _Pieces) -> BypassPlan:
+    """Find and check every name the bypass needs; raise ``Unsupported`` if one is missing."""
     cls, method, call = found.cls, found.method, found.call
     assert cls is not None and method is not None
     if method.name.value == "__init__":
@@ -371,8 +369,73 @@ def _build_plan(
     imports = a.module_imports(module)
     if not any(i.bound == "torch" and a.code(i.alias.name) == "torch" for i in imports):
         raise Unsupported("the module does not `import torch`, which the bypass uses")
+    insert_kv = {"absent": "add", "metadata": "replace", "slots": "keep"}.get(p.insert_kv)
+    if insert_kv is None:
+        raise Unsupported(
+            "`_insert_kv` exists in a form that is neither the attn_metadata one nor the slot-mapping one"
+        )
 
-    # Guard name: from guarded arguments, else an existing assignment, else fresh.
+    taken = a.bound_names(method)
+    guard = _guard_name(p, taken)
+    caches, wrap = _cache_args(call, method, slot)
+    qkv, main_slots, index_slots = _qkv_and_slots(call)
+    w = _widths(call, method, slot, init)
+    flag_slot, dtype_attr = _dtype_anchor(init, a.self_assignments(init))
+    if dtype_attr is None or flag_slot is None:
+        raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
+    namespace = _op_namespace(call)
+    reshape_import = _bare_import(module, imports) if namespace is None else None
+    reshape_call = a.RESHAPE_OP if namespace is None else f"{namespace}.{a.RESHAPE_OP}"
+
+    n, indent = module.default_newline, module.default_indent
+    local = {f"n_{k}": _fresh(k, taken) for k in ("kv", "k0", "ik0", "k", "v", "index_k")}
+    return BypassPlan(
+        cls=cls,
+        method=method,
+        call=call,
+        call_slot=slot,
+        guard=guard,
+        add_guard=p.guard_assigned is None,
+        guard_code=_render(GUARD, n, indent, guard=guard),
+        wrap_args=wrap,
+        add_post_insert=p.post_insert is None,
+        post_insert_code=_render(
+            POST_INSERT,
+            n,
+            indent,
+            guard=guard,
+            qkv=qkv,
+            kv_width=w.kv,
+            q_width=w.q,
+            index_q_width=w.index_q,
+            idx_head_dim=w.idx_head_dim,
+            main_slots=main_slots,
+            index_slots=index_slots,
+            **local,
+        ),
+        flag_slot=None if p.flag_set else flag_slot,
+        flag_code=_render(FLAG, n, indent, dtype=dtype_attr),
+        insert_kv=insert_kv,
+        insert_kv_code=_render(
+            INSERT_KV_METHOD,
+            n,
+            indent,
+            found.class_depth + 1,
+            kv_cache=caches[a.KV_CACHE.keyword],
+            index_cache=caches[a.INDEX_CACHE.keyword],
+            num_kv_heads=w.num_kv_heads,
+            head_dim=w.head_dim,
+            idx_head_dim=w.idx_head_dim,
+            dtype=dtype_attr,
+            reshape=reshape_call,
+        ),
+        old_insert_kv=a.find_method(cls, a.INSERT_KV) if insert_kv == "replace" else None,
+        reshape_import=reshape_import,
+    )
+
+
+def _guard_name(p: _Pieces, taken: set[str]) -> str:
+    """From guarded arguments, else an existing guard assignment, else a fresh name."""
     if len(set(p.guard_args)) > 1:
         raise Unsupported(f"cache arguments are guarded by different names: {sorted(set(p.guard_args))}")
     if p.guard_other:
@@ -382,15 +445,15 @@ def _build_plan(
             "a post-call `self._insert_kv(...)` exists but is not under `if not <guard>:` "
             "or is not passed the call's own slot mappings"
         )
-    taken = a.bound_names(method)
     if p.guard_args:
-        guard = p.guard_args[0]
-    elif p.guard_assigned:
-        guard = p.guard_assigned
-    else:
-        guard = _fresh(GUARD_NAME, taken)
+        return p.guard_args[0]
+    return p.guard_assigned or _fresh(GUARD_NAME, taken)
 
-    # Cache arguments: plain (to be guarded) or already `X if guard else None`.
+
+def _cache_args(
+    call: cst.Call, method: cst.FunctionDef, slot: a.StatementSlot
+) -> tuple[dict[str, str], list[a.OpParam]]:
+    """The cache expressions `_insert_kv` can reach, and which arguments still need the guard."""
     caches: dict[str, str] = {}
     wrap: list[a.OpParam] = []
     for param in (a.KV_CACHE, a.INDEX_CACHE):
@@ -398,7 +461,9 @@ def _build_plan(
         if arg is None or a.is_none(arg.value):
             raise Unsupported(f"the call passes no `{param.keyword}` argument to guard")
         if isinstance(arg.value, cst.IfExp) and _guard_of(arg) is None:
-            raise Unsupported(f"`{param.keyword}` is a conditional that cannot be guarded: {a.code(arg.value)}")
+            raise Unsupported(
+                f"`{param.keyword}` is a conditional that cannot be guarded: {a.code(arg.value)}"
+            )
         if _guard_of(arg) is None:
             wrap.append(param)
         value = _unguarded(arg)
@@ -409,19 +474,40 @@ def _build_plan(
                 "(or a local holding one) that _insert_kv can reach"
             )
         caches[param.keyword] = a.code(resolved)
+    return caches, wrap
 
+
+def _qkv_and_slots(call: cst.Call) -> tuple[str, str, str]:
+    """The fused buffer and the two slot-mapping expressions, safe to use again after the call."""
     qkv = a.get_arg(call, a.QKV)
     if qkv is None or not isinstance(qkv.value, cst.Name):
         raise Unsupported("the fused qkv argument is not a plain local name")
-    slots: dict[str, str] = {}
+    slots = []
     for param in (a.SLOT_MAPPING, a.INDEX_SLOT_MAPPING):
         arg = a.get_arg(call, param)
         if arg is None or a.is_none(arg.value) or not a.is_pure(arg.value):
             shown = a.code(arg.value) if arg is not None else "nothing"
-            raise Unsupported(f"`{param.keyword}` ({shown}) is not a name or attribute that can be passed again")
-        slots[param.keyword] = a.code(arg.value)
+            raise Unsupported(
+                f"`{param.keyword}` ({shown}) is not a name or attribute that can be passed again"
+            )
+        slots.append(a.code(arg.value))
+    return qkv.value.value, slots[0], slots[1]
 
-    # Sizes: the head counts the call passes, and their products in __init__.
+
+@dataclass
+class _Widths:
+    """Code for the widths of the fused buffer's parts: [q | k | v | index_q | index_k]."""
+
+    q: str
+    kv: str
+    index_q: str
+    head_dim: str
+    idx_head_dim: str  # also the width of index_k: a single head
+    num_kv_heads: str
+
+
+def _widths(call: cst.Call, method: cst.FunctionDef, slot: a.StatementSlot, init: cst.FunctionDef) -> _Widths:
+    """The head counts the call passes, and their products with a head size in __init__."""
     counts: dict[str, cst.BaseExpression] = {}
     for param in (a.NUM_HEADS, a.NUM_KV_HEADS, a.NUM_INDEX_HEADS):
         arg = a.get_arg(call, param)
@@ -434,81 +520,21 @@ def _build_plan(
     index_q_width, idx_head_dim = _size_attrs(init, counts["num_index_heads"])
     head_dim = head_dim or kv_head_dim
     if head_dim is None:
-        raise Unsupported("cannot find the head size: no `self.<width> = <num_heads> * self.<head_dim>` in __init__")
+        raise Unsupported(
+            "cannot find the head size: no `self.<width> = <num_heads> * self.<head_dim>` in __init__"
+        )
     if idx_head_dim is None:
         raise Unsupported(
             "cannot find the index head size: no `self.<width> = <num_index_heads> * self.<idx_head_dim>` in __init__"
         )
     nkv = a.code(counts["num_kv_heads"])
-    q_width = q_width or f"{a.code(counts['num_heads'])} * {head_dim}"
-    kv_width = kv_width or f"{nkv} * {head_dim}"
-    index_q_width = index_q_width or f"{a.code(counts['num_index_heads'])} * {idx_head_dim}"
-
-    # The cache dtype attribute and where the flag goes.
-    init_attrs = a.self_assignments(init)
-    flag_slot, dtype_attr = _dtype_anchor(init, init_attrs)
-    if dtype_attr is None or flag_slot is None:
-        raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
-
-    namespace = _op_namespace(call)
-    reshape_import = None
-    if namespace is None:
-        reshape_import = _bare_import(module, imports)
-        reshape_call = a.RESHAPE_OP
-    else:
-        reshape_call = f"{namespace}.{a.RESHAPE_OP}"
-
-    n = module.default_newline
-    indent = module.default_indent
-    old_insert = a.find_method(cls, a.INSERT_KV)
-    insert_kv = {"absent": "add", "metadata": "replace", "slots": "keep"}.get(p.insert_kv)
-    if insert_kv is None:
-        raise Unsupported("`_insert_kv` exists in a form that is neither the attn_metadata one nor the slot-mapping one")
-
-    names = {k: _fresh(k, taken) for k in ("kv", "k0", "ik0", "k", "v", "index_k")}
-    post = _render(
-        POST_INSERT,
-        n,
-        indent,
-        guard=guard,
-        qkv=qkv.value.value,
-        kv_width=kv_width,
-        q_width=q_width,
-        index_q_width=index_q_width,
+    return _Widths(
+        q=q_width or f"{a.code(counts['num_heads'])} * {head_dim}",
+        kv=kv_width or f"{nkv} * {head_dim}",
+        index_q=index_q_width or f"{a.code(counts['num_index_heads'])} * {idx_head_dim}",
+        head_dim=head_dim,
         idx_head_dim=idx_head_dim,
-        main_slots=slots["slot_mapping"],
-        index_slots=slots["index_slot_mapping"],
-        **{f"n_{k}": v for k, v in names.items()},
-    )
-    return BypassPlan(
-        cls=cls,
-        method=method,
-        call=call,
-        call_slot=slot,
-        guard=guard,
-        add_guard=p.guard_assigned is None,
-        guard_code=_render(GUARD, n, indent, guard=guard),
-        wrap_args=wrap,
-        add_post_insert=p.post_insert is None,
-        post_insert_code=post,
-        flag_slot=None if p.flag_set else flag_slot,
-        flag_code=_render(FLAG, n, indent, dtype=dtype_attr),
-        insert_kv=insert_kv,
-        insert_kv_code=_render(
-            INSERT_KV_METHOD,
-            n,
-            indent,
-            found.class_depth + 1,
-            kv_cache=caches["kv_cache"],
-            index_cache=caches["index_cache"],
-            num_kv_heads=nkv,
-            head_dim=head_dim,
-            idx_head_dim=idx_head_dim,
-            dtype=dtype_attr,
-            reshape=reshape_call,
-        ),
-        old_insert_kv=old_insert if insert_kv == "replace" else None,
-        reshape_import=reshape_import,
+        num_kv_heads=nkv,
     )
 
 
@@ -635,7 +661,9 @@ def analyze(module: cst.Module) -> FileAnalysis:
         where = ", ".join(f"{s.class_name}.{s.method} (line {s.line})" for s in candidates)
         for s in candidates:
             s.state, s.action, s.plan = SiteState.UNSUPPORTED, Action.REFUSE, None
-            s.reason = f"{len(candidates)} candidate insert sites ({where}); the bypass can be proven for one only"
+            s.reason = (
+                f"{len(candidates)} candidate insert sites ({where}); the bypass can be proven for one only"
+            )
     return FileAnalysis(module, sites)
 
 
@@ -654,19 +682,34 @@ def _site(found: _FoundCall, state: SiteState, action: Action, reason: str, **kw
 def _classify(module: cst.Module, found: _FoundCall) -> InsertSite:
     call = found.call
     if a.has_star_args(call):
-        return _site(found, SiteState.UNSUPPORTED, Action.REFUSE, "the call passes *args/**kwargs: its cache arguments cannot be seen")
+        return _site(
+            found,
+            SiteState.UNSUPPORTED,
+            Action.REFUSE,
+            "the call passes *args/**kwargs: its cache arguments cannot be seen",
+        )
     kv = a.get_arg(call, a.KV_CACHE)
     if kv is None or a.is_none(kv.value):
-        return _site(found, SiteState.NOT_A_SITE, Action.NONE, "no main K/V cache argument: a norm+rope-only call")
+        return _site(
+            found, SiteState.NOT_A_SITE, Action.NONE, "no main K/V cache argument: a norm+rope-only call"
+        )
     if found.cls is None:
         return _site(
-            found, SiteState.NOT_A_SITE, Action.NONE, f"in module-level function `{found.module_function}`, not a layer class"
+            found,
+            SiteState.NOT_A_SITE,
+            Action.NONE,
+            f"in module-level function `{found.module_function}`, not a layer class",
         )
     if found.method is None:
-        return _site(found, SiteState.UNSUPPORTED, Action.REFUSE, "the call is in a class body, not in a method")
+        return _site(
+            found, SiteState.UNSUPPORTED, Action.REFUSE, "the call is in a class body, not in a method"
+        )
     if found.nested_in is not None:
         return _site(
-            found, SiteState.UNSUPPORTED, Action.REFUSE, f"the call sits inside nested `{found.nested_in}`, not directly in a method"
+            found,
+            SiteState.UNSUPPORTED,
+            Action.REFUSE,
+            f"the call sits inside nested `{found.nested_in}`, not directly in a method",
         )
 
     slot = _find_call_slot(found.method, call)
@@ -755,7 +798,7 @@ class Fp8KvBypass(cst.CSTTransformer):
             return updated
         wrap = {p.keyword for p in self.plan.wrap_args}
         new_args = []
-        for orig_arg, arg in zip(original.args, updated.args):
+        for orig_arg, arg in zip(original.args, updated.args, strict=True):
             param = next(
                 (p for p in (a.KV_CACHE, a.INDEX_CACHE) if a.get_arg(original, p) is orig_arg),
                 None,
@@ -789,7 +832,9 @@ class Fp8KvBypass(cst.CSTTransformer):
             return new.with_changes(leading_lines=original.leading_lines, decorators=original.decorators)
         return updated
 
-    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
+    def leave_IndentedBlock(
+        self, original: cst.IndentedBlock, updated: cst.IndentedBlock
+    ) -> cst.IndentedBlock:
         plan = self.plan
         body = list(updated.body)
         if original is plan.call_slot.block:

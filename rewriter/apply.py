@@ -79,7 +79,9 @@ def _parse(raw: bytes) -> cst.Module:
     try:
         return cst.parse_module(body)
     except cst.ParserSyntaxError as exc:
-        raise FileError(f"not valid Python (line {exc.raw_line}, column {exc.raw_column}): {exc.message}") from exc
+        raise FileError(
+            f"not valid Python (line {exc.raw_line}, column {exc.raw_column}): {exc.message}"
+        ) from exc
     except (UnicodeDecodeError, LookupError, SyntaxError) as exc:
         raise FileError(f"cannot decode source: {exc}") from exc
 

@@ -10,7 +10,8 @@ import typer
 from rich.console import Console
 
 from rewriter import __version__
-from rewriter.commands import Report, analyze_targets, example_copy, run as run_targets
+from rewriter.commands import Report, analyze_targets, example_copy
+from rewriter.commands import run as run_targets
 from rewriter.report import print_human, print_json, render_diff
 from rewriter.targets import Target, TargetError, resolve
 
@@ -22,7 +23,9 @@ app = typer.Typer(
 
 Paths = Annotated[
     Optional[list[Path]],
-    typer.Argument(help="Model files or directories. None given: the vLLM of this interpreter.", show_default=False),
+    typer.Argument(
+        help="Model files or directories. None given: the vLLM of this interpreter.", show_default=False
+    ),
 ]
 Pythons = Annotated[
     Optional[list[str]],
@@ -30,10 +33,16 @@ Pythons = Annotated[
 ]
 Roots = Annotated[
     Optional[list[Path]],
-    typer.Option("--vllm-root", help="A vLLM source checkout or site-packages folder (repeatable).", show_default=False),
+    typer.Option(
+        "--vllm-root", help="A vLLM source checkout or site-packages folder (repeatable).", show_default=False
+    ),
 ]
-Example = Annotated[bool, typer.Option("--example", help="Also process the bundled fork-era example model file.")]
-Json = Annotated[bool, typer.Option("--json", help="Print one JSON report on stdout (human output stays on stderr).")]
+Example = Annotated[
+    bool, typer.Option("--example", help="Also process the bundled fork-era example model file.")
+]
+Json = Annotated[
+    bool, typer.Option("--json", help="Print one JSON report on stdout (human output stays on stderr).")
+]
 ShowAll = Annotated[bool, typer.Option("--all", help="List not-a-site calls too.")]
 
 
@@ -56,16 +65,28 @@ def _finish(report: Report, as_json: bool, show_all: bool) -> None:
 
 
 @app.command()
-def check(paths: Paths = None, python: Pythons = None, vllm_root: Roots = None, example: Example = False,
-          json: Json = False, show_all: ShowAll = False) -> None:
+def check(
+    paths: Paths = None,
+    python: Pythons = None,
+    vllm_root: Roots = None,
+    example: Example = False,
+    json: Json = False,
+    show_all: ShowAll = False,
+) -> None:
     """Report each call site's state; write nothing. Exit 1 when a rewrite is needed."""
     targets, failed = _targets("check", paths, python, vllm_root, example)
     _finish(failed or analyze_targets("check", targets), json, show_all)
 
 
 @app.command()
-def preview(paths: Paths = None, python: Pythons = None, vllm_root: Roots = None, example: Example = False,
-            json: Json = False, show_all: ShowAll = False) -> None:
+def preview(
+    paths: Paths = None,
+    python: Pythons = None,
+    vllm_root: Roots = None,
+    example: Example = False,
+    json: Json = False,
+    show_all: ShowAll = False,
+) -> None:
     """Show the unified diff `run` would apply (stdout); write nothing. Exit 1 when there is one."""
     targets, failed = _targets("preview", paths, python, vllm_root, example)
     report = failed or analyze_targets("preview", targets)
@@ -78,11 +99,23 @@ def preview(paths: Paths = None, python: Pythons = None, vllm_root: Roots = None
 
 
 @app.command()
-def run(paths: Paths = None, python: Pythons = None, vllm_root: Roots = None,
-        example: Annotated[bool, typer.Option("--example", help="Rewrite a fresh copy of the bundled example (never the package's own file).")] = False,
-        backup: Annotated[bool, typer.Option("--backup", help="Keep the original as <file>.orig.")] = False,
-        show_diff: Annotated[bool, typer.Option("--show-diff", help="Also print the diff of each file written (stdout).")] = False,
-        json: Json = False, show_all: ShowAll = False) -> None:
+def run(
+    paths: Paths = None,
+    python: Pythons = None,
+    vllm_root: Roots = None,
+    example: Annotated[
+        bool,
+        typer.Option(
+            "--example", help="Rewrite a fresh copy of the bundled example (never the package's own file)."
+        ),
+    ] = False,
+    backup: Annotated[bool, typer.Option("--backup", help="Keep the original as <file>.orig.")] = False,
+    show_diff: Annotated[
+        bool, typer.Option("--show-diff", help="Also print the diff of each file written (stdout).")
+    ] = False,
+    json: Json = False,
+    show_all: ShowAll = False,
+) -> None:
     """Apply the fp8 bypass where needed: validated, atomic, all or nothing."""
     extra = [example_copy()] if example else []
     targets, failed = _targets("run", (paths or []) + extra, python, vllm_root, False)
@@ -105,7 +138,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _main(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")
+    ] = False,
 ) -> None:
     pass
 

@@ -30,7 +30,9 @@ class Report:
     def exit_code(self) -> ExitCode:
         if self.error or any(f.failed for f in self.files):
             return ExitCode.ERROR
-        if self.command in ("check", "preview") and any(f.status is FileStatus.NEEDS_REWRITE for f in self.files):
+        if self.command in ("check", "preview") and any(
+            f.status is FileStatus.NEEDS_REWRITE for f in self.files
+        ):
             return ExitCode.NEEDS_REWRITE
         return ExitCode.OK
 

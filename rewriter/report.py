@@ -95,7 +95,11 @@ def print_human(report: Report, err: Console, show_all: bool = False) -> None:
         err.print(Text(report.note, style="red"), soft_wrap=True)
     err.print(summary_line(report), soft_wrap=True, highlight=False)
     if report.command == "check" and report.count(FileStatus.NEEDS_REWRITE):
-        err.print("run `mm3-codemod run` with the same targets to apply the fp8 bypass", soft_wrap=True, highlight=False)
+        err.print(
+            "run `mm3-codemod run` with the same targets to apply the fp8 bypass",
+            soft_wrap=True,
+            highlight=False,
+        )
 
 
 def summary_line(report: Report) -> str:

@@ -43,8 +43,12 @@ def nvidia_dir(root: Path, origin: str) -> Path:
         if candidate.is_dir():
             return candidate
     if (root / "vllm").is_dir() or (root / "__init__.py").is_file():
-        raise TargetError(f"{root}: {origin}: this vLLM has no MiniMax-M3 NVIDIA model (no vllm/models/minimax_m3/nvidia/)")
-    raise TargetError(f"{root}: {origin}: not a vLLM checkout, site-packages or package (no vllm/models/minimax_m3/nvidia/)")
+        raise TargetError(
+            f"{root}: {origin}: this vLLM has no MiniMax-M3 NVIDIA model (no vllm/models/minimax_m3/nvidia/)"
+        )
+    raise TargetError(
+        f"{root}: {origin}: not a vLLM checkout, site-packages or package (no vllm/models/minimax_m3/nvidia/)"
+    )
 
 
 def python_files(folder: Path) -> list[Path]:

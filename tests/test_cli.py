@@ -9,8 +9,8 @@ from pathlib import Path
 
 import libcst as cst
 import pytest
-
 from conftest import FIXTURES, cli
+
 from rewriter import apply, commands
 from rewriter.apply import FileStatus
 from rewriter.targets import Target, example_path
@@ -79,7 +79,9 @@ def test_backup_never_overwrites_an_earlier_one(copy_fixture) -> None:
     target.with_name("model.py.orig").write_text("older backup")
     assert cli("run", "--backup", str(target)).returncode == 0
     assert target.with_name("model.py.orig").read_text() == "older backup"
-    assert target.with_name("model.py.orig.1").read_bytes() == (FIXTURES / "fork_era" / "model.py").read_bytes()
+    assert (
+        target.with_name("model.py.orig.1").read_bytes() == (FIXTURES / "fork_era" / "model.py").read_bytes()
+    )
 
 
 def test_run_example_writes_a_copy_not_the_package() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from codemods.fp8_kv_bypass import Action, SiteState, analyze, rewrite
 
-BEFORE = '''\
+BEFORE = """\
 import torch
 from vllm import _custom_ops as ops
 
@@ -34,9 +34,9 @@ class Layer:
             slots, index_slots, self.kv_cache, self.index_cache, 128, q, index_q,
         )
         return q, index_q
-'''
+"""
 
-AFTER = '''\
+AFTER = """\
 import torch
 from vllm import _custom_ops as ops
 
@@ -106,7 +106,7 @@ class Layer:
             index_k = qkv[:, ik0 : ik0 + self.idx_head_dim]  # one index-key head
             self._insert_kv(k, v, index_k, slots, index_slots)
         return q, index_q
-'''
+"""
 
 
 def sites(source: str):
@@ -201,20 +201,40 @@ def test_flag_read_but_never_set_is_half_applied() -> None:
     ("edit", "reason"),
     [
         ((CALL_CACHES, "*rest,"), "*args"),
-        (("self.kv_cache, self.index_cache, 128", "self.get_cache(), self.index_cache, 128"), "`kv_cache` argument"),
-        (("self.kv_cache, self.index_cache, 128", "self.kv_cache if on else x, self.index_cache, 128"), "cannot be guarded"),
+        (
+            ("self.kv_cache, self.index_cache, 128", "self.get_cache(), self.index_cache, 128"),
+            "`kv_cache` argument",
+        ),
+        (
+            ("self.kv_cache, self.index_cache, 128", "self.kv_cache if on else x, self.index_cache, 128"),
+            "cannot be guarded",
+        ),
         (("slots, index_slots, self.kv_cache", "slots.long(), index_slots, self.kv_cache"), "`slot_mapping`"),
         (("        self.q_size = self.num_heads * self.head_dim\n", ""), "head size"),
         (("        self.index_q_size = self.num_idx_heads * self.idx_head_dim\n", ""), "index head size"),
         (("        self.kv_cache_dtype = cfg.cache_dtype\n", ""), "kv-cache dtype"),
         (("import torch\n", ""), "import torch"),
         (("        ops.fused", "        _ = ops.fused"), "not a statement of its own"),
-        (("    def forward(self, positions, qkv, slots, index_slots, q, index_q):\n        ops.fused",
-          "    def forward(self, positions, qkv, slots, index_slots, q, index_q):\n      def inner():\n        ops.fused"),
-         "nested"),
+        (
+            (
+                "    def forward(self, positions, qkv, slots, index_slots, q, index_q):\n        ops.fused",
+                "    def forward(self, positions, qkv, slots, index_slots, q, index_q):\n      def inner():\n        ops.fused",
+            ),
+            "nested",
+        ),
     ],
-    ids=["star-args", "cache-call", "odd-conditional", "impure-slots", "no-head-size",
-         "no-index-head-size", "no-dtype", "no-torch", "assigned-call", "nested-function"],
+    ids=[
+        "star-args",
+        "cache-call",
+        "odd-conditional",
+        "impure-slots",
+        "no-head-size",
+        "no-index-head-size",
+        "no-dtype",
+        "no-torch",
+        "assigned-call",
+        "nested-function",
+    ],
 )
 def test_refusals(edit: tuple[str, str], reason: str) -> None:
     source = variant(BEFORE, edit)
@@ -225,7 +245,9 @@ def test_refusals(edit: tuple[str, str], reason: str) -> None:
 
 
 def test_insert_kv_of_unknown_shape_is_refused() -> None:
-    source = variant(BEFORE, ("    def forward(", "    def _insert_kv(self, key):\n        pass\n\n    def forward("))
+    source = variant(
+        BEFORE, ("    def forward(", "    def _insert_kv(self, key):\n        pass\n\n    def forward(")
+    )
     site = only_site(source)
     assert site.state is SiteState.UNSUPPORTED and "_insert_kv" in site.reason
 
@@ -234,7 +256,10 @@ def test_guard_assigned_something_else_is_refused() -> None:
     source = variant(
         BEFORE,
         ("        ops.fused", "        insert_via_fused = True\n        ops.fused"),
-        ("self.kv_cache, self.index_cache, 128", "self.kv_cache if insert_via_fused else None, self.index_cache, 128"),
+        (
+            "self.kv_cache, self.index_cache, 128",
+            "self.kv_cache if insert_via_fused else None, self.index_cache, 128",
+        ),
     )
     site = only_site(source)
     assert site.state is SiteState.UNSUPPORTED and "guard" in site.reason
@@ -244,7 +269,9 @@ def test_guard_assigned_something_else_is_refused() -> None:
 
 
 def test_taken_local_names_get_fresh_ones() -> None:
-    source = variant(BEFORE, ("        return q, index_q", "        k = v = kv = 0\n        return q, index_q, k, v, kv"))
+    source = variant(
+        BEFORE, ("        return q, index_q", "        k = v = kv = 0\n        return q, index_q, k, v, kv")
+    )
     out = transform(source)
     assert "k_fp8 = qkv[:, k0 : k0 + kv_fp8]" in out
     assert "self._insert_kv(k_fp8, v_fp8, index_k, slots, index_slots)" in out
@@ -255,7 +282,10 @@ def test_taken_local_names_get_fresh_ones() -> None:
 def test_locals_holding_self_attributes_are_resolved() -> None:
     source = variant(
         BEFORE,
-        ("        ops.fused", "        cache = self.kv_cache\n        nkv = self.num_kv_heads\n        ops.fused"),
+        (
+            "        ops.fused",
+            "        cache = self.kv_cache\n        nkv = self.num_kv_heads\n        ops.fused",
+        ),
         ("self.num_heads, self.num_kv_heads, self.rotary_dim", "self.num_heads, nkv, self.rotary_dim"),
         ("self.kv_cache, self.index_cache, 128", "cache, self.index_cache, 128"),
     )
@@ -268,11 +298,17 @@ def test_locals_holding_self_attributes_are_resolved() -> None:
 def test_bare_callee_gets_its_reshape_import() -> None:
     source = variant(
         BEFORE,
-        ("from vllm import _custom_ops as ops\n", "from vllm._custom_ops import fused_minimax_m3_qknorm_rope_kv_insert\n"),
+        (
+            "from vllm import _custom_ops as ops\n",
+            "from vllm._custom_ops import fused_minimax_m3_qknorm_rope_kv_insert\n",
+        ),
         ("        ops.fused", "        fused"),
     )
     out = transform(source)
-    assert "from vllm._custom_ops import fused_minimax_m3_qknorm_rope_kv_insert, reshape_and_cache_flash\n" in out
+    assert (
+        "from vllm._custom_ops import fused_minimax_m3_qknorm_rope_kv_insert, reshape_and_cache_flash\n"
+        in out
+    )
     assert "        reshape_and_cache_flash(\n" in out
     assert only_site(out).state is SiteState.PATCHED
 
@@ -307,7 +343,13 @@ def test_everything_outside_the_sites_is_byte_identical() -> None:
 def test_unwired_post_insert_is_refused() -> None:
     patched = transform(BEFORE)
     # A merge that swapped the slot mappings in the post-call insert.
-    swapped = variant(patched, ("self._insert_kv(k, v, index_k, slots, index_slots)", "self._insert_kv(k, v, index_k, index_slots, slots)"))
+    swapped = variant(
+        patched,
+        (
+            "self._insert_kv(k, v, index_k, slots, index_slots)",
+            "self._insert_kv(k, v, index_k, index_slots, slots)",
+        ),
+    )
     site = only_site(swapped)
     assert site.state is SiteState.UNSUPPORTED and "slot mappings" in site.reason
 

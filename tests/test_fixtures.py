@@ -7,9 +7,9 @@ from pathlib import Path
 
 import libcst as cst
 import pytest
+from conftest import FIXTURES, cli
 
 from codemods.fp8_kv_bypass import SiteState, analyze
-from conftest import FIXTURES, cli
 from rewriter.apply import FileStatus, plan_file
 from rewriter.commands import run
 from rewriter.targets import Target
@@ -94,7 +94,9 @@ def test_check_exit_code_and_json(variant: str) -> None:
 
 def test_rewritten_sites_become_patched(copy_fixture) -> None:
     for variant, (states, _) in VARIANTS.items():
-        if SiteState.NEEDS_BYPASS in states or (states == [SiteState.HALF_APPLIED] and variant != "native_stale_bypass"):
+        if SiteState.NEEDS_BYPASS in states or (
+            states == [SiteState.HALF_APPLIED] and variant != "native_stale_bypass"
+        ):
             target = copy_fixture(variant)
             run([Target(target, "test")])
             assert insert_states(target) == [SiteState.PATCHED], variant

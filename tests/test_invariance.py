@@ -16,9 +16,9 @@ import tokenize
 import black
 import libcst as cst
 import pytest
+from conftest import FIXTURES
 
 from codemods.fp8_kv_bypass import SiteState, analyze, rewrite
-from conftest import FIXTURES
 
 
 def fmt(source: str, line_length: int) -> str:
@@ -28,7 +28,10 @@ def fmt(source: str, line_length: int) -> str:
 def tree(source: str) -> str:
     module = ast.parse(source)
     for node in ast.walk(module):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node) is not None:
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+            and ast.get_docstring(node) is not None
+        ):
             node.body[0] = ast.Expr(ast.Constant(inspect.cleandoc(node.body[0].value.value).strip()))
     return ast.dump(module)
 

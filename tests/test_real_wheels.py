@@ -16,7 +16,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import cli
 
 VERSIONS = ["0.24.0", "0.34.0"]
@@ -34,8 +33,18 @@ def vllm_wheel(version: str) -> Path:
     if not found:
         cache.mkdir(parents=True, exist_ok=True)
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-             "--quiet", "-d", str(cache), f"vllm=={version}"],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--quiet",
+                "-d",
+                str(cache),
+                f"vllm=={version}",
+            ],
             check=True,
             timeout=1800,
         )

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import FIXTURES, cli, make_vllm_tree
+
 from rewriter.targets import TargetError, nvidia_dir, resolve
 
 # If anything imported vllm instead of locating it, this makes the run fail loudly.
