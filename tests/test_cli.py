@@ -244,3 +244,10 @@ def test_bom_is_kept(copy_fixture) -> None:
     target.write_bytes(apply.BOM + target.read_bytes())
     commands.run([Target(target, "test")])
     assert target.read_bytes() == apply.BOM + (FIXTURES / "fork_era" / "expected.py").read_bytes()
+
+
+def test_preview_with_nothing_to_do(copy_fixture) -> None:
+    proc = cli("preview", str(copy_fixture("patched")))
+    assert proc.returncode == 0
+    assert proc.stdout == ""
+    assert "1 file left unchanged." in proc.stderr

@@ -372,3 +372,31 @@ def test_call_in_class_body_is_refused() -> None:
     )
     (site,) = sites(source)
     assert site.state is SiteState.UNSUPPORTED and "class body" in site.reason
+
+
+# --- imports only the replaced _insert_kv used ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        # the removed last alias hands its comma (and the line break before ')') on
+        ("from m import (\n    A,\n    B,\n    Gone,\n)\n", "from m import (\n    A,\n    B,\n)\n"),
+        ("from m import A, Gone\n", "from m import A\n"),
+        ("from m import Gone, A\n", "from m import A\n"),
+        ("from m import Gone\nimport os\n", "import os\n"),
+        # a comment above an otherwise empty import is not lost (the module
+        # header's comment is not the import's)
+        ("import os\n# keep me\nfrom m import Gone\n", "import os\n# keep me\nfrom m import Gone\n"),
+        ("# header\nfrom m import Gone\n", "# header\n"),
+        # still used somewhere: kept (a name, or a string annotation)
+        ("from m import Gone\nx = Gone\n", "from m import Gone\nx = Gone\n"),
+        ("from m import Gone\nx: 'Gone | None' = None\n", "from m import Gone\nx: 'Gone | None' = None\n"),
+        # aliased imports are left to their owner
+        ("from m import Gone as G\n", "from m import Gone as G\n"),
+    ],
+)
+def test_remove_unused_imports(before: str, after: str) -> None:
+    from codemods.fp8_kv_bypass import remove_unused_imports
+
+    assert remove_unused_imports(cst.parse_module(before), {"Gone"}).code == after
