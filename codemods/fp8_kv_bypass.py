@@ -324,6 +324,9 @@ class BypassPlan:
     reshape_import: tuple[cst.SimpleStatementLine, cst.ImportFrom] | None
 
 
+_Assignments = dict[str, list[tuple[a.StatementSlot, cst.BaseExpression]]]
+
+
 def _fresh(name: str, taken: set[str]) -> str:
     candidate, n = name, 1
     while candidate in taken:
@@ -333,9 +336,9 @@ def _fresh(name: str, taken: set[str]) -> str:
     return candidate
 
 
-def _size_attrs(init: cst.FunctionDef, count: cst.BaseExpression) -> tuple[str | None, str | None]:
+def _size_attrs(init_attrs: _Assignments, count: cst.BaseExpression) -> tuple[str | None, str | None]:
     """For ``self.W = <count> * self.D`` in __init__: (``"self.W"``, ``"self.D"``)."""
-    for attr, defs in a.self_assignments(init).items():
+    for attr, defs in init_attrs.items():
         factors = a.product_of(defs[0][1])
         if factors is None:
             continue
@@ -379,8 +382,9 @@ def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p:
     guard = _guard_name(p, taken)
     caches, wrap = _cache_args(call, method, slot)
     qkv, main_slots, index_slots = _qkv_and_slots(call)
-    w = _widths(call, method, slot, init)
-    flag_slot, dtype_attr = _dtype_anchor(init, a.self_assignments(init))
+    init_attrs = a.self_assignments(init)
+    w = _widths(call, method, slot, init_attrs)
+    flag_slot, dtype_attr = _dtype_anchor(init, init_attrs)
     if dtype_attr is None or flag_slot is None:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
     namespace = _op_namespace(call)
@@ -506,7 +510,9 @@ class _Widths:
     num_kv_heads: str
 
 
-def _widths(call: cst.Call, method: cst.FunctionDef, slot: a.StatementSlot, init: cst.FunctionDef) -> _Widths:
+def _widths(
+    call: cst.Call, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: _Assignments
+) -> _Widths:
     """The head counts the call passes, and their products with a head size in __init__."""
     counts: dict[str, cst.BaseExpression] = {}
     for param in (a.NUM_HEADS, a.NUM_KV_HEADS, a.NUM_INDEX_HEADS):
@@ -515,9 +521,9 @@ def _widths(call: cst.Call, method: cst.FunctionDef, slot: a.StatementSlot, init
         if resolved is None:
             raise Unsupported(f"`{param.keyword}` is not a `self.` attribute (or a local holding one)")
         counts[param.keyword] = resolved
-    q_width, head_dim = _size_attrs(init, counts["num_heads"])
-    kv_width, kv_head_dim = _size_attrs(init, counts["num_kv_heads"])
-    index_q_width, idx_head_dim = _size_attrs(init, counts["num_index_heads"])
+    q_width, head_dim = _size_attrs(init_attrs, counts["num_heads"])
+    kv_width, kv_head_dim = _size_attrs(init_attrs, counts["num_kv_heads"])
+    index_q_width, idx_head_dim = _size_attrs(init_attrs, counts["num_index_heads"])
     head_dim = head_dim or kv_head_dim
     if head_dim is None:
         raise Unsupported(
@@ -538,9 +544,7 @@ def _widths(call: cst.Call, method: cst.FunctionDef, slot: a.StatementSlot, init
     )
 
 
-def _dtype_anchor(
-    init: cst.FunctionDef, attrs: dict[str, list[tuple[a.StatementSlot, cst.BaseExpression]]]
-) -> tuple[a.StatementSlot | None, str | None]:
+def _dtype_anchor(init: cst.FunctionDef, attrs: _Assignments) -> tuple[a.StatementSlot | None, str | None]:
     """The statement after which the flag goes, and the dtype attribute's code."""
     for slot in a.statement_slots(init):
         for node in a.walk_all(slot.statement):

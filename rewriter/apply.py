@@ -124,7 +124,7 @@ def plan_file(path: Path) -> FileResult:
         return result
     result.status = FileStatus.NEEDS_REWRITE
     result.new = new
-    result.diff = unified_diff(path, raw, new)
+    result.diff = unified_diff(path, raw, new, module.encoding)
     return result
 
 
@@ -145,19 +145,16 @@ def validate(new: bytes, path: Path, expected_patched: int) -> None:
         raise FileError(f"second pass finds {patched} patched site(s), expected {expected_patched}")
 
 
-def _decode_for_diff(raw: bytes) -> list[str]:
+def _lines(raw: bytes, encoding: str) -> list[str]:
     body = raw[len(BOM) :] if raw.startswith(BOM) else raw
-    try:
-        text = body.decode(cst.parse_module(body).encoding)
-    except (LookupError, UnicodeDecodeError, cst.ParserSyntaxError):
-        text = body.decode("utf-8", errors="replace")
-    return text.splitlines(keepends=True)
+    return body.decode(encoding).splitlines(keepends=True)
 
 
-def unified_diff(path: Path, old: bytes, new: bytes) -> str:
+def unified_diff(path: Path, old: bytes, new: bytes, encoding: str) -> str:
+    """Both sides decoded with the encoding the parse already found (the rewrite keeps it)."""
     lines = difflib.unified_diff(
-        _decode_for_diff(old),
-        _decode_for_diff(new),
+        _lines(old, encoding),
+        _lines(new, encoding),
         fromfile=str(path),
         tofile=str(path),
     )
