@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 from rewriter import __version__
+from rewriter.apply import FileStatus
 from rewriter.commands import Report, analyze_targets, example_copy
 from rewriter.commands import run as run_targets
 from rewriter.report import print_human, print_json, render_diff
@@ -57,6 +58,14 @@ def _targets(command: str, paths, pythons, roots, example: bool) -> tuple[list[T
         return [], Report(command, [], error=str(exc))
 
 
+def _print_diffs(report: Report, only: FileStatus | None = None) -> None:
+    """Each file's unified diff on stdout (coloured only on a terminal)."""
+    out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+    for result in report.files:
+        if result.diff and (only is None or result.status is only):
+            out.print(render_diff(result.diff), end="")
+
+
 def _finish(report: Report, as_json: bool, show_all: bool) -> None:
     print_human(report, _stderr(), show_all=show_all)
     if as_json:
@@ -91,10 +100,7 @@ def preview(
     targets, failed = _targets("preview", paths, python, vllm_root, example)
     report = failed or analyze_targets("preview", targets)
     if not json:
-        out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
-        for result in report.files:
-            if result.diff:
-                out.print(render_diff(result.diff), end="")
+        _print_diffs(report)
     _finish(report, json, show_all)
 
 
@@ -123,10 +129,7 @@ def run(
     if example and not failed:
         _stderr().print(f"example copied to {extra[0]}", soft_wrap=True)
     if show_diff and not json:
-        out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
-        for result in report.files:
-            if result.diff and result.status.value == "rewritten":
-                out.print(render_diff(result.diff), end="")
+        _print_diffs(report, only=FileStatus.REWRITTEN)
     _finish(report, json, show_all)
 
 
