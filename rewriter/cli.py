@@ -133,6 +133,64 @@ def run(
     _finish(report, json, show_all)
 
 
+@app.command()
+def verify(
+    paths: Paths = None,
+    python: Annotated[
+        Optional[str],
+        typer.Option(
+            "--python", help="Interpreter whose vLLM to verify and import with.", show_default=False
+        ),
+    ] = None,
+    vllm_root: Roots = None,
+    example: Annotated[
+        bool, typer.Option("--example", help="Also verify the bundled example (it is unpatched: it fails).")
+    ] = False,
+    kernels: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--kernels",
+            help="A vLLM kernel library (_C*.so) to load instead of vllm._custom_ops.",
+            show_default=False,
+        ),
+    ] = None,
+    require_gpu: Annotated[
+        bool, typer.Option("--require-gpu", help="Fail, rather than skip, when the kernel level cannot run.")
+    ] = False,
+    timing: Annotated[bool, typer.Option("--timing/--no-timing", help="Time the kernels (GPU only).")] = True,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show every check.")] = False,
+    json: Json = False,
+) -> None:
+    """Import the rewritten module and run its code: reference ops (CPU) and vLLM's kernels (GPU).
+
+    Exit 0 when nothing failed, 1 when a level failed, 2 when a target could not be read.
+    """
+    from rewriter.verify import VerifyReport
+    from rewriter.verify import verify as verify_targets
+    from rewriter.verify.table import print_verify
+
+    targets, failed = _targets("verify", paths, [python] if python else [], vllm_root, example)
+    if failed is not None:
+        report = VerifyReport([], error=failed.error)
+    else:
+        if kernels is not None and not kernels.is_file():
+            report = VerifyReport([], error=f"{kernels}: --kernels: no such file")
+        else:
+            report = verify_targets(
+                targets,
+                python=python,
+                kernels=str(kernels) if kernels else None,
+                require_gpu=require_gpu,
+                timing=timing,
+            )
+    print_verify(report, _stderr(), verbose=verbose)
+    if json:
+        import json as json_module
+
+        print(json_module.dumps(report.to_json(), indent=2))
+    raise typer.Exit(report.exit_code)
+
+
 def _version(value: bool) -> None:
     if value:
         print(f"mm3-codemod {__version__}")

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Level 3 of `mm3-codemod verify` on a CUDA machine with a vLLM kernel library
+# (see README "Verify"): rewrite a copy of the bundled before-state example,
+# then verify it - and the unpatched original, which must fail - with the real ops.
+# Usage: bench/device_verify.sh PATH/TO/_C.so [OUTDIR]
+set -uo pipefail
+KERNELS=$1
+OUT=${2:-$(mktemp -d)}
+W=$(mktemp -d)
+export COLUMNS=${COLUMNS:-200} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+python_info=$($PY -c 'import torch,sys;print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))')
+echo "python/torch/gpu: $python_info"
+cp rewriter/data/example_model.py "$W/model.py"
+cp rewriter/data/example_model.py "$W/before.py"
+$PY -m rewriter run "$W/model.py"; echo "run exit $?"
+$PY -m rewriter verify --kernels "$KERNELS" --require-gpu --verbose --json "$W/model.py" >"$OUT/verify.json" 2>"$OUT/verify.txt"
+echo "verify (rewritten example) exit $?"; cat "$OUT/verify.txt"
+$PY -m rewriter verify --kernels "$KERNELS" --require-gpu --no-timing "$W/before.py" 2>&1 | tail -25
+echo "verify (unpatched example) exit ${PIPESTATUS[0]}"
+$PY -m rewriter verify --kernels "$KERNELS" --require-gpu --no-timing fixtures/*/expected.py 2>"$OUT/fixtures.txt"
+echo "verify (every fixture's expected.py) exit $?"; tail -3 "$OUT/fixtures.txt"

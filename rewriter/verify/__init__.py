@@ -1,0 +1,274 @@
+"""``mm3-codemod verify``: confirm a rewritten model file by running it.
+
+Three levels per file, each passed / failed / skipped with a reason:
+
+1. **import** - the module imports in the target interpreter and its layer
+   class has the bypass's shape (:mod:`rewriter.verify.importcheck`).
+2. **semantic** - the class's own ``forward``/``_insert_kv`` run on a stand-in
+   with plain-PyTorch reference ops, bf16 cache vs fp8 cache
+   (:mod:`rewriter.verify.harness`, CPU).
+3. **kernel** - the same with vLLM's real ops on a CUDA GPU of compute
+   capability >= 8.9, plus the ops against the references and timings
+   (:mod:`rewriter.verify.kernels`).
+
+torch is imported only inside the semantic and kernel levels; without it they
+are skipped and say so.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from codemods.fp8_kv_bypass import SiteState
+from rewriter.apply import FileStatus, plan_file
+from rewriter.targets import Target
+
+from .importcheck import import_check
+
+
+class Status(str, enum.Enum):
+    PASSED = "passed"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+
+
+LEVELS = ("import", "semantic", "kernel")
+
+
+@dataclass
+class LevelResult:
+    level: str
+    status: Status
+    reason: str
+    details: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "level": self.level,
+            "status": self.status.value,
+            "reason": self.reason,
+            "details": self.details,
+        }
+
+
+@dataclass
+class FileVerification:
+    path: Path
+    origin: str
+    sites: list[str] = field(default_factory=list)
+    levels: list[LevelResult] = field(default_factory=list)
+    error: str | None = None  # the file could not be read or parsed
+    note: str | None = None  # e.g. "needs-bypass at line 276: run `mm3-codemod run` first"
+
+    @property
+    def failed(self) -> bool:
+        return any(level.status is Status.FAILED for level in self.levels)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "path": str(self.path),
+            "origin": self.origin,
+            "error": self.error,
+            "note": self.note,
+            "sites": self.sites,
+            "levels": [level.to_json() for level in self.levels],
+        }
+
+
+@dataclass
+class KernelContext:
+    """The real ops, loaded once per verify run, or why the level is skipped."""
+
+    ops: Any = None
+    skipped: str | None = None
+    checks: list[Any] = field(default_factory=list)
+    padding: str | None = None
+    timings: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {"skipped": self.skipped}
+        if self.ops is not None:
+            out |= {
+                "source": self.ops.source,
+                "cache_layout": self.ops.layout.name if self.ops.layout else None,
+                "schema_extra": [name for name, _ in self.ops.extra],
+                "checks": [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in self.checks],
+                "padding": self.padding,
+            }
+        if self.timings:
+            t = self.timings
+            out["timings"] = {
+                "device": t["device"],
+                "tokens": t["tokens"],
+                "shape": t["shape"],
+                "kv_bytes_per_token": t["kv_bytes_per_token"],
+                "rows": [
+                    {
+                        "name": r.name,
+                        "us": round(r.us, 2),
+                        "bytes": r.bytes_moved,
+                        "gbps": round(r.gbps, 1),
+                        "how": r.how,
+                    }
+                    for r in t["rows"]
+                ],
+            }
+        return out
+
+
+@dataclass
+class VerifyReport:
+    files: list[FileVerification]
+    kernel: KernelContext | None = None
+    error: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        if self.error or any(f.error for f in self.files):
+            return 2
+        return 1 if any(f.failed for f in self.files) else 0
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "command": "verify",
+            "exit_code": self.exit_code,
+            "error": self.error,
+            "files": [f.to_json() for f in self.files],
+            "kernel": self.kernel.to_json() if self.kernel else None,
+        }
+
+
+def torch_available() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def _import_torch() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CPU wheels warn when NumPy is absent
+        import torch  # noqa: F401
+
+
+def load_kernels(kernels: str | None, timing: bool = True) -> KernelContext:
+    """GPU, ops, layout probe, ops-vs-reference checks and timings - once per run."""
+    if not torch_available():
+        return KernelContext(skipped="torch is not installed (pip install 'mm3-codemod[verify]')")
+    _import_torch()
+    from . import harness
+    from . import kernels as k
+
+    try:
+        device = k.cuda_device()
+        ops = k.load_ops(kernels)
+        inputs = harness.Inputs.random(harness.Shape(tokens=257, num_blocks=64), device, seed=7)
+        k.detect_layout(ops, inputs)
+    except k.KernelUnavailable as exc:
+        return KernelContext(skipped=str(exc))
+    ctx = KernelContext(ops=ops)
+    try:
+        ctx.checks = k.check_against_references(ops, inputs)
+    except Exception as exc:  # a kernel error is a failed check, not a crash
+        ctx.checks = [k.Check("real ops vs references", False, f"{type(exc).__name__}: {exc}")]
+    try:
+        ctx.padding = k.padding_probe(ops, inputs)
+    except Exception as exc:
+        ctx.padding = f"padding probe failed: {type(exc).__name__}: {exc}"
+    if timing:
+        try:
+            ctx.timings = k.timings(ops)
+        except Exception as exc:
+            ctx.checks.append(k.Check("timings", False, f"{type(exc).__name__}: {exc}"))
+    return ctx
+
+
+def _semantic(path: Path, classes: list[str], backend_name: str, ctx: KernelContext | None) -> LevelResult:
+    level = "kernel" if ctx is not None else "semantic"
+    from . import harness
+
+    if ctx is not None:
+        backend, device = ctx.ops.backend, "cuda"
+        shape = harness.Shape(tokens=257, num_blocks=64)
+    else:
+        backend, device, shape = harness.REFERENCE, "cpu", harness.Shape()
+    details: list[str] = []
+    failures: list[str] = []
+    for name in classes:
+        try:
+            code = harness.load_layer(path, name)
+        except (harness.HarnessError, SyntaxError) as exc:
+            return LevelResult(level, Status.FAILED, str(exc))
+        inputs = harness.Inputs.random(shape, device)
+        result, bf16, fp8 = harness.check_layer(code, backend, inputs)
+        details += [f"{name}: {check}: {'yes' if ok else 'NO'}" for check, ok in result.checks.items()]
+        for run in (bf16, fp8):
+            if run.error:
+                details += [f"{name} {run.mode} run: {line}" for line in run.traceback]
+        if not result.passed:
+            failures.append(f"{name}: {result.reason}")
+    if ctx is not None:
+        details += [f"{c.name}: {'ok' if c.passed else 'FAILED'} ({c.detail})" for c in ctx.checks]
+        bad = [c.name for c in ctx.checks if not c.passed]
+        if bad:
+            failures.append("real ops differ from the references: " + ", ".join(bad))
+    if failures:
+        return LevelResult(level, Status.FAILED, "; ".join(failures), details)
+    what = f"bf16 and fp8 cache runs agree ({backend.name}, {device})"
+    return LevelResult(level, Status.PASSED, what, details)
+
+
+def verify_file(
+    target: Target, python: str | None = None, kernel: KernelContext | None = None, require_gpu: bool = False
+) -> FileVerification:
+    path = target.path
+    out = FileVerification(path, target.origin)
+    planned = plan_file(path)
+    if planned.status is FileStatus.ERROR:
+        out.error = planned.error
+        return out
+    out.sites = [f"{s.class_name}.{s.method}:{s.line} {s.state.value}" for s in planned.sites]
+    inserts = [s for s in planned.sites if s.state is not SiteState.NOT_A_SITE and s.class_name]
+    if not inserts:
+        reason = "no insert site in this file: nothing to verify"
+        out.levels = [LevelResult(level, Status.SKIPPED, reason) for level in LEVELS]
+        return out
+    if all(s.state is SiteState.NATIVE for s in inserts):
+        reason = "native fp8 support: the kernel quantizes by itself; run with --kv-cache-dtype fp8 directly"
+        out.levels = [LevelResult(level, Status.SKIPPED, reason) for level in LEVELS]
+        return out
+    classes = sorted({s.class_name for s in inserts if s.state is not SiteState.NATIVE and s.class_name})
+    pending = [s for s in inserts if s.state in (SiteState.NEEDS_BYPASS, SiteState.HALF_APPLIED)]
+    if pending:
+        out.note = f"{pending[0].state.value} at line {pending[0].line}: run `mm3-codemod run` first"
+
+    imp = import_check(path, classes, python)
+    out.levels.append(LevelResult("import", Status(imp["status"]), imp["reason"], imp.get("traceback", [])))
+
+    if not torch_available():
+        reason = "torch is not installed (pip install 'mm3-codemod[verify]')"
+        out.levels.append(LevelResult("semantic", Status.SKIPPED, reason))
+    else:
+        _import_torch()
+        out.levels.append(_semantic(path, classes, "reference", None))
+
+    if kernel is None or kernel.ops is None:
+        reason = kernel.skipped if kernel and kernel.skipped else "kernel level not requested"
+        status = Status.FAILED if require_gpu else Status.SKIPPED
+        out.levels.append(LevelResult("kernel", status, reason + (" (--require-gpu)" if require_gpu else "")))
+    else:
+        out.levels.append(_semantic(path, classes, "kernels", kernel))
+    return out
+
+
+def verify(
+    targets: list[Target],
+    python: str | None = None,
+    kernels: str | None = None,
+    require_gpu: bool = False,
+    timing: bool = True,
+) -> VerifyReport:
+    ctx = load_kernels(kernels, timing=timing)
+    return VerifyReport([verify_file(t, python, ctx, require_gpu) for t in targets], ctx)

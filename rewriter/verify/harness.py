@@ -1,0 +1,584 @@
+"""Execute a layer class's own ``forward`` / ``_insert_kv`` code on a stand-in.
+
+The methods are compiled from the model file itself (their original line
+numbers kept, so tracebacks point into the file); ``__init__`` is not run - it
+builds vLLM layers - but its ``self.<attr> = <expr of self only>`` statements
+are, so sizes and the ``_fp8_kv`` flag come from the file too. The stand-in
+supplies the tensors and the collaborators the methods call (projections,
+indexer, attention impl, forward context); the ops are a backend: the
+plain-PyTorch references (:mod:`rewriter.verify.refops`) or vLLM's kernels.
+
+One run with a bf16 cache (``kv_cache_dtype="auto"``, the fused insert) and one
+with an fp8 cache (``"fp8"``, uint8 storage, the bypass) on the same inputs are
+then compared by :func:`compare_runs`.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import inspect
+import traceback
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from codemods import anchors as a
+from codemods.anchors import FUSED_OP, INSERT_KV, KV_CACHE, RESHAPE_OP
+
+from . import refops
+
+# Decorators kept when a method is compiled out of its class; others (vLLM's
+# capture helpers, say) are dropped because they only wrap the call.
+_KEPT_DECORATORS = {"property", "staticmethod", "classmethod"}
+
+
+class HarnessError(Exception):
+    """The file cannot be executed on the stand-in (not a failure of the bypass)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Sizes of the stand-in layer; head dims 128 as the real kernels require."""
+
+    tokens: int = 24
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 128
+    idx_head_dim: int = 128
+    rotary_dim: int = 64
+    block_size: int = 16
+    num_blocks: int = 8
+    max_position: int = 4096
+    hidden_size: int = 256
+    eps: float = 1e-6
+
+    @property
+    def num_idx_heads(self) -> int:
+        return self.num_kv_heads  # fork layout: one index-q head per kv head
+
+    @property
+    def width(self) -> int:
+        kv = self.num_kv_heads * self.head_dim
+        return self.num_heads * self.head_dim + 2 * kv + (self.num_idx_heads + 1) * self.idx_head_dim
+
+
+# --- the layer's code, out of the file -----------------------------------------
+
+
+def _calls_fused_with_cache(node: ast.AST) -> bool:
+    for call in ast.walk(node):
+        if not isinstance(call, ast.Call):
+            continue
+        func = call.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name != FUSED_OP:
+            continue
+        cache = call.args[KV_CACHE.index] if len(call.args) > KV_CACHE.index else None
+        cache = cache or next((k.value for k in call.keywords if k.arg == KV_CACHE.keyword), None)
+        if cache is not None and not (isinstance(cache, ast.Constant) and cache.value is None):
+            return True
+    return False
+
+
+@dataclass
+class LayerCode:
+    """A layer class's methods compiled from its file, ready to bind to a stand-in."""
+
+    path: str
+    class_name: str
+    methods: dict[str, types.CodeType]
+    decorators: dict[str, list[str]]
+    init_assignments: list[tuple[str, types.CodeType]]
+    ops_aliases: set[str]
+    imported: dict[str, str]
+    bindings: dict[tuple[str, ...], str] = field(default_factory=dict)
+    called_attrs: set[str] = field(default_factory=set)
+
+    @property
+    def has_insert_kv(self) -> bool:
+        return INSERT_KV in self.methods
+
+
+def _imports(tree: ast.Module) -> tuple[dict[str, str], set[str]]:
+    """Top-level imported names -> dotted origin; names bound to ``vllm._custom_ops``."""
+    imported: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                imported[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                imported[alias.asname or alias.name.split(".")[0]] = (
+                    alias.name if alias.asname else alias.name.split(".")[0]
+                )
+    ops = {name for name, origin in imported.items() if origin.endswith("_custom_ops")}
+    return imported, ops
+
+
+def layer_classes(source: str) -> list[str]:
+    """Classes with a method that calls the fused op with a main cache (insert sites)."""
+    tree = ast.parse(source)
+    return [
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.ClassDef)
+        and any(isinstance(f, ast.FunctionDef) and _calls_fused_with_cache(f) for f in node.body)
+    ]
+
+
+def load_layer(path: Path | str, class_name: str, source: str | None = None) -> LayerCode:
+    path = str(path)
+    text = source if source is not None else Path(path).read_text(encoding="utf-8-sig")
+    tree = ast.parse(text, filename=path)
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name), None)
+    if cls is None:
+        raise HarnessError(f"{path}: no top-level class {class_name}")
+    imported, ops = _imports(tree)
+    methods: dict[str, types.CodeType] = {}
+    decorators: dict[str, list[str]] = {}
+    init_assignments: list[tuple[str, types.CodeType]] = []
+    for fn in cls.body:
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        if fn.name == "__init__":
+            init_assignments = _init_assignments(fn, path)
+            continue
+        if fn.name.startswith("__"):
+            continue
+        kept = [d.id for d in fn.decorator_list if isinstance(d, ast.Name) and d.id in _KEPT_DECORATORS]
+        bare = ast.FunctionDef(
+            name=fn.name,
+            args=fn.args,
+            body=fn.body,
+            decorator_list=[],
+            returns=None,
+            type_comment=None,
+            **({"type_params": []} if hasattr(fn, "type_params") else {}),
+        )
+        ast.copy_location(bare, fn)
+        methods[fn.name] = compile(ast.Module(body=[bare], type_ignores=[]), path, "exec")
+        decorators[fn.name] = kept
+    if "forward" not in methods:
+        raise HarnessError(f"{path}: {class_name} has no forward()")
+    bindings = _bindings(cls)
+    called = {
+        chain[0]
+        for node in ast.walk(cls)
+        if isinstance(node, ast.Call) and (chain := _self_chain(node.func)) is not None and len(chain) == 1
+    }
+    return LayerCode(path, class_name, methods, decorators, init_assignments, ops, imported, bindings, called)
+
+
+# The fused op's parameters whose argument, when it is a `self.` chain, tells the
+# stand-in which attribute holds which input (names differ between files).
+_BOUND_PARAMS = {
+    1: "q_norm_weight",
+    2: "k_norm_weight",
+    3: "cos_sin_cache",
+    a.NUM_HEADS.index: "num_heads",
+    a.NUM_KV_HEADS.index: "num_kv_heads",
+    7: "rotary_dim",
+    8: "eps",
+    9: "index_q_norm_weight",
+    10: "index_k_norm_weight",
+    a.NUM_INDEX_HEADS.index: "num_index_heads",
+    a.KV_CACHE.index: "kv_cache",
+    a.INDEX_CACHE.index: "index_cache",
+}
+
+
+def _self_chain(node: ast.AST) -> tuple[str, ...] | None:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id == "self" and parts:
+        return tuple(reversed(parts))
+    return None
+
+
+def _bindings(cls: ast.ClassDef) -> dict[tuple[str, ...], str]:
+    """``self.`` chains -> the op parameter they feed, plus head sizes from ``__init__``."""
+    bound: dict[tuple[str, ...], str] = {}
+    for call in ast.walk(cls):
+        if not (isinstance(call, ast.Call) and _calls_fused_with_cache(call)):
+            continue
+        for index, name in _BOUND_PARAMS.items():
+            arg = call.args[index] if index < len(call.args) else None
+            arg = arg or next((k.value for k in call.keywords if k.arg == name), None)
+            chain = _self_chain(arg) if arg is not None else None
+            if chain is not None:
+                bound[chain] = name
+    counts = {chain[0]: name for chain, name in bound.items() if len(chain) == 1}
+    dims = {"num_heads": "head_dim", "num_kv_heads": "head_dim", "num_index_heads": "idx_head_dim"}
+    for node in ast.walk(cls):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            for this, other in ((node.left, node.right), (node.right, node.left)):
+                count, dim = _self_chain(this), _self_chain(other)
+                if count and dim and len(count) == 1 and count[0] in counts and len(dim) == 1:
+                    bound.setdefault(dim, dims.get(counts[count[0]], ""))
+    return {chain: name for chain, name in bound.items() if name}
+
+
+def _init_assignments(init: ast.FunctionDef, path: str) -> list[tuple[str, types.CodeType]]:
+    """``self.X = <expr reading only self>`` statements of ``__init__``, in order."""
+    found = []
+    for stmt in ast.walk(init):
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
+            continue
+        target = stmt.targets[0]
+        if not (
+            isinstance(target, ast.Attribute)
+            and isinstance(target.value, ast.Name)
+            and target.value.id == "self"
+        ):
+            continue
+        names = {n.id for n in ast.walk(stmt.value) if isinstance(n, ast.Name)}
+        if names - {"self"} - set(dir(builtins)):
+            continue
+        expr = ast.Expression(body=stmt.value)
+        ast.copy_location(expr, stmt.value)
+        found.append((target.attr, compile(expr, path, "eval")))
+    found.sort(key=lambda item: item[1].co_firstlineno)
+    return found
+
+
+# --- the stand-in ----------------------------------------------------------------
+
+
+@dataclass
+class Backend:
+    """The two ops, with the fork's Python signatures (positional or keyword)."""
+
+    name: str
+    fused: Callable[..., None]
+    reshape_and_cache_flash: Callable[..., None]
+
+
+REFERENCE = Backend(
+    "reference", refops.fused_minimax_m3_qknorm_rope_kv_insert, refops.reshape_and_cache_flash
+)
+
+
+_FUSED_SIGNATURE = inspect.signature(refops.fused_minimax_m3_qknorm_rope_kv_insert)
+
+
+class _Recorder:
+    """Collaborators of the layer: record what reaches attention, return shapes."""
+
+    def __init__(self) -> None:
+        self.query: torch.Tensor | None = None
+        self.index_query: torch.Tensor | None = None
+        self.q_out: torch.Tensor | None = None
+        self.index_q_out: torch.Tensor | None = None
+
+    def fused(self, op: Callable[..., None]) -> Callable[..., None]:
+        """The op, noting the q / index_q buffers it writes (what attention reads)."""
+
+        def call(*args: Any, **kwargs: Any) -> None:
+            bound = _FUSED_SIGNATURE.bind(*args, **kwargs).arguments
+            self.q_out = bound.get("q_out", self.q_out)
+            self.index_q_out = bound.get("index_q_out", self.index_q_out)
+            op(*args, **kwargs)
+
+        return call
+
+    def sink(self, *args: Any, **kwargs: Any) -> Any:
+        """A collaborator the file calls but does not define (attention, say)."""
+        return next((x for x in args if isinstance(x, torch.Tensor)), None)
+
+
+class _Indexer:
+    def __init__(self, rec: _Recorder, index_cache: Any) -> None:
+        self._rec = rec
+        self.index_cache = index_cache
+
+    def __call__(self, index_query: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self._rec.index_query = index_query.clone()
+
+
+class _Impl:
+    def __init__(self, rec: _Recorder) -> None:
+        self._rec = rec
+
+    def forward(
+        self, layer: Any, query: torch.Tensor, kv_cache: Any, output: torch.Tensor, *a: Any, **k: Any
+    ):
+        self._rec.query = query.clone()
+        return output
+
+
+def _ops_namespace(backend: Backend) -> types.SimpleNamespace:
+    return types.SimpleNamespace(**{FUSED_OP: backend.fused, RESHAPE_OP: backend.reshape_and_cache_flash})
+
+
+class _TorchProxy(types.ModuleType):
+    """``torch`` with ``torch.ops._C.<fused>`` / ``torch.ops._C_cache_ops.<reshape>`` redirected."""
+
+    def __init__(self, backend: Backend) -> None:
+        super().__init__("torch")
+        ns = _ops_namespace(backend)
+        self.ops = types.SimpleNamespace(_C=ns, _C_cache_ops=ns)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+@dataclass
+class Inputs:
+    """One set of random inputs; every run gets its own clones."""
+
+    shape: Shape
+    device: str
+    qkv: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    weights: dict[str, torch.Tensor]
+    main_slots: torch.Tensor
+    index_slots: torch.Tensor
+
+    @classmethod
+    def random(cls, shape: Shape, device: str = "cpu", seed: int = 0) -> Inputs:
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        slots_total = shape.num_blocks * shape.block_size
+        if shape.tokens > slots_total:
+            raise ValueError("more tokens than cache slots")
+
+        def rand(*size: int, scale: float = 1.0) -> torch.Tensor:
+            return (torch.randn(*size, generator=g) * scale).to(torch.bfloat16).to(device)
+
+        inv = 1.0 / (10000 ** (torch.arange(0, shape.rotary_dim, 2).float() / shape.rotary_dim))
+        freqs = torch.arange(shape.max_position).float()[:, None] * inv[None, :]
+        cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(torch.bfloat16).to(device)
+        return cls(
+            shape=shape,
+            device=device,
+            qkv=rand(shape.tokens, shape.width, scale=2.0),
+            positions=torch.randint(0, shape.max_position, (shape.tokens,), generator=g).to(device),
+            cos_sin_cache=cos_sin,
+            weights={
+                name: rand(dim, scale=0.1)
+                for name, dim in (
+                    ("q_norm", shape.head_dim),
+                    ("k_norm", shape.head_dim),
+                    ("index_q_norm", shape.idx_head_dim),
+                    ("index_k_norm", shape.idx_head_dim),
+                )
+            },
+            main_slots=torch.randperm(slots_total, generator=g)[: shape.tokens].to(device),
+            index_slots=torch.randperm(slots_total, generator=g)[: shape.tokens].to(device),
+        )
+
+
+@dataclass
+class RunResult:
+    """What one run of ``forward`` left behind (or how it failed)."""
+
+    mode: str
+    qkv: torch.Tensor | None = None
+    query: torch.Tensor | None = None
+    index_query: torch.Tensor | None = None
+    kv_cache: torch.Tensor | None = None
+    index_cache: torch.Tensor | None = None
+    error: str | None = None
+    traceback: list[str] = field(default_factory=list)
+
+
+MODES = {"bf16": ("auto", torch.bfloat16), "fp8": ("fp8", torch.uint8)}
+LAYER_NAME = "model.layers.3.self_attn.attn"
+INDEX_PREFIX = "model.layers.3.self_attn.attn.indexer.k_cache"
+
+
+def _standin(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> tuple[Any, _Recorder, dict]:
+    s, dev = inputs.shape, inputs.device
+    cache_dtype_name, cache_dtype = MODES[mode]
+    rec = _Recorder()
+    qkv = inputs.qkv.clone()
+    kv_cache = torch.zeros(
+        s.num_blocks, 2, s.block_size, s.num_kv_heads, s.head_dim, dtype=cache_dtype, device=dev
+    )
+    index_cache = torch.zeros(s.num_blocks, s.block_size, s.idx_head_dim, dtype=torch.bfloat16, device=dev)
+    meta = types.SimpleNamespace
+    ctx = meta(
+        slot_mapping={LAYER_NAME: inputs.main_slots, INDEX_PREFIX: inputs.index_slots},
+        attn_metadata={
+            LAYER_NAME: meta(slot_mapping=inputs.main_slots),
+            INDEX_PREFIX: meta(slot_mapping=inputs.index_slots),
+        },
+    )
+    backend = Backend(backend.name, rec.fused(backend.fused), backend.reshape_and_cache_flash)
+    namespace: dict[str, Any] = {"__builtins__": builtins, "__name__": f"mm3_standin_{code.class_name}"}
+    namespace["torch"] = _TorchProxy(backend)
+    for alias in code.ops_aliases:
+        namespace[alias] = _ops_namespace(backend)
+    for name, origin in code.imported.items():
+        if origin.endswith("." + FUSED_OP):
+            namespace[name] = backend.fused
+        elif origin.endswith("." + RESHAPE_OP):
+            namespace[name] = backend.reshape_and_cache_flash
+        elif name == "get_forward_context":
+            namespace[name] = lambda: ctx
+        elif name.endswith("Metadata"):
+            namespace[name] = meta  # the isinstance() asserts of attn_metadata readers
+    attrs: dict[str, Any] = {}
+    for name, fn_code in code.methods.items():
+        exec(fn_code, namespace)  # defines the function under its own name
+        fn = namespace.pop(name)
+        for deco in code.decorators[name]:
+            fn = getattr(builtins, deco)(fn)
+        attrs[name] = fn
+    layer = type(f"{code.class_name}StandIn", (), attrs)()
+    weights = inputs.weights
+    norm = types.SimpleNamespace
+    values: dict[str, Any] = {
+        "hidden_size": s.hidden_size,
+        "num_heads": s.num_heads,
+        "num_kv_heads": s.num_kv_heads,
+        "head_dim": s.head_dim,
+        "num_idx_heads": s.num_idx_heads,
+        "idx_head_dim": s.idx_head_dim,
+        "scaling": s.head_dim**-0.5,
+        "layer_name": LAYER_NAME,
+        "kv_cache_dtype": cache_dtype_name,
+        "kv_cache_torch_dtype": cache_dtype,
+        "q_norm": norm(weight=weights["q_norm"], variance_epsilon=s.eps),
+        "k_norm": norm(weight=weights["k_norm"], variance_epsilon=s.eps),
+        "index_q_norm": norm(weight=weights["index_q_norm"], variance_epsilon=s.eps),
+        "index_k_norm": norm(weight=weights["index_k_norm"], variance_epsilon=s.eps),
+        "rotary_emb": norm(cos_sin_cache=inputs.cos_sin_cache, rotary_dim=s.rotary_dim, head_size=s.head_dim),
+        "kv_cache": kv_cache,
+        "indexer": _Indexer(rec, norm(prefix=INDEX_PREFIX, kv_cache=index_cache, dtype=index_cache.dtype)),
+        "impl": _Impl(rec),
+        "qkv_proj": lambda hidden: (qkv, None),
+        "o_proj": lambda x: (x, None),
+    }
+    for name, value in values.items():
+        setattr(layer, name, value)
+    by_param = {
+        "q_norm_weight": weights["q_norm"],
+        "k_norm_weight": weights["k_norm"],
+        "cos_sin_cache": inputs.cos_sin_cache,
+        "num_heads": s.num_heads,
+        "num_kv_heads": s.num_kv_heads,
+        "rotary_dim": s.rotary_dim,
+        "eps": s.eps,
+        "index_q_norm_weight": weights["index_q_norm"],
+        "index_k_norm_weight": weights["index_k_norm"],
+        "num_index_heads": s.num_idx_heads,
+        "kv_cache": kv_cache,
+        "index_cache": index_cache,
+        "head_dim": s.head_dim,
+        "idx_head_dim": s.idx_head_dim,
+    }
+    for chain, param in code.bindings.items():
+        owner = layer
+        for part in chain[:-1]:
+            if not hasattr(owner, part):
+                setattr(owner, part, types.SimpleNamespace())
+            owner = getattr(owner, part)
+        setattr(owner, chain[-1], by_param[param])
+        values.setdefault(chain[0], None)
+    for name in code.called_attrs - set(code.methods):
+        if not hasattr(layer, name):
+            setattr(layer, name, rec.sink)
+    for name, expr in code.init_assignments:
+        if name in values:
+            continue
+        try:
+            setattr(layer, name, eval(expr, {"__builtins__": builtins}, {"self": layer}))
+        except Exception:  # reads something the stand-in lacks: left unset
+            continue
+    return layer, rec, {"qkv": qkv, "kv_cache": kv_cache, "index_cache": index_cache}
+
+
+def _traceback_tail(exc: BaseException, path: str, limit: int = 4) -> list[str]:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == path]
+    lines = [f"{Path(f.filename).name}:{f.lineno} in {f.name}: {f.line}" for f in frames[-limit:]]
+    return lines + [f"{type(exc).__name__}: {exc}"]
+
+
+def run_layer(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> RunResult:
+    """Run the layer's ``forward`` once with a ``mode`` ("bf16" or "fp8") cache."""
+    layer, rec, state = _standin(code, backend, inputs, mode)
+    hidden = torch.zeros(
+        inputs.shape.tokens, inputs.shape.hidden_size, dtype=torch.bfloat16, device=inputs.device
+    )
+    result = RunResult(mode)
+    try:
+        layer.forward(inputs.positions.clone(), hidden)
+        if inputs.device != "cpu":
+            torch.cuda.synchronize()
+    except Exception as exc:  # the layer's own failure is the finding
+        result.traceback = _traceback_tail(exc, code.path)
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == code.path]
+        where = f" (at {Path(code.path).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+        result.error = f"{type(exc).__name__}: {exc}{where}"
+        return result
+    result.qkv = state["qkv"]
+    result.query = rec.query if rec.query is not None else rec.q_out
+    result.index_query = rec.index_query if rec.index_query is not None else rec.index_q_out
+    result.kv_cache = state["kv_cache"]
+    result.index_cache = state["index_cache"]
+    return result
+
+
+# --- the comparison ---------------------------------------------------------------
+
+
+@dataclass
+class Comparison:
+    passed: bool
+    reason: str
+    checks: dict[str, bool]
+
+
+def compare_runs(inputs: Inputs, bf16: RunResult, fp8: RunResult) -> Comparison:
+    """The bypass (fp8 run) must store what the fused insert (bf16 run) stores, quantized."""
+    for run in (bf16, fp8):
+        if run.error is not None:
+            return Comparison(False, f"{run.mode} run failed: {run.error}", {})
+    assert bf16.kv_cache is not None and fp8.kv_cache is not None and bf16.qkv is not None
+    s = inputs.shape
+    checks: dict[str, bool] = {}
+    checks["attention got q"] = bf16.query is not None and fp8.query is not None
+    checks["attention got index_q"] = bf16.index_query is not None and fp8.index_query is not None
+    if checks["attention got q"]:
+        checks["q identical"] = torch.equal(bf16.query, fp8.query)
+    if checks["attention got index_q"]:
+        checks["index_q identical"] = torch.equal(bf16.index_query, fp8.index_query)
+    checks["index cache identical"] = torch.equal(bf16.index_cache, fp8.index_cache)
+
+    slots = inputs.main_slots.long()
+    total = s.num_blocks * s.block_size
+    written = torch.zeros(total, dtype=torch.bool, device=slots.device)
+    written[slots] = True
+    ref_rows = bf16.kv_cache.permute(0, 2, 1, 3, 4).reshape(total, -1)  # [slot, (k|v)]
+    fp8_rows = fp8.kv_cache.permute(0, 2, 1, 3, 4).reshape(total, -1)
+    # The fused insert wrote exactly the normed/roped k and raw v that qkv holds.
+    kv = s.num_kv_heads * s.head_dim
+    k0 = s.num_heads * s.head_dim
+    expect = bf16.qkv[:, k0 : k0 + 2 * kv]  # [k | v] per token, as the rows are laid out
+    checks["bf16 run wrote every slot"] = torch.equal(ref_rows[slots], expect)
+    checks["fp8 cache = e4m3(bf16 cache) at every written slot"] = torch.equal(
+        fp8_rows[slots], refops.to_e4m3_bits(ref_rows[slots])
+    )
+    checks["unwritten slots untouched"] = bool(
+        (ref_rows[~written] == 0).all() and (fp8_rows[~written] == 0).all()
+    )
+    failed = [name for name, ok in checks.items() if not ok]
+    if failed:
+        return Comparison(False, "; ".join(failed) + ": no", checks)
+    return Comparison(
+        True, f"{len(checks)} checks, {s.tokens} tokens, {s.num_kv_heads}x{s.head_dim} kv", checks
+    )
+
+
+def check_layer(code: LayerCode, backend: Backend, inputs: Inputs) -> tuple[Comparison, RunResult, RunResult]:
+    bf16 = run_layer(code, backend, inputs, "bf16")
+    fp8 = run_layer(code, backend, inputs, "fp8")
+    return compare_runs(inputs, bf16, fp8), bf16, fp8

@@ -1,0 +1,154 @@
+"""Plain-PyTorch references of the two ops the bypass touches.
+
+They follow the fork-era contracts described in DESIGN.md and GPU.md and run
+on any device, CPU included:
+
+- ``fused_minimax_m3_qknorm_rope_kv_insert``: Gemma RMSNorm
+  ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` then NeoX rotary on the first
+  ``rotary_dim`` dims of every q, k, index_q and index_k head. k and index_k
+  are rewritten in place in ``qkv``, q and index_q go to ``q_out`` /
+  ``index_q_out`` (in place without them). With a cache it also scatters k/v
+  into ``[num_blocks, 2, block_size, kv_heads, head_dim]`` and index_k by its
+  own slots, and - like the fork kernel - it accepts bf16 caches only.
+- ``reshape_and_cache_flash``: ``"auto"`` copies; ``"fp8"``/``"fp8_e4m3"``
+  stores ``x / scale`` as saturating float8_e4m3fn bits in a uint8 cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPES = ("fp8", "fp8_e4m3")
+E4M3_MAX = 448.0
+BF16_ONLY = "kv_cache dtype must match qkv (bf16 cache only)"
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Float32 result of the Gemma RMSNorm over the last dim."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf * (1.0 + weight.float())
+
+
+def neox_rope(x: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """NeoX rotary on the first ``rotary_dim`` dims; ``cos_sin`` is ``[tokens, rotary_dim]``."""
+    half = rotary_dim // 2
+    cos = cos_sin[:, None, :half].float()
+    sin = cos_sin[:, None, half:rotary_dim].float()
+    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+
+def to_e4m3_bits(x: torch.Tensor, scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """``x / scale`` as saturating float8_e4m3fn, returned as its uint8 bits."""
+    y = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX)
+    return y.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _norm_rope(
+    view: torch.Tensor, heads: int, weight: torch.Tensor, eps: float, cos_sin: torch.Tensor, rotary_dim: int
+) -> torch.Tensor:
+    x = view.reshape(view.shape[0], heads, -1)
+    return neox_rope(gemma_rms_norm(x, weight, eps), cos_sin, rotary_dim).to(view.dtype).reshape(view.shape)
+
+
+def _scatter_rows(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    keep = slots >= 0  # padded tokens carry slot -1 and are skipped
+    flat[slots[keep].long()] = rows[keep].to(flat.dtype)
+
+
+def _scatter_into(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Row ``i`` to slot ``slots[i]`` of a (possibly strided) ``[blocks, block_size, ...]`` cache."""
+    num_blocks, bs = cache.shape[:2]
+    flat = cache.reshape(num_blocks * bs, -1)
+    _scatter_rows(flat, slots, rows.reshape(rows.shape[0], -1))
+    cache.copy_(flat.view(cache.shape))
+
+
+def fused_minimax_m3_qknorm_rope_kv_insert(
+    qkv: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    rotary_dim: int,
+    eps: float,
+    index_q_norm_weight: torch.Tensor | None = None,
+    index_k_norm_weight: torch.Tensor | None = None,
+    num_index_heads: int = 0,
+    slot_mapping: torch.Tensor | None = None,
+    index_slot_mapping: torch.Tensor | None = None,
+    kv_cache: torch.Tensor | None = None,
+    index_cache: torch.Tensor | None = None,
+    block_size: int = 0,
+    q_out: torch.Tensor | None = None,
+    index_q_out: torch.Tensor | None = None,
+    kv_cache_dtype: str = "auto",
+) -> None:
+    if kv_cache_dtype != "auto":
+        raise NotImplementedError(f"reference op: kv_cache_dtype={kv_cache_dtype!r} (native quantization)")
+    head_dim = q_norm_weight.numel()
+    q_end = num_heads * head_dim
+    k_end = q_end + num_kv_heads * head_dim
+    v_end = k_end + num_kv_heads * head_dim
+    cos_sin = cos_sin_cache[positions.long()]
+
+    q = _norm_rope(qkv[:, :q_end], num_heads, q_norm_weight, eps, cos_sin, rotary_dim)
+    k = _norm_rope(qkv[:, q_end:k_end], num_kv_heads, k_norm_weight, eps, cos_sin, rotary_dim)
+    (q_out if q_out is not None else qkv[:, :q_end]).copy_(q)
+    qkv[:, q_end:k_end] = k
+
+    index_k = None
+    if num_index_heads:
+        assert index_q_norm_weight is not None and index_k_norm_weight is not None
+        idx_dim = index_q_norm_weight.numel()
+        iq_end = v_end + num_index_heads * idx_dim
+        index_q = _norm_rope(
+            qkv[:, v_end:iq_end], num_index_heads, index_q_norm_weight, eps, cos_sin, rotary_dim
+        )
+        index_k = _norm_rope(
+            qkv[:, iq_end : iq_end + idx_dim], 1, index_k_norm_weight, eps, cos_sin, rotary_dim
+        )
+        (index_q_out if index_q_out is not None else qkv[:, v_end:iq_end]).copy_(index_q)
+        qkv[:, iq_end : iq_end + idx_dim] = index_k
+
+    if kv_cache is None:
+        return
+    if kv_cache.dtype != qkv.dtype or (index_cache is not None and index_cache.dtype != qkv.dtype):
+        raise RuntimeError(BF16_ONLY)
+    assert slot_mapping is not None
+    if kv_cache.shape[2] != block_size:
+        raise RuntimeError(f"block_size {block_size} does not match the cache ({kv_cache.shape[2]})")
+    _scatter_into(kv_cache[:, 0], slot_mapping, qkv[:, q_end:k_end])
+    _scatter_into(kv_cache[:, 1], slot_mapping, qkv[:, k_end:v_end])
+    if index_cache is not None and index_k is not None:
+        slots = index_slot_mapping if index_slot_mapping is not None else slot_mapping
+        _scatter_rows(index_cache.view(-1, index_k.shape[-1]), slots, index_k)
+
+
+def reshape_and_cache_flash(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    for x, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        if kv_cache_dtype == "auto":
+            if cache.dtype != x.dtype:
+                raise RuntimeError(
+                    f"reshape_and_cache_flash: 'auto' needs a {x.dtype} cache, got {cache.dtype}"
+                )
+            rows = x
+        elif kv_cache_dtype in FP8_DTYPES:
+            if cache.dtype != torch.uint8:
+                raise RuntimeError(f"reshape_and_cache_flash: fp8 needs a uint8 cache, got {cache.dtype}")
+            rows = to_e4m3_bits(x, scale)
+        else:
+            raise NotImplementedError(f"reference op: kv_cache_dtype={kv_cache_dtype!r}")
+        _scatter_into(cache, slot_mapping, rows)

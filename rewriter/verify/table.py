@@ -1,0 +1,94 @@
+"""verify's human output: one rich table of files x levels, then the kernel facts."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from . import Status, VerifyReport
+
+STYLE = {Status.PASSED: "green", Status.FAILED: "red", Status.SKIPPED: "yellow"}
+
+
+def print_verify(report: VerifyReport, err: Console, verbose: bool = False) -> None:
+    if report.error:
+        err.print(Text(f"error: {report.error}", style="red"), soft_wrap=True)
+        return
+    table = Table(title="mm3-codemod verify", show_lines=True)
+    table.add_column("file", overflow="fold")
+    table.add_column("level")
+    table.add_column("result")
+    table.add_column("why", overflow="fold")
+    for f in report.files:
+        if f.error:
+            table.add_row(escape(str(f.path)), "-", Text("error", style="red"), Text(f.error))
+            continue
+        for i, level in enumerate(f.levels):
+            why = level.reason
+            if verbose or level.status is Status.FAILED:
+                shown = [d for d in level.details if verbose or not (d.endswith(": yes") or ": ok (" in d)]
+                why += "".join(f"\n  {d}" for d in shown)
+            label = Text(str(f.path))
+            if f.note:
+                label.append(f"\n{f.note}", style="yellow")
+            table.add_row(
+                label if i == 0 else "",
+                level.level,
+                Text(level.status.value, style=STYLE[level.status]),
+                Text(why),
+            )
+    err.print(table)
+    for f in report.files:  # one unwrapped line per failure, for logs and hooks
+        if f.error:
+            err.print(Text(f"{f.path}: {f.error}", style="red"), soft_wrap=True)
+        for level in f.levels:
+            if level.status is Status.FAILED:
+                err.print(
+                    Text(f"{f.path}: {level.level} failed: {level.reason}", style="red"), soft_wrap=True
+                )
+    ctx = report.kernel
+    if ctx is not None and ctx.ops is not None:
+        extra = ", ".join(n for n, _ in ctx.ops.extra)
+        err.print(
+            escape(
+                f"kernels: {ctx.ops.source}; main-cache layout {ctx.ops.layout.name}; schema extras: {extra}"
+            ),
+            soft_wrap=True,
+        )
+        for c in ctx.checks:
+            err.print(
+                Text(
+                    f"  {'ok ' if c.passed else 'BAD'} {c.name}: {c.detail}",
+                    style="green" if c.passed else "red",
+                ),
+                soft_wrap=True,
+            )
+        if ctx.padding:
+            err.print(escape(f"  note: {ctx.padding}"), soft_wrap=True)
+    if ctx is not None and ctx.timings:
+        print_timings(ctx.timings, err)
+    passed = sum(1 for f in report.files if f.levels and not f.failed and not f.error)
+    failed = sum(1 for f in report.files if f.failed)
+    errors = sum(1 for f in report.files if f.error)
+    err.print(
+        f"{len(report.files)} file(s): {passed} without failures, {failed} failed, {errors} not readable."
+    )
+
+
+def print_timings(t: dict, err: Console) -> None:
+    table = Table(title=f"{t['device']}: {t['tokens']} tokens; {t['shape']}")
+    table.add_column("path")
+    table.add_column("µs / call", justify="right")
+    table.add_column("MB moved", justify="right")
+    table.add_column("GB/s", justify="right")
+    for row in t["rows"]:
+        table.add_row(row.name, f"{row.us:.1f}", f"{row.bytes_moved / 1e6:.1f}", f"{row.gbps:.0f}")
+    err.print(table)
+    per = t["kv_bytes_per_token"]
+    err.print(
+        f"KV-cache bytes per token per layer: bf16 {per['bf16']}, fp8 {per['fp8']} "
+        f"({per['fp8'] / per['bf16']:.3f}x); timed as: {t['rows'][0].how}, median",
+        soft_wrap=True,
+    )

@@ -1,0 +1,330 @@
+"""`mm3-codemod verify`: the import and semantic levels (CPU), the kernel adapter.
+
+The semantic level executes each file's own forward/_insert_kv on a stand-in
+with reference ops; every patched fixture must pass it, the unpatched files
+must fail it with the reason, and small breakages of a correct rewrite must be
+caught (the mutants below).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, ROOT, cli, make_vllm_tree
+
+from rewriter.targets import Target
+
+torch = pytest.importorskip("torch")
+
+from rewriter.verify import Status, harness, kernels, refops, verify  # noqa: E402
+
+# Every fixture file whose code ends in the `patched` state.
+PATCHED = [
+    "fork_era/expected.py",
+    "reformatted/expected.py",
+    "no_insert_kv/expected.py",
+    "patched/model.py",
+    "half_applied/expected.py",
+    "patch_fuzz/expected.py",
+]
+# Before-state files and what running them with an fp8 cache does.
+UNPATCHED = {
+    "fork_era/model.py": "kv_cache dtype must match qkv (bf16 cache only)",
+    "reformatted/model.py": "kv_cache dtype must match qkv (bf16 cache only)",
+    "no_insert_kv/model.py": "kv_cache dtype must match qkv (bf16 cache only)",
+    "patch_fuzz/model.py": "kv_cache dtype must match qkv (bf16 cache only)",
+    "half_applied/model.py": "NameError: name 'insert_via_fused' is not defined",
+}
+
+
+def semantic(path: Path):
+    report = verify([Target(path, "test")])
+    (result,) = report.files
+    levels = {level.level: level for level in result.levels}
+    return levels["semantic"], levels
+
+
+@pytest.mark.parametrize("name", PATCHED)
+def test_semantic_passes_on_every_patched_fixture(name: str) -> None:
+    level, _ = semantic(FIXTURES / name)
+    assert level.status is Status.PASSED, level.reason + "\n" + "\n".join(level.details)
+    assert any(d.endswith("fp8 cache = e4m3(bf16 cache) at every written slot: yes") for d in level.details)
+
+
+@pytest.mark.parametrize("name", sorted(UNPATCHED))
+def test_semantic_fails_on_unpatched_files_naming_the_reason(name: str) -> None:
+    level, _ = semantic(FIXTURES / name)
+    assert level.status is Status.FAILED
+    assert UNPATCHED[name] in level.reason
+    assert "forward" in level.reason  # where it failed, in the file's own code
+
+
+def test_cli_verify_example_fails_with_the_crash_and_exit_1() -> None:
+    proc = cli("verify", "--example", "--json")
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(proc.stdout)
+    (entry,) = report["files"]
+    levels = {lv["level"]: lv for lv in entry["levels"]}
+    assert levels["semantic"]["status"] == "failed"
+    assert "kv_cache dtype must match qkv" in levels["semantic"]["reason"]
+    assert levels["kernel"]["status"] == "skipped"
+    assert "run `mm3-codemod run` first" in entry["note"]
+    assert "kv_cache dtype must match qkv" in proc.stderr  # the human table says it too
+
+
+def test_cli_verify_after_run_passes(tmp_path: Path) -> None:
+    target = tmp_path / "model.py"
+    shutil.copyfile(ROOT / "rewriter" / "data" / "example_model.py", target)
+    assert cli("run", str(target)).returncode == 0
+    proc = cli("verify", str(target), "--json")
+    assert proc.returncode == 0, proc.stderr
+    levels = {lv["level"]: lv["status"] for lv in json.loads(proc.stdout)["files"][0]["levels"]}
+    assert levels == {"import": "skipped", "semantic": "passed", "kernel": "skipped"}
+
+
+def test_require_gpu_turns_a_skipped_kernel_level_into_a_failure() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the kernel level would run")
+    proc = cli("verify", str(FIXTURES / "patched" / "model.py"), "--require-gpu", "--json")
+    assert proc.returncode == 1
+    kernel = json.loads(proc.stdout)["files"][0]["levels"][2]
+    assert kernel["status"] == "failed" and "--require-gpu" in kernel["reason"]
+
+
+def test_native_and_siteless_files_are_skipped_with_a_reason() -> None:
+    report = verify(
+        [Target(FIXTURES / "native" / "model.py", "t"), Target(FIXTURES / "dense_only" / "model.py", "t")]
+    )
+    native, dense = report.files
+    assert {lv.status for lv in native.levels} == {Status.SKIPPED}
+    assert "native fp8 support" in native.levels[1].reason
+    assert {lv.status for lv in dense.levels} == {Status.SKIPPED}
+    assert report.exit_code == 0
+
+
+def test_unreadable_target_is_exit_2_with_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "model.py"
+    bad.write_bytes((FIXTURES / "patched" / "model.py").read_bytes() + b"\ndef broken(:\n")
+    proc = cli("verify", str(bad))
+    assert proc.returncode == 2
+    assert any(str(bad) in line and "syntax" in line.lower() for line in proc.stderr.splitlines()), (
+        proc.stderr
+    )
+
+
+def test_without_torch_the_semantic_level_is_skipped_and_says_so() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from rewriter.cli import main\n"
+        f"sys.argv = ['mm3-codemod', 'verify', {str(FIXTURES / 'patched' / 'model.py')!r}, '--json']\n"
+        "main()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    levels = json.loads(proc.stdout)["files"][0]["levels"]
+    assert [lv["status"] for lv in levels[1:]] == ["skipped", "skipped"]
+    assert "torch is not installed" in levels[1]["reason"]
+
+
+# --- the semantic check can fail: broken rewrites of a correct file ----------------
+
+EXPECTED = (FIXTURES / "fork_era" / "expected.py").read_text()
+MUTANTS = {
+    # k sliced one column off
+    "k offset": ("k0 = self.q_size\n", "k0 = self.q_size + 1\n"),
+    # the two slot mappings swapped at the post-call insert
+    "slots swapped": (
+        "self._insert_kv(k, v, index_k, main_slot_mapping, index_slot_mapping)",
+        "self._insert_kv(k, v, index_k, index_slot_mapping, main_slot_mapping)",
+    ),
+    # the guard inverted: fused insert on the fp8 path
+    "guard inverted": ("insert_via_fused = not self._fp8_kv", "insert_via_fused = self._fp8_kv"),
+    # k and v swapped in the cache write
+    "k/v swapped": ("self._insert_kv(k, v, index_k,", "self._insert_kv(v, k, index_k,"),
+    # the index key taken from index_q's last head
+    "index_k head": (
+        "ik0 = k0 + 2 * kv + self.index_q_size",
+        "ik0 = k0 + 2 * kv + self.index_q_size - self.idx_head_dim",
+    ),
+    # the post-call insert never runs
+    "insert skipped": ("        if not insert_via_fused:\n", "        if False:\n"),
+    # fp8 values scaled on the way in
+    "scale": ("scale = torch.ones((), device=key.device)", "scale = 2 * torch.ones((), device=key.device)"),
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANTS))
+def test_semantic_catches_a_broken_rewrite(tmp_path: Path, mutant: str) -> None:
+    old, new = MUTANTS[mutant]
+    assert EXPECTED.count(old) == 1, f"mutant {mutant!r} no longer applies to expected.py"
+    path = tmp_path / "model.py"
+    path.write_text(EXPECTED.replace(old, new))
+    level, _ = semantic(path)
+    assert level.status is Status.FAILED, f"{mutant}: {level.reason}"
+
+
+# --- the import level -----------------------------------------------------------------
+
+# A stand-in vLLM: the real model file is imported from disk; every other vllm.*
+# module (and transformers) it imports is served as a stub whose names are classes.
+STUB_VLLM = """
+import importlib.abc, importlib.machinery, sys, types
+
+class _Stub(types.ModuleType):
+    __path__ = []
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = type(name, (), {"__init__": lambda self, *a, **k: None})
+        setattr(self, name, value)
+        return value
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("vllm", "transformers"):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+    def create_module(self, spec):
+        return _Stub(spec.name)
+    def exec_module(self, module):
+        pass
+
+sys.meta_path.append(_Finder())
+"""
+
+
+def _in_vllm_tree(tmp_path: Path, source: bytes) -> Path:
+    nvidia = make_vllm_tree(tmp_path, {"model.py": source}, init=STUB_VLLM)
+    return nvidia / "model.py"
+
+
+def test_import_level_passes_on_a_rewritten_module(tmp_path: Path) -> None:
+    path = _in_vllm_tree(tmp_path, (FIXTURES / "fork_era" / "expected.py").read_bytes())
+    _, levels = semantic(path)
+    assert levels["import"].status is Status.PASSED, levels["import"].reason + "\n".join(
+        levels["import"].details
+    )
+    assert "main_slot_mapping" in levels["import"].reason
+
+
+def test_import_level_fails_on_the_unpatched_module(tmp_path: Path) -> None:
+    path = _in_vllm_tree(tmp_path, (FIXTURES / "fork_era" / "model.py").read_bytes())
+    _, levels = semantic(path)
+    assert levels["import"].status is Status.FAILED
+    assert "does not take the slot mappings" in levels["import"].reason
+    assert "does not guard its cache arguments" in levels["import"].reason
+
+
+def test_import_level_shows_the_traceback_of_a_failing_import(tmp_path: Path) -> None:
+    source = (
+        FIXTURES / "fork_era" / "expected.py"
+    ).read_bytes() + b"\nraise ImportError('kernel op missing')\n"
+    path = _in_vllm_tree(tmp_path, source)
+    _, levels = semantic(path)
+    assert levels["import"].status is Status.FAILED
+    assert "kernel op missing" in levels["import"].reason
+    assert any("model.py" in line for line in levels["import"].details)
+
+
+# --- the reference ops ------------------------------------------------------------------
+
+
+def test_reference_norm_and_rope_match_their_formulas() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 8, generator=g)
+    w = torch.randn(8, generator=g)
+    manual = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * (1 + w)
+    assert torch.allclose(refops.gemma_rms_norm(x, w, 1e-6), manual, atol=1e-5)
+    # NeoX on the first 4 dims is a rotation of (x[i], x[i+2]) pairs by the angle.
+    angle = torch.tensor([[0.3, 1.1], [2.0, -0.7], [0.0, 0.5]])
+    cos_sin = torch.cat((angle.cos(), angle.sin()), dim=-1)
+    out = refops.neox_rope(x, cos_sin, 4)
+    z = torch.complex(x[..., :2], x[..., 2:4]) * torch.polar(torch.ones_like(angle), angle)[:, None, :]
+    assert torch.allclose(out[..., :2], z.real, atol=1e-6) and torch.allclose(
+        out[..., 2:4], z.imag, atol=1e-6
+    )
+    assert torch.equal(out[..., 4:], x[..., 4:])
+
+
+def test_reference_fp8_store_saturates_and_rounds_like_e4m3() -> None:
+    x = torch.tensor([0.0, 1.0, -1.5, 1000.0, -1000.0, 0.3])
+    bits = refops.to_e4m3_bits(x)
+    back = bits.view(torch.float8_e4m3fn).float()
+    assert back.tolist()[:5] == [0.0, 1.0, -1.5, 448.0, -448.0]
+    assert back[5] == torch.tensor(0.3).to(torch.float8_e4m3fn).float()
+    assert torch.equal(refops.to_e4m3_bits(x, 2.0).view(torch.float8_e4m3fn).float()[1], torch.tensor(0.5))
+
+
+def test_reference_fused_insert_refuses_a_non_bf16_cache() -> None:
+    inputs = harness.Inputs.random(harness.Shape(tokens=4))
+    s = inputs.shape
+    cache = torch.zeros(s.num_blocks, 2, s.block_size, s.num_kv_heads, s.head_dim, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="bf16 cache only"):
+        refops.fused_minimax_m3_qknorm_rope_kv_insert(
+            **kernels._op_args(inputs, inputs.qkv.clone(), *kernels._outs(inputs)),
+            slot_mapping=inputs.main_slots,
+            kv_cache=cache,
+            block_size=s.block_size,
+        )
+
+
+# --- the kernel adapter, on the CPU with a stand-in library --------------------------
+
+
+def _fake_library(layout: str, extra: int = 6):
+    """A 19 + ``extra`` argument op that stores the main cache in ``layout``."""
+
+    def raw(*args):
+        assert len(args) == 19 + extra
+        fork = list(args[:19])
+        cache = fork[14]
+        if cache is None or layout == "fork":
+            refops.fused_minimax_m3_qknorm_rope_kv_insert(*fork)
+            return
+        if layout == "none":
+            raise RuntimeError("unsupported cache")
+        if cache.dim() != 4:
+            raise RuntimeError("kv_cache must be 4-D")
+        nb, h, bs, d2 = cache.shape
+        view = cache.view(nb, h, bs, 2, d2 // 2).permute(0, 3, 2, 1, 4)
+        fork[14] = view.contiguous()
+        refops.fused_minimax_m3_qknorm_rope_kv_insert(*fork)
+        view.copy_(fork[14])
+
+    return raw
+
+
+def _fake_ops(layout: str) -> kernels.KernelOps:
+    extra = list(kernels.EXTRA_DEFAULTS.items())
+    return kernels.KernelOps("fake", _fake_library(layout), refops.reshape_and_cache_flash, extra)
+
+
+def test_adapter_detects_the_cache_layout_and_the_bypass_agrees_through_it() -> None:
+    ops = _fake_ops("hnd")
+    inputs = harness.Inputs.random(harness.Shape(tokens=40, num_blocks=8), seed=3)
+    assert kernels.detect_layout(ops, inputs).name == "[blocks, heads, block, 2*dim]"
+    checks = kernels.check_against_references(ops, inputs)
+    assert checks and all(c.passed for c in checks), checks
+    code = harness.load_layer(FIXTURES / "fork_era" / "expected.py", "MiniMaxM3SparseAttention")
+    comparison, _, _ = harness.check_layer(code, ops.backend, inputs)
+    assert comparison.passed, comparison.reason
+    assert "index scatter writes the last index slot" in kernels.padding_probe(ops, inputs)
+
+
+def test_adapter_refuses_a_library_whose_insert_matches_no_layout() -> None:
+    inputs = harness.Inputs.random(harness.Shape(tokens=8), seed=1)
+    with pytest.raises(kernels.KernelUnavailable, match="no known cache layout"):
+        kernels.detect_layout(_fake_ops("none"), inputs)
+
+
+def test_kernel_level_without_a_gpu_is_skipped_with_the_reason() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    report = verify([Target(FIXTURES / "patched" / "model.py", "t")])
+    kernel = report.files[0].levels[2]
+    assert kernel.status is Status.SKIPPED and "no CUDA GPU" in kernel.reason
