@@ -328,3 +328,33 @@ def test_kernel_level_without_a_gpu_is_skipped_with_the_reason() -> None:
     report = verify([Target(FIXTURES / "patched" / "model.py", "t")])
     kernel = report.files[0].levels[2]
     assert kernel.status is Status.SKIPPED and "no CUDA GPU" in kernel.reason
+
+
+def test_timing_plan_runs_every_path_and_counts_bytes() -> None:
+    """The timed closures on the CPU (one call each instead of a CUDA graph)."""
+    ops = _fake_ops("hnd")
+    inputs = harness.Inputs.random(harness.Shape(tokens=16, num_blocks=8), seed=2)
+    kernels.detect_layout(ops, inputs)
+    calls: list[str] = []
+
+    def once(fn):
+        fn()
+        calls.append(fn.__name__)
+        return 1.0, "one call"
+
+    t = kernels.timings(ops, tokens=64, device="cpu", timer=once)
+    assert calls == [
+        "fused_insert",
+        "norm_rope",
+        "fp8_insert",
+        "index_scatter",
+        "bypass",
+        "bf16_insert",
+        "fp8_dense",
+    ]
+    rows = {r.name: r for r in t["rows"]}
+    total = rows["bypass total (fp8 cache)"].bytes_moved
+    parts = sum(rows[n].bytes_moved for n in rows if n.startswith("bypass:"))
+    assert total == parts
+    per = t["kv_bytes_per_token"]
+    assert per["bf16"] - per["fp8"] == 2 * 4 * 128  # k and v, 4 kv heads x 128, one byte saved each

@@ -104,6 +104,7 @@ class KernelContext:
             t = self.timings
             out["timings"] = {
                 "device": t["device"],
+                "peak_gbps": t.get("peak_gbps"),
                 "tokens": t["tokens"],
                 "shape": t["shape"],
                 "kv_bytes_per_token": t["kv_bytes_per_token"],

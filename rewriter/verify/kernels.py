@@ -384,6 +384,25 @@ def gpu_time_us(fn: Callable[[], None], launches: int = 20, repeats: int = 25) -
     return statistics.median(samples), how
 
 
+# Peak DRAM bandwidth by card name (GB/s), for the "% of peak" column.
+PEAK_GBPS = {
+    "H200": 4800,
+    "H100 80GB HBM3": 3350,
+    "H100 PCIe": 2000,
+    "RTX 4090": 1008,
+    "L40S": 864,
+    "L4": 300,
+}
+
+
+def peak_bandwidth_gbps(props: Any) -> float | None:
+    for name, gbps in PEAK_GBPS.items():
+        if name in props.name:
+            return float(gbps)
+    clock, bus = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    return 2 * clock * 1e3 * bus / 8 / 1e9 if clock and bus else None  # DDR: two transfers a clock
+
+
 @dataclass
 class Timing:
     name: str
@@ -396,7 +415,12 @@ class Timing:
         return self.bytes_moved / (self.us * 1e-6) / 1e9
 
 
-def timings(ops: KernelOps, tokens: int = 8192) -> dict[str, Any]:
+def timings(
+    ops: KernelOps,
+    tokens: int = 8192,
+    device: str = "cuda",
+    timer: Callable[..., tuple[float, str]] | None = None,
+) -> dict[str, Any]:
     """Fused bf16 insert vs the bypass (norm+rope, fp8 reshape_and_cache_flash, index scatter)."""
     base = harness.Shape()
     shape = harness.Shape(
@@ -407,8 +431,9 @@ def timings(ops: KernelOps, tokens: int = 8192) -> dict[str, Any]:
         num_blocks=2 * tokens // 16,
         hidden_size=base.hidden_size,
     )
-    inputs = harness.Inputs.random(shape, "cuda", seed=1)
-    s, dev = shape, "cuda"
+    inputs = harness.Inputs.random(shape, device, seed=1)
+    s, dev = shape, device
+    timer = timer or gpu_time_us
     assert ops.layout is not None
     k0, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     iq_end = k0 + 2 * kv + s.num_idx_heads * s.idx_head_dim
@@ -454,6 +479,22 @@ def timings(ops: KernelOps, tokens: int = 8192) -> dict[str, Any]:
         fp8_insert()
         index_scatter()
 
+    # Diagnostics for the k/v write: the same op storing bf16, and storing fp8
+    # from contiguous k/v into a contiguous [blocks, block, heads, dim] cache.
+    bf16_fork = torch.zeros(
+        s.num_blocks, 2, s.block_size, s.num_kv_heads, s.head_dim, dtype=torch.bfloat16, device=dev
+    )
+    bf16_k_cache, bf16_v_cache = bf16_fork.unbind(1)
+    k_dense, v_dense = k.contiguous(), v.contiguous()
+    nhd_k = torch.zeros(s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim, dtype=torch.uint8, device=dev)
+    nhd_v = torch.zeros_like(nhd_k)
+
+    def bf16_insert() -> None:
+        ops.reshape_raw(k, v, bf16_k_cache, bf16_v_cache, inputs.main_slots, "auto", scale, scale)
+
+    def fp8_dense() -> None:
+        ops.reshape_raw(k_dense, v_dense, nhd_k, nhd_v, inputs.main_slots, "fp8", scale, scale)
+
     n, b = s.tokens, 2
     width = s.width
     rope_bytes = (
@@ -470,16 +511,19 @@ def timings(ops: KernelOps, tokens: int = 8192) -> dict[str, Any]:
         ("bypass: reshape_and_cache_flash fp8 (k+v)", fp8_insert, kv_bf16 + kv_fp8),
         ("bypass: index-key scatter", index_scatter, 2 * idx),
         ("bypass total (fp8 cache)", bypass, rope_bytes + kv_bf16 + kv_fp8 + 2 * idx),
+        ("diagnostic: reshape_and_cache_flash 'auto' bf16 (k+v)", bf16_insert, 2 * kv_bf16),
+        ("diagnostic: reshape_and_cache_flash fp8, contiguous k/v and cache", fp8_dense, kv_bf16 + kv_fp8),
     ]
     rows = []
     for name, fn, moved in plan:
-        us, how = gpu_time_us(fn)
+        us, how = timer(fn)
         rows.append(Timing(name, us, moved, how))
     per_token_bf16 = 2 * kv * 2 + s.idx_head_dim * 2
     per_token_fp8 = 2 * kv * 1 + s.idx_head_dim * 2
-    props = torch.cuda.get_device_properties(0)
+    props = torch.cuda.get_device_properties(0) if dev == "cuda" else None
     return {
-        "device": props.name,
+        "device": props.name if props else dev,
+        "peak_gbps": peak_bandwidth_gbps(props) if props else None,
         "tokens": n,
         "shape": f"{s.num_heads} q heads, {s.num_kv_heads} kv heads x {s.head_dim}, index {s.num_idx_heads}x{s.idx_head_dim} + 1 key head, block {s.block_size}",
         "rows": rows,

@@ -83,8 +83,11 @@ def print_timings(t: dict, err: Console) -> None:
     table.add_column("µs / call", justify="right")
     table.add_column("MB moved", justify="right")
     table.add_column("GB/s", justify="right")
+    peak = t.get("peak_gbps")
+    table.add_column(f"% of {peak / 1000:.2f} TB/s" if peak else "% of peak", justify="right")
     for row in t["rows"]:
-        table.add_row(row.name, f"{row.us:.1f}", f"{row.bytes_moved / 1e6:.1f}", f"{row.gbps:.0f}")
+        share = f"{100 * row.gbps / peak:.0f}%" if peak else "?"
+        table.add_row(row.name, f"{row.us:.1f}", f"{row.bytes_moved / 1e6:.1f}", f"{row.gbps:.0f}", share)
     err.print(table)
     per = t["kv_bytes_per_token"]
     err.print(
