@@ -201,6 +201,22 @@ def _op_args(inputs: harness.Inputs, qkv: torch.Tensor, q_out, iq_out, **kw: Any
     )
 
 
+def _insert_args(
+    inputs: harness.Inputs, qkv: torch.Tensor, q, iq, index_cache: torch.Tensor, main=None, index=None
+) -> dict[str, Any]:
+    """Insert-mode arguments (the main cache is passed separately, by the adapter)."""
+    return _op_args(
+        inputs,
+        qkv,
+        q,
+        iq,
+        slot_mapping=inputs.main_slots if main is None else main,
+        index_slot_mapping=inputs.index_slots if index is None else index,
+        index_cache=index_cache,
+        block_size=inputs.shape.block_size,
+    )
+
+
 def _outs(inputs: harness.Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     s, dev = inputs.shape, inputs.device
     q = torch.zeros(s.tokens, s.num_heads * s.head_dim, dtype=torch.bfloat16, device=dev)
@@ -222,16 +238,7 @@ def detect_layout(ops: KernelOps, inputs: harness.Inputs) -> Layout:
         index_cache = torch.zeros(
             s.num_blocks, s.block_size, s.idx_head_dim, dtype=torch.bfloat16, device=inputs.device
         )
-        args = _op_args(
-            inputs,
-            qkv,
-            q,
-            iq,
-            slot_mapping=inputs.main_slots,
-            index_slot_mapping=inputs.index_slots,
-            index_cache=index_cache,
-            block_size=s.block_size,
-        )
+        args = _insert_args(inputs, qkv, q, iq, index_cache)
         try:
             ops.fused_call(args, cache)
             _sync(inputs)
@@ -322,16 +329,7 @@ def padding_probe(ops: KernelOps, inputs: harness.Inputs) -> str:
     main[-1] = -1
     q, iq = _outs(inputs)
     ops.fused_call(
-        _op_args(
-            inputs,
-            inputs.qkv.clone(),
-            q,
-            iq,
-            slot_mapping=main,
-            index_slot_mapping=slots,
-            index_cache=index_cache,
-            block_size=s.block_size,
-        ),
+        _insert_args(inputs, inputs.qkv.clone(), q, iq, index_cache, main=main, index=slots),
         cache,
     )
     _sync(inputs)
@@ -446,16 +444,7 @@ def timings(
     index_cache = torch.zeros(s.num_blocks, s.block_size, s.idx_head_dim, dtype=torch.bfloat16, device=dev)
     scale = torch.ones((), dtype=torch.float32, device=dev)
     key_cache, value_cache = fp8_cache.unbind(1)
-    insert = _op_args(
-        inputs,
-        qkv,
-        q,
-        iq,
-        slot_mapping=inputs.main_slots,
-        index_slot_mapping=inputs.index_slots,
-        index_cache=index_cache,
-        block_size=s.block_size,
-    )
+    insert = _insert_args(inputs, qkv, q, iq, index_cache)
     rope_only = _op_args(inputs, qkv, q, iq)
     k = qkv[:, k0 : k0 + kv].view(-1, s.num_kv_heads, s.head_dim)
     v = qkv[:, k0 + kv : k0 + 2 * kv].view(-1, s.num_kv_heads, s.head_dim)
