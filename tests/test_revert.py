@@ -390,3 +390,32 @@ def test_revert_over_a_vllm_root(tmp_path: Path) -> None:
     statuses = {Path(f["path"]).name: f["status"] for f in json.loads(proc.stdout)["files"]}
     assert statuses == {"model.py": "rewritten", "mtp.py": "no-sites"}
     assert (nvidia / "model.py").read_bytes() == (FIXTURES / "half_applied" / "reverted.py").read_bytes()
+
+
+STALE = (FIXTURES / "native_stale_bypass" / "model.py").read_text()
+GUARD_LINE = "        insert_via_fused = not self._fp8_kv\n"
+FLAG_LINE = '        self._fp8_kv = "fp8" in self.kv_cache_dtype\n'
+POST_BLOCK = STALE[
+    STALE.index("        if not insert_via_fused:\n") : STALE.index("        return self.attend")
+]
+GUARDED = "self.kv_cache if insert_via_fused else None,\n            self.indexer.index_cache.kv_cache if insert_via_fused else None,"
+PLAIN = "self.kv_cache,\n            self.indexer.index_cache.kv_cache,"
+
+
+@pytest.mark.parametrize(
+    "edits",
+    [
+        ((GUARD_LINE, ""),),  # the guard assignment lost in the merge (NameError)
+        ((GUARD_LINE, ""), (FLAG_LINE, "")),
+        ((GUARD_LINE, ""), (POST_BLOCK, ""), (GUARDED, PLAIN)),  # only the flag and _insert_kv
+        ((FLAG_LINE, ""), (POST_BLOCK, "")),  # guard and guarded arguments only
+    ],
+    ids=["no-guard", "no-guard-no-flag", "flag-and-insert-kv", "guard-only"],
+)
+def test_half_applied_stale_bypass_on_a_native_call(edits) -> None:
+    source = variant(STALE, *edits)
+    assert [s.state for s in analyze(cst.parse_module(source)).sites][-1] is SiteState.HALF_APPLIED
+    out = reverted(source)
+    clean = (FIXTURES / "native" / "model.py").read_bytes()
+    assert body(out.encode()) == body(clean)
+    assert [s.state for s in analyze(cst.parse_module(out)).sites][-1] is SiteState.NATIVE
