@@ -40,6 +40,7 @@ class Action(str, enum.Enum):
     COMPLETE = "complete"  # half-applied on a fork-era call: add what is missing
     NONE = "none"
     REFUSE = "refuse"
+    REVERT = "revert"  # `revert`: take a bypass out again
 
 
 # The pieces of the bypass, in the words the reports use.
@@ -738,7 +739,7 @@ def _classify(module: cst.Module, found: _FoundCall) -> InsertSite:
                 Action.REFUSE,
                 f"native call (kv_cache_dtype={a.code(literal)}) carrying a stale fp8 bypass ({have}): "
                 "the bypass assumes the fork-era cache layout and must not run here; remove it "
-                "and run with --kv-cache-dtype fp8 directly",
+                "with `mm3-codemod revert`, then run with --kv-cache-dtype fp8 directly",
                 pieces=present,
             )
         return _site(

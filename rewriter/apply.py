@@ -1,7 +1,8 @@
 """Parse -> analyze -> rewrite -> validate -> atomic write, one file at a time.
 
 Nothing is written unless the new source parses, compiles, and a second pass
-of the codemod finds every rewritten site ``patched`` (black's discipline).
+of the codemod finds every rewritten site ``patched`` (black's discipline);
+for ``revert``, a second pass finds no bypass left.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import libcst as cst
 
 from codemods import anchors
 from codemods.fp8_kv_bypass import Action, InsertSite, SiteState, analyze, rewrite
+from codemods.fp8_kv_revert import analyze_revert, revert
 
 BOM = b"\xef\xbb\xbf"
 
@@ -92,6 +94,21 @@ def _encode(module: cst.Module, bom: bool) -> bytes:
 
 def plan_file(path: Path) -> FileResult:
     """Analyze one file and, where a rewrite is needed, prepare the validated new bytes."""
+    return _plan(
+        path,
+        analyze,
+        lambda analysis: rewrite(analysis),
+        lambda new, analysis: validate(new, path, expected_patched=len(analysis.plans)),
+    )
+
+
+def plan_revert_file(path: Path) -> FileResult:
+    """Like ``plan_file``, for taking the bypass out again (``revert``)."""
+    return _plan(path, analyze_revert, revert, lambda new, analysis: validate_revert(new, path))
+
+
+def _plan(path: Path, analyze_module, transform, check) -> FileResult:
+    """Read, pre-filter, parse, analyze; then transform and ``check`` the new bytes."""
     try:
         raw = read_bytes(path)
     except FileError as exc:
@@ -101,7 +118,7 @@ def plan_file(path: Path) -> FileResult:
         return FileResult(path, FileStatus.NO_SITES, original=raw)
     try:
         module = _parse(raw)
-        analysis = analyze(module)
+        analysis = analyze_module(module)
     except FileError as exc:
         return FileResult(path, FileStatus.ERROR, error=str(exc), original=raw)
     result = FileResult(path, FileStatus.UNCHANGED, sites=analysis.sites, original=raw)
@@ -115,9 +132,9 @@ def plan_file(path: Path) -> FileResult:
             result.status = FileStatus.NO_SITES
         return result
     try:
-        new_module = rewrite(analysis)
+        new_module = transform(analysis)
         new = _encode(new_module, raw.startswith(BOM))
-        validate(new, path, expected_patched=len(analysis.plans))
+        check(new, analysis)
     except FileError as exc:
         result.status = FileStatus.ERROR
         result.error = f"rewrite failed validation, nothing written: {exc}"
@@ -128,13 +145,18 @@ def plan_file(path: Path) -> FileResult:
     return result
 
 
-def validate(new: bytes, path: Path, expected_patched: int) -> None:
-    """The new source parses, compiles, and a second pass has nothing to do."""
+def _parse_and_compile(new: bytes, path: Path) -> cst.Module:
     module = _parse(new)
     try:
         compile(new[len(BOM) :] if new.startswith(BOM) else new, str(path), "exec", dont_inherit=True)
     except SyntaxError as exc:
         raise FileError(f"output does not compile: {exc.msg} (line {exc.lineno})") from exc
+    return module
+
+
+def validate(new: bytes, path: Path, expected_patched: int) -> None:
+    """The new source parses, compiles, and a second pass has nothing to do."""
+    module = _parse_and_compile(new, path)
     again = analyze(module)
     leftover = [s for s in again.sites if s.action is not Action.NONE]
     if leftover:
@@ -143,6 +165,20 @@ def validate(new: bytes, path: Path, expected_patched: int) -> None:
     patched = sum(1 for s in again.sites if s.state is SiteState.PATCHED)
     if patched < expected_patched:
         raise FileError(f"second pass finds {patched} patched site(s), expected {expected_patched}")
+
+
+def validate_revert(new: bytes, path: Path) -> None:
+    """The reverted source parses, compiles, and carries no bypass any more:
+    a second revert finds nothing, and no site is left patched or half-applied."""
+    module = _parse_and_compile(new, path)
+    again = analyze_revert(module)
+    leftover = [s for s in again.sites if s.action is not Action.NONE]
+    if leftover:
+        s = leftover[0]
+        raise FileError(f"second pass still finds line {s.line} {s.action.value}: {s.reason}")
+    stale = [s for s in analyze(module).sites if s.state in (SiteState.PATCHED, SiteState.HALF_APPLIED)]
+    if stale:
+        raise FileError(f"line {stale[0].line} is still {stale[0].state.value} after the revert")
 
 
 def _lines(raw: bytes, encoding: str) -> list[str]:

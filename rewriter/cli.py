@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.progress import Progress
 
 from rewriter import __version__
 from rewriter.apply import FileStatus
 from rewriter.commands import Report, analyze_targets, example_copy
+from rewriter.commands import revert as revert_targets
 from rewriter.commands import run as run_targets
-from rewriter.report import print_human, print_json, render_diff
+from rewriter.report import print_human, print_json, print_survey, render_diff
+from rewriter.survey import survey as survey_targets
 from rewriter.targets import Target, TargetError, resolve
 
 app = typer.Typer(
@@ -45,10 +49,25 @@ Json = Annotated[
     bool, typer.Option("--json", help="Print one JSON report on stdout (human output stays on stderr).")
 ]
 ShowAll = Annotated[bool, typer.Option("--all", help="List not-a-site calls too.")]
+Backup = Annotated[bool, typer.Option("--backup", help="Keep the original as <file>.orig.")]
+ShowDiff = Annotated[
+    bool, typer.Option("--show-diff", help="Also print the diff of each file written (stdout).")
+]
+FixExit = Annotated[
+    bool,
+    typer.Option(
+        "--exit-non-zero-on-fix", help="Exit 1 when a file was written (for pre-commit and other fixers)."
+    ),
+]
+
+# survey shows a progress bar (on a terminal) above this many targets.
+PROGRESS_MIN_TARGETS = 8
 
 
-def _stderr() -> Console:
-    return Console(file=sys.stderr, highlight=False)
+def _stderr(wide: bool = False) -> Console:
+    # Tables are not squeezed to 80 columns when stderr is a pipe or a file.
+    width = None if not wide or sys.stderr.isatty() else int(os.environ.get("COLUMNS", 0) or 240)
+    return Console(file=sys.stderr, highlight=False, width=width)
 
 
 def _targets(command: str, paths, pythons, roots, example: bool) -> tuple[list[Target], Report | None]:
@@ -79,12 +98,18 @@ def check(
     python: Pythons = None,
     vllm_root: Roots = None,
     example: Example = False,
+    diff: Annotated[
+        bool, typer.Option("--diff", help="Also print the diff `run` would apply (stdout).")
+    ] = False,
     json: Json = False,
     show_all: ShowAll = False,
 ) -> None:
     """Report each call site's state; write nothing. Exit 1 when a rewrite is needed."""
     targets, failed = _targets("check", paths, python, vllm_root, example)
-    _finish(failed or analyze_targets("check", targets), json, show_all)
+    report = failed or analyze_targets("check", targets)
+    if diff and not json:
+        _print_diffs(report)
+    _finish(report, json, show_all)
 
 
 @app.command()
@@ -115,17 +140,16 @@ def run(
             "--example", help="Rewrite a fresh copy of the bundled example (never the package's own file)."
         ),
     ] = False,
-    backup: Annotated[bool, typer.Option("--backup", help="Keep the original as <file>.orig.")] = False,
-    show_diff: Annotated[
-        bool, typer.Option("--show-diff", help="Also print the diff of each file written (stdout).")
-    ] = False,
+    backup: Backup = False,
+    show_diff: ShowDiff = False,
+    exit_non_zero_on_fix: FixExit = False,
     json: Json = False,
     show_all: ShowAll = False,
 ) -> None:
     """Apply the fp8 bypass where needed: validated, atomic, all or nothing."""
     extra = [example_copy()] if example else []
     targets, failed = _targets("run", (paths or []) + extra, python, vllm_root, False)
-    report = failed or run_targets(targets, backup=backup)
+    report = failed or run_targets(targets, backup=backup, exit_non_zero_on_fix=exit_non_zero_on_fix)
     if example and not failed:
         _stderr().print(f"example copied to {extra[0]}", soft_wrap=True)
     if show_diff and not json:
@@ -189,6 +213,73 @@ def verify(
 
         print(json_module.dumps(report.to_json(), indent=2))
     raise typer.Exit(report.exit_code)
+
+
+@app.command()
+def revert(
+    paths: Paths = None,
+    python: Pythons = None,
+    vllm_root: Roots = None,
+    check: Annotated[
+        bool, typer.Option("--check", help="Write nothing; exit 1 when a file carries a bypass to take out.")
+    ] = False,
+    diff: Annotated[
+        bool, typer.Option("--diff", help="Write nothing; print the diff a revert would apply (stdout).")
+    ] = False,
+    backup: Backup = False,
+    show_diff: ShowDiff = False,
+    exit_non_zero_on_fix: FixExit = False,
+    json: Json = False,
+    show_all: ShowAll = False,
+) -> None:
+    """Take the fp8 bypass out again (the inverse of run): validated, atomic, all or nothing."""
+    targets, failed = _targets("revert", paths, python, vllm_root, False)
+    dry = check or diff
+    report = failed or revert_targets(
+        targets, backup=backup, dry_run=dry, exit_non_zero_on_fix=exit_non_zero_on_fix
+    )
+    if not json and (diff or show_diff):
+        _print_diffs(report, only=None if dry else FileStatus.REWRITTEN)
+    _finish(report, json, show_all)
+
+
+@app.command()
+def survey(
+    paths: Paths = None,
+    python: Pythons = None,
+    vllm_root: Roots = None,
+    jobs: Annotated[
+        Optional[int],
+        typer.Option(
+            "--jobs", "-j", min=1, help="Worker processes (default: the CPU count).", show_default=False
+        ),
+    ] = None,
+    json: Json = False,
+    show_all: Annotated[
+        bool, typer.Option("--all", help="Also list files without the fused op and not-a-site calls.")
+    ] = False,
+) -> None:
+    """One table of every target: vLLM version, file, each site's state, what run would do.
+
+    Exit codes as check: 0 nothing to do, 1 a rewrite is needed, 2 a target could not be handled.
+    """
+    targets, failed = _targets("survey", paths, python, vllm_root, False)
+    err = _stderr(wide=True)
+    if failed:
+        report = failed
+    elif len(targets) > PROGRESS_MIN_TARGETS and err.is_terminal and not json:
+        # Refreshed by hand (no refresh thread): the pool forks its workers first.
+        with Progress(console=err, transient=True, auto_refresh=False) as progress:
+            task = progress.add_task("surveying", total=len(targets))
+            report = survey_targets(
+                targets, jobs, advance=lambda: progress.update(task, advance=1, refresh=True)
+            )
+    else:
+        report = survey_targets(targets, jobs)
+    print_survey(report, err, show_all=show_all)
+    if json:
+        print_json(report, sys.stdout)
+    raise typer.Exit(int(report.exit_code))
 
 
 def _version(value: bool) -> None:

@@ -8,14 +8,20 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rewriter.apply import FileError, FileResult, FileStatus, plan_file, write_result
+from rewriter.apply import FileError, FileResult, FileStatus, plan_file, plan_revert_file, write_result
 from rewriter.targets import Target, example_path
 
 
 class ExitCode(enum.IntEnum):
     OK = 0  # nothing to do, or done
-    NEEDS_REWRITE = 1  # check/preview: a rewrite is needed
+    NEEDS_REWRITE = (
+        1  # check/preview/survey (or a dry run): a rewrite is needed; a fix with --exit-non-zero-on-fix
+    )
     ERROR = 2  # a target could not be handled; nothing written
+
+
+# Commands that only look: a needed rewrite is their exit 1.
+DRY_COMMANDS = ("check", "preview", "survey")
 
 
 @dataclass
@@ -25,14 +31,20 @@ class Report:
     files: list[FileResult] = field(default_factory=list)
     error: str | None = None  # a target-level error (nothing was processed)
     note: str | None = None
+    dry_run: bool = False  # `revert --check/--diff`: planned, nothing written
+    exit_non_zero_on_fix: bool = False  # exit 1 when a file was written (pre-commit's fixer contract)
+
+    @property
+    def dry(self) -> bool:
+        return self.dry_run or self.command in DRY_COMMANDS
 
     @property
     def exit_code(self) -> ExitCode:
         if self.error or any(f.failed for f in self.files):
             return ExitCode.ERROR
-        if self.command in ("check", "preview") and any(
-            f.status is FileStatus.NEEDS_REWRITE for f in self.files
-        ):
+        if self.dry and any(f.status is FileStatus.NEEDS_REWRITE for f in self.files):
+            return ExitCode.NEEDS_REWRITE
+        if self.exit_non_zero_on_fix and any(f.status is FileStatus.REWRITTEN for f in self.files):
             return ExitCode.NEEDS_REWRITE
         return ExitCode.OK
 
@@ -45,16 +57,38 @@ def analyze_targets(command: str, targets: list[Target]) -> Report:
     return Report(command, targets, [plan_file(t.path) for t in targets])
 
 
-def run(targets: list[Target], backup: bool = False) -> Report:
+def run(targets: list[Target], backup: bool = False, exit_non_zero_on_fix: bool = False) -> Report:
     """Rewrite every target that needs it - all or nothing.
 
     If any target is refused or fails, nothing at all is written: a vLLM tree
     is left either fully rewritten or as it was.
     """
     report = analyze_targets("run", targets)
+    report.exit_non_zero_on_fix = exit_non_zero_on_fix
+    _write_all(report, backup)
+    return report
+
+
+def revert(
+    targets: list[Target], backup: bool = False, dry_run: bool = False, exit_non_zero_on_fix: bool = False
+) -> Report:
+    """Take the fp8 bypass out of every target that carries one - all or nothing, like ``run``."""
+    report = Report(
+        "revert",
+        targets,
+        [plan_revert_file(t.path) for t in targets],
+        dry_run=dry_run,
+        exit_non_zero_on_fix=exit_non_zero_on_fix,
+    )
+    if not dry_run:
+        _write_all(report, backup)
+    return report
+
+
+def _write_all(report: Report, backup: bool) -> None:
     if any(f.failed for f in report.files):
         report.note = "nothing written: a target was refused or failed"
-        return report
+        return
     for result in report.files:
         if result.status is FileStatus.NEEDS_REWRITE:
             try:
@@ -62,7 +96,6 @@ def run(targets: list[Target], backup: bool = False) -> Report:
             except FileError as exc:
                 result.status = FileStatus.ERROR
                 result.error = str(exc)
-    return report
 
 
 def example_copy() -> Path:

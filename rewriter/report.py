@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from typing import TextIO
 
 from rich.console import Console
+from rich.table import Table
 from rich.text import Text
 
 from rewriter import __version__
@@ -39,13 +42,20 @@ def to_json(report: Report) -> dict[str, object]:
         "exit_code": int(report.exit_code),
         "error": report.error,
         "note": report.note,
-        "files": [f.to_json() | {"origin": _origin(report, i)} for i, f in enumerate(report.files)],
+        "files": [f.to_json() | _target_fields(report, i) for i, f in enumerate(report.files)],
         "summary": {status.value: report.count(status) for status in FileStatus},
     }
 
 
 def _origin(report: Report, index: int) -> str | None:
     return report.targets[index].origin if index < len(report.targets) else None
+
+
+def _target_fields(report: Report, index: int) -> dict[str, object]:
+    fields: dict[str, object] = {"origin": _origin(report, index)}
+    if report.command == "survey":
+        fields["vllm_version"] = report.targets[index].vllm_version or "unknown"
+    return fields
 
 
 def print_json(report: Report, out: TextIO) -> None:
@@ -100,12 +110,26 @@ def print_human(report: Report, err: Console, show_all: bool = False) -> None:
             soft_wrap=True,
             highlight=False,
         )
+    if report.command == "revert" and report.dry_run and report.count(FileStatus.NEEDS_REWRITE):
+        err.print(
+            "run `mm3-codemod revert` with the same targets to take the fp8 bypass out",
+            soft_wrap=True,
+            highlight=False,
+        )
+
+
+# `revert` rewrites files too, but the reader wants to know they were reverted.
+_REVERT_SUMMARY = _SUMMARY | {
+    FileStatus.NEEDS_REWRITE: ("would be reverted", "to revert"),
+    FileStatus.REWRITTEN: ("reverted", "reverted"),
+}
 
 
 def summary_line(report: Report) -> str:
-    dry = report.command in ("check", "preview")
+    dry = report.dry
+    words = _REVERT_SUMMARY if report.command == "revert" else _SUMMARY
     parts = []
-    for status, (dry_word, wet_word) in _SUMMARY.items():
+    for status, (dry_word, wet_word) in words.items():
         n = report.count(status)
         if n:
             parts.append(f"{n} file{'s' if n != 1 else ''} {dry_word if dry else wet_word}")
@@ -114,3 +138,56 @@ def summary_line(report: Report) -> str:
     if not report.files or all(f.status is FileStatus.NO_SITES for f in report.files):
         parts.append("(no call of fused_minimax_m3_qknorm_rope_kv_insert found)")
     return ", ".join(parts) + "."
+
+
+# --- survey ---------------------------------------------------------------------------
+
+_RUN_WOULD = {"rewrite": "rewrite", "complete": "complete", "none": "nothing", "refuse": "refuse"}
+
+
+def shown_path(path: Path) -> str:
+    """Relative to the working directory when under it, else as given."""
+    try:
+        return str(Path(os.path.abspath(path)).relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def survey_table(report: Report, show_all: bool = False) -> Table:
+    """One row per insert site (per file where it has none to show)."""
+    table = Table(title="mm3-codemod survey", title_justify="left", header_style="bold")
+    for name in ("vLLM", "file", "site", "state", "run would"):
+        table.add_column(name, no_wrap=name != "file", overflow="fold")
+    for index, result in enumerate(report.files):
+        if result.status is FileStatus.NO_SITES and not show_all:
+            continue
+        version = report.targets[index].vllm_version or "unknown"
+        where = shown_path(result.path)
+        sites = [s for s in result.sites if show_all or s.state.value != "not-a-site"]
+        if result.status is FileStatus.ERROR:
+            table.add_row(version, where, "-", Text("error", style="red"), "refuse")
+        elif not sites:
+            state = "no insert site" if result.sites else "no fused op"
+            table.add_row(version, where, "-", Text(state, style="dim"), "nothing")
+        for site in sites if result.status is not FileStatus.ERROR else []:
+            what = f"{site.class_name}.{site.method}" if site.class_name else f"{site.method}()"
+            table.add_row(
+                version,
+                where,
+                f"{what}:{site.line}",
+                Text(site.state.value, style=STATE_STYLE.get(site.state.value, "")),
+                _RUN_WOULD.get(site.action.value, site.action.value),
+            )
+    return table
+
+
+def print_survey(report: Report, err: Console, show_all: bool = False) -> None:
+    """The table, each file's error, and the summary line (all on stderr)."""
+    if report.error:
+        err.print(Text(f"error: {report.error}", style="red"), soft_wrap=True)
+        return
+    err.print(survey_table(report, show_all))
+    for result in report.files:
+        if result.error:
+            err.print(Text(f"error: {result.path}: {result.error}", style="red"), soft_wrap=True)
+    err.print(summary_line(report), soft_wrap=True, highlight=False)

@@ -23,10 +23,41 @@ class TargetError(Exception):
 
 @dataclass(frozen=True)
 class Target:
-    """One file to process and where it came from."""
+    """One file to process, where it came from, and the vLLM release it belongs to."""
 
     path: Path
     origin: str
+    vllm_version: str | None = None  # from distribution metadata; None for plain paths
+
+
+def dist_version_beside(package: Path) -> str | None:
+    """The version in ``vllm-*.dist-info/METADATA`` (or an egg-info's PKG-INFO)
+    next to the ``vllm`` package folder; None if there is none or several disagree."""
+    versions = set()
+    for meta in [
+        *package.parent.glob("vllm-*.dist-info/METADATA"),
+        *package.parent.glob("vllm*.egg-info/PKG-INFO"),
+    ]:
+        headers = _metadata_headers(meta)
+        if headers.get("name", "").lower().replace("_", "-") == "vllm" and headers.get("version"):
+            versions.add(headers["version"])
+    return versions.pop() if len(versions) == 1 else None
+
+
+def _metadata_headers(path: Path) -> dict[str, str]:
+    """``Name:`` / ``Version:`` of a core-metadata file (the header block only)."""
+    headers: dict[str, str] = {}
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return headers
+    for line in text.splitlines():
+        if not line.strip():
+            break
+        key, sep, value = line.partition(":")
+        if sep and key.lower() in ("name", "version"):
+            headers.setdefault(key.lower(), value.strip())
+    return headers
 
 
 def example_path() -> Path:
@@ -59,7 +90,8 @@ def python_files(folder: Path) -> list[Path]:
     )
 
 
-# Runs inside the target interpreter: locate vllm without importing it.
+# Runs inside the target interpreter: locate vllm (and read its distribution
+# metadata) without importing it.
 _FIND_VLLM = """
 import importlib.util, json
 try:
@@ -68,7 +100,12 @@ except Exception as exc:
     print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
 else:
     locations = list(spec.submodule_search_locations or []) if spec else []
-    print(json.dumps({"locations": locations}))
+    try:
+        import importlib.metadata
+        version = importlib.metadata.version("vllm") if locations else None
+    except Exception:
+        version = None
+    print(json.dumps({"locations": locations, "version": version}))
 """
 
 
@@ -96,6 +133,22 @@ def vllm_of_current_interpreter() -> Path:
 
 def vllm_of_interpreter(python: str) -> Path:
     """The vLLM package folder of another interpreter, found by running it."""
+    return vllm_install_of_interpreter(python)[0]
+
+
+def installed_version(package: Path) -> str | None:
+    """This interpreter's vLLM version: the metadata beside the package, else
+    ``importlib.metadata`` (an editable install); vllm itself is not imported."""
+    import importlib.metadata
+
+    try:
+        return dist_version_beside(package) or importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def vllm_install_of_interpreter(python: str) -> tuple[Path, str | None]:
+    """The vLLM package folder of another interpreter and its version, found by running it."""
     try:
         proc = subprocess.run(
             [python, "-c", _FIND_VLLM],
@@ -118,7 +171,9 @@ def vllm_of_interpreter(python: str) -> Path:
         report = json.loads(lines[-1])
     except json.JSONDecodeError as exc:
         raise TargetError(f"{python}: --python: unexpected output: {lines[-1][:80]}") from exc
-    return _vllm_from_report(report, f"{python} (--python)")
+    folder = _vllm_from_report(report, f"{python} (--python)")
+    version = report.get("version")
+    return folder, dist_version_beside(folder) or (str(version) if version else None)
 
 
 def resolve(
@@ -145,15 +200,19 @@ def resolve(
             raise TargetError(f"{path}: no such file or directory")
     for root in vllm_roots:
         folder = nvidia_dir(root, "--vllm-root")
-        targets += [Target(f, f"--vllm-root {root}") for f in python_files(folder)]
+        version = dist_version_beside(folder.parents[len(NVIDIA_PARTS) - 1])
+        targets += [Target(f, f"--vllm-root {root}", version) for f in python_files(folder)]
     for python in pythons:
-        folder = nvidia_dir(vllm_of_interpreter(python), f"vLLM of {python}")
-        targets += [Target(f, f"--python {python}") for f in python_files(folder)]
+        package, version = vllm_install_of_interpreter(python)
+        folder = nvidia_dir(package, f"vLLM of {python}")
+        targets += [Target(f, f"--python {python}", version) for f in python_files(folder)]
     if example:
         targets.append(Target(example_path(), "--example"))
     if not (paths or pythons or vllm_roots or example):
-        folder = nvidia_dir(vllm_of_current_interpreter(), f"vLLM of {sys.executable}")
-        targets += [Target(f, "current interpreter") for f in python_files(folder)]
+        package = vllm_of_current_interpreter()
+        folder = nvidia_dir(package, f"vLLM of {sys.executable}")
+        version = installed_version(package)
+        targets += [Target(f, "current interpreter", version) for f in python_files(folder)]
 
     seen: set[str] = set()
     unique = []

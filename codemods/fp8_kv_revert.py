@@ -1,0 +1,582 @@
+"""Revert the fp8 KV-cache bypass: the structural inverse of ``fp8_kv_bypass``.
+
+It finds the bypass with the same finders as the rewrite (``_collect_pieces``
+and the anchors) and takes out what the rewrite put in, so that
+``revert(run(x)) == x`` byte for byte on every before-state fixture:
+
+1. the cache arguments ``X if insert_via_fused else None`` become ``X`` again;
+2. ``insert_via_fused = not self._fp8_kv``, ``self._fp8_kv = ...`` and the
+   guarded post-call block (slices + ``self._insert_kv(...)``) go, with the
+   comment lines that the rewrite (or the seed write-up's diff) put above them;
+3. ``_insert_kv`` taking the slot mappings is restored to the canonical
+   ``attn_metadata`` form (``INSERT_KV_METADATA`` below, the fork-era method)
+   where the file imports the metadata classes that form asserts on, and is
+   removed where it does not: such a file never had the attn_metadata form, so
+   the rewrite added the method. The metadata class that ``run`` dropped as an
+   unused import is imported again beside its sibling.
+
+On a native call carrying a stale or half-applied bypass, the result is a clean
+native call. Anything it cannot prove is refused, with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from codemods import anchors as a
+from codemods import fp8_kv_bypass as bp
+from codemods.fp8_kv_bypass import Action, InsertSite, Unsupported
+
+DESCRIPTION = "Take the fp8 KV-cache bypass out of MiniMax-M3 sparse attention again."
+
+# The metadata classes the attn_metadata ``_insert_kv`` asserts on.
+MAIN_METADATA = "MiniMaxM3SparseMetadata"
+INDEX_METADATA = "MiniMaxM3IndexerMetadata"
+FORWARD_CONTEXT = "get_forward_context"
+
+# The canonical fork-era method (fixtures/fork_era/model.py), names filled in
+# from the file like the rewrite's own templates.
+INSERT_KV_METADATA = '''\
+def _insert_kv(
+{I}self, key: torch.Tensor, value: torch.Tensor, index_key: torch.Tensor
+) -> None:
+{I}"""Write main K/V and index-K into their paged caches.
+
+{D}No-op during the profiling run, where caches are not yet bound and
+{D}``attn_metadata`` is None.
+{D}"""
+{I}attn_metadata = get_forward_context().attn_metadata
+{I}if not isinstance(attn_metadata, dict):
+{I}{I}return
+{I}main_meta = attn_metadata[{main_key}]
+{I}index_meta = attn_metadata[{index_key}]
+{I}assert isinstance(main_meta, {main_metadata})
+{I}assert isinstance(index_meta, {index_metadata})
+
+{I}# Identity scale: unused for the bf16 cache, required arg of the op.
+{I}key_cache, value_cache = {kv_cache}.unbind(1)
+{I}scale = torch.ones((), device=key.device)
+{I}{reshape}(
+{I}{I}key.view(-1, {num_kv_heads}, {head_dim}),
+{I}{I}value.view(-1, {num_kv_heads}, {head_dim}),
+{I}{I}key_cache,
+{I}{I}value_cache,
+{I}{I}main_meta.slot_mapping,
+{I}{I}{dtype},
+{I}{I}scale,
+{I}{I}scale,
+{I})
+
+{I}# Index-key cache: single vector per token, scatter by slot.
+{I}idx_cache = {index_cache}.view(-1, {idx_head_dim})
+{I}idx_cache[index_meta.slot_mapping] = index_key.to(idx_cache.dtype)
+'''
+
+# Comment blocks that belong to the bypass: the rewrite's own, and those of the
+# seed write-up's diff (fixtures/patched). Comments are text, so they can only
+# be recognised as text; any other comment above a removed line is kept.
+SEED_COMMENTS = (
+    (
+        "fp8 main-K/V cache: the fused qknorm+rope+kv-insert op is bf16-cache-only",
+        "(asserts kv_cache dtype == qkv), so on the fp8 path we run it in",
+        "norm+rope-only mode and write the cache via the fp8-capable",
+        "reshape_and_cache_flash in _insert_kv. (index cache stays bf16.)",
+    ),
+    (
+        "On the fp8-KV path the fused op cannot write the (fp8) cache, so pass",
+        "kv_cache/index_cache = None -> insert_kv=False (norm+rope only): it still",
+        "de-interleaves q/index_q and rewrites the normed/roped k & index_k in",
+        "place in qkv, leaving v raw (correct -- v is never normed/roped). We then",
+        "write the cache via _insert_kv below.",
+    ),
+)
+
+
+def _comment_text(comment: str) -> str:
+    return " ".join(comment.lstrip("#").split())
+
+
+def _template_comments(template: str) -> tuple[str, ...]:
+    lines = (line.strip() for line in template.splitlines())
+    return tuple(_comment_text(line) for line in lines if line.startswith("#"))
+
+
+BYPASS_COMMENTS = tuple(
+    tuple(_comment_text(line) for line in block)
+    for block in (_template_comments(bp.FLAG), _template_comments(bp.GUARD), *SEED_COMMENTS)
+)
+
+
+def strip_bypass_comments(lines: list[cst.EmptyLine]) -> list[cst.EmptyLine]:
+    """Leading lines without any run of comment lines that is a bypass comment block."""
+    out = list(lines)
+    for block in BYPASS_COMMENTS:
+        n = len(block)
+        i = 0
+        while i + n <= len(out):
+            window = out[i : i + n]
+            if all(
+                line.comment is not None and _comment_text(line.comment.value) == text
+                for line, text in zip(window, block, strict=True)
+            ):
+                del out[i : i + n]
+            else:
+                i += 1
+    return out
+
+
+# --- the plan -------------------------------------------------------------------
+
+
+@dataclass
+class RevertPlan:
+    """What comes out of one class, all found in and checked against the file."""
+
+    cls: cst.ClassDef
+    call: cst.Call
+    call_statement: cst.BaseStatement
+    unwrap_args: list[cst.Arg]  # `X if G else None` -> `X`
+    remove: list[cst.BaseStatement]  # flag, guard, post-call block
+    insert_kv: str  # keep | restore | remove
+    old_insert_kv: cst.FunctionDef | None
+    insert_kv_code: str
+    metadata_import: cst.ImportFrom | None  # gets back the metadata classes it lacks
+    add_imports: list[str] = field(default_factory=list)
+    drop_imports: set[str] = field(default_factory=set)
+    pieces: dict[str, bool] = field(default_factory=dict)
+
+
+@dataclass
+class RevertAnalysis:
+    """Same shape as ``FileAnalysis``: sites with their action, and the plans."""
+
+    module: cst.Module
+    sites: list[InsertSite]
+    plans: list[RevertPlan]
+
+    @property
+    def needs_rewrite(self) -> bool:
+        return bool(self.plans)
+
+    @property
+    def refused(self) -> list[InsertSite]:
+        return [s for s in self.sites if s.action is Action.REFUSE]
+
+
+def analyze_revert(module: cst.Module) -> RevertAnalysis:
+    """Find every call of the fused op; plan the removal of a bypass around it."""
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    finder = bp._CallFinder()
+    wrapper.visit(finder)
+    positions = wrapper.resolve(PositionProvider)
+
+    sites: list[InsertSite] = []
+    plans: list[tuple[InsertSite, RevertPlan]] = []
+    for found in finder.found:
+        site = bp._classify(module, found)
+        site.plan = None
+        try:
+            plan = _plan_site(module, found, positions)
+        except Unsupported as exc:
+            site.action, site.reason = Action.REFUSE, f"cannot revert: {exc}"
+        else:
+            if plan is None:
+                site.action = Action.NONE
+                if site.state is not bp.SiteState.NOT_A_SITE:
+                    site.reason = "no fp8 bypass here: nothing to revert"
+            else:
+                site.action, site.reason = Action.REVERT, _revert_reason(plan)
+                plans.append((site, plan))
+        sites.append(site)
+
+    if len(plans) > 1:
+        where = ", ".join(f"{s.class_name}.{s.method} (line {s.line})" for s, _ in plans)
+        for site, _ in plans:
+            site.action = Action.REFUSE
+            site.reason = f"cannot revert: {len(plans)} sites carry an fp8 bypass ({where})"
+        plans = []
+    return RevertAnalysis(module, sites, [p for _, p in plans])
+
+
+def _revert_reason(plan: RevertPlan) -> str:
+    have = ", ".join(k for k, v in plan.pieces.items() if v) or "a read of self._fp8_kv"
+    what = {
+        "restore": "_insert_kv back to its attn_metadata form",
+        "remove": "_insert_kv removed (the bypass added it)",
+        "keep": "_insert_kv kept",
+    }[plan.insert_kv]
+    return f"fp8 bypass ({have}) taken out: plain cache arguments, {what}"
+
+
+def _plan_site(module: cst.Module, found: bp._FoundCall, positions) -> RevertPlan | None:
+    """None when there is no bypass around this call; ``Unsupported`` when one cannot be proven."""
+    cls, method, call = found.cls, found.method, found.call
+    if cls is None:
+        return None
+    class_reads_flag = any(a.self_attr(n) == a.FP8_FLAG for n in a.walk_all(cls.body))
+    odd = (
+        method is None
+        or found.nested_in is not None
+        or a.has_star_args(call)
+        or a.get_arg(call, a.KV_CACHE) is None
+        or a.is_none(a.get_arg(call, a.KV_CACHE).value)
+    )
+    if odd:
+        if class_reads_flag and method is not None and not a.has_star_args(call):
+            kv = a.get_arg(call, a.KV_CACHE)
+            if kv is not None and not a.is_none(kv.value):
+                raise Unsupported("the call is not directly in a method: its bypass cannot be delimited")
+        return None
+    assert method is not None
+    slot = bp._find_call_slot(method, call)
+    pieces = bp._collect_pieces(cls, method, call, slot)
+    if not pieces.any_bypass():
+        return None
+    if slot is None:
+        raise Unsupported("the call is not a statement of its own in a block")
+
+    guards = set(pieces.guard_args) | ({pieces.guard_assigned} if pieces.guard_assigned else set())
+    if pieces.guard_other:
+        raise Unsupported("the guard name is assigned something other than `not self._fp8_kv`")
+
+    remove: list[cst.BaseStatement] = []
+    init = a.find_method(cls, "__init__")
+    if init is not None:
+        for flag_slot, value in a.self_assignments(init).get(a.FP8_FLAG, []):
+            if any(isinstance(n, cst.Call) for n in a.walk_all(value)):
+                raise Unsupported("`self._fp8_kv` is assigned a call, which removing would skip")
+            remove.append(flag_slot.statement)
+    if pieces.guard_assigned is not None:
+        remove += [
+            s
+            for s in slot.before()
+            if (pair := a.simple_assignment(s))
+            and isinstance(pair[0], cst.Name)
+            and pair[0].value == pieces.guard_assigned
+        ]
+    post = _post_call_block(method, slot, guards)
+    if post is not None:
+        remove.append(post)
+        test = post.test
+        if isinstance(test, cst.UnaryOperation):
+            assert isinstance(test.expression, cst.Name)
+            guards.add(test.expression.value)
+
+    unwrap = []
+    for param in (a.KV_CACHE, a.INDEX_CACHE):
+        arg = a.get_arg(call, param)
+        guard = bp._guard_of(arg)
+        if arg is not None and guard is not None:
+            guards.add(guard)
+            unwrap.append(arg)
+
+    _check_nothing_left(cls, method, remove, unwrap, guards, positions)
+    for block_slot in {id(s.block): s for s in _slots_of(cls, remove)}.values():
+        if all(any(st is r for r in remove) for st in block_slot.block.body):
+            raise Unsupported("removing the bypass would leave an empty block")
+
+    insert_kv_fn = a.find_method(cls, a.INSERT_KV)
+    plan = RevertPlan(
+        cls=cls,
+        call=call,
+        call_statement=slot.statement,
+        unwrap_args=unwrap,
+        remove=remove,
+        insert_kv="keep",
+        old_insert_kv=None,
+        insert_kv_code="",
+        metadata_import=None,
+        pieces=pieces.present(),
+    )
+    if pieces.insert_kv == "slots":
+        assert insert_kv_fn is not None
+        _plan_insert_kv(module, found, slot, insert_kv_fn, post, plan)
+    elif pieces.insert_kv == "other" and post is not None:
+        raise Unsupported(
+            "`_insert_kv` is neither the attn_metadata form nor the slot-mapping one: cannot restore it"
+        )
+    return plan
+
+
+def _post_call_block(method: cst.FunctionDef, slot: a.StatementSlot, guards: set[str]) -> cst.If | None:
+    """``if not <guard>:`` (or ``if self._fp8_kv:``) after the call: slices, then ``self._insert_kv(...)``."""
+    for index, stmt in enumerate(slot.after()):
+        if not any(bp._is_insert_kv_call(n) for n in a.walk_all(stmt)):
+            continue
+        if not isinstance(stmt, cst.If) or stmt.orelse is not None:
+            raise Unsupported("the post-call `self._insert_kv(...)` is not in an `if not <guard>:` block")
+        test = stmt.test
+        guarded = a.self_attr(test) == a.FP8_FLAG or (
+            isinstance(test, cst.UnaryOperation)
+            and isinstance(test.operator, cst.Not)
+            and isinstance(test.expression, cst.Name)
+            and (test.expression.value in guards or test.expression.value == bp.GUARD_NAME)
+        )
+        if not guarded:
+            raise Unsupported("the post-call `self._insert_kv(...)` is not under `if not <guard>:`")
+        assigned: set[str] = set()
+        inserts = 0
+        body = stmt.body.body if isinstance(stmt.body, cst.IndentedBlock) else ()
+        for inner in body:
+            pair = a.simple_assignment(inner)
+            call = a.expression_call(inner)
+            if pair is not None and isinstance(pair[0], cst.Name):
+                assigned.add(pair[0].value)
+            elif call is not None and bp._is_insert_kv_call(call):
+                inserts += 1
+            else:
+                raise Unsupported(
+                    "the post-call block holds more than slices and `self._insert_kv(...)`: "
+                    "it cannot be removed as a whole"
+                )
+        if inserts != 1:
+            raise Unsupported("the post-call block does not hold exactly one `self._insert_kv(...)`")
+        later = set()
+        for after in slot.after()[index + 1 :]:
+            later |= a.names_read(after)
+        if assigned & later:
+            raise Unsupported(
+                f"names set in the post-call block are used after it: {', '.join(sorted(assigned & later))}"
+            )
+        return stmt
+    return None
+
+
+def _slots_of(cls: cst.ClassDef, statements: list[cst.BaseStatement]) -> list[a.StatementSlot]:
+    found = []
+    for fn in a.methods(cls):
+        for slot in a.statement_slots(fn):
+            if any(slot.statement is s for s in statements):
+                found.append(slot)
+    return found
+
+
+def _within(node: cst.CSTNode, roots: list[cst.CSTNode]) -> bool:
+    return any(any(n is node for n in a.walk_all(r)) for r in roots)
+
+
+def _check_nothing_left(
+    cls: cst.ClassDef,
+    method: cst.FunctionDef,
+    remove: list[cst.BaseStatement],
+    unwrap: list[cst.Arg],
+    guards: set[str],
+    positions,
+) -> None:
+    """After the removal no read of the flag or of a guard may remain."""
+    gone: list[cst.CSTNode] = [*remove, *(arg.value.test for arg in unwrap)]  # type: ignore[attr-defined]
+    removed_nodes = {id(n) for root in gone for n in a.walk_all(root)}
+    for node in a.walk_all(cls.body):
+        if id(node) in removed_nodes:
+            continue
+        if a.self_attr(node) == a.FP8_FLAG:
+            line = positions[node].start.line if node in positions else "?"
+            raise Unsupported(f"`self._fp8_kv` is also used at line {line}, outside the bypass")
+    for node in a.walk_scope(method.body):
+        if id(node) in removed_nodes:
+            continue
+        if isinstance(node, cst.Name) and node.value in guards:
+            line = positions[node].start.line if node in positions else "?"
+            raise Unsupported(f"the guard `{node.value}` is also used at line {line}, outside the bypass")
+
+
+def _plan_insert_kv(
+    module: cst.Module,
+    found: bp._FoundCall,
+    slot: a.StatementSlot,
+    fn: cst.FunctionDef,
+    post: cst.If | None,
+    plan: RevertPlan,
+) -> None:
+    """Restore the attn_metadata ``_insert_kv``, or remove the one the rewrite added."""
+    cls, method, call = found.cls, found.method, found.call
+    assert cls is not None and method is not None
+    post_calls = {id(n) for n in a.walk_all(post)} if post is not None else set()
+    for node in a.walk_all(cls.body):
+        if bp._is_insert_kv_call(node) and id(node) not in post_calls:
+            raise Unsupported("`_insert_kv` is also called outside the bypass: its signature must stay")
+
+    imports = a.module_imports(module)
+    metadata = [
+        i
+        for i in imports
+        if i.bound in (MAIN_METADATA, INDEX_METADATA)
+        and i.alias.asname is None
+        and any(isinstance(s, cst.ImportFrom) for s in i.statement.body)
+    ]
+    if not metadata:
+        # The attn_metadata form asserts on the metadata classes: a file that
+        # imports neither never had it, so the rewrite added the method.
+        plan.insert_kv = "remove"
+        plan.old_insert_kv = fn
+        plan.drop_imports = {a.RESHAPE_OP}
+        return
+
+    if not any(i.bound == FORWARD_CONTEXT for i in imports):
+        raise Unsupported(f"`{FORWARD_CONTEXT}` is not imported: cannot restore the attn_metadata _insert_kv")
+    init = a.find_method(cls, "__init__")
+    if init is None:
+        raise Unsupported(f"class {cls.name.value} has no __init__")
+    caches, _ = bp._cache_args(call, method, slot)
+    init_attrs = a.self_assignments(init)
+    w = bp._widths(call, method, slot, init_attrs)
+    _, dtype_attr = bp._dtype_anchor(init, init_attrs)
+    if dtype_attr is None:
+        raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
+    namespace = bp._op_namespace(call)
+    if namespace is None and not any(i.bound == a.RESHAPE_OP for i in imports):
+        raise Unsupported(f"`{a.RESHAPE_OP}` is not imported: cannot restore the attn_metadata _insert_kv")
+    reshape = a.RESHAPE_OP if namespace is None else f"{namespace}.{a.RESHAPE_OP}"
+
+    holder = metadata[0].statement.body
+    plan.metadata_import = next(
+        s for s in holder if isinstance(s, cst.ImportFrom) and metadata[0].alias in s.names
+    )
+    bound = {i.bound for i in imports}
+    plan.add_imports = [n for n in (INDEX_METADATA, MAIN_METADATA) if n not in bound]
+    plan.insert_kv = "restore"
+    plan.old_insert_kv = fn
+    plan.insert_kv_code = bp._render(
+        INSERT_KV_METADATA,
+        module.default_newline,
+        module.default_indent,
+        found.class_depth + 1,
+        main_key=_metadata_key(method, call, a.SLOT_MAPPING, slot),
+        index_key=_metadata_key(method, call, a.INDEX_SLOT_MAPPING, slot),
+        main_metadata=MAIN_METADATA,
+        index_metadata=INDEX_METADATA,
+        kv_cache=caches[a.KV_CACHE.keyword],
+        index_cache=caches[a.INDEX_CACHE.keyword],
+        num_kv_heads=w.num_kv_heads,
+        head_dim=w.head_dim,
+        idx_head_dim=w.idx_head_dim,
+        dtype=dtype_attr,
+        reshape=reshape,
+    )
+
+
+def _metadata_key(method: cst.FunctionDef, call: cst.Call, param: a.OpParam, slot: a.StatementSlot) -> str:
+    """``fwd_slot_mapping[<key>]`` (directly or through a local) -> the code of ``<key>``."""
+    arg = a.get_arg(call, param)
+    value = arg.value if arg is not None else None
+    if isinstance(value, cst.Name):
+        value = a.local_value(method, value.value, slot)
+    if (
+        isinstance(value, cst.Subscript)
+        and len(value.slice) == 1
+        and isinstance(value.slice[0].slice, cst.Index)
+        and a.is_pure(value.slice[0].slice.value)
+    ):
+        return a.code(value.slice[0].slice.value)
+    raise Unsupported(
+        f"`{param.keyword}` is not `<slot mappings>[<layer key>]`: cannot tell which attn_metadata "
+        "entry the restored _insert_kv reads"
+    )
+
+
+# --- the transformer -------------------------------------------------------------
+
+
+def _kept_comments(lines) -> list[cst.EmptyLine]:
+    return [line for line in strip_bypass_comments(list(lines)) if line.comment is not None]
+
+
+class Fp8KvRevert(cst.CSTTransformer):
+    """Apply one ``RevertPlan``."""
+
+    def __init__(self, module: cst.Module, plan: RevertPlan) -> None:
+        super().__init__()
+        self.module = module
+        self.plan = plan
+        self.remove = list(plan.remove)
+        if plan.insert_kv == "remove" and plan.old_insert_kv is not None:
+            self.remove.append(plan.old_insert_kv)
+
+    def _removed(self, node: cst.CSTNode) -> bool:
+        return any(node is r for r in self.remove)
+
+    def leave_Arg(self, original: cst.Arg, updated: cst.Arg) -> cst.Arg:
+        if any(original is arg for arg in self.plan.unwrap_args):
+            assert isinstance(updated.value, cst.IfExp)
+            return updated.with_changes(value=updated.value.body)
+        return updated
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+        if self.plan.insert_kv == "restore" and original is self.plan.old_insert_kv:
+            (new,) = bp._statements(self.plan.insert_kv_code, self.module)
+            assert isinstance(new, cst.FunctionDef)
+            return new.with_changes(leading_lines=original.leading_lines, decorators=original.decorators)
+        return updated
+
+    def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
+        if original is not self.plan.metadata_import:
+            return updated
+        for name in self.plan.add_imports:
+            updated = add_import_alias(updated, name)
+        return updated
+
+    def leave_IndentedBlock(
+        self, original: cst.IndentedBlock, updated: cst.IndentedBlock
+    ) -> cst.IndentedBlock:
+        if not any(self._removed(s) or s is self.plan.call_statement for s in original.body):
+            return updated
+        body: list[cst.BaseStatement] = []
+        carried: list[cst.EmptyLine] = []
+        for orig, new in zip(original.body, updated.body, strict=True):
+            if self._removed(orig):
+                carried += _kept_comments(new.leading_lines)
+                continue
+            if orig is self.plan.call_statement:
+                new = new.with_changes(leading_lines=strip_bypass_comments(list(new.leading_lines)))
+            if carried:
+                new = new.with_changes(leading_lines=[*carried, *new.leading_lines])
+                carried = []
+            body.append(new)
+        footer = [*carried, *updated.footer] if carried else updated.footer
+        return updated.with_changes(body=body, footer=footer)
+
+
+def add_import_alias(imp: cst.ImportFrom, name: str) -> cst.ImportFrom:
+    """Add ``name`` to a from-import, in sorted place when the names are sorted
+    (isort's order: constants, classes, then the rest), else at the end; the
+    punctuation is copied from the neighbours (the inverse of removing one)."""
+    assert not isinstance(imp.names, cst.ImportStar)
+    names = list(imp.names)
+
+    def key(text: str) -> tuple[int, str]:
+        kind = 0 if text.isupper() else 1 if text[:1].isupper() else 2
+        return kind, text.lower()
+
+    keys = [key(a.code(n.name)) for n in names]
+    index = len(names)
+    if keys == sorted(keys):
+        index = next((i for i, k in enumerate(keys) if k > key(name)), len(names))
+    middle = next(
+        (n.comma for n in names[:-1] if isinstance(n.comma, cst.Comma)),
+        cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")),
+    )
+    if index == len(names):
+        new = cst.ImportAlias(name=cst.Name(name), comma=names[-1].comma)
+        names[-1] = names[-1].with_changes(comma=middle)
+    else:
+        new = cst.ImportAlias(name=cst.Name(name), comma=middle)
+    names.insert(index, new)
+    return imp.with_changes(names=names)
+
+
+def apply_revert(module: cst.Module, plan: RevertPlan) -> cst.Module:
+    new = module.visit(Fp8KvRevert(module, plan))
+    if plan.drop_imports:
+        new = bp.remove_unused_imports(new, plan.drop_imports)
+    return new
+
+
+def revert(analysis: RevertAnalysis) -> cst.Module:
+    module = analysis.module
+    assert len(analysis.plans) <= 1, "analyze_revert() refuses files with several bypassed sites"
+    for plan in analysis.plans:
+        module = apply_revert(module, plan)
+    return module

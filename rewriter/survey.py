@@ -1,0 +1,75 @@
+"""``survey``: every target's vLLM release, sites, states and what ``run`` would do.
+
+Files are planned exactly as ``check`` plans them (``plan_file``), in a
+process pool when there are several jobs: each worker takes files in chunks
+and sends back a light result (no syntax trees, no source bytes). One job
+never starts a pool. vllm and torch are never imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from rewriter.apply import FileResult, plan_file
+from rewriter.commands import Report
+from rewriter.targets import Target
+
+# Chunks per worker: enough to balance uneven files, few enough to keep the
+# per-task overhead (pickling, queue round trips) small.
+CHUNKS_PER_JOB = 4
+
+
+def default_jobs() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def survey_file(path: Path) -> FileResult:
+    """``check``'s plan of one file, stripped to what the report shows."""
+    result = plan_file(path)
+    return dataclasses.replace(
+        result,
+        sites=[dataclasses.replace(site, plan=None) for site in result.sites],
+        diff="",
+        original=b"",
+        new=None,
+    )
+
+
+def survey(
+    targets: list[Target],
+    jobs: int | None = None,
+    advance: Callable[[], None] | None = None,
+) -> Report:
+    """Plan every target (nothing is written); ``advance`` is called after each file."""
+    jobs = max(1, min(jobs or default_jobs(), len(targets)))
+    paths = [t.path for t in targets]
+    tick = advance or (lambda: None)
+    files: list[FileResult] = []
+    if jobs == 1:
+        for path in paths:
+            files.append(survey_file(path))
+            tick()
+    else:
+        chunksize = max(1, math.ceil(len(paths) / (jobs * CHUNKS_PER_JOB)))
+        with _context().Pool(jobs) as pool:
+            for result in pool.imap(survey_file, paths, chunksize):
+                files.append(result)
+                tick()
+    return Report("survey", targets, files)
+
+
+def _context():
+    # fork: workers start with libcst already imported (spawn would import it
+    # again in each); elsewhere the platform's default.
+    if sys.platform.startswith("linux"):
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context()

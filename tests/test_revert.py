@@ -1,0 +1,421 @@
+"""revert: the structural inverse of run, byte for byte, and its refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import libcst as cst
+import pytest
+from conftest import FIXTURES, cli
+from test_codemod import AFTER, BEFORE, variant
+
+from codemods.fp8_kv_bypass import Action, SiteState, analyze, rewrite
+from codemods.fp8_kv_revert import add_import_alias, analyze_revert, revert
+from rewriter import commands
+from rewriter.apply import FileStatus, plan_revert_file
+from rewriter.targets import Target
+
+BEFORE_STATES = ["fork_era", "reformatted", "no_insert_kv"]
+# Variants whose revert changes model.py -> the hand-written clean file whose body it must equal.
+REVERTED = {
+    "patched": "fork_era",
+    "half_applied": "fork_era",
+    "patch_fuzz": "fork_era",
+    "native_stale_bypass": "native",
+}
+ALL = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+
+
+def copy(path: Path, tmp_path: Path, name: str = "model.py") -> Path:
+    target = tmp_path / name
+    shutil.copyfile(path, target)
+    return target
+
+
+def body(data: bytes) -> bytes:
+    """Without the fixture's leading `# mm3-codemod fixture: …` comment block."""
+    lines = data.splitlines(keepends=True)
+    while lines and lines[0].startswith(b"#"):
+        lines.pop(0)
+    return b"".join(lines)
+
+
+def run_file(path: Path) -> FileStatus:
+    return commands.run([Target(path, "test")]).files[0].status
+
+
+def revert_file(path: Path) -> FileStatus:
+    return commands.revert([Target(path, "test")]).files[0].status
+
+
+# --- round trips ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", BEFORE_STATES)
+def test_revert_of_run_is_the_original(name: str, tmp_path: Path) -> None:
+    original = (FIXTURES / name / "model.py").read_bytes()
+    target = copy(FIXTURES / name / "model.py", tmp_path)
+    assert run_file(target) is FileStatus.REWRITTEN
+    assert target.read_bytes() == (FIXTURES / name / "expected.py").read_bytes()
+    assert revert_file(target) is FileStatus.REWRITTEN
+    assert target.read_bytes() == original
+    assert revert_file(target) is FileStatus.UNCHANGED  # a second revert finds nothing
+
+
+@pytest.mark.parametrize("name", BEFORE_STATES)
+def test_run_of_revert_is_the_patched_file(name: str, tmp_path: Path) -> None:
+    patched = (FIXTURES / name / "expected.py").read_bytes()
+    target = copy(FIXTURES / name / "expected.py", tmp_path)
+    assert revert_file(target) is FileStatus.REWRITTEN
+    assert target.read_bytes() == (FIXTURES / name / "model.py").read_bytes()
+    assert run_file(target) is FileStatus.REWRITTEN
+    assert target.read_bytes() == patched
+
+
+@pytest.mark.parametrize("name", sorted(REVERTED))
+def test_revert_leaves_a_clean_file(name: str, tmp_path: Path) -> None:
+    """The seed's own patch, the half-applied merges and the stale native bypass."""
+    reverted = (FIXTURES / name / "reverted.py").read_bytes()
+    clean = FIXTURES / REVERTED[name] / "model.py"
+    assert body(reverted) == body(clean.read_bytes())  # reverted.py is the hand-written clean file
+    target = copy(FIXTURES / name / "model.py", tmp_path)
+    assert revert_file(target) is FileStatus.REWRITTEN
+    assert target.read_bytes() == reverted
+    assert revert_file(target) is FileStatus.UNCHANGED
+
+
+@pytest.mark.parametrize("name", sorted(REVERTED))
+def test_run_after_revert(name: str, tmp_path: Path) -> None:
+    """What holds for the variants that are not run's own output: run then writes
+    exactly what it writes for the clean file, and revert goes back again."""
+    clean = REVERTED[name]
+    target = copy(FIXTURES / name / "reverted.py", tmp_path)
+    status = run_file(target)
+    after_run = target.read_bytes()
+    assert body(after_run) == body((FIXTURES / clean / "expected.py").read_bytes())
+    assert status is (FileStatus.UNCHANGED if clean == "native" else FileStatus.REWRITTEN)
+    revert_file(target)
+    assert target.read_bytes() == (FIXTURES / name / "reverted.py").read_bytes()
+
+
+@pytest.mark.parametrize("name", ["half_applied", "patch_fuzz"])
+def test_revert_of_completed_half_applied_files(name: str, tmp_path: Path) -> None:
+    target = copy(FIXTURES / name / "expected.py", tmp_path)
+    revert_file(target)
+    assert target.read_bytes() == (FIXTURES / name / "reverted.py").read_bytes()
+
+
+def test_the_seed_patch_cannot_come_back_byte_for_byte(tmp_path: Path) -> None:
+    """run(revert(y)) == y holds for run's own output only: the seed's comments and
+    wide index_k slice are not what run writes. It ends in run's patched form."""
+    target = copy(FIXTURES / "patched" / "model.py", tmp_path)
+    revert_file(target)
+    run_file(target)
+    assert target.read_bytes() != (FIXTURES / "patched" / "model.py").read_bytes()
+    assert body(target.read_bytes()) == body((FIXTURES / "fork_era" / "expected.py").read_bytes())
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_revert_is_idempotent_on_every_fixture(name: str, tmp_path: Path) -> None:
+    target = copy(FIXTURES / name / "model.py", tmp_path)
+    first = commands.revert([Target(target, "test")])
+    assert first.exit_code == 0
+    once = target.read_bytes()
+    second = plan_revert_file(target)
+    assert second.status in (FileStatus.UNCHANGED, FileStatus.NO_SITES)
+    assert target.read_bytes() == once
+    if name not in REVERTED:
+        assert once == (FIXTURES / name / "model.py").read_bytes()  # nothing to revert
+
+
+# --- the codemod on inline files ------------------------------------------------------------
+
+
+def reverted(source: str) -> str:
+    return revert(analyze_revert(cst.parse_module(source))).code
+
+
+def run(source: str) -> str:
+    return rewrite(analyze(cst.parse_module(source))).code
+
+
+def only_revert_site(source: str):
+    (site,) = [s for s in analyze_revert(cst.parse_module(source)).sites if s.action is not Action.NONE]
+    return site
+
+
+def test_inline_before_after() -> None:
+    assert reverted(AFTER) == BEFORE
+    assert reverted(BEFORE) == BEFORE
+    site = only_revert_site(AFTER)
+    assert (site.state, site.action) == (SiteState.PATCHED, Action.REVERT)
+    assert "_insert_kv removed" in site.reason
+
+
+@pytest.mark.parametrize(
+    "edits",
+    [
+        # a bare callee: run imports reshape_and_cache_flash beside it, revert drops it again
+        (
+            (
+                "from vllm import _custom_ops as ops\n",
+                "from vllm._custom_ops import fused_minimax_m3_qknorm_rope_kv_insert\n",
+            ),
+            ("        ops.fused", "        fused"),
+        ),
+        (("        ops.fused", "        torch.ops._C.fused"),),
+        # a local holding the cache, and a taken local name (k -> k_fp8)
+        (
+            ("        ops.fused", "        cache = self.kv_cache\n        ops.fused"),
+            ("self.kv_cache, self.index_cache, 128", "cache, self.index_cache, 128"),
+            ("        return q, index_q", "        k = 0\n        return q, index_q, k"),
+        ),
+    ],
+    ids=["bare-callee", "torch-ops", "local-cache-and-taken-name"],
+)
+def test_inline_round_trips(edits) -> None:
+    source = variant(BEFORE, *edits)
+    out = run(source)
+    assert out != source
+    assert reverted(out) == source
+
+
+def test_tabs_and_crlf_round_trip() -> None:
+    source = BEFORE.replace("    ", "\t").replace("\n", "\r\n")
+    assert reverted(run(source)) == source
+
+
+def test_an_unknown_comment_above_the_guard_is_kept() -> None:
+    with_note = variant(
+        AFTER,
+        (
+            "        # fp8 KV cache: cache arguments None",
+            "        # NOTE: keep in sync with the AMD path.\n        # fp8 KV cache: cache arguments None",
+        ),
+    )
+    out = reverted(with_note)
+    assert "        # NOTE: keep in sync with the AMD path.\n        ops.fused" in out
+    assert "insert_via_fused" not in out and "_fp8_kv" not in out
+
+
+def test_metadata_form_restored_with_its_import() -> None:
+    """A class whose file imports the metadata classes had the attn_metadata _insert_kv."""
+    before = variant(
+        BEFORE,
+        (
+            "from vllm import _custom_ops as ops\n",
+            "from vllm import _custom_ops as ops\n"
+            "from vllm.forward_context import get_forward_context\n"
+            "from vllm.models.minimax_m3.common.sparse_attention import MiniMaxM3IndexerMetadata\n",
+        ),
+        (
+            "    def forward(self, positions, qkv, slots, index_slots, q, index_q):\n",
+            "    def forward(self, positions, qkv, index_q, q):\n"
+            "        slot_map = get_forward_context().slot_mapping\n"
+            "        slots = slot_map[self.layer_name]\n"
+            "        index_slots = slot_map[self.indexer.prefix]\n",
+        ),
+        (
+            "        return q, index_q",
+            "        meta: MiniMaxM3IndexerMetadata = None\n        return q, index_q",
+        ),
+    )
+    out = reverted(run(before))
+    assert (
+        "from vllm.models.minimax_m3.common.sparse_attention import MiniMaxM3IndexerMetadata, "
+        "MiniMaxM3SparseMetadata\n" in out
+    )
+    assert "        main_meta = attn_metadata[self.layer_name]\n" in out
+    assert "        index_meta = attn_metadata[self.indexer.prefix]\n" in out
+    assert "            main_meta.slot_mapping,\n" in out
+    assert "_fp8_kv" not in out and "insert_via_fused" not in out
+    site = only_revert_site(run(before))
+    assert "attn_metadata form" in site.reason
+    # the restored file is a clean fork-era one: run rewrites it again
+    assert [s.state for s in analyze(cst.parse_module(out)).sites] == [SiteState.NEEDS_BYPASS]
+
+
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        (("        return q, index_q\n", "        return q, index_q, insert_via_fused\n"), "guard"),
+        (
+            ("    def forward(", "    def is_fp8(self):\n        return self._fp8_kv\n\n    def forward("),
+            "`self._fp8_kv` is also used",
+        ),
+        (
+            ("            self._insert_kv(k, v", "            print(k)\n            self._insert_kv(k, v"),
+            "more than slices",
+        ),
+        (("        return q, index_q\n", "        return q, index_q, k\n"), "used after it"),
+        (
+            (
+                "    def forward(",
+                "    def again(self, a, b, c, d, e):\n        self._insert_kv(a, b, c, d, e)\n\n    def forward(",
+            ),
+            "called outside the bypass",
+        ),
+        (("        if not insert_via_fused:\n", "        if True:\n"), "not under"),
+        (
+            ('self._fp8_kv = "fp8" in self.kv_cache_dtype', "self._fp8_kv = is_fp8(self.kv_cache_dtype)"),
+            "assigned a call",
+        ),
+    ],
+    ids=[
+        "guard-read-elsewhere",
+        "flag-read-elsewhere",
+        "extra-statement-in-block",
+        "slice-used-later",
+        "insert-kv-other-caller",
+        "unguarded-block",
+        "flag-from-a-call",
+    ],
+)
+def test_refusals(edit: tuple[str, str], reason: str) -> None:
+    source = variant(AFTER, edit)
+    compile(source, "<variant>", "exec")
+    site = only_revert_site(source)
+    assert site.action is Action.REFUSE, site.reason
+    assert reason in site.reason
+
+
+@pytest.mark.parametrize(
+    ("before", "name", "after"),
+    [
+        ("from m import A, C\n", "B", "from m import A, B, C\n"),
+        ("from m import A\n", "B", "from m import A, B\n"),
+        ("from m import B\n", "A", "from m import A, B\n"),
+        ("from m import (\n    A,\n    C,\n)\n", "B", "from m import (\n    A,\n    B,\n    C,\n)\n"),
+        ("from m import (\n    A,\n    B,\n)\n", "C", "from m import (\n    A,\n    B,\n    C,\n)\n"),
+        ("from m import (\n    A,\n    B\n)\n", "C", "from m import (\n    A,\n    B,\n    C\n)\n"),
+        # isort order: classes before functions
+        ("from m import Alpha, select\n", "Beta", "from m import Alpha, Beta, select\n"),
+        # not sorted: appended
+        ("from m import C, A\n", "B", "from m import C, A, B\n"),
+    ],
+)
+def test_add_import_alias(before: str, name: str, after: str) -> None:
+    module = cst.parse_module(before)
+    (stmt,) = module.body
+    imp = stmt.body[0]
+    new = module.with_changes(body=[stmt.with_changes(body=[add_import_alias(imp, name)])])
+    assert new.code == after
+
+
+# --- the CLI -----------------------------------------------------------------------------------
+
+
+def test_cli_revert_check_diff_and_write(tmp_path: Path) -> None:
+    target = copy(FIXTURES / "fork_era" / "expected.py", tmp_path)
+    patched = target.read_bytes()
+
+    proc = cli("revert", "--check", str(target))
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert "patched -> revert" in proc.stderr and "1 file would be reverted." in proc.stderr
+    assert "run `mm3-codemod revert`" in proc.stderr
+    assert target.read_bytes() == patched
+
+    proc = cli("revert", "--diff", str(target))
+    assert proc.returncode == 1
+    assert proc.stdout.startswith(f"--- {target}\n+++ {target}\n")
+    assert "-        insert_via_fused = not self._fp8_kv\n" in proc.stdout
+    assert "+    MiniMaxM3SparseMetadata,\n" in proc.stdout
+    assert target.read_bytes() == patched
+
+    proc = cli("revert", "--json", "--backup", str(target))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["command"] == "revert" and report["exit_code"] == 0
+    (entry,) = report["files"]
+    assert entry["status"] == "rewritten"
+    site = next(s for s in entry["sites"] if s["action"] == "revert")
+    assert site["state"] == "patched" and site["class"] == "MiniMaxM3SparseAttention"
+    assert target.read_bytes() == (FIXTURES / "fork_era" / "model.py").read_bytes()
+    assert Path(entry["backup"]).read_bytes() == patched
+
+    proc = cli("revert", "--exit-non-zero-on-fix", str(target))
+    assert proc.returncode == 0  # nothing left to revert
+    assert "1 file left unchanged." in proc.stderr
+
+
+def test_cli_revert_exit_non_zero_on_fix_and_show_diff(tmp_path: Path) -> None:
+    target = copy(FIXTURES / "no_insert_kv" / "expected.py", tmp_path)
+    proc = cli("revert", "--exit-non-zero-on-fix", "--show-diff", str(target))
+    assert proc.returncode == 1
+    assert "-    def _insert_kv(\n" in proc.stdout
+    assert "1 file reverted." in proc.stderr
+    assert target.read_bytes() == (FIXTURES / "no_insert_kv" / "model.py").read_bytes()
+
+
+def test_cli_revert_is_all_or_nothing(tmp_path: Path) -> None:
+    good = copy(FIXTURES / "fork_era" / "expected.py", tmp_path, "good.py")
+    bad = copy(FIXTURES / "fork_era" / "expected.py", tmp_path, "bad.py")
+    # The sparse layer's forward (the last `return output`) reads the guard once more.
+    text = bad.read_text().rsplit("        return output\n", 1)
+    bad.write_text("        return output, insert_via_fused\n".join(text))
+    before = good.read_bytes(), bad.read_bytes()
+    proc = cli("revert", str(good), str(bad))
+    assert proc.returncode == 2
+    assert (good.read_bytes(), bad.read_bytes()) == before
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(bad) in errors[0] and "refused" in errors[0]
+    assert "the guard `insert_via_fused` is also used" in proc.stderr
+
+
+def test_run_refusal_on_a_stale_native_bypass_points_to_revert(tmp_path: Path) -> None:
+    target = copy(FIXTURES / "native_stale_bypass" / "model.py", tmp_path)
+    proc = cli("run", str(target))
+    assert proc.returncode == 2
+    assert "mm3-codemod revert" in proc.stderr
+    proc = cli("revert", str(target))
+    assert proc.returncode == 0, proc.stderr
+    assert cli("check", str(target)).returncode == 0  # a clean native call now
+
+
+def test_revert_over_a_vllm_root(tmp_path: Path) -> None:
+    from conftest import make_vllm_tree
+
+    nvidia = make_vllm_tree(
+        tmp_path,
+        {
+            "model.py": (FIXTURES / "half_applied" / "model.py").read_bytes(),
+            "mtp.py": b"# no fused op here\n",
+        },
+        init="raise RuntimeError('vllm was imported')\n",
+    )
+    proc = cli("revert", "--json", "--vllm-root", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    statuses = {Path(f["path"]).name: f["status"] for f in json.loads(proc.stdout)["files"]}
+    assert statuses == {"model.py": "rewritten", "mtp.py": "no-sites"}
+    assert (nvidia / "model.py").read_bytes() == (FIXTURES / "half_applied" / "reverted.py").read_bytes()
+
+
+STALE = (FIXTURES / "native_stale_bypass" / "model.py").read_text()
+GUARD_LINE = "        insert_via_fused = not self._fp8_kv\n"
+FLAG_LINE = '        self._fp8_kv = "fp8" in self.kv_cache_dtype\n'
+POST_BLOCK = STALE[
+    STALE.index("        if not insert_via_fused:\n") : STALE.index("        return self.attend")
+]
+GUARDED = "self.kv_cache if insert_via_fused else None,\n            self.indexer.index_cache.kv_cache if insert_via_fused else None,"
+PLAIN = "self.kv_cache,\n            self.indexer.index_cache.kv_cache,"
+
+
+@pytest.mark.parametrize(
+    "edits",
+    [
+        ((GUARD_LINE, ""),),  # the guard assignment lost in the merge (NameError)
+        ((GUARD_LINE, ""), (FLAG_LINE, "")),
+        ((GUARD_LINE, ""), (POST_BLOCK, ""), (GUARDED, PLAIN)),  # only the flag and _insert_kv
+        ((FLAG_LINE, ""), (POST_BLOCK, "")),  # guard and guarded arguments only
+    ],
+    ids=["no-guard", "no-guard-no-flag", "flag-and-insert-kv", "guard-only"],
+)
+def test_half_applied_stale_bypass_on_a_native_call(edits) -> None:
+    source = variant(STALE, *edits)
+    assert [s.state for s in analyze(cst.parse_module(source)).sites][-1] is SiteState.HALF_APPLIED
+    out = reverted(source)
+    clean = (FIXTURES / "native" / "model.py").read_bytes()
+    assert body(out.encode()) == body(clean)
+    assert [s.state for s in analyze(cst.parse_module(out)).sites][-1] is SiteState.NATIVE

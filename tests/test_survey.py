@@ -1,0 +1,242 @@
+"""survey: versions from distribution metadata, states, what run would do; parallel = serial."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, ROOT, cli, make_vllm_tree
+from test_fixtures import VARIANTS
+from test_real_wheels import PREFIX, VERSIONS, vllm_wheel
+
+from rewriter.survey import survey
+from rewriter.targets import Target, dist_version_beside, resolve
+
+POISON = "raise RuntimeError('{} was imported')\n"
+
+
+@pytest.fixture(scope="module")
+def wheel_sites(tmp_path_factory) -> dict[str, Path]:
+    """Each real wheel laid out as a site-packages: the minimax_m3/nvidia tree and its dist-info."""
+    sites = {}
+    for version in VERSIONS:
+        root = tmp_path_factory.mktemp(f"site-packages-{version}")
+        with zipfile.ZipFile(vllm_wheel(version)) as wheel:
+            for name in wheel.namelist():
+                if (name.startswith(PREFIX) and name.endswith(".py")) or name.endswith(".dist-info/METADATA"):
+                    wheel.extract(name, root)
+        (root / "vllm" / "__init__.py").write_text(POISON.format("vllm"))
+        sites[version] = root
+    return sites
+
+
+def fixture_copies(tmp_path: Path) -> Path:
+    """Every fixture's model.py, as real files (the fixtures folder holds symlinks)."""
+    folder = tmp_path / "fixtures"
+    for name in VARIANTS:
+        (folder / name).mkdir(parents=True)
+        shutil.copyfile(FIXTURES / name / "model.py", folder / name / "model.py")
+    return folder
+
+
+def by_file(report: dict) -> dict[str, dict]:
+    return {f["path"]: f for f in report["files"]}
+
+
+def insert_states(entry: dict) -> list[str]:
+    return [s["state"] for s in entry["sites"] if s["state"] != "not-a-site"]
+
+
+def test_survey_fixtures_and_real_wheels(tmp_path: Path, wheel_sites: dict[str, Path]) -> None:
+    folder = fixture_copies(tmp_path)
+    args = ["survey", "--json", str(folder)]
+    for version in VERSIONS:
+        args += ["--vllm-root", str(wheel_sites[version])]
+    proc = cli(*args)
+    # two_candidates and native_stale_bypass are refused, as check would.
+    assert proc.returncode == 2, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["command"] == "survey" and report["exit_code"] == 2
+    files = by_file(report)
+
+    for name, (states, _) in VARIANTS.items():
+        entry = files[str(folder / name / "model.py")]
+        assert entry["vllm_version"] == "unknown"
+        assert insert_states(entry) == [s.value for s in states], name
+
+    for version, root in wheel_sites.items():
+        model = files[str(root / PREFIX / "model.py")]
+        assert model["vllm_version"] == version
+        assert insert_states(model) == ["native"]
+        native = next(s for s in model["sites"] if s["state"] == "native")
+        assert native["class"] == "MiniMaxM3SparseAttention" and native["action"] == "none"
+        others = [f for p, f in files.items() if p.startswith(str(root)) and not p.endswith("/model.py")]
+        assert others and all(f["vllm_version"] == version for f in others)
+        assert all(f["status"] in ("unchanged", "no-sites") for f in others)
+
+    # The table on stderr: one row per insert site, with version and what run would do.
+    rows = [line for line in proc.stderr.splitlines() if line.startswith("│")]
+    cells = [[c.strip() for c in row.strip("│").split("│")] for row in rows]
+    for version in VERSIONS:
+        native_rows = [c for c in cells if c[0] == version and c[3] == "native"]
+        assert [c[2].split(":")[0] for c in native_rows] == ["MiniMaxM3SparseAttention.forward"]
+        assert native_rows[0][4] == "nothing"
+    fork = next(c for c in cells if c[1].endswith("fork_era/model.py"))
+    assert fork[0] == "unknown" and fork[2] == "MiniMaxM3SparseAttention.forward:276"
+    assert (fork[3], fork[4]) == ("needs-bypass", "rewrite")
+    half = next(c for c in cells if c[1].endswith("half_applied/model.py"))
+    assert (half[3], half[4]) == ("half-applied", "complete")
+    stale = next(c for c in cells if c[1].endswith("native_stale_bypass/model.py"))
+    assert (stale[3], stale[4]) == ("half-applied", "refuse")
+    assert not any("mtp.py" in c[1] for c in cells)  # files without the op: counted, not listed
+    assert "files without the fused op" in proc.stderr
+
+
+def test_jobs_2_gives_the_same_report_as_jobs_1(tmp_path: Path, wheel_sites: dict[str, Path]) -> None:
+    folder = fixture_copies(tmp_path)
+    common = ["survey", "--json", str(folder), "--vllm-root", str(wheel_sites[VERSIONS[0]])]
+    one = cli(*common, "--jobs", "1")
+    two = cli(*common, "-j", "2")
+    assert one.returncode == two.returncode == 2
+    assert json.loads(one.stdout) == json.loads(two.stdout)
+    assert one.stderr == two.stderr
+
+
+def test_library_survey_in_parallel_equals_serial(tmp_path: Path) -> None:
+    names = ["native", "dense_only", "native_stale_bypass", "two_candidates", "no_insert_kv"]
+    targets = [Target(FIXTURES / name / "model.py", "test") for name in names]
+    ticks: list[int] = []
+    serial = survey(targets, jobs=1)
+    parallel = survey(targets, jobs=2, advance=lambda: ticks.append(1))
+    assert len(ticks) == len(targets)
+    assert [f.to_json() for f in parallel.files] == [f.to_json() for f in serial.files]
+    assert all(site.plan is None for f in parallel.files for site in f.sites)  # light results
+
+
+@pytest.mark.parametrize(
+    ("variants", "code"),
+    [
+        (["patched", "native", "dense_only"], 0),
+        (["patched", "fork_era"], 1),
+        (["native", "two_candidates"], 2),
+    ],
+)
+def test_exit_codes_as_check(tmp_path: Path, variants: list[str], code: int) -> None:
+    paths = []
+    for name in variants:
+        target = tmp_path / name / "model.py"
+        target.parent.mkdir()
+        shutil.copyfile(FIXTURES / name / "model.py", target)
+        paths.append(str(target))
+    assert cli("survey", *paths).returncode == code
+    assert cli("check", *paths).returncode == code
+
+
+def test_version_from_metadata_beside_the_package(tmp_path: Path) -> None:
+    make_vllm_tree(tmp_path, {"model.py": (FIXTURES / "native" / "model.py").read_bytes()})
+    info = tmp_path / "vllm-0.29.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.4\nName: vllm\nVersion: 0.29.1\n\nVersion: 9\n")
+    assert dist_version_beside(tmp_path / "vllm") == "0.29.1"
+    (tmp_path / "vllm_flash_attn-2.0.dist-info").mkdir()  # another distribution: ignored
+    assert dist_version_beside(tmp_path / "vllm") == "0.29.1"
+    other = tmp_path / "vllm-0.30.0.dist-info"
+    other.mkdir()
+    (other / "METADATA").write_text("Name: vllm\nVersion: 0.30.0\n")
+    assert dist_version_beside(tmp_path / "vllm") is None  # two disagree: unknown
+
+
+def test_python_option_reads_importlib_metadata(tmp_path: Path) -> None:
+    """--python: the metadata found by that interpreter's importlib.metadata (an
+    editable install keeps it away from the package), never importing vllm."""
+    packages, metadata = tmp_path / "src", tmp_path / "meta"
+    make_vllm_tree(
+        packages, {"model.py": (FIXTURES / "fork_era" / "model.py").read_bytes()}, POISON.format("vllm")
+    )
+    (metadata / "vllm-0.27.3.dist-info").mkdir(parents=True)
+    (metadata / "vllm-0.27.3.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.4\nName: vllm\nVersion: 0.27.3\n"
+    )
+    env = {"PYTHONPATH": f"{packages}:{metadata}"}
+    proc = cli("survey", "--json", "--python", sys.executable, env=env)
+    assert proc.returncode == 1, proc.stderr
+    (entry,) = json.loads(proc.stdout)["files"]
+    assert entry["vllm_version"] == "0.27.3"
+    assert insert_states(entry) == ["needs-bypass"]
+    assert "0.27.3" in proc.stderr
+
+
+def test_torch_and_vllm_are_never_imported(tmp_path: Path) -> None:
+    """survey and revert run with poisoned torch and vllm first on the path."""
+    poison = tmp_path / "poison"
+    for name in ("torch", "vllm"):
+        (poison / name).mkdir(parents=True)
+        (poison / name / "__init__.py").write_text(POISON.format(name))
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in ("fork_era", "patched", "native"):
+        shutil.copyfile(FIXTURES / name / "expected.py", work / f"{name}.py")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from rewriter.cli import app
+        for args in (["survey", "-j", "2", {str(work)!r}], ["revert", {str(work)!r}]):
+            try:
+                app(args, prog_name="mm3-codemod")
+            except SystemExit as exc:
+                assert exc.code == 0, (args, exc.code)
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "vllm"))
+        print("loaded:", loaded)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**__import__("os").environ, "PYTHONPATH": f"{poison}:{ROOT}"},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "loaded: []" in proc.stdout
+    assert "was imported" not in proc.stderr
+    assert (work / "patched.py").read_bytes() == (FIXTURES / "patched" / "reverted.py").read_bytes()
+
+
+def test_progress_bar_only_on_a_terminal_and_never_with_json(tmp_path: Path) -> None:
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i in range(10):  # more targets than the progress threshold, small ones
+        shutil.copyfile(FIXTURES / "native" / "model.py", folder / f"model_{i}.py")
+    assert len(resolve(paths=[folder])) > 8
+    tty = {"TTY_COMPATIBLE": "1"}
+    human = cli("survey", str(folder), env=tty)
+    assert "surveying" in human.stderr
+    as_json = cli("survey", "--json", str(folder), env=tty)
+    json.loads(as_json.stdout)  # stdout is one JSON document
+    assert "surveying" not in as_json.stderr and "surveying" not in as_json.stdout
+    piped = cli("survey", str(folder), env={"TTY_COMPATIBLE": "0"})
+    assert "surveying" not in piped.stderr
+
+
+def test_target_error_is_one_line_exit_2(tmp_path: Path) -> None:
+    proc = cli("survey", "--vllm-root", str(tmp_path))
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert str(tmp_path) in line and "not a vLLM checkout" in line
+
+
+def test_targets_keep_their_version(tmp_path: Path) -> None:
+    make_vllm_tree(tmp_path, {"model.py": b"# nothing\n"})
+    (tmp_path / "vllm-0.25.0.dist-info").mkdir()
+    (tmp_path / "vllm-0.25.0.dist-info" / "METADATA").write_text("Name: vllm\nVersion: 0.25.0\n")
+    (target,) = resolve(vllm_roots=[tmp_path])
+    assert target == Target(target.path, f"--vllm-root {tmp_path}", "0.25.0")
+    (plain,) = resolve(paths=[target.path])
+    assert plain.vllm_version is None
