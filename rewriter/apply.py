@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import glob
 import hashlib
 import os
 import shutil
@@ -22,6 +23,7 @@ import libcst as cst
 from codemods import anchors
 from codemods.fp8_kv_bypass import Action, InsertSite, SiteState, analyze, rewrite
 from codemods.fp8_kv_revert import analyze_revert, revert
+from rewriter import testhook
 
 BOM = b"\xef\xbb\xbf"
 
@@ -71,21 +73,27 @@ def read_bytes(path: Path) -> bytes:
     if path.is_dir():
         raise FileError("is a directory, not a file")
     try:
-        return path.read_bytes()
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise FileError("not a regular file")  # a FIFO or a device would block or never end
+        raw = path.read_bytes()
     except OSError as exc:
         raise FileError(f"cannot read: {exc.strerror or exc}") from exc
+    if b"\0" in raw:
+        raise FileError("binary file (NUL bytes), not Python source")
+    return raw
 
 
 def _parse(raw: bytes) -> cst.Module:
     body = raw[len(BOM) :] if raw.startswith(BOM) else raw
     try:
-        return cst.parse_module(body)
+        module = cst.parse_module(body)
     except cst.ParserSyntaxError as exc:
         raise FileError(
             f"not valid Python (line {exc.raw_line}, column {exc.raw_column}): {exc.message}"
         ) from exc
     except (UnicodeDecodeError, LookupError, SyntaxError) as exc:
         raise FileError(f"cannot decode source: {exc}") from exc
+    return module
 
 
 def _encode(module: cst.Module, bom: bool) -> bytes:
@@ -207,24 +215,111 @@ def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+TEMP_SUFFIX = ".mm3-codemod.tmp"
+
+
+def _temp_prefix(real: Path) -> str:
+    return f".{real.name}."
+
+
+@dataclass
+class StagedWrite:
+    """A rewrite ready to be moved into place: the new bytes are on disk beside
+    the target, fsynced, with its mode (and a backup made, if asked for)."""
+
+    result: FileResult
+    real: Path
+    temp: Path
+    backup: Path | None = None
+
+
 def write_result(result: FileResult, backup: bool = False) -> None:
     """Atomically replace the file with ``result.new``; the link stays a link."""
+    staged = stage_write(result, backup=backup)
+    try:
+        commit_write(staged)
+    except FileError:
+        discard(staged)
+        raise
+
+
+def stage_write(result: FileResult, backup: bool = False) -> StagedWrite:
+    """Check the file is still what was analysed and writable; write the temp file.
+
+    Nothing the user sees changes yet: on any failure the temp file (and the
+    backup) are removed and ``FileError`` is raised.
+    """
     assert result.new is not None
     real = Path(os.path.realpath(result.path))
+    _check_unchanged(real, result.original)
+    try:
+        mode = stat.S_IMODE(real.stat().st_mode)
+    except OSError as exc:
+        raise FileError(f"cannot stat before writing: {exc.strerror or exc}") from exc
+    if not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
+        raise FileError("file is read-only; nothing written")
+    staged = StagedWrite(result, real, _write_temp(real, result.new, mode))
+    if backup:
+        try:
+            staged.backup = _write_backup(real, result.original, mode)
+        except FileError:
+            discard(staged)
+            raise
+    return staged
+
+
+def commit_write(staged: StagedWrite) -> None:
+    """Move the staged temp file over the target (``os.replace``: old or new, never half)."""
+    try:
+        _check_unchanged(staged.real, staged.result.original)
+        os.replace(staged.temp, staged.real)
+    except OSError as exc:
+        raise FileError(f"cannot replace the file: {exc.strerror or exc}; nothing written") from exc
+    testhook.at("replaced")
+    _fsync_dir(staged.real.parent)
+    staged.result.backup = staged.backup
+    staged.result.status = FileStatus.REWRITTEN
+
+
+def discard(staged: StagedWrite) -> None:
+    """Remove what staging wrote (the temp file and the backup)."""
+    for path in (staged.temp, staged.backup):
+        if path is not None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def _check_unchanged(real: Path, original: bytes) -> None:
     try:
         current = real.read_bytes()
     except OSError as exc:
         raise FileError(f"cannot re-read before writing: {exc.strerror or exc}") from exc
-    if digest(current) != digest(result.original):
+    if digest(current) != digest(original):
         raise FileError("changed by someone else since it was read; nothing written, run again")
-    mode = stat.S_IMODE(real.stat().st_mode)
-    if not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
-        raise FileError("file is read-only; nothing written")
-    if backup:
-        result.backup = _backup_path(real)
-        shutil.copy2(real, result.backup)
-    atomic_write(real, result.new, mode)
-    result.status = FileStatus.REWRITTEN
+
+
+def remove_stray_temps(path: Path) -> list[Path]:
+    """Temp files of ``path`` left by a run that was killed mid-write.
+
+    Called with the file's lock held: no other mm3-codemod is writing one.
+    """
+    real = Path(os.path.realpath(path))
+    removed = []
+    try:
+        candidates = list(real.parent.glob(f"{glob.escape(_temp_prefix(real))}*{TEMP_SUFFIX}"))
+    except OSError:
+        return removed
+    for temp in candidates:
+        middle = temp.name[len(_temp_prefix(real)) : -len(TEMP_SUFFIX)]
+        if temp.is_file() and not temp.is_symlink() and "." not in middle:
+            try:
+                temp.unlink()
+                removed.append(temp)
+            except OSError:
+                pass
+    return removed
 
 
 def _backup_path(real: Path) -> Path:
@@ -236,22 +331,84 @@ def _backup_path(real: Path) -> Path:
     return candidate
 
 
-def atomic_write(path: Path, data: bytes, mode: int) -> None:
-    """Temp file in the same folder, fsync, keep the mode, ``os.replace``."""
+def _write_backup(real: Path, data: bytes, mode: int) -> Path:
+    """``<file>.orig`` (or ``.orig.N``), written whole or not at all, never over another."""
+    temp = _write_temp(real, data, mode)
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".mm3-codemod.tmp")
+        shutil.copystat(real, temp)
+        while True:
+            candidate = _backup_path(real)
+            try:
+                os.link(temp, candidate)  # fails if it exists: never overwrites a backup
+                return candidate
+            except FileExistsError:
+                continue
     except OSError as exc:
-        raise FileError(f"cannot create a temporary file beside it: {exc.strerror or exc}") from exc
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except OSError as exc:
+        raise FileError(f"cannot write the backup: {exc.strerror or exc}; nothing written") from exc
+    finally:
         try:
-            os.unlink(tmp)
+            os.unlink(temp)
         except OSError:
             pass
+
+
+def atomic_write(path: Path, data: bytes, mode: int) -> None:
+    """Temp file in the same folder, fsync, keep the mode, ``os.replace``."""
+    temp = _write_temp(path, data, mode)
+    try:
+        os.replace(temp, path)
+    except OSError as exc:
+        _unlink(temp)
         raise FileError(f"cannot write: {exc.strerror or exc}") from exc
+    _fsync_dir(path.parent)
+
+
+def _write_temp(path: Path, data: bytes, mode: int) -> Path:
+    """``data`` in a new fsynced file beside ``path`` with ``mode``; removed again on failure."""
+    try:
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=TEMP_SUFFIX)
+    except OSError as exc:
+        raise FileError(
+            f"cannot create a temporary file beside it: {exc.strerror or exc}; nothing written"
+        ) from exc
+    temp = Path(name)
+    try:
+        try:
+            testhook.at("temp-created")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            testhook.at("temp-written")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(temp, mode)
+        testhook.at("temp-synced")
+    except OSError as exc:
+        _unlink(temp)
+        raise FileError(f"cannot write: {exc.strerror or exc}; nothing written") from exc
+    except BaseException:
+        _unlink(temp)
+        raise
+    return temp
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename durable; not every system can fsync a folder."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -16,6 +16,7 @@ from rewriter.apply import FileStatus
 from rewriter.commands import Report, analyze_targets, example_copy
 from rewriter.commands import revert as revert_targets
 from rewriter.commands import run as run_targets
+from rewriter.locking import DEFAULT_TIMEOUT
 from rewriter.report import print_human, print_json, print_survey, render_diff
 from rewriter.survey import survey as survey_targets
 from rewriter.targets import Target, TargetError, resolve
@@ -59,9 +60,27 @@ FixExit = Annotated[
         "--exit-non-zero-on-fix", help="Exit 1 when a file was written (for pre-commit and other fixers)."
     ),
 ]
+LockWait = Annotated[
+    float,
+    typer.Option(
+        "--lock-timeout",
+        metavar="SECONDS",
+        min=0,
+        help="How long to wait for another mm3-codemod run on the same file.",
+    ),
+]
 
 # survey shows a progress bar (on a terminal) above this many targets.
 PROGRESS_MIN_TARGETS = 8
+
+
+def _say_waiting(timeout: float):
+    def say(path: Path) -> None:
+        _stderr().print(
+            f"waiting for {path}: another mm3-codemod run holds it (up to {timeout:g} s)", soft_wrap=True
+        )
+
+    return say
 
 
 def _stderr(wide: bool = False) -> Console:
@@ -143,13 +162,20 @@ def run(
     backup: Backup = False,
     show_diff: ShowDiff = False,
     exit_non_zero_on_fix: FixExit = False,
+    lock_timeout: LockWait = DEFAULT_TIMEOUT,
     json: Json = False,
     show_all: ShowAll = False,
 ) -> None:
     """Apply the fp8 bypass where needed: validated, atomic, all or nothing."""
     extra = [example_copy()] if example else []
     targets, failed = _targets("run", (paths or []) + extra, python, vllm_root, False)
-    report = failed or run_targets(targets, backup=backup, exit_non_zero_on_fix=exit_non_zero_on_fix)
+    report = failed or run_targets(
+        targets,
+        backup=backup,
+        exit_non_zero_on_fix=exit_non_zero_on_fix,
+        lock_timeout=lock_timeout,
+        on_wait=_say_waiting(lock_timeout),
+    )
     if example and not failed:
         _stderr().print(f"example copied to {extra[0]}", soft_wrap=True)
     if show_diff and not json:
@@ -229,6 +255,7 @@ def revert(
     backup: Backup = False,
     show_diff: ShowDiff = False,
     exit_non_zero_on_fix: FixExit = False,
+    lock_timeout: LockWait = DEFAULT_TIMEOUT,
     json: Json = False,
     show_all: ShowAll = False,
 ) -> None:
@@ -236,7 +263,12 @@ def revert(
     targets, failed = _targets("revert", paths, python, vllm_root, False)
     dry = check or diff
     report = failed or revert_targets(
-        targets, backup=backup, dry_run=dry, exit_non_zero_on_fix=exit_non_zero_on_fix
+        targets,
+        backup=backup,
+        dry_run=dry,
+        exit_non_zero_on_fix=exit_non_zero_on_fix,
+        lock_timeout=lock_timeout,
+        on_wait=_say_waiting(lock_timeout),
     )
     if not json and (diff or show_diff):
         _print_diffs(report, only=None if dry else FileStatus.REWRITTEN)

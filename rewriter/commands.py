@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import enum
+import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rewriter.apply import FileError, FileResult, FileStatus, plan_file, plan_revert_file, write_result
+from rewriter import testhook
+from rewriter.apply import (
+    FileError,
+    FileResult,
+    FileStatus,
+    StagedWrite,
+    commit_write,
+    discard,
+    plan_file,
+    plan_revert_file,
+    remove_stray_temps,
+    stage_write,
+)
+from rewriter.locking import DEFAULT_TIMEOUT, LockTimeout, locked
 from rewriter.targets import Target, example_path
 
 
@@ -57,45 +72,112 @@ def analyze_targets(command: str, targets: list[Target]) -> Report:
     return Report(command, targets, [plan_file(t.path) for t in targets])
 
 
-def run(targets: list[Target], backup: bool = False, exit_non_zero_on_fix: bool = False) -> Report:
+def run(
+    targets: list[Target],
+    backup: bool = False,
+    exit_non_zero_on_fix: bool = False,
+    lock_timeout: float = DEFAULT_TIMEOUT,
+    on_wait: Callable[[Path], None] | None = None,
+) -> Report:
     """Rewrite every target that needs it - all or nothing.
 
-    If any target is refused or fails, nothing at all is written: a vLLM tree
-    is left either fully rewritten or as it was.
+    Every target is locked before it is read and until the last write (a
+    second run waits, then reads what the first wrote). If any target is
+    refused or fails, nothing at all is written: every new file is first
+    staged (written and fsynced beside its target) and only then are they
+    moved into place, so a vLLM tree is left either fully rewritten or as it
+    was (barring a failing rename, which the report names).
     """
-    report = analyze_targets("run", targets)
-    report.exit_non_zero_on_fix = exit_non_zero_on_fix
-    _write_all(report, backup)
-    return report
+
+    def plan() -> Report:
+        report = analyze_targets("run", targets)
+        report.exit_non_zero_on_fix = exit_non_zero_on_fix
+        return report
+
+    return _plan_and_write(targets, plan, backup, lock_timeout, on_wait)
 
 
 def revert(
-    targets: list[Target], backup: bool = False, dry_run: bool = False, exit_non_zero_on_fix: bool = False
+    targets: list[Target],
+    backup: bool = False,
+    dry_run: bool = False,
+    exit_non_zero_on_fix: bool = False,
+    lock_timeout: float = DEFAULT_TIMEOUT,
+    on_wait: Callable[[Path], None] | None = None,
 ) -> Report:
     """Take the fp8 bypass out of every target that carries one - all or nothing, like ``run``."""
-    report = Report(
-        "revert",
-        targets,
-        [plan_revert_file(t.path) for t in targets],
-        dry_run=dry_run,
-        exit_non_zero_on_fix=exit_non_zero_on_fix,
-    )
-    if not dry_run:
-        _write_all(report, backup)
-    return report
+
+    def plan() -> Report:
+        return Report(
+            "revert",
+            targets,
+            [plan_revert_file(t.path) for t in targets],
+            dry_run=dry_run,
+            exit_non_zero_on_fix=exit_non_zero_on_fix,
+        )
+
+    if dry_run:
+        return plan()  # writes nothing: no lock to wait for
+    return _plan_and_write(targets, plan, backup, lock_timeout, on_wait)
+
+
+def _plan_and_write(
+    targets: list[Target],
+    plan: Callable[[], Report],
+    backup: bool,
+    lock_timeout: float,
+    on_wait: Callable[[Path], None] | None,
+) -> Report:
+    """Lock every target, read and plan them, write them all (or none)."""
+    try:
+        with locked([t.path for t in targets], lock_timeout, on_wait):
+            testhook.at("locked")
+            for target in targets:
+                remove_stray_temps(target.path)  # left by a run killed mid-write
+            report = plan()
+            testhook.at("planned")
+            _write_all(report, backup)
+            return report
+    except LockTimeout as exc:
+        report = plan()
+        for result in report.files:
+            if os.path.realpath(result.path) == str(exc.path):
+                result.status = FileStatus.ERROR
+                result.error = f"locked by another mm3-codemod (waited {exc.waited:g} s); nothing written"
+        report.note = "nothing written: a target was locked by another mm3-codemod"
+        return report
 
 
 def _write_all(report: Report, backup: bool) -> None:
+    """Stage every new file, then move them all into place."""
     if any(f.failed for f in report.files):
         report.note = "nothing written: a target was refused or failed"
         return
+    staged: list[StagedWrite] = []
     for result in report.files:
         if result.status is FileStatus.NEEDS_REWRITE:
             try:
-                write_result(result, backup=backup)
+                staged.append(stage_write(result, backup=backup))
             except FileError as exc:
+                for done in staged:
+                    discard(done)
                 result.status = FileStatus.ERROR
                 result.error = str(exc)
+                report.note = "nothing written: a target could not be written"
+                return
+    for i, stage in enumerate(staged):
+        try:
+            commit_write(stage)
+        except FileError as exc:
+            for rest in staged[i:]:
+                discard(rest)
+            stage.result.status = FileStatus.ERROR
+            stage.result.error = str(exc)
+            if i:
+                report.note = f"{i} file(s) were rewritten before this failure"
+            else:
+                report.note = "nothing written: a target could not be written"
+            return
 
 
 def example_copy() -> Path:

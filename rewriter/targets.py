@@ -83,10 +83,12 @@ def nvidia_dir(root: Path, origin: str) -> Path:
 
 
 def python_files(folder: Path) -> list[Path]:
+    """Every ``*.py`` under ``folder`` that is not a folder itself (hidden and cache folders skipped)."""
     return sorted(
         p
         for p in folder.rglob("*.py")
         if not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(folder).parts)
+        and not p.is_dir()
     )
 
 

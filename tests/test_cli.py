@@ -128,9 +128,10 @@ def test_directory_target_scans_every_py(tmp_path: Path, copy_fixture) -> None:
     ],
     ids=["missing", "empty-dir"],
 )
-def test_target_errors_are_one_line_exit_2(tmp_path: Path, setup, message: str) -> None:
+@pytest.mark.parametrize("command", ["check", "run"])
+def test_target_errors_are_one_line_exit_2(tmp_path: Path, setup, message: str, command: str) -> None:
     path = setup(tmp_path)
-    proc = cli("check", str(path))
+    proc = cli(command, str(path))
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert str(path) in line and message in line
