@@ -165,6 +165,7 @@ class _Pieces:
     post_insert: cst.Call | None = None
     post_insert_wired: bool = False
     insert_kv: str = "absent"  # absent | metadata | slots | other
+    insert_kv_calls: list[cst.Call] = field(default_factory=list)  # every `self._insert_kv(...)` in the class
 
     def present(self) -> dict[str, bool]:
         return {
@@ -250,6 +251,8 @@ def _collect_pieces(
     for node in a.walk_all(cls.body):
         if a.self_attr(node) == a.FP8_FLAG:
             p.flag_read = True
+        elif _is_insert_kv_call(node):
+            p.insert_kv_calls.append(node)  # type: ignore[arg-type]
     p.guard_args = [
         g for g in (_guard_of(a.get_arg(call, a.KV_CACHE)), _guard_of(a.get_arg(call, a.INDEX_CACHE))) if g
     ]
@@ -262,8 +265,11 @@ def _collect_pieces(
         if pair and isinstance(pair[0], cst.Name) and pair[0].value in guard_names:
             if _is_not_flag(pair[1]):
                 p.guard_assigned = pair[0].value
-            else:
-                p.guard_other = True
+            elif pair[0].value in p.guard_args:
+                p.guard_other = True  # the name the cache arguments test holds something else
+            elif p.guard_assigned == pair[0].value:
+                p.guard_assigned = None  # reassigned: no longer the guard
+            # else: a local that only shares the default guard name; the rewrite picks a fresh one
     for stmt in slot.after():
         for node in a.walk_all(stmt):
             if _is_insert_kv_call(node):
@@ -378,6 +384,7 @@ def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p:
         raise Unsupported(
             "`_insert_kv` exists in a form that is neither the attn_metadata one nor the slot-mapping one"
         )
+    _no_other_insert_kv_callers(cls, p)
 
     taken = a.bound_names(method)
     guard = _guard_name(p, taken)
@@ -437,6 +444,20 @@ def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p:
         old_insert_kv=a.find_method(cls, a.INSERT_KV) if insert_kv == "replace" else None,
         reshape_import=reshape_import,
     )
+
+
+def _no_other_insert_kv_callers(cls: cst.ClassDef, p: _Pieces) -> None:
+    """Only the post-call insert may call `_insert_kv`: the rewrite gives it the
+    slot-mapping signature, and a call elsewhere is a caller it would break or a
+    stale piece of a bypass whose guard is not in scope there."""
+    own = a.find_method(cls, a.INSERT_KV)
+    inside_own = {id(n) for n in a.walk_all(own)} if own is not None else set()
+    for call in p.insert_kv_calls:
+        if call is not p.post_insert and id(call) not in inside_own:
+            raise Unsupported(
+                f"`{' '.join(a.code(call).split())}` is called elsewhere than right after the insert call: "
+                "a caller the new `_insert_kv` signature would break, or a stale bypass piece"
+            )
 
 
 def _guard_name(p: _Pieces, taken: set[str]) -> str:

@@ -50,3 +50,24 @@ def make_vllm_tree(root: Path, files: dict[str, bytes], init: str = "") -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
     return nvidia
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The mutation corpus counts: rewritten / refused / wrong, by mutation kind."""
+    mutations = sys.modules.get("mutations")
+    results = getattr(mutations, "RESULTS", None)
+    if not results:
+        return
+    outcomes = ("rewritten", "refused", "wrong")
+    write = terminalreporter.write_line
+    terminalreporter.section("mutation corpus")
+    total = {o: sum(1 for r in results if r[2] == o) for o in outcomes}
+    write(f"{len(results)} variants: " + ", ".join(f"{total[o]} {o}" for o in outcomes))
+    kinds = sorted({k for r in results for k in r[1]})
+    write(f"{'kind (in a variant)':24} " + " ".join(f"{o:>9}" for o in outcomes))
+    for kind in kinds:
+        counts = [sum(1 for r in results if kind in r[1] and r[2] == o) for o in outcomes]
+        write(f"{kind:24} " + " ".join(f"{n:>9}" for n in counts))
+    for fixture, kinds_, outcome, reason in results:
+        if outcome == "refused":
+            write(f"refused: {fixture} {'+'.join(kinds_)}: {reason}")

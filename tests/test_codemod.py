@@ -265,6 +265,37 @@ def test_guard_assigned_something_else_is_refused() -> None:
     assert site.state is SiteState.UNSUPPORTED and "guard" in site.reason
 
 
+@pytest.mark.parametrize(
+    "caller",
+    [
+        "    def warmup(self, k, v, ik):\n        self._insert_kv(k, v, ik)\n\n",  # the old signature
+        "    def fp8_path(self, k, v, ik, s, i):\n        if not insert_via_fused:\n"
+        "            self._insert_kv(k, v, ik, s, i)\n\n",  # a stale piece, its guard not in scope
+    ],
+    ids=["old-signature-caller", "stale-post-insert"],
+)
+def test_insert_kv_called_elsewhere_is_refused(caller: str) -> None:
+    """Found by the mutation corpus (the call moved into a helper of a half-applied file)."""
+    source = variant(BEFORE, ("    def forward(", caller + "    def forward("))
+    site = only_site(source)
+    assert (site.state, site.action) == (SiteState.UNSUPPORTED, Action.REFUSE)
+    assert "is called elsewhere than right after the insert call" in site.reason
+
+
+def test_a_local_named_like_the_guard_is_not_a_guard() -> None:
+    """Found by the mutation corpus (locals renamed to the names the rewrite generates)."""
+    source = variant(
+        BEFORE,
+        ("        ops.fused", "        insert_via_fused = q.shape[0]\n        ops.fused"),
+        ("        return q, index_q", "        return q, index_q, insert_via_fused"),
+    )
+    out = transform(source)
+    assert "insert_via_fused_fp8 = not self._fp8_kv" in out
+    assert "self.kv_cache if insert_via_fused_fp8 else None" in out
+    assert "return q, index_q, insert_via_fused" in out
+    assert only_site(out).state is SiteState.PATCHED
+
+
 # --- names come from the file -------------------------------------------------------------
 
 
