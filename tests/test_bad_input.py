@@ -182,6 +182,16 @@ def test_mixed_line_endings_are_kept_line_by_line(tmp_path: Path) -> None:
     assert out.endswith(tail) and b"\r" not in tail
 
 
+def test_the_files_own_syntax_warnings_are_not_printed(tmp_path: Path) -> None:
+    """Compiling the output for validation must not echo the file's warnings (found by hypothesis)."""
+    path = tmp_path / "model.py"
+    path.write_bytes(FORK_ERA + b'\nSTRICT = "fp8" is "fp8"\n')
+    proc = cli("run", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "Warning" not in proc.stderr
+    assert path.read_bytes() == EXPECTED + b'\nSTRICT = "fp8" is "fp8"\n'
+
+
 # --- symlinks -------------------------------------------------------------------------------
 
 
