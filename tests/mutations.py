@@ -460,28 +460,36 @@ def rename_class(module: cst.Module, every_class: bool = False) -> cst.Module:
 # --- structure -------------------------------------------------------------------------------------
 
 
+REORDERINGS = ("reverse", "rotate", "call-method-first", "call-method-last", "shuffle")
+
+
+def permute(names: list[str], call_method: str, order: str) -> list[str]:
+    """The method order ``order`` gives (on names, so the corpus can drop no-ops unbuilt)."""
+    names = list(names)
+    if order == "reverse":
+        return names[::-1]
+    if order == "rotate":
+        return names[1:] + names[:1]
+    if order == "call-method-first":
+        return sorted(names, key=lambda n: n != call_method)
+    if order == "call-method-last":
+        return sorted(names, key=lambda n: n == call_method)
+    if order == "shuffle":
+        random.Random(5).shuffle(names)
+        return names
+    raise ValueError(order)
+
+
 def reorder_methods(module: cst.Module, order: str) -> cst.Module:
     """Permute the methods of the class holding the call; other statements stay in place."""
     found = insert_call(module)
     cls = found.cls
     body = list(cls.body.body)
     slots = [i for i, s in enumerate(body) if isinstance(s, cst.FunctionDef)]
-    funcs = [body[i] for i in slots]
-    call_method = found.method.name.value
-    if order == "reverse":
-        funcs.reverse()
-    elif order == "rotate":
-        funcs = funcs[1:] + funcs[:1]
-    elif order == "call-method-first":
-        funcs.sort(key=lambda f: f.name.value != call_method)
-    elif order == "call-method-last":
-        funcs.sort(key=lambda f: f.name.value == call_method)
-    elif order == "shuffle":
-        random.Random(5).shuffle(funcs)
-    else:
-        raise ValueError(order)
-    for i, func in zip(slots, funcs, strict=True):
-        body[i] = func  # with its own leading comments and blank lines
+    by_name = {body[i].name.value: body[i] for i in slots}
+    names = permute(list(by_name), found.method.name.value, order)
+    for i, name in zip(slots, names, strict=True):
+        body[i] = by_name[name]  # with its own leading comments and blank lines
     new_cls = cls.with_changes(body=cls.body.with_changes(body=body))
     return swap(module, [module], cls, new_cls)  # type: ignore[return-value]
 
@@ -619,8 +627,29 @@ class Mutation:
     on_text: bool = False  # ``apply`` takes and gives source text (a formatter)
 
 
-def catalogue(keyword_call: bool) -> list[Mutation]:
-    """Every single mutation; ``keyword_call``: the fixture's call already uses keywords."""
+@dataclass(frozen=True)
+class Shape:
+    """What a fixture looks like, as far as choosing its mutations goes."""
+
+    keyword_call: bool  # the insert call already passes keywords
+    methods: tuple[str, ...]  # of the class holding the call, in order
+    call_method: str
+
+
+def shape(source: str) -> Shape:
+    module = cst.parse_module(source)
+    found = insert_call(module)
+    positional = sum(1 for a in found.call.args if a.keyword is None)
+    return Shape(
+        positional < len(found.call.args),
+        tuple(f.name.value for f in _methods(found.cls)),
+        found.method.name.value,
+    )
+
+
+def catalogue(fixture: Shape) -> list[Mutation]:
+    """Every single mutation that changes this fixture (no two reorderings alike)."""
+    keyword_call = fixture.keyword_call
     muts = [
         *(
             Mutation("reformat", f"black-{n}", lambda s, n=n: reformat(s, n), layout_only=True, on_text=True)
@@ -655,7 +684,7 @@ def catalogue(keyword_call: bool) -> list[Mutation]:
         Mutation("blank-lines", "method-blank-lines", method_blank_lines, layout_only=True),
         *(
             Mutation("reorder-methods", order, lambda s, o=order: reorder_methods(s, o))
-            for order in ("reverse", "rotate", "call-method-first", "call-method-last", "shuffle")
+            for order in _distinct_reorderings(fixture)
         ),
         Mutation("rename-class", "sparse-class", rename_class),
         Mutation("rename-class", "every-class", lambda s: rename_class(s, every_class=True)),
@@ -665,6 +694,17 @@ def catalogue(keyword_call: bool) -> list[Mutation]:
         Mutation("inline-slots", "slot-expressions", inline_slot_locals),
     ]
     return muts
+
+
+def _distinct_reorderings(fixture: Shape) -> list[str]:
+    seen = {fixture.methods}
+    out = []
+    for order in REORDERINGS:
+        names = tuple(permute(list(fixture.methods), fixture.call_method, order))
+        if names not in seen:
+            seen.add(names)
+            out.append(order)
+    return out
 
 
 # Combinations apply structure first, then names, then layout, then formatting.
@@ -679,10 +719,10 @@ _STAGES = (
 )
 
 
-def combinations(keyword_call: bool, count: int, seed: int) -> list[list[Mutation]]:
+def combinations(fixture: Shape, count: int, seed: int) -> list[list[Mutation]]:
     """``count`` distinct combinations of 2 to 5 mutations of different kinds."""
     rng = random.Random(seed)
-    singles = catalogue(keyword_call)
+    singles = catalogue(fixture)
     by_stage = [[mu for mu in singles if mu.kind in kinds] for kinds in _STAGES]
     out: list[list[Mutation]] = []
     seen = set()

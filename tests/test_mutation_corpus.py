@@ -17,19 +17,19 @@ from dataclasses import dataclass
 import pytest
 from conftest import FIXTURES
 from judge import judge_rewrite
-from mutations import RESULTS, Mutation, apply_all, catalogue, combinations
+from mutations import RESULTS, Mutation, apply_all, catalogue, combinations, shape
 
 from rewriter import commands
 from rewriter.apply import FileStatus
 from rewriter.targets import Target
 
-# before-state fixture -> (its call passes keywords already, number of combinations)
+# before-state fixture -> number of seeded combinations (besides every single mutation)
 FIXTURES_MUTATED = {
-    "fork_era": (False, 20),
-    "reformatted": (True, 4),
-    "no_insert_kv": (False, 50),
-    "half_applied": (False, 4),
-    "patch_fuzz": (False, 4),
+    "fork_era": 20,
+    "reformatted": 4,
+    "no_insert_kv": 50,
+    "half_applied": 4,
+    "patch_fuzz": 4,
 }
 
 # Refusals that are right, by (fixture, mutation label) -> what the refusal must say.
@@ -52,39 +52,38 @@ JUSTIFIED_REFUSALS = {
 class Variant:
     fixture: str
     mutations: tuple[Mutation, ...]
-    source: str
 
     @property
     def id(self) -> str:
         return f"{self.fixture}:{'+'.join(m.label for m in self.mutations)}"
 
+    def source(self) -> str:
+        """Built when the test runs, not at collection (black is slow)."""
+        return apply_all(ORIGINAL[self.fixture], list(self.mutations))
+
+
+ORIGINAL = {f: (FIXTURES / f / "model.py").read_text() for f in FIXTURES_MUTATED}
+REFERENCE = {f: (FIXTURES / f / "expected.py").read_text() for f in FIXTURES_MUTATED}
+
 
 def build_corpus() -> list[Variant]:
-    """Single mutations and seeded combinations; a variant equal to the fixture
-    or to an earlier one is dropped (a no-op: e.g. reordering two methods twice)."""
+    """Every single mutation that changes the fixture, and seeded combinations."""
     corpus = []
-    for fixture, (keyword_call, n_combos) in FIXTURES_MUTATED.items():
-        source = (FIXTURES / fixture / "model.py").read_text()
-        seen = {source}
-        chains = [[m] for m in catalogue(keyword_call)] + combinations(
-            keyword_call, n_combos, seed=len(fixture)
-        )
-        for chain in chains:
-            mutated = apply_all(source, chain)
-            if mutated not in seen:
-                seen.add(mutated)
-                corpus.append(Variant(fixture, tuple(chain), mutated))
+    for fixture, n_combos in FIXTURES_MUTATED.items():
+        found = shape(ORIGINAL[fixture])
+        chains = [[m] for m in catalogue(found)] + combinations(found, n_combos, seed=len(fixture))
+        corpus += [Variant(fixture, tuple(chain)) for chain in chains]
     return corpus
 
 
 CORPUS = build_corpus()
-REFERENCE = {f: (FIXTURES / f / "expected.py").read_text() for f in FIXTURES_MUTATED}
 
 
 def test_the_corpus_is_large_enough() -> None:
     assert len(CORPUS) >= 200
+    assert len({v.id for v in CORPUS}) == len(CORPUS)
     kinds = {m.kind for v in CORPUS for m in v.mutations}
-    assert kinds == {m.kind for m in catalogue(False) + catalogue(True)}
+    assert kinds == {m.kind for f in ORIGINAL.values() for m in catalogue(shape(f))}
 
 
 def _tree(source: str) -> str:
@@ -101,23 +100,24 @@ def _tree(source: str) -> str:
 
 @pytest.mark.parametrize("variant", CORPUS, ids=lambda v: v.id)
 def test_variant_is_rewritten_correctly_or_refused(variant: Variant, tmp_path) -> None:
-    # The mutation itself must keep the program: it compiles, and layout-only
-    # mutations leave the syntax tree as it was.
-    compile(variant.source, variant.id, "exec", dont_inherit=True)
+    # The mutation itself must change the file and keep the program: it
+    # compiles, and layout-only mutations leave the syntax tree as it was.
+    source = variant.source()
+    assert source != ORIGINAL[variant.fixture], "a no-op mutation"
+    compile(source, variant.id, "exec", dont_inherit=True)
     if all(m.layout_only for m in variant.mutations):
-        original = (FIXTURES / variant.fixture / "model.py").read_text()
-        assert _tree(variant.source) == _tree(original)
+        assert _tree(source) == _tree(ORIGINAL[variant.fixture])
 
     path = tmp_path / "model.py"
-    path.write_bytes(variant.source.encode())
+    path.write_bytes(source.encode())
     report = commands.run([Target(path, "corpus")])
     result = report.files[0]
     after = path.read_bytes().decode()
     if result.status is FileStatus.REWRITTEN:
-        problems = judge_rewrite(variant.source, after, REFERENCE[variant.fixture])
+        problems = judge_rewrite(source, after, REFERENCE[variant.fixture])
         outcome = "wrong" if problems else "rewritten"
     elif result.failed and report.exit_code == 2:
-        problems = [] if after == variant.source else ["refused, but the file changed"]
+        problems = [] if after == source else ["refused, but the file changed"]
         outcome = "wrong" if problems else "refused"
     else:
         problems = [f"left as {result.status.value}: a needed rewrite was missed"]
