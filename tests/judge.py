@@ -20,16 +20,21 @@ site patched and nothing to do):
    the slot mappings, writes with ``reshape_and_cache_flash`` and that dtype,
    and nothing else in the class calls it;
 5. with ``reference`` (the rewrite of the unmutated file): the generated
-   pieces are the same code, up to local names.
-
-The semantic verification of issue 3 (running forward/_insert_kv with
-reference ops) belongs here too, as a sixth step, once it has landed.
+   pieces are the same code, up to local names;
+6. it does the same thing: the semantic level of ``mm3-codemod verify``
+   (``rewriter.verify.harness``) runs the layer class's own ``forward`` and
+   ``_insert_kv`` with plain-PyTorch reference ops, once with a bf16 cache and
+   once with an fp8 cache, and the two must agree (q, index_q, index cache
+   identical; fp8 cache = e4m3 of the bf16 cache at every written slot, no
+   other slot touched) - at two sizes, so that head sizes cannot stand in for
+   each other.
 """
 
 from __future__ import annotations
 
 import ast
 import difflib
+import warnings
 
 import libcst as cst
 from mutations import FUSED_OP, INDEX_CACHE, INDEX_SLOT_MAPPING, KV_CACHE, SCHEMA, SLOT_MAPPING
@@ -54,6 +59,46 @@ def judge_rewrite(before_src: str, after_src: str, reference_src: str | None = N
         problems += [
             f"{name} differs from the reference rewrite" for name in ours if ours[name] != theirs[name]
         ]
+    if not problems:
+        problems += _semantic(after_src)
+    return problems
+
+
+# --- 6. the same results, run ------------------------------------------------------------------------
+
+
+def _semantic(after_src: str) -> list[str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CPU torch wheels warn when NumPy is absent
+        try:
+            import torch
+        except ImportError:
+            return ["torch is not installed: the semantic check cannot run (pip install '.[test]')"]
+        from rewriter.verify import harness
+
+    problems = []
+    shapes = (
+        harness.Shape(),
+        harness.Shape(num_heads=6, num_kv_heads=2, head_dim=96, idx_head_dim=64, rotary_dim=32),
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a thread pool only spins on a busy CI machine
+    try:
+        for name in harness.layer_classes(after_src):
+            try:
+                code = harness.load_layer("<after>", name, source=after_src)
+            except (harness.HarnessError, SyntaxError) as exc:
+                problems.append(f"semantic: {name}: {exc}")
+                continue
+            for shape in shapes:
+                inputs = harness.Inputs.random(shape, "cpu")
+                result, _, _ = harness.check_layer(code, harness.REFERENCE, inputs)
+                if not result.passed:
+                    problems.append(
+                        f"semantic: {name} ({shape.head_dim}/{shape.idx_head_dim}): {result.reason}"
+                    )
+    finally:
+        torch.set_num_threads(threads)
     return problems
 
 

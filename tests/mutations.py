@@ -21,19 +21,20 @@ import libcst as cst
 import libcst.matchers as m
 
 FUSED_OP = "fused_minimax_m3_qknorm_rope_kv_insert"
-# The fork-era op's parameters by position (vllm._custom_ops names).
+# The fork-era op's parameters by position (vllm._custom_ops names, as the
+# verify harness's reference op takes them: keyword calls must bind there too).
 SCHEMA = (
     "qkv",
-    "q_weight",
-    "k_weight",
+    "q_norm_weight",
+    "k_norm_weight",
     "cos_sin_cache",
     "positions",
     "num_heads",
     "num_kv_heads",
     "rotary_dim",
     "eps",
-    "index_q_weight",
-    "index_k_weight",
+    "index_q_norm_weight",
+    "index_k_norm_weight",
     "num_index_heads",
     "slot_mapping",
     "index_slot_mapping",

@@ -321,3 +321,21 @@ def test_a_lock_taken_while_the_file_was_replaced_follows_the_new_file(tmp_path:
     finally:
         release.set()
         thread.join(60)
+
+
+def test_revert_takes_the_same_lock(tmp_path: Path) -> None:
+    import fcntl
+
+    target = tmp_path / "model.py"
+    patched = (FIXTURES / "patched" / "model.py").read_bytes()
+    target.write_bytes(patched)
+    holder = os.open(target, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another run holds it
+    try:
+        report = commands.revert([Target(target, "test")], lock_timeout=0.2)
+    finally:
+        os.close(holder)
+    assert report.exit_code == 2
+    assert report.files[0].error == "locked by another mm3-codemod (waited 0.2 s); nothing written"
+    assert target.read_bytes() == patched
+    assert commands.revert([Target(target, "test")]).files[0].status is FileStatus.REWRITTEN
