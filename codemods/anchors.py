@@ -12,41 +12,44 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import libcst as cst
-import libcst.matchers as m
 
-FUSED_OP = "fused_minimax_m3_qknorm_rope_kv_insert"
-RESHAPE_OP = "reshape_and_cache_flash"
-FP8_FLAG = "_fp8_kv"
-INSERT_KV = "_insert_kv"
+# The op schema and the bypass's names live in `schema` (no parser attached),
+# shared with the ast triage; they are re-exported here for the finders' users.
+from codemods.schema import (
+    FP8_FLAG as FP8_FLAG,
+    FUSED_OP as FUSED_OP,
+    INDEX_CACHE as INDEX_CACHE,
+    INDEX_SLOT_MAPPING as INDEX_SLOT_MAPPING,
+    INSERT_KV as INSERT_KV,
+    KV_CACHE as KV_CACHE,
+    KV_CACHE_DTYPE as KV_CACHE_DTYPE,
+    NUM_HEADS as NUM_HEADS,
+    NUM_INDEX_HEADS as NUM_INDEX_HEADS,
+    NUM_KV_HEADS as NUM_KV_HEADS,
+    QKV as QKV,
+    RESHAPE_OP as RESHAPE_OP,
+    SLOT_MAPPING as SLOT_MAPPING,
+    OpParam as OpParam,
+    bind_arg,
+)
+
+# Plain isinstance tests rather than libcst.matchers: importing the matchers
+# costs more than parsing an 80 KB model file (``python -X importtime``).
 
 
-@dataclass(frozen=True)
-class OpParam:
-    """One parameter of the fused op: its position and its keyword."""
-
-    index: int
-    keyword: str
-
-
-# The fork-era 19-argument schema of the fused op, then the kv-cache dtype that
-# native builds pass (vllm._custom_ops, vLLM 0.24 - 0.34).
-QKV = OpParam(0, "qkv")
-NUM_HEADS = OpParam(5, "num_heads")
-NUM_KV_HEADS = OpParam(6, "num_kv_heads")
-NUM_INDEX_HEADS = OpParam(11, "num_index_heads")
-SLOT_MAPPING = OpParam(12, "slot_mapping")
-INDEX_SLOT_MAPPING = OpParam(13, "index_slot_mapping")
-KV_CACHE = OpParam(14, "kv_cache")
-INDEX_CACHE = OpParam(15, "index_cache")
-KV_CACHE_DTYPE = OpParam(19, "kv_cache_dtype")
+def callee_name(call: cst.Call) -> str | None:
+    """``f`` of ``f(…)`` and of ``a.b.f(…)``; None for any other callee."""
+    func = call.func
+    if isinstance(func, cst.Name):
+        return func.value
+    if isinstance(func, cst.Attribute):
+        return func.attr.value
+    return None
 
 
 def is_fused_call(node: cst.CSTNode) -> bool:
     """``ops.fused_…(…)``, ``torch.ops._C.fused_…(…)`` or a bare ``fused_…(…)``."""
-    return m.matches(
-        node,
-        m.Call(func=m.Name(FUSED_OP) | m.Attribute(attr=m.Name(FUSED_OP))),
-    )
+    return isinstance(node, cst.Call) and callee_name(node) == FUSED_OP
 
 
 def has_star_args(call: cst.Call) -> bool:
@@ -56,12 +59,8 @@ def has_star_args(call: cst.Call) -> bool:
 def get_arg(call: cst.Call, param: OpParam) -> cst.Arg | None:
     """The argument bound to ``param``, positional or keyword."""
     positional = [a for a in call.args if a.keyword is None and not a.star]
-    if param.index < len(positional):
-        return positional[param.index]
-    for arg in call.args:
-        if arg.keyword is not None and arg.keyword.value == param.keyword:
-            return arg
-    return None
+    keywords = [(a.keyword.value, a) for a in call.args if a.keyword is not None]
+    return bind_arg(param, positional, keywords)
 
 
 def is_none(node: cst.BaseExpression | None) -> bool:
@@ -83,8 +82,7 @@ def same_expr(a: cst.BaseExpression, b: cst.BaseExpression) -> bool:
 
 def self_attr(node: cst.CSTNode | None) -> str | None:
     """``self.x`` -> ``"x"``; anything else -> None."""
-    if m.matches(node, m.Attribute(value=m.Name("self"), attr=m.Name())):
-        assert isinstance(node, cst.Attribute)
+    if isinstance(node, cst.Attribute) and isinstance(node.value, cst.Name) and node.value.value == "self":
         return node.attr.value
     return None
 

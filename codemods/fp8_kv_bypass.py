@@ -4,8 +4,9 @@ The fork-era op writes bf16 caches only. The bypass runs it in norm+rope-only
 mode (cache arguments ``None``) when the cache is fp8 and writes the cache with
 ``reshape_and_cache_flash``, which quantizes. Reading order of this module:
 
-1. ``SiteState`` - the states a call of the op can be in (one example file
-   per state under ``fixtures/``, each with a one-line README).
+1. ``SiteState`` (in ``schema``) - the states a call of the op can be in (one
+   example file per state under ``fixtures/``, each with a one-line README),
+   and ``verdict``, which decides a call's state from what was found there.
 2. ``analyze`` - finds every call, classifies it, and for a site that needs
    work builds a ``BypassPlan`` whose every name comes from the file.
 3. ``Fp8KvBypass`` - the LibCST transformer that applies one plan.
@@ -13,7 +14,6 @@ mode (cache arguments ``None``) when the cache is fp8 and writes the cache with
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -21,65 +21,29 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
 
+# The states, the pieces and how a state is decided are in `schema`, shared
+# with the ast triage that answers `check` on native and patched files without
+# LibCST; this module gathers what they are decided on, and plans and rewrites.
+from codemods.schema import (
+    AUTO_DTYPE,
+    GUARD_NAME as GUARD_NAME,
+    METADATA_ATTR,
+    PIECES as PIECES,
+    Action as Action,
+    CallFacts,
+    InsertSite as InsertSite,
+    Pieces,
+    SiteState as SiteState,
+    Verdict,
+    insert_kv_form,
+    verdict,
+)
+
 DESCRIPTION = "Route fp8 KV-cache writes of MiniMax-M3 sparse attention around the bf16-only fused insert op."
-
-GUARD_NAME = "insert_via_fused"
-
-
-class SiteState(str, enum.Enum):
-    NEEDS_BYPASS = "needs-bypass"
-    PATCHED = "patched"
-    HALF_APPLIED = "half-applied"
-    NATIVE = "native"
-    NOT_A_SITE = "not-a-site"
-    UNSUPPORTED = "unsupported"
-
-
-class Action(str, enum.Enum):
-    REWRITE = "rewrite"  # needs-bypass: add the whole bypass
-    COMPLETE = "complete"  # half-applied on a fork-era call: add what is missing
-    NONE = "none"
-    REFUSE = "refuse"
-    REVERT = "revert"  # `revert`: take a bypass out again
-
-
-# The pieces of the bypass, in the words the reports use.
-PIECES = {
-    "flag": f"`self.{a.FP8_FLAG}` set in __init__",
-    "guard": "the guard (`insert_via_fused = not self._fp8_kv`) assigned before the call",
-    "guarded-args": "cache arguments `X if insert_via_fused else None`",
-    "post-insert": "`self._insert_kv(k, v, index_k, <slots>)` after the call",
-    "insert-kv": "`_insert_kv` taking the slot mappings",
-}
 
 
 class Unsupported(Exception):
     """The rewrite cannot be proven safe; the message says what was missing."""
-
-
-@dataclass
-class InsertSite:
-    """One call of the fused op, what state it is in and what `run` does with it."""
-
-    class_name: str | None
-    method: str | None
-    line: int
-    state: SiteState
-    action: Action
-    reason: str
-    pieces: dict[str, bool] = field(default_factory=dict)
-    plan: BypassPlan | None = field(default=None, repr=False, compare=False)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "class": self.class_name,
-            "method": self.method,
-            "line": self.line,
-            "state": self.state.value,
-            "action": self.action.value,
-            "reason": self.reason,
-            "pieces": dict(self.pieces),
-        }
 
 
 @dataclass
@@ -156,35 +120,11 @@ class _CallFinder(cst.CSTVisitor):
 
 
 @dataclass
-class _Pieces:
-    flag_set: bool = False
-    flag_read: bool = False
-    guard_args: list[str] = field(default_factory=list)  # guard names in the cache args
-    guard_assigned: str | None = None  # `G = not self._fp8_kv` before the call
-    guard_other: bool = False  # G assigned some other way
-    post_insert: cst.Call | None = None
-    post_insert_wired: bool = False
-    insert_kv: str = "absent"  # absent | metadata | slots | other
+class _Pieces(Pieces):
+    """The pieces (``schema.Pieces``), with the LibCST nodes the plan still needs."""
+
+    post_insert_call: cst.Call | None = None
     insert_kv_calls: list[cst.Call] = field(default_factory=list)  # every `self._insert_kv(...)` in the class
-
-    def present(self) -> dict[str, bool]:
-        return {
-            "flag": self.flag_set,
-            "guard": self.guard_assigned is not None,
-            "guarded-args": len(self.guard_args) == 2,
-            "post-insert": self.post_insert is not None and self.post_insert_wired,
-            "insert-kv": self.insert_kv == "slots",
-        }
-
-    def any_bypass(self) -> bool:
-        return (
-            self.flag_set
-            or self.flag_read
-            or bool(self.guard_args)
-            or self.guard_assigned is not None
-            or self.post_insert is not None
-            or self.insert_kv == "slots"
-        )
 
 
 def _guard_of(arg: cst.Arg | None) -> str | None:
@@ -223,14 +163,9 @@ def _insert_kv_form(fn: cst.FunctionDef | None) -> str:
     if fn is None:
         return "absent"
     reads_metadata = any(
-        isinstance(n, cst.Attribute) and n.attr.value == "attn_metadata" for n in a.walk_all(fn.body)
+        isinstance(n, cst.Attribute) and n.attr.value == METADATA_ATTR for n in a.walk_all(fn.body)
     )
-    n_params = len(a.param_names(fn)) - 1
-    if reads_metadata and n_params == 3:
-        return "metadata"
-    if not reads_metadata and n_params == 5:
-        return "slots"
-    return "other"
+    return insert_kv_form(True, reads_metadata, len(a.param_names(fn)) - 1)
 
 
 def _is_insert_kv_call(node: cst.CSTNode) -> bool:
@@ -274,15 +209,15 @@ def _collect_pieces(
         for node in a.walk_all(stmt):
             if _is_insert_kv_call(node):
                 assert isinstance(node, cst.Call)
-                p.post_insert = node
+                p.post_insert, p.post_insert_call = True, node
                 p.post_insert_wired = _insert_is_wired(node, call) and _is_guarded_block(stmt, p)
                 break
-        if p.post_insert is not None:
+        if p.post_insert:
             break
     return p
 
 
-def _is_guarded_block(stmt: cst.BaseStatement, p: _Pieces) -> bool:
+def _is_guarded_block(stmt: cst.BaseStatement, p: Pieces) -> bool:
     """``if not G:`` or ``if self._fp8_kv:`` around the post-call insert."""
     if not isinstance(stmt, cst.If):
         return False
@@ -410,7 +345,7 @@ def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p:
         add_guard=p.guard_assigned is None,
         guard_code=_render(GUARD, n, indent, guard=guard),
         wrap_args=wrap,
-        add_post_insert=p.post_insert is None,
+        add_post_insert=not p.post_insert,
         post_insert_code=_render(
             POST_INSERT,
             n,
@@ -453,20 +388,20 @@ def _no_other_insert_kv_callers(cls: cst.ClassDef, p: _Pieces) -> None:
     own = a.find_method(cls, a.INSERT_KV)
     inside_own = {id(n) for n in a.walk_all(own)} if own is not None else set()
     for call in p.insert_kv_calls:
-        if call is not p.post_insert and id(call) not in inside_own:
+        if call is not p.post_insert_call and id(call) not in inside_own:
             raise Unsupported(
                 f"`{' '.join(a.code(call).split())}` is called elsewhere than right after the insert call: "
                 "a caller the new `_insert_kv` signature would break, or a stale bypass piece"
             )
 
 
-def _guard_name(p: _Pieces, taken: set[str]) -> str:
+def _guard_name(p: Pieces, taken: set[str]) -> str:
     """From guarded arguments, else an existing guard assignment, else a fresh name."""
     if len(set(p.guard_args)) > 1:
         raise Unsupported(f"cache arguments are guarded by different names: {sorted(set(p.guard_args))}")
     if p.guard_other:
         raise Unsupported("the guard name is assigned something other than `not self._fp8_kv`")
-    if p.post_insert is not None and not p.post_insert_wired:
+    if p.post_insert and not p.post_insert_wired:
         raise Unsupported(
             "a post-call `self._insert_kv(...)` exists but is not under `if not <guard>:` "
             "or is not passed the call's own slot mappings"
@@ -693,119 +628,44 @@ def analyze(module: cst.Module) -> FileAnalysis:
     return FileAnalysis(module, sites)
 
 
-def _site(found: _FoundCall, state: SiteState, action: Action, reason: str, **kw: object) -> InsertSite:
-    return InsertSite(
-        class_name=found.cls.name.value if found.cls else None,
-        method=found.method.name.value if found.method else found.module_function,
-        line=found.line,
-        state=state,
-        action=action,
-        reason=reason,
-        **kw,  # type: ignore[arg-type]
-    )
-
-
 def _classify(module: cst.Module, found: _FoundCall) -> InsertSite:
     call = found.call
-    if a.has_star_args(call):
-        return _site(
-            found,
-            SiteState.UNSUPPORTED,
-            Action.REFUSE,
-            "the call passes *args/**kwargs: its cache arguments cannot be seen",
-        )
     kv = a.get_arg(call, a.KV_CACHE)
-    if kv is None or a.is_none(kv.value):
-        return _site(
-            found, SiteState.NOT_A_SITE, Action.NONE, "no main K/V cache argument: a norm+rope-only call"
-        )
-    if found.cls is None:
-        return _site(
-            found,
-            SiteState.NOT_A_SITE,
-            Action.NONE,
-            f"in module-level function `{found.module_function}`, not a layer class",
-        )
-    if found.method is None:
-        return _site(
-            found, SiteState.UNSUPPORTED, Action.REFUSE, "the call is in a class body, not in a method"
-        )
-    if found.nested_in is not None:
-        return _site(
-            found,
-            SiteState.UNSUPPORTED,
-            Action.REFUSE,
-            f"the call sits inside nested `{found.nested_in}`, not directly in a method",
-        )
-
-    slot = _find_call_slot(found.method, call)
-    pieces = _collect_pieces(found.cls, found.method, call, slot)
-    present = pieces.present()
     dtype = a.get_arg(call, a.KV_CACHE_DTYPE)
-    if dtype is not None:
-        literal = dtype.value
-        if isinstance(literal, cst.SimpleString) and literal.evaluated_value == "auto":
-            return _site(
-                found,
-                SiteState.UNSUPPORTED,
-                Action.REFUSE,
-                'the call passes kv_cache_dtype="auto" together with a cache: neither a fork-era nor a native call',
-                pieces=present,
-            )
-        if pieces.any_bypass():
-            have = ", ".join(k for k, v in present.items() if v) or "a read of self._fp8_kv"
-            return _site(
-                found,
-                SiteState.HALF_APPLIED,
-                Action.REFUSE,
-                f"native call (kv_cache_dtype={a.code(literal)}) carrying a stale fp8 bypass ({have}): "
-                "the bypass assumes the fork-era cache layout and must not run here; remove it "
-                "with `mm3-codemod revert`, then run with --kv-cache-dtype fp8 directly",
-                pieces=present,
-            )
-        return _site(
-            found,
-            SiteState.NATIVE,
-            Action.NONE,
-            f"native fp8 support (passes kv_cache_dtype={a.code(literal)}): run with --kv-cache-dtype fp8 directly",
-            pieces=present,
-        )
+    in_method = found.method is not None and found.nested_in is None
+    slot = _find_call_slot(found.method, call) if in_method else None
+    facts = CallFacts(
+        line=found.line,
+        class_name=found.cls.name.value if found.cls else None,
+        method=found.method.name.value if found.method else None,
+        module_function=found.module_function,
+        nested_in=found.nested_in,
+        star_args=a.has_star_args(call),
+        has_cache=kv is not None and not a.is_none(kv.value),
+        dtype=a.code(dtype.value) if dtype is not None else None,
+        dtype_is_auto=(
+            dtype is not None
+            and isinstance(dtype.value, cst.SimpleString)
+            and dtype.value.evaluated_value == AUTO_DTYPE
+        ),
+        in_block=slot is not None,
+    )
+    found_pieces: list[_Pieces] = []
 
-    if slot is None:
-        return _site(
-            found,
-            SiteState.UNSUPPORTED,
-            Action.REFUSE,
-            "the call is not a statement of its own in a block (assigned, returned or on one line with `if`)",
-            pieces=present,
-        )
-    if all(present.values()):
-        return _site(found, SiteState.PATCHED, Action.NONE, "fp8 bypass present and wired", pieces=present)
+    def collect() -> _Pieces:
+        assert found.cls is not None and found.method is not None
+        found_pieces.append(_collect_pieces(found.cls, found.method, call, slot))
+        return found_pieces[-1]
 
-    if pieces.any_bypass():
-        state, action = SiteState.HALF_APPLIED, Action.COMPLETE
-        reason = _half_applied_reason(pieces, present)
-    else:
-        state, action = SiteState.NEEDS_BYPASS, Action.REWRITE
-        reason = "fork-era insert call (no kv_cache_dtype): the fused op would assert on an fp8 cache"
+    decided = verdict(facts, collect)
+    if decided.action not in (Action.REWRITE, Action.COMPLETE):
+        return decided.site(facts)
+    assert slot is not None
     try:
-        plan = _build_plan(module, found, slot, pieces)
+        plan = _build_plan(module, found, slot, found_pieces[-1])
     except Unsupported as exc:
-        return _site(found, SiteState.UNSUPPORTED, Action.REFUSE, str(exc), pieces=present)
-    return _site(found, state, action, reason, pieces=present, plan=plan)
-
-
-def _half_applied_reason(p: _Pieces, present: dict[str, bool]) -> str:
-    missing = [PIECES[k] for k, v in present.items() if not v]
-    problems = []
-    if p.guard_args and p.guard_assigned is None:
-        problems.append(f"`{p.guard_args[0]}` is read but never assigned (NameError at runtime)")
-    if p.flag_read and not p.flag_set:
-        problems.append("`self._fp8_kv` is read but never set (AttributeError at runtime)")
-    if p.post_insert is not None and not p.post_insert_wired:
-        problems.append("the post-call `_insert_kv` is not guarded or not passed the call's slot mappings")
-    text = "partial fp8 bypass; missing: " + "; ".join(missing)
-    return text + (" - " + "; ".join(problems) if problems else "")
+        return Verdict(SiteState.UNSUPPORTED, Action.REFUSE, str(exc), decided.pieces).site(facts)
+    return decided.site(facts, plan)
 
 
 # --- the transformer --------------------------------------------------------------------

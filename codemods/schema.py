@@ -1,0 +1,299 @@
+"""What the fp8 bypass codemod knows, with no parser attached.
+
+The fused op's argument schema, the names the bypass uses, the states a call
+can be in and how a state follows from what was found at the call. Two
+readers share it: the LibCST codemod (``fp8_kv_bypass``, the authority, which
+also rewrites) and the stdlib-``ast`` triage (``triage``, which only answers
+the cases that need no rewrite, quickly). Each reader gathers ``CallFacts``
+and ``Pieces`` with its own parser; ``verdict`` turns them into a state, so
+the two cannot disagree on what a state means.
+
+This module imports nothing heavy: ``check`` on a native or patched file must
+not pay for importing LibCST.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from codemods.fp8_kv_bypass import BypassPlan
+
+FUSED_OP = "fused_minimax_m3_qknorm_rope_kv_insert"
+RESHAPE_OP = "reshape_and_cache_flash"
+FP8_FLAG = "_fp8_kv"
+INSERT_KV = "_insert_kv"
+GUARD_NAME = "insert_via_fused"
+AUTO_DTYPE = "auto"  # kv_cache_dtype="auto" with a cache: neither fork-era nor native
+METADATA_ATTR = "attn_metadata"  # what the fork-era `_insert_kv` reads its slot mappings from
+
+
+@dataclass(frozen=True)
+class OpParam:
+    """One parameter of a call: its position and its keyword."""
+
+    index: int
+    keyword: str
+
+
+# The fork-era 19-argument schema of the fused op, then the kv-cache dtype that
+# native builds pass (vllm._custom_ops, vLLM 0.24 - 0.34).
+QKV = OpParam(0, "qkv")
+NUM_HEADS = OpParam(5, "num_heads")
+NUM_KV_HEADS = OpParam(6, "num_kv_heads")
+NUM_INDEX_HEADS = OpParam(11, "num_index_heads")
+SLOT_MAPPING = OpParam(12, "slot_mapping")
+INDEX_SLOT_MAPPING = OpParam(13, "index_slot_mapping")
+KV_CACHE = OpParam(14, "kv_cache")
+INDEX_CACHE = OpParam(15, "index_cache")
+KV_CACHE_DTYPE = OpParam(19, "kv_cache_dtype")
+
+# `_insert_kv(self, key, value, index_key, main_slot_mapping, index_slot_mapping)`:
+# parameters after `self` of the fork-era form (reads attn_metadata) and of the
+# bypass form; the post-call insert passes the slot mappings positionally here.
+INSERT_KV_METADATA_PARAMS = 3
+INSERT_KV_SLOTS_PARAMS = 5
+POST_INSERT_MAIN_SLOTS = 3
+POST_INSERT_INDEX_SLOTS = 4
+
+T = TypeVar("T")
+
+
+def bind_arg(param: OpParam, positional: Sequence[T], keywords: Sequence[tuple[str, T]]) -> T | None:
+    """The argument bound to ``param``: by position if there are enough, else by keyword."""
+    if param.index < len(positional):
+        return positional[param.index]
+    for keyword, arg in keywords:
+        if keyword == param.keyword:
+            return arg
+    return None
+
+
+# --- states -------------------------------------------------------------------------
+
+
+class SiteState(str, enum.Enum):
+    NEEDS_BYPASS = "needs-bypass"
+    PATCHED = "patched"
+    HALF_APPLIED = "half-applied"
+    NATIVE = "native"
+    NOT_A_SITE = "not-a-site"
+    UNSUPPORTED = "unsupported"
+
+
+class Action(str, enum.Enum):
+    REWRITE = "rewrite"  # needs-bypass: add the whole bypass
+    COMPLETE = "complete"  # half-applied on a fork-era call: add what is missing
+    NONE = "none"
+    REFUSE = "refuse"
+    REVERT = "revert"  # `revert`: take a bypass out again
+
+
+# The pieces of the bypass, in the words the reports use.
+PIECES = {
+    "flag": f"`self.{FP8_FLAG}` set in __init__",
+    "guard": f"the guard (`{GUARD_NAME} = not self.{FP8_FLAG}`) assigned before the call",
+    "guarded-args": f"cache arguments `X if {GUARD_NAME} else None`",
+    "post-insert": f"`self.{INSERT_KV}(k, v, index_k, <slots>)` after the call",
+    "insert-kv": f"`{INSERT_KV}` taking the slot mappings",
+}
+
+
+@dataclass
+class InsertSite:
+    """One call of the fused op, what state it is in and what `run` does with it."""
+
+    class_name: str | None
+    method: str | None
+    line: int
+    state: SiteState
+    action: Action
+    reason: str
+    pieces: dict[str, bool] = field(default_factory=dict)
+    plan: BypassPlan | None = field(default=None, repr=False, compare=False)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "class": self.class_name,
+            "method": self.method,
+            "line": self.line,
+            "state": self.state.value,
+            "action": self.action.value,
+            "reason": self.reason,
+            "pieces": dict(self.pieces),
+        }
+
+
+# --- what a reader finds at a call ------------------------------------------------------
+
+
+@dataclass
+class CallFacts:
+    """Where a call of the fused op sits and what it passes (no bypass pieces yet)."""
+
+    line: int
+    class_name: str | None  # innermost enclosing class
+    method: str | None  # the class's method holding the call; None: in the class body
+    module_function: str | None  # outside any class: the outer function or "<module>"
+    nested_in: str | None  # a def/lambda between the method and the call
+    star_args: bool
+    has_cache: bool  # a main K/V cache argument that is not None
+    dtype: str | None  # source of the kv-cache dtype argument; None when not passed
+    dtype_is_auto: bool  # it is the string literal "auto"
+    in_block: bool  # the call is a statement of its own in a block of the method
+
+
+@dataclass
+class Pieces:
+    """The bypass pieces found around one call."""
+
+    flag_set: bool = False  # `self._fp8_kv = ...` in __init__
+    flag_read: bool = False  # `self._fp8_kv` anywhere in the class
+    guard_args: list[str] = field(default_factory=list)  # guard names in the cache args
+    guard_assigned: str | None = None  # `G = not self._fp8_kv` before the call
+    guard_other: bool = False  # G assigned some other way
+    post_insert: bool = False  # `self._insert_kv(...)` after the call
+    post_insert_wired: bool = False
+    insert_kv: str = "absent"  # absent | metadata | slots | other
+
+    def present(self) -> dict[str, bool]:
+        return {
+            "flag": self.flag_set,
+            "guard": self.guard_assigned is not None,
+            "guarded-args": len(self.guard_args) == 2,
+            "post-insert": self.post_insert and self.post_insert_wired,
+            "insert-kv": self.insert_kv == "slots",
+        }
+
+    def any_bypass(self) -> bool:
+        return (
+            self.flag_set
+            or self.flag_read
+            or bool(self.guard_args)
+            or self.guard_assigned is not None
+            or self.post_insert
+            or self.insert_kv == "slots"
+        )
+
+
+def insert_kv_form(exists: bool, reads_metadata: bool, params_after_self: int) -> str:
+    """Which `_insert_kv` the class has: absent, the fork-era one, the bypass one, or other."""
+    if not exists:
+        return "absent"
+    if reads_metadata and params_after_self == INSERT_KV_METADATA_PARAMS:
+        return "metadata"
+    if not reads_metadata and params_after_self == INSERT_KV_SLOTS_PARAMS:
+        return "slots"
+    return "other"
+
+
+@dataclass
+class Verdict:
+    state: SiteState
+    action: Action
+    reason: str
+    pieces: dict[str, bool] = field(default_factory=dict)
+
+    def site(self, f: CallFacts, plan: BypassPlan | None = None) -> InsertSite:
+        return InsertSite(
+            class_name=f.class_name,
+            method=f.method if f.class_name is not None else f.module_function,
+            line=f.line,
+            state=self.state,
+            action=self.action,
+            reason=self.reason,
+            pieces=dict(self.pieces),
+            plan=plan,
+        )
+
+
+def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
+    """The state of one call. ``pieces`` is asked only for a call in a method.
+
+    A ``REWRITE`` or ``COMPLETE`` verdict still needs a plan; the codemod turns
+    it into ``UNSUPPORTED`` if the plan cannot be proven safe.
+    """
+    if f.star_args:
+        return Verdict(
+            SiteState.UNSUPPORTED,
+            Action.REFUSE,
+            "the call passes *args/**kwargs: its cache arguments cannot be seen",
+        )
+    if not f.has_cache:
+        return Verdict(SiteState.NOT_A_SITE, Action.NONE, "no main K/V cache argument: a norm+rope-only call")
+    if f.class_name is None:
+        return Verdict(
+            SiteState.NOT_A_SITE,
+            Action.NONE,
+            f"in module-level function `{f.module_function}`, not a layer class",
+        )
+    if f.method is None:
+        return Verdict(SiteState.UNSUPPORTED, Action.REFUSE, "the call is in a class body, not in a method")
+    if f.nested_in is not None:
+        return Verdict(
+            SiteState.UNSUPPORTED,
+            Action.REFUSE,
+            f"the call sits inside nested `{f.nested_in}`, not directly in a method",
+        )
+
+    p = pieces()
+    present = p.present()
+    if f.dtype is not None:
+        if f.dtype_is_auto:
+            return Verdict(
+                SiteState.UNSUPPORTED,
+                Action.REFUSE,
+                f'the call passes kv_cache_dtype="{AUTO_DTYPE}" together with a cache: '
+                "neither a fork-era nor a native call",
+                present,
+            )
+        if p.any_bypass():
+            have = ", ".join(k for k, v in present.items() if v) or f"a read of self.{FP8_FLAG}"
+            return Verdict(
+                SiteState.HALF_APPLIED,
+                Action.REFUSE,
+                f"native call (kv_cache_dtype={f.dtype}) carrying a stale fp8 bypass ({have}): "
+                "the bypass assumes the fork-era cache layout and must not run here; remove it "
+                "with `mm3-codemod revert`, then run with --kv-cache-dtype fp8 directly",
+                present,
+            )
+        return Verdict(
+            SiteState.NATIVE,
+            Action.NONE,
+            f"native fp8 support (passes kv_cache_dtype={f.dtype}): run with --kv-cache-dtype fp8 directly",
+            present,
+        )
+
+    if not f.in_block:
+        return Verdict(
+            SiteState.UNSUPPORTED,
+            Action.REFUSE,
+            "the call is not a statement of its own in a block (assigned, returned or on one line with `if`)",
+            present,
+        )
+    if all(present.values()):
+        return Verdict(SiteState.PATCHED, Action.NONE, "fp8 bypass present and wired", present)
+    if p.any_bypass():
+        return Verdict(SiteState.HALF_APPLIED, Action.COMPLETE, _half_applied_reason(p, present), present)
+    return Verdict(
+        SiteState.NEEDS_BYPASS,
+        Action.REWRITE,
+        "fork-era insert call (no kv_cache_dtype): the fused op would assert on an fp8 cache",
+        present,
+    )
+
+
+def _half_applied_reason(p: Pieces, present: dict[str, bool]) -> str:
+    missing = [PIECES[k] for k, v in present.items() if not v]
+    problems = []
+    if p.guard_args and p.guard_assigned is None:
+        problems.append(f"`{p.guard_args[0]}` is read but never assigned (NameError at runtime)")
+    if p.flag_read and not p.flag_set:
+        problems.append(f"`self.{FP8_FLAG}` is read but never set (AttributeError at runtime)")
+    if p.post_insert and not p.post_insert_wired:
+        problems.append(f"the post-call `{INSERT_KV}` is not guarded or not passed the call's slot mappings")
+    text = "partial fp8 bypass; missing: " + "; ".join(missing)
+    return text + (" - " + "; ".join(problems) if problems else "")
