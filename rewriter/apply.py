@@ -3,6 +3,9 @@
 Nothing is written unless the new source parses, compiles, and a second pass
 of the codemod finds every rewritten site ``patched`` (black's discipline);
 for ``revert``, a second pass finds no bypass left.
+
+LibCST is imported only for a file that the ast triage cannot answer: a
+native or patched file is checked without it (``codemods/triage.py``).
 """
 
 from __future__ import annotations
@@ -18,13 +21,18 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import libcst as cst
+from codemods.schema import FUSED_OP, Action, InsertSite, SiteState
+from codemods.triage import triage
 
-from codemods import anchors
-from codemods.fp8_kv_bypass import Action, InsertSite, SiteState, analyze, rewrite
-from codemods.fp8_kv_revert import analyze_revert, revert
 from rewriter import testhook
+
+if TYPE_CHECKING:
+    import libcst as cst
+
+    from codemods.fp8_kv_bypass import FileAnalysis
+    from codemods.fp8_kv_revert import RevertAnalysis
 
 BOM = b"\xef\xbb\xbf"
 
@@ -84,7 +92,34 @@ def read_bytes(path: Path) -> bytes:
     return raw
 
 
+def analyze(module: cst.Module) -> FileAnalysis:
+    """The LibCST codemod's analysis (imported here, on first need)."""
+    from codemods.fp8_kv_bypass import analyze as analyze_module
+
+    return analyze_module(module)
+
+
+def rewrite(analysis: FileAnalysis) -> cst.Module:
+    from codemods.fp8_kv_bypass import rewrite as rewrite_module
+
+    return rewrite_module(analysis)
+
+
+def analyze_revert(module: cst.Module) -> RevertAnalysis:
+    from codemods.fp8_kv_revert import analyze_revert as analyze_module
+
+    return analyze_module(module)
+
+
+def revert(analysis: RevertAnalysis) -> cst.Module:
+    from codemods.fp8_kv_revert import revert as revert_module
+
+    return revert_module(analysis)
+
+
 def _parse(raw: bytes) -> cst.Module:
+    import libcst as cst
+
     body = raw[len(BOM) :] if raw.startswith(BOM) else raw
     try:
         module = cst.parse_module(body)
@@ -101,30 +136,47 @@ def _encode(module: cst.Module, bom: bool) -> bytes:
     return (BOM if bom else b"") + module.bytes
 
 
-def plan_file(path: Path) -> FileResult:
-    """Analyze one file and, where a rewrite is needed, prepare the validated new bytes."""
+def plan_file(path: Path, triage_first: bool = True) -> FileResult:
+    """Analyze one file and, where a rewrite is needed, prepare the validated new bytes.
+
+    ``triage_first=False`` skips the ast triage: LibCST decides every file
+    (what the tests compare the triage against).
+    """
     return _plan(
         path,
-        analyze,
+        lambda module: analyze(module),
         lambda analysis: rewrite(analysis),
         lambda new, analysis: validate(new, path, expected_patched=len(analysis.plans)),
+        triage_first=triage_first,
     )
 
 
 def plan_revert_file(path: Path) -> FileResult:
     """Like ``plan_file``, for taking the bypass out again (``revert``)."""
-    return _plan(path, analyze_revert, revert, lambda new, analysis: validate_revert(new, path))
+    return _plan(
+        path,
+        lambda module: analyze_revert(module),
+        lambda analysis: revert(analysis),
+        lambda new, analysis: validate_revert(new, path),
+        triage_first=False,
+    )
 
 
-def _plan(path: Path, analyze_module, transform, check) -> FileResult:
-    """Read, pre-filter, parse, analyze; then transform and ``check`` the new bytes."""
+def _plan(path: Path, analyze_module, transform, check, triage_first: bool) -> FileResult:
+    """Read, pre-filter, (triage,) parse, analyze; then transform and ``check`` the new bytes."""
     try:
         raw = read_bytes(path)
     except FileError as exc:
         return FileResult(path, FileStatus.ERROR, error=str(exc))
-    # Cheap pre-filter: no mention of the op, no LibCST parse.
-    if anchors.FUSED_OP.encode() not in raw:
+    # Cheap pre-filter: no mention of the op, no parse at all.
+    if FUSED_OP.encode() not in raw:
         return FileResult(path, FileStatus.NO_SITES, original=raw)
+    # Native or patched: the ast answers, LibCST is never imported.
+    sites = triage(raw) if triage_first else None
+    if sites is not None:
+        return FileResult(
+            path, FileStatus.UNCHANGED if sites else FileStatus.NO_SITES, sites=sites, original=raw
+        )
     try:
         module = _parse(raw)
         analysis = analyze_module(module)
