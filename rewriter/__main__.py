@@ -1,3 +1,3 @@
-from rewriter.cli import main
+from rewriter.entry import main
 
 main()

@@ -1,8 +1,7 @@
-"""Thin typer CLI: parse options, call ``rewriter.commands``, print, exit."""
+"""The typer CLI: declares every command and option; check, preview and run live in ``rewriter.entry``."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -11,15 +10,13 @@ import typer
 from rich.console import Console
 from rich.progress import Progress
 
-from rewriter import __version__
+from rewriter import __version__, entry
 from rewriter.apply import FileStatus
-from rewriter.commands import Report, analyze_targets, example_copy
-from rewriter.commands import revert as revert_targets
-from rewriter.commands import run as run_targets
+from rewriter.commands import Report, revert as revert_targets
 from rewriter.locking import DEFAULT_TIMEOUT
-from rewriter.report import print_human, print_json, print_survey, render_diff
+from rewriter.report import print_json, print_survey
 from rewriter.survey import survey as survey_targets
-from rewriter.targets import Target, TargetError, resolve
+from rewriter.targets import Target
 
 app = typer.Typer(
     add_completion=False,
@@ -74,41 +71,26 @@ LockWait = Annotated[
 PROGRESS_MIN_TARGETS = 8
 
 
-def _say_waiting(timeout: float):
-    def say(path: Path) -> None:
-        _stderr().print(
-            f"waiting for {path}: another mm3-codemod run holds it (up to {timeout:g} s)", soft_wrap=True
-        )
+# check, preview and run live in rewriter.entry, which also runs their plain
+# command lines without importing typer; here they only declare their options.
 
-    return say
+_say_waiting = entry.say_waiting
 
 
 def _stderr(wide: bool = False) -> Console:
-    # Tables are not squeezed to 80 columns when stderr is a pipe or a file.
-    width = None if not wide or sys.stderr.isatty() else int(os.environ.get("COLUMNS", 0) or 240)
-    return Console(file=sys.stderr, highlight=False, width=width)
+    return entry.stderr(wide)
 
 
 def _targets(command: str, paths, pythons, roots, example: bool) -> tuple[list[Target], Report | None]:
-    try:
-        return resolve(paths or [], pythons or [], roots or [], example=example), None
-    except TargetError as exc:
-        return [], Report(command, [], error=str(exc))
+    return entry.targets_of(command, paths or [], pythons or [], roots or [], example)
 
 
 def _print_diffs(report: Report, only: FileStatus | None = None) -> None:
-    """Each file's unified diff on stdout (coloured only on a terminal)."""
-    out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
-    for result in report.files:
-        if result.diff and (only is None or result.status is only):
-            out.print(render_diff(result.diff), end="")
+    entry.print_diffs(report, only)
 
 
 def _finish(report: Report, as_json: bool, show_all: bool) -> None:
-    print_human(report, _stderr(), show_all=show_all)
-    if as_json:
-        print_json(report, sys.stdout)
-    raise typer.Exit(int(report.exit_code))
+    raise typer.Exit(entry.finish(report, as_json, show_all))
 
 
 @app.command()
@@ -124,11 +106,7 @@ def check(
     show_all: ShowAll = False,
 ) -> None:
     """Report each call site's state; write nothing. Exit 1 when a rewrite is needed."""
-    targets, failed = _targets("check", paths, python, vllm_root, example)
-    report = failed or analyze_targets("check", targets)
-    if diff and not json:
-        _print_diffs(report)
-    _finish(report, json, show_all)
+    raise typer.Exit(entry.check(paths or [], python or [], vllm_root or [], example, diff, json, show_all))
 
 
 @app.command()
@@ -141,11 +119,7 @@ def preview(
     show_all: ShowAll = False,
 ) -> None:
     """Show the unified diff `run` would apply (stdout); write nothing. Exit 1 when there is one."""
-    targets, failed = _targets("preview", paths, python, vllm_root, example)
-    report = failed or analyze_targets("preview", targets)
-    if not json:
-        _print_diffs(report)
-    _finish(report, json, show_all)
+    raise typer.Exit(entry.preview(paths or [], python or [], vllm_root or [], example, json, show_all))
 
 
 @app.command()
@@ -167,20 +141,20 @@ def run(
     show_all: ShowAll = False,
 ) -> None:
     """Apply the fp8 bypass where needed: validated, atomic, all or nothing."""
-    extra = [example_copy()] if example else []
-    targets, failed = _targets("run", (paths or []) + extra, python, vllm_root, False)
-    report = failed or run_targets(
-        targets,
-        backup=backup,
-        exit_non_zero_on_fix=exit_non_zero_on_fix,
-        lock_timeout=lock_timeout,
-        on_wait=_say_waiting(lock_timeout),
+    raise typer.Exit(
+        entry.run(
+            paths or [],
+            python or [],
+            vllm_root or [],
+            example,
+            backup,
+            show_diff,
+            exit_non_zero_on_fix,
+            json,
+            show_all,
+            lock_timeout=lock_timeout,
+        )
     )
-    if example and not failed:
-        _stderr().print(f"example copied to {extra[0]}", soft_wrap=True)
-    if show_diff and not json:
-        _print_diffs(report, only=FileStatus.REWRITTEN)
-    _finish(report, json, show_all)
 
 
 @app.command()
@@ -215,8 +189,7 @@ def verify(
 
     Exit 0 when nothing failed, 1 when a level failed, 2 when a target could not be read.
     """
-    from rewriter.verify import VerifyReport
-    from rewriter.verify import verify as verify_targets
+    from rewriter.verify import VerifyReport, verify as verify_targets
     from rewriter.verify.table import print_verify
 
     targets, failed = _targets("verify", paths, [python] if python else [], vllm_root, example)
@@ -330,4 +303,5 @@ def _main(
 
 
 def main() -> None:
+    """Every command line through typer (the console script is ``rewriter.entry:main``)."""
     app(prog_name="mm3-codemod")

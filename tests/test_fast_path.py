@@ -1,0 +1,201 @@
+"""The fast path: what a command imports, and that taking it changes no output.
+
+Speed itself is measured by ``bench/run_bench.py``, not asserted here: these
+tests check the structure that makes it fast (no LibCST, no typer for a
+native or patched file) and the promise that never moves (torch and vllm are
+never imported), by looking at ``sys.modules`` of a real process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, ROOT, make_vllm_tree
+
+from rewriter.entry import read_plain
+
+# Runs the CLI in a fresh process and writes, at exit, the top-level names of
+# every module it imported. argv: OUT ENTRY ARGS... (ENTRY: the fast reader or typer).
+PROBE = """
+import atexit, json, sys
+out, entry = sys.argv[1], sys.argv[2]
+del sys.argv[1:3]
+atexit.register(lambda: open(out, "w").write(json.dumps(sorted({m.split(".")[0] for m in sys.modules}))))
+{preamble}
+if entry == "typer":
+    from rewriter.cli import main
+else:
+    from rewriter.entry import main
+main()
+"""
+
+
+def fake_packages(root: Path) -> Path:
+    """Importable stand-ins for torch and vllm: an accidental import succeeds quietly."""
+    for name in ("torch", "vllm"):
+        (root / name).mkdir(parents=True)
+        (root / name / "__init__.py").write_text("")
+    return root
+
+
+def imported(
+    tmp_path: Path, *args: str, entry: str = "fast", preamble: str = ""
+) -> tuple[set[str], subprocess.CompletedProcess[str]]:
+    out = tmp_path / "modules.json"
+    stand_ins = tmp_path / "stand-ins"
+    if not stand_ins.exists():
+        fake_packages(stand_ins)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stand_ins), str(ROOT)])}
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE.replace("{preamble}", preamble), str(out), entry, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    return set(json.loads(out.read_text())), proc
+
+
+def copy(tmp_path: Path, variant: str) -> Path:
+    target = tmp_path / variant / "model.py"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(FIXTURES / variant / "model.py", target)
+    return target
+
+
+# --- torch and vllm are never imported ------------------------------------------------------
+
+
+def command_lines(tmp_path: Path) -> list[list[str]]:
+    tree = tmp_path / "tree"
+    make_vllm_tree(tree, {"model.py": (FIXTURES / "fork_era" / "model.py").read_bytes()})
+    return [
+        ["check", str(copy(tmp_path, "fork_era"))],
+        ["check", "--json", str(FIXTURES / "native" / "model.py")],
+        ["preview", str(FIXTURES / "half_applied" / "model.py")],
+        ["run", "--backup", str(copy(tmp_path, "fork_era"))],
+        ["run", "--example", "--show-diff"],
+        ["run", str(FIXTURES / "native_stale_bypass" / "model.py")],
+        ["check", "--vllm-root", str(tree)],
+        ["check", "--python", sys.executable],
+        ["check"],  # the vLLM of this interpreter: found, never imported
+    ]
+
+
+@pytest.mark.parametrize("entry", ["fast", "typer"])
+def test_torch_and_vllm_are_never_imported(tmp_path: Path, entry: str) -> None:
+    for args in command_lines(tmp_path):
+        modules, proc = imported(tmp_path, *args, entry=entry)
+        assert "rewriter" in modules, proc.stderr  # the command really ran
+        assert not modules & {"torch", "vllm"}, (args, proc.stderr)
+
+
+def test_the_probe_sees_an_import(tmp_path: Path) -> None:
+    """The check above can fail: an import of torch anywhere in the process shows."""
+    modules, _ = imported(tmp_path, "check", str(FIXTURES / "native" / "model.py"), preamble="import torch")
+    assert "torch" in modules
+
+
+# --- what the fast path leaves out ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        FIXTURES / "native" / "model.py",
+        FIXTURES / "patched" / "model.py",
+        FIXTURES / "fork_era" / "expected.py",
+        FIXTURES / "dense_only" / "model.py",
+    ],
+    ids=["native", "patched", "run-output", "dense-only"],
+)
+def test_check_of_a_file_that_needs_nothing_imports_neither_libcst_nor_typer(
+    tmp_path: Path, target: Path
+) -> None:
+    modules, proc = imported(tmp_path, "check", str(target))
+    assert proc.returncode == 0, proc.stderr
+    assert not modules & {"libcst", "typer", "click", "pydantic"}
+
+
+def test_a_rewrite_still_goes_through_libcst(tmp_path: Path) -> None:
+    modules, proc = imported(tmp_path, "check", str(FIXTURES / "fork_era" / "model.py"))
+    assert proc.returncode == 1, proc.stderr
+    assert "libcst" in modules and "typer" not in modules
+
+
+def test_what_the_fast_reader_leaves_to_typer() -> None:
+    assert read_plain(["check", "a.py", "--json", "--python=py3", "--vllm-root", "r"]) == (
+        "check",
+        {
+            "paths": [Path("a.py")],
+            "pythons": ["py3"],
+            "roots": [Path("r")],
+            "--example": False,
+            "--diff": False,
+            "--json": True,
+            "--all": False,
+        },
+    )
+    for argv in (
+        [],
+        ["--version"],
+        ["check", "--help"],
+        ["check", "-h"],
+        ["check", "--", "a.py"],
+        ["check", "--json=1"],
+        ["check", "--backup"],  # a run option
+        ["check", "--python"],  # no value
+        ["check", "--python", "--json"],
+        ["check", "-"],
+        ["verify", "a.py"],
+    ):
+        assert read_plain(argv) is None, argv
+
+
+# --- same output whichever reads the command line --------------------------------------------
+
+
+def run_both(tmp_path: Path, args: list[str], restore: Path | None = None) -> None:
+    """The fast reader and typer: same exit code, stdout, stderr (and file written)."""
+    results = []
+    original = restore.read_bytes() if restore else b""
+    for entry in ("fast", "typer"):
+        if restore:
+            restore.write_bytes(original)
+            for leftover in restore.parent.glob("*.orig*"):
+                leftover.unlink()
+        _, proc = imported(tmp_path, *args, entry=entry)
+        written = restore.read_bytes() if restore else b""
+        results.append((proc.returncode, proc.stdout, proc.stderr, written))
+    assert results[0] == results[1], args
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["check", "fixtures/fork_era/model.py", "fixtures/native/model.py", "--all"],
+        ["check", "--json", "fixtures"],
+        ["preview", "fixtures/half_applied/model.py"],
+        ["preview", "--json", "--example"],
+        ["check", "fixtures/no_such_file.py"],
+        ["check", "--vllm-root", "fixtures"],
+        ["check", "--bogus"],  # typer's error either way
+    ],
+    ids=lambda a: " ".join(a),
+)
+def test_same_output_through_typer(tmp_path: Path, args: list[str]) -> None:
+    run_both(tmp_path, args)
+
+
+@pytest.mark.parametrize("variant", ["fork_era", "patched", "native_stale_bypass"])
+def test_same_run_through_typer(tmp_path: Path, variant: str) -> None:
+    target = copy(tmp_path, variant)
+    run_both(tmp_path, ["run", "--backup", "--show-diff", str(target)], restore=target)
+    run_both(tmp_path, ["run", "--json", str(target)], restore=target)
