@@ -8,7 +8,8 @@ number or by the text around it.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import libcst as cst
@@ -135,7 +136,53 @@ def walk_scope(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
 
 
 def walk_all(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
+    """``node`` and every node below it, in source order (pre-order)."""
     return _walk(node)
+
+
+# `node.children` visits the node again to list them; reading the dataclass
+# fields is four times quicker. Field order is not source order, so these
+# serve questions where order does not count (any, all, a set).
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _child_nodes(node: cst.CSTNode) -> list[cst.CSTNode]:
+    names = _FIELDS.get(type(node))
+    if names is None:
+        names = _FIELDS[type(node)] = tuple(f.name for f in dataclasses.fields(node))
+    out: list[cst.CSTNode] = []
+    for name in names:
+        value = getattr(node, name)
+        if isinstance(value, cst.CSTNode):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(v for v in value if isinstance(v, cst.CSTNode))
+    return out
+
+
+def nodes_in(node: cst.CSTNode, scope_only: bool = False) -> list[cst.CSTNode]:
+    """``node`` and every node below it, in no particular order.
+
+    ``scope_only``: not below nested defs, lambdas and classes (``walk_scope``).
+    """
+    out = [node]
+    stack = [node]
+    while stack:
+        children = _child_nodes(stack.pop())
+        out += children
+        if scope_only:
+            stack += [c for c in children if not isinstance(c, (cst.FunctionDef, cst.Lambda, cst.ClassDef))]
+        else:
+            stack += children
+    return out
+
+
+def first_in(node: cst.CSTNode, wanted: Callable[[cst.CSTNode], bool]) -> cst.CSTNode | None:
+    """The first node under ``node`` (source order) that is ``wanted``."""
+    hits = [n for n in nodes_in(node) if wanted(n)]
+    if len(hits) <= 1:
+        return hits[0] if hits else None
+    return next(n for n in walk_all(node) if wanted(n))
 
 
 @dataclass
@@ -223,7 +270,7 @@ def self_assignments(func: cst.FunctionDef) -> dict[str, list[tuple[StatementSlo
 def bound_names(func: cst.FunctionDef) -> set[str]:
     """Every name a function binds or reads (parameters, locals, free names)."""
     names = {p.name.value for p in _all_params(func.params)}
-    for node in walk_scope(func.body):
+    for node in nodes_in(func.body, scope_only=True):
         if isinstance(node, cst.Name):
             names.add(node.value)
     return names
@@ -276,6 +323,97 @@ def product_of(value: cst.BaseExpression) -> tuple[cst.BaseExpression, cst.BaseE
     return None
 
 
+# --- where statements lie in the text ------------------------------------------
+
+# LibCST compound statements and the ast statements they are.
+_AST_OF = {
+    cst.FunctionDef: (ast.FunctionDef, ast.AsyncFunctionDef),
+    cst.ClassDef: (ast.ClassDef,),
+    cst.If: (ast.If,),
+    cst.For: (ast.For, ast.AsyncFor),
+    cst.While: (ast.While,),
+    cst.With: (ast.With, ast.AsyncWith),
+    cst.Try: (ast.Try,),
+    cst.TryStar: (ast.TryStar,),
+    cst.Match: (ast.Match,),
+}
+
+
+@dataclass
+class SourceMap:
+    """The lines of each module- and class-level statement, and Python's own tree.
+
+    LibCST gives positions only by generating them for every node of the file,
+    which costs more than the analysis itself; Python's parser gives them for
+    free. Used only to skip statements that cannot matter and to number lines:
+    what a statement is and holds is still read from LibCST. ``of`` returns
+    None where the two parsers do not see the same statements.
+    """
+
+    tree: ast.Module
+    lines: list[bytes]  # 1-based
+    spans: dict[int, tuple[cst.CSTNode, int, int]]  # id -> (statement, first line, last line)
+
+    @classmethod
+    def of(cls, module: cst.Module, source: str | bytes) -> SourceMap | None:
+        raw = source.encode(module.encoding) if isinstance(source, str) else source
+        try:
+            tree = ast.parse(raw)
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
+            return None
+        spans: dict[int, tuple[cst.CSTNode, int, int]] = {}
+        if not _map_block(module.body, tree.body, spans, in_class=False):
+            return None
+        return cls(tree, [b""] + raw.splitlines(), spans)
+
+    def from_imported(self) -> set[str]:
+        """Names that a ``from … import name`` (no ``as``) binds, anywhere in the file."""
+        names: set[str] = set()
+        stack: list[ast.stmt] = list(self.tree.body)
+        while stack:
+            stmt = stack.pop()
+            if isinstance(stmt, ast.ImportFrom):
+                names.update(alias.name for alias in stmt.names if alias.asname is None)
+            for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+                for child in getattr(stmt, field, ()):
+                    stack += child.body if isinstance(child, (ast.excepthandler, ast.match_case)) else [child]
+        return names
+
+    def span(self, stmt: cst.CSTNode) -> tuple[int, int] | None:
+        entry = self.spans.get(id(stmt))
+        return (entry[1], entry[2]) if entry is not None and entry[0] is stmt else None
+
+    def text(self, stmt: cst.CSTNode) -> bytes | None:
+        span = self.span(stmt)
+        return b"\n".join(self.lines[span[0] : span[1] + 1]) if span else None
+
+
+def _map_block(
+    body: Sequence[cst.BaseStatement],
+    nodes: list[ast.stmt],
+    spans: dict[int, tuple[cst.CSTNode, int, int]],
+    in_class: bool,
+) -> bool:
+    """Pair LibCST statements with ast ones (a line of ``a; b`` is two); False if they differ."""
+    i = 0
+    for stmt in body:
+        count = len(stmt.body) if isinstance(stmt, cst.SimpleStatementLine) else 1
+        group = nodes[i : i + count]
+        i += count
+        expected = _AST_OF.get(type(stmt))
+        if len(group) != count or (expected is not None and not isinstance(group[0], expected)):
+            return False
+        first = min(
+            min((d.lineno for d in getattr(g, "decorator_list", ())), default=g.lineno) for g in group
+        )
+        spans[id(stmt)] = (stmt, first, max(g.end_lineno or g.lineno for g in group))
+        if isinstance(stmt, cst.ClassDef) and isinstance(stmt.body, cst.IndentedBlock) and not in_class:
+            assert isinstance(group[0], ast.ClassDef)
+            if not _map_block(stmt.body.body, group[0].body, spans, in_class=True):
+                return False
+    return i == len(nodes)
+
+
 # --- imports ------------------------------------------------------------------
 
 
@@ -305,11 +443,29 @@ def module_imports(module: cst.Module) -> list[ImportedName]:
     return found
 
 
-def name_uses(module: cst.Module) -> dict[str, int]:
-    """How often each name is read outside import statements (strings counted too)."""
+def name_uses(
+    module: cst.Module, skip: Sequence[cst.CSTNode] = (), only: Collection[str] | None = None
+) -> dict[str, int]:
+    """How often each name is read outside import statements (strings counted too).
+
+    ``skip``: statements known not to matter to the caller (not counted).
+    ``only``: the names the caller asks about; a one-line statement whose text
+    holds none of them is not visited (generating its text costs a quarter of
+    visiting it), so other names' counts may come out short.
+    """
     counts: dict[str, int] = {}
+    skipped = {id(n): n for n in skip}
 
     class Counter(cst.CSTVisitor):
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            if skipped.get(id(node)) is node:
+                return False
+            if only is not None and isinstance(node, cst.SimpleStatementLine):
+                text = module.code_for_node(node)
+                if not any(name in text for name in only):
+                    return False
+            return super().on_visit(node)
+
         def visit_Import(self, node: cst.Import) -> bool:
             return False
 
@@ -339,4 +495,4 @@ def _identifiers(text: str) -> Iterator[str]:
 
 
 def names_read(node: cst.CSTNode) -> set[str]:
-    return {n.value for n in walk_all(node) if isinstance(n, cst.Name)}
+    return {n.value for n in nodes_in(node) if isinstance(n, cst.Name)}

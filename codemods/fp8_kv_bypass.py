@@ -14,7 +14,9 @@ mode (cache arguments ``None``) when the cache is fp8 and writes the cache with
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import ast
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
@@ -50,6 +52,7 @@ class Unsupported(Exception):
 class FileAnalysis:
     module: cst.Module
     sites: list[InsertSite]
+    source_map: a.SourceMap | None = None
 
     @property
     def plans(self) -> list[BypassPlan]:
@@ -70,20 +73,29 @@ class FileAnalysis:
 @dataclass
 class _FoundCall:
     call: cst.Call
-    line: int
+    line: int  # set once every call is found (see _find_calls)
     cls: cst.ClassDef | None
     method: cst.FunctionDef | None
     nested_in: str | None  # name of a def/lambda between the method and the call
     module_function: str | None
     class_depth: int = 0  # how many defs/classes enclose the class
+    outer: tuple[cst.CSTNode, ...] = ()  # those defs/classes
 
 
 class _CallFinder(cst.CSTVisitor):
-    METADATA_DEPENDENCIES = (PositionProvider,)
-
-    def __init__(self) -> None:
+    def __init__(self, skip: list[cst.CSTNode] | None = None) -> None:
         self.stack: list[cst.CSTNode] = []
         self.found: list[_FoundCall] = []
+        self.skip = {id(n): n for n in skip or ()}
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if self.skip.get(id(node)) is node:
+            return False  # a statement that holds no call of the op
+        return super().on_visit(node)
+
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        if self.skip.get(id(original_node)) is not original_node:
+            super().on_leave(original_node)
 
     def _push(self, node: cst.CSTNode) -> None:
         self.stack.append(node)
@@ -97,7 +109,7 @@ class _CallFinder(cst.CSTVisitor):
     def visit_Call(self, node: cst.Call) -> None:
         if not a.is_fused_call(node):
             return
-        line = self.get_metadata(PositionProvider, node).start.line
+        line = 0  # numbered once every call is found (_find_calls)
         classes = [i for i, n in enumerate(self.stack) if isinstance(n, cst.ClassDef)]
         if not classes:
             outer = self.stack[0] if self.stack else None
@@ -113,7 +125,77 @@ class _CallFinder(cst.CSTVisitor):
             n = inner[-1]
             nested = n.name.value if isinstance(n, cst.FunctionDef) else "<lambda>"
         assert isinstance(cls, cst.ClassDef)
-        self.found.append(_FoundCall(node, line, cls, method, nested, None, ci))
+        self.found.append(_FoundCall(node, line, cls, method, nested, None, ci, tuple(self.stack[:ci])))
+
+    def visit_Import(self, node: cst.Import) -> bool:
+        return False  # nothing to find in an import
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+        return False
+
+
+def _find_calls(module: cst.Module, source_map: a.SourceMap | None) -> list[_FoundCall]:
+    """Every call of the op, in source order, with the line it starts on.
+
+    The lines are those ``PositionProvider`` gives (the callee's first line; a
+    call's own parentheses are not part of it), read from Python's parser of
+    the same text, which also says which module- and class-level statements
+    can be skipped: ``PositionProvider`` and a visit of every node cost more
+    than the rest of the analysis. If the two parsers do not see the same
+    calls, every node is visited and ``PositionProvider`` numbers them.
+    """
+    if source_map is not None:
+        needle = a.FUSED_OP.encode()
+        op_lines = [i for i, text in enumerate(source_map.lines) if needle in text]
+        skip = [
+            stmt
+            for stmt, first, last in source_map.spans.values()
+            if not any(first <= line <= last for line in op_lines)
+        ]
+        finder = _CallFinder(skip)
+        module.visit(finder)
+        calls = _ast_calls(source_map.tree, op_lines)
+        if len(calls) == len(finder.found) and all(
+            len(c.args) + len(c.keywords) == len(f.call.args)
+            for c, f in zip(calls, finder.found, strict=True)
+        ):
+            for f, c in zip(finder.found, calls, strict=True):
+                f.line = c.lineno
+            return finder.found
+    finder = _CallFinder()
+    module.visit(finder)
+    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+    for f in finder.found:
+        f.line = positions[f.call].start.line
+    return finder.found
+
+
+def _ast_calls(tree: ast.Module, op_lines: list[int]) -> list[ast.Call]:
+    """ast calls of the op, in source order (statements without the op's name skipped)."""
+    found: list[ast.Call] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.stmt):
+            first = min((d.lineno for d in getattr(node, "decorator_list", ())), default=node.lineno)
+            last = node.end_lineno or node.lineno
+            if not any(first <= line <= last for line in op_lines):
+                return
+        if isinstance(node, ast.Call) and _ast_callee(node) == a.FUSED_OP:
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    # ast keeps fields, not source order (decorators after the body); outer calls
+    # first where two start at one place.
+    found.sort(key=lambda n: (n.lineno, n.col_offset, -(n.end_lineno or 0), -(n.end_col_offset or 0)))
+    return found
+
+
+def _ast_callee(call: ast.Call) -> str | None:
+    if isinstance(call.func, ast.Name):
+        return call.func.id
+    return call.func.attr if isinstance(call.func, ast.Attribute) else None
 
 
 # --- the pieces of a bypass ----------------------------------------------------
@@ -124,7 +206,6 @@ class _Pieces(Pieces):
     """The pieces (``schema.Pieces``), with the LibCST nodes the plan still needs."""
 
     post_insert_call: cst.Call | None = None
-    insert_kv_calls: list[cst.Call] = field(default_factory=list)  # every `self._insert_kv(...)` in the class
 
 
 def _guard_of(arg: cst.Arg | None) -> str | None:
@@ -163,7 +244,7 @@ def _insert_kv_form(fn: cst.FunctionDef | None) -> str:
     if fn is None:
         return "absent"
     reads_metadata = any(
-        isinstance(n, cst.Attribute) and n.attr.value == METADATA_ATTR for n in a.walk_all(fn.body)
+        isinstance(n, cst.Attribute) and n.attr.value == METADATA_ATTR for n in a.nodes_in(fn.body)
     )
     return insert_kv_form(True, reads_metadata, len(a.param_names(fn)) - 1)
 
@@ -177,17 +258,23 @@ def _is_insert_kv_call(node: cst.CSTNode) -> bool:
 
 
 def _collect_pieces(
-    cls: cst.ClassDef, method: cst.FunctionDef, call: cst.Call, slot: a.StatementSlot | None
+    cls: cst.ClassDef,
+    method: cst.FunctionDef,
+    call: cst.Call,
+    slot: a.StatementSlot | None,
+    mentions_flag: bool = True,
 ) -> _Pieces:
+    """``mentions_flag``: the file's text holds the flag's name at all (else no walk for it)."""
     p = _Pieces()
     init = a.find_method(cls, "__init__")
-    if init is not None:
+    if init is not None and mentions_flag:
         p.flag_set = a.FP8_FLAG in a.self_assignments(init)
-    for node in a.walk_all(cls.body):
-        if a.self_attr(node) == a.FP8_FLAG:
-            p.flag_read = True
-        elif _is_insert_kv_call(node):
-            p.insert_kv_calls.append(node)  # type: ignore[arg-type]
+    # Once set, whether the flag is also read decides nothing (Pieces.any_bypass).
+    p.flag_read = (
+        mentions_flag
+        and not p.flag_set
+        and any(a.self_attr(node) == a.FP8_FLAG for node in a.nodes_in(cls.body))
+    )
     p.guard_args = [
         g for g in (_guard_of(a.get_arg(call, a.KV_CACHE)), _guard_of(a.get_arg(call, a.INDEX_CACHE))) if g
     ]
@@ -206,13 +293,10 @@ def _collect_pieces(
                 p.guard_assigned = None  # reassigned: no longer the guard
             # else: a local that only shares the default guard name; the rewrite picks a fresh one
     for stmt in slot.after():
-        for node in a.walk_all(stmt):
-            if _is_insert_kv_call(node):
-                assert isinstance(node, cst.Call)
-                p.post_insert, p.post_insert_call = True, node
-                p.post_insert_wired = _insert_is_wired(node, call) and _is_guarded_block(stmt, p)
-                break
-        if p.post_insert:
+        node = a.first_in(stmt, _is_insert_kv_call)
+        if isinstance(node, cst.Call):
+            p.post_insert, p.post_insert_call = True, node
+            p.post_insert_wired = _insert_is_wired(node, call) and _is_guarded_block(stmt, p)
             break
     return p
 
@@ -264,6 +348,7 @@ class BypassPlan:
     insert_kv_code: str
     old_insert_kv: cst.FunctionDef | None
     reshape_import: tuple[cst.SimpleStatementLine, cst.ImportFrom] | None
+    scopes: tuple[cst.CSTNode, ...] = ()  # the defs/classes the transformer must enter
 
 
 _Assignments = dict[str, list[tuple[a.StatementSlot, cst.BaseExpression]]]
@@ -378,6 +463,7 @@ def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p:
         ),
         old_insert_kv=a.find_method(cls, a.INSERT_KV) if insert_kv == "replace" else None,
         reshape_import=reshape_import,
+        scopes=(*found.outer, cls, method, init),
     )
 
 
@@ -386,13 +472,17 @@ def _no_other_insert_kv_callers(cls: cst.ClassDef, p: _Pieces) -> None:
     slot-mapping signature, and a call elsewhere is a caller it would break or a
     stale piece of a bypass whose guard is not in scope there."""
     own = a.find_method(cls, a.INSERT_KV)
-    inside_own = {id(n) for n in a.walk_all(own)} if own is not None else set()
-    for call in p.insert_kv_calls:
-        if call is not p.post_insert_call and id(call) not in inside_own:
-            raise Unsupported(
-                f"`{' '.join(a.code(call).split())}` is called elsewhere than right after the insert call: "
-                "a caller the new `_insert_kv` signature would break, or a stale bypass piece"
-            )
+    inside_own = {id(n) for n in a.nodes_in(own)} if own is not None else set()
+
+    def other_caller(node: cst.CSTNode) -> bool:
+        return _is_insert_kv_call(node) and node is not p.post_insert_call and id(node) not in inside_own
+
+    call = a.first_in(cls.body, other_caller)
+    if call is not None:
+        raise Unsupported(
+            f"`{' '.join(a.code(call).split())}` is called elsewhere than right after the insert call: "
+            "a caller the new `_insert_kv` signature would break, or a stale bypass piece"
+        )
 
 
 def _guard_name(p: Pieces, taken: set[str]) -> str:
@@ -504,18 +594,24 @@ def _widths(
 def _dtype_anchor(init: cst.FunctionDef, attrs: _Assignments) -> tuple[a.StatementSlot | None, str | None]:
     """The statement after which the flag goes, and the dtype attribute's code."""
     for slot in a.statement_slots(init):
-        for node in a.walk_all(slot.statement):
-            if (
-                isinstance(node, cst.Call)
-                and isinstance(node.func, (cst.Name, cst.Attribute))
-                and a.code(node.func).endswith("kv_cache_dtype_str_to_dtype")
-                and node.args
-                and a.self_attr(node.args[0].value) is not None
-            ):
-                return slot, a.code(node.args[0].value)
+        node = a.first_in(slot.statement, _is_dtype_conversion)
+        if isinstance(node, cst.Call):
+            return slot, a.code(node.args[0].value)
     if "kv_cache_dtype" in attrs:
         return attrs["kv_cache_dtype"][-1][0], "self.kv_cache_dtype"
     return None, None
+
+
+def _is_dtype_conversion(node: cst.CSTNode) -> bool:
+    """``kv_cache_dtype_str_to_dtype(self.<dtype>, …)``."""
+    return (
+        isinstance(node, cst.Call)
+        and (a.callee_name(node) or "").endswith("kv_cache_dtype_str_to_dtype")  # cheap test first
+        and isinstance(node.func, (cst.Name, cst.Attribute))
+        and a.code(node.func).endswith("kv_cache_dtype_str_to_dtype")
+        and bool(node.args)
+        and a.self_attr(node.args[0].value) is not None
+    )
 
 
 def _bare_import(
@@ -609,12 +705,19 @@ def _statements(text: str, module: cst.Module) -> list[cst.BaseStatement]:
 # --- classification -----------------------------------------------------------------
 
 
-def analyze(module: cst.Module) -> FileAnalysis:
-    """Classify every call of the fused op in ``module`` (and plan what needs work)."""
-    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    finder = _CallFinder()
-    wrapper.visit(finder)
-    sites = [_classify(module, f) for f in finder.found]
+def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalysis:
+    """Classify every call of the fused op in ``module`` (and plan what needs work).
+
+    ``source`` is the text ``module`` was parsed from, if the caller has it at
+    hand (else it is generated again).
+    """
+    if source is None:
+        source = module.code
+    source_map = a.SourceMap.of(module, source)
+    found_calls = _find_calls(module, source_map)
+    flag = a.FP8_FLAG if isinstance(source, str) else a.FP8_FLAG.encode()
+    mentions_flag = flag in source  # type: ignore[operator]
+    sites = [_classify(module, f, mentions_flag) for f in found_calls]
 
     # Fork-era insert sites the bypass could own; more than one cannot be proven.
     candidates = [s for s in sites if s.plan is not None or s.state is SiteState.PATCHED]
@@ -625,10 +728,10 @@ def analyze(module: cst.Module) -> FileAnalysis:
             s.reason = (
                 f"{len(candidates)} candidate insert sites ({where}); the bypass can be proven for one only"
             )
-    return FileAnalysis(module, sites)
+    return FileAnalysis(module, sites, source_map)
 
 
-def _classify(module: cst.Module, found: _FoundCall) -> InsertSite:
+def _classify(module: cst.Module, found: _FoundCall, mentions_flag: bool = True) -> InsertSite:
     call = found.call
     kv = a.get_arg(call, a.KV_CACHE)
     dtype = a.get_arg(call, a.KV_CACHE_DTYPE)
@@ -654,7 +757,7 @@ def _classify(module: cst.Module, found: _FoundCall) -> InsertSite:
 
     def collect() -> _Pieces:
         assert found.cls is not None and found.method is not None
-        found_pieces.append(_collect_pieces(found.cls, found.method, call, slot))
+        found_pieces.append(_collect_pieces(found.cls, found.method, call, slot, mentions_flag))
         return found_pieces[-1]
 
     decided = verdict(facts, collect)
@@ -678,6 +781,16 @@ class Fp8KvBypass(cst.CSTTransformer):
         super().__init__()
         self.module = module
         self.plan = plan
+        statements = [plan.call_slot.statement] + ([plan.reshape_import[0]] if plan.reshape_import else [])
+        self._enter = {id(n) for n in (*plan.scopes, *statements)}
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        # Enter only what holds a change: the other methods, classes and simple
+        # statements are kept as they are (visiting them costs, changes nothing).
+        if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.SimpleStatementLine)):
+            if id(node) not in self._enter:
+                return False
+        return super().on_visit(node)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if original is not self.plan.call:
@@ -741,14 +854,38 @@ class Fp8KvBypass(cst.CSTTransformer):
         return updated.with_changes(body=body)
 
 
-def apply_plan(module: cst.Module, plan: BypassPlan) -> cst.Module:
+def apply_plan(module: cst.Module, plan: BypassPlan, source_map: a.SourceMap | None = None) -> cst.Module:
     """Rewrite one site; then drop imports that only the replaced method used."""
     new = module.visit(Fp8KvBypass(module, plan))
     if plan.old_insert_kv is not None:
         added = a.names_read(cst.parse_module(plan.insert_kv_code, config=module.config_for_parsing))
         dropped = a.names_read(plan.old_insert_kv) - added
-        new = remove_unused_imports(new, dropped)
+        if source_map is not None:
+            dropped &= source_map.from_imported()  # only those can lose their import
+        new = remove_unused_imports(new, dropped, _silent_statements(module, source_map, dropped))
     return new
+
+
+def _silent_statements(
+    module: cst.Module, source_map: a.SourceMap | None, names: set[str]
+) -> list[cst.CSTNode]:
+    """Statements of ``module`` whose text holds none of ``names``: nothing to count there.
+
+    The rewrite keeps untouched statements as the same objects, so they can be
+    skipped in the rewritten module too.
+    """
+    if source_map is None:
+        return []
+    try:
+        words = [n.encode(module.encoding) for n in names]
+    except (UnicodeEncodeError, LookupError):
+        return []
+    silent = []
+    for stmt, _, _ in source_map.spans.values():
+        text = source_map.text(stmt)
+        if text is not None and not any(w in text for w in words):
+            silent.append(stmt)
+    return silent
 
 
 def rewrite(analysis: FileAnalysis) -> cst.Module:
@@ -756,21 +893,44 @@ def rewrite(analysis: FileAnalysis) -> cst.Module:
     plans = analysis.plans
     assert len(plans) <= 1, "analyze() refuses files with several candidate sites"
     for plan in plans:
-        module = apply_plan(module, plan)
+        module = apply_plan(module, plan, analysis.source_map)
     return module
 
 
 # --- imports ------------------------------------------------------------------------------
 
 
-def remove_unused_imports(module: cst.Module, candidates: set[str]) -> cst.Module:
-    """Remove from-import aliases among ``candidates`` that nothing reads any more."""
-    uses = a.name_uses(module)
+_STATEMENT_CONTAINERS = (
+    cst.Module,
+    cst.IndentedBlock,
+    cst.BaseCompoundStatement,
+    cst.Else,
+    cst.ExceptHandler,
+    cst.ExceptStarHandler,
+    cst.Finally,
+    cst.MatchCase,
+)
+
+
+def remove_unused_imports(
+    module: cst.Module, candidates: set[str], silent: Sequence[cst.CSTNode] = ()
+) -> cst.Module:
+    """Remove from-import aliases among ``candidates`` that nothing reads any more.
+
+    ``silent``: statements known to mention none of them (not visited).
+    """
+    if not candidates:
+        return module
+    uses = a.name_uses(module, skip=silent, only=candidates)
     unused = {n for n in candidates if uses.get(n, 0) == 0}
     if not unused:
         return module
 
     class Remove(cst.CSTTransformer):
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            # Only statements hold imports; expressions and one-line statements need no visit.
+            return isinstance(node, _STATEMENT_CONTAINERS)
+
         def leave_SimpleStatementLine(
             self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
         ) -> cst.SimpleStatementLine | cst.RemovalSentinel:

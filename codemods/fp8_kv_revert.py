@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from codemods import anchors as a
-from codemods import fp8_kv_bypass as bp
+from codemods import anchors as a, fp8_kv_bypass as bp
 from codemods.fp8_kv_bypass import Action, InsertSite, Unsupported
 
 DESCRIPTION = "Take the fp8 KV-cache bypass out of MiniMax-M3 sparse attention again."
@@ -172,6 +171,8 @@ def analyze_revert(module: cst.Module) -> RevertAnalysis:
     finder = bp._CallFinder()
     wrapper.visit(finder)
     positions = wrapper.resolve(PositionProvider)
+    for found in finder.found:  # the finder leaves numbering to its caller
+        found.line = positions[found.call].start.line
 
     sites: list[InsertSite] = []
     plans: list[tuple[InsertSite, RevertPlan]] = []

@@ -151,7 +151,7 @@ class Pieces:
     """The bypass pieces found around one call."""
 
     flag_set: bool = False  # `self._fp8_kv = ...` in __init__
-    flag_read: bool = False  # `self._fp8_kv` anywhere in the class
+    flag_read: bool = False  # `self._fp8_kv` anywhere in the class (moot once set)
     guard_args: list[str] = field(default_factory=list)  # guard names in the cache args
     guard_assigned: str | None = None  # `G = not self._fp8_kv` before the call
     guard_other: bool = False  # G assigned some other way

@@ -92,11 +92,11 @@ def read_bytes(path: Path) -> bytes:
     return raw
 
 
-def analyze(module: cst.Module) -> FileAnalysis:
+def analyze(module: cst.Module, source: bytes | None = None) -> FileAnalysis:
     """The LibCST codemod's analysis (imported here, on first need)."""
     from codemods.fp8_kv_bypass import analyze as analyze_module
 
-    return analyze_module(module)
+    return analyze_module(module, source)
 
 
 def rewrite(analysis: FileAnalysis) -> cst.Module:
@@ -144,7 +144,7 @@ def plan_file(path: Path, triage_first: bool = True) -> FileResult:
     """
     return _plan(
         path,
-        lambda module: analyze(module),
+        lambda module, raw: analyze(module, raw),
         lambda analysis: rewrite(analysis),
         lambda new, analysis: validate(new, path, expected_patched=len(analysis.plans)),
         triage_first=triage_first,
@@ -155,7 +155,7 @@ def plan_revert_file(path: Path) -> FileResult:
     """Like ``plan_file``, for taking the bypass out again (``revert``)."""
     return _plan(
         path,
-        lambda module: analyze_revert(module),
+        lambda module, raw: analyze_revert(module),
         lambda analysis: revert(analysis),
         lambda new, analysis: validate_revert(new, path),
         triage_first=False,
@@ -179,7 +179,7 @@ def _plan(path: Path, analyze_module, transform, check, triage_first: bool) -> F
         )
     try:
         module = _parse(raw)
-        analysis = analyze_module(module)
+        analysis = analyze_module(module, raw)
     except FileError as exc:
         return FileResult(path, FileStatus.ERROR, error=str(exc), original=raw)
     result = FileResult(path, FileStatus.UNCHANGED, sites=analysis.sites, original=raw)
@@ -221,7 +221,7 @@ def _parse_and_compile(new: bytes, path: Path) -> cst.Module:
 def validate(new: bytes, path: Path, expected_patched: int) -> None:
     """The new source parses, compiles, and a second pass has nothing to do."""
     module = _parse_and_compile(new, path)
-    again = analyze(module)
+    again = analyze(module, new)
     leftover = [s for s in again.sites if s.action is not Action.NONE]
     if leftover:
         s = leftover[0]

@@ -1,0 +1,104 @@
+"""The LibCST analysis' short cuts change no answer.
+
+The codemod numbers lines with Python's own parser instead of LibCST's
+PositionProvider, skips statements that cannot hold a call, walks dataclass
+fields instead of ``node.children``, and counts names only where they can be.
+Each short cut is compared here with the slow way it replaces.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import black
+import libcst as cst
+import pytest
+from conftest import FIXTURES, ROOT
+from test_triage import NATIVE_LAYOUTS, PATCHED_LAYOUTS, wheel_files  # noqa: F401 (fixture)
+
+from codemods import anchors as a
+from codemods.fp8_kv_bypass import _find_calls, analyze
+
+CORPUS = sorted({p.resolve() for p in FIXTURES.glob("*/*.py")})
+
+
+def sources() -> list[tuple[str, bytes]]:
+    out = [(str(p.relative_to(ROOT)), p.read_bytes()) for p in CORPUS]
+    for variant in ("patched", "fork_era", "native"):
+        text = (FIXTURES / variant / "model.py").read_text()
+        out.append((f"{variant} black-40", black.format_str(text, mode=black.Mode(line_length=40)).encode()))
+    for name, change in PATCHED_LAYOUTS.items():
+        out.append((f"patched {name}", change((FIXTURES / "patched" / "model.py").read_text()).encode()))
+    for name, change in NATIVE_LAYOUTS.items():
+        if name != "latin1-cookie":
+            out.append((f"native {name}", change((FIXTURES / "native" / "model.py").read_text()).encode()))
+    return out
+
+
+def found(module: cst.Module, source_map: a.SourceMap | None) -> list[tuple[int, int]]:
+    return [(id(f.call), f.line) for f in _find_calls(module, source_map)]
+
+
+@pytest.mark.parametrize(("name", "source"), sources(), ids=[n for n, _ in sources()])
+def test_calls_and_lines_as_position_provider_gives_them(name: str, source: bytes) -> None:
+    body = source.removeprefix(b"\xef\xbb\xbf")
+    module = cst.parse_module(body)
+    source_map = a.SourceMap.of(module, body)
+    assert source_map is not None  # the short cut is taken
+    assert found(module, source_map) == found(module, None)
+
+
+def test_real_files_too(wheel_files: list[Path]) -> None:  # noqa: F811
+    for path in wheel_files:
+        module = cst.parse_module(path.read_bytes())
+        source_map = a.SourceMap.of(module, path.read_bytes())
+        assert source_map is not None
+        assert found(module, source_map) == found(module, None)
+
+
+def test_a_wrong_statement_map_falls_back() -> None:
+    """If the statements are mapped to the wrong lines, LibCST's own visit and positions decide."""
+    source = (FIXTURES / "fork_era" / "model.py").read_bytes()
+    module = cst.parse_module(source)
+    good = found(module, None)
+    source_map = a.SourceMap.of(module, source)
+    assert source_map is not None
+    source_map.spans = {
+        k: (stmt, first + 10_000, last + 10_000) for k, (stmt, first, last) in source_map.spans.items()
+    }
+    assert found(module, source_map) == good
+
+
+@pytest.mark.parametrize("path", CORPUS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_quick_walks_see_the_same_nodes(path: Path) -> None:
+    module = cst.parse_module(path.read_bytes())
+    assert {id(n) for n in a.nodes_in(module)} == {id(n) for n in a.walk_all(module)}
+    for func in (n for n in a.walk_all(module) if isinstance(n, cst.FunctionDef)):
+        assert {id(n) for n in a.nodes_in(func.body, scope_only=True)} - {id(func.body)} == {
+            id(n) for n in a.walk_scope(func.body)
+        }
+
+    def is_call(node: cst.CSTNode) -> bool:
+        return isinstance(node, cst.Call)
+
+    for stmt in module.body:
+        assert a.first_in(stmt, is_call) is next((n for n in a.walk_all(stmt) if is_call(n)), None)
+
+
+@pytest.mark.parametrize("variant", ["fork_era", "half_applied", "patch_fuzz", "reformatted"])
+def test_names_counted_where_they_can_be(variant: str) -> None:
+    """The rewrite's name count, with statements skipped, matches a full count."""
+    source = (FIXTURES / variant / "model.py").read_bytes()
+    module = cst.parse_module(source)
+    analysis = analyze(module, source)
+    assert analysis.source_map is not None
+    words = analysis.source_map.from_imported()
+    silent = [
+        stmt
+        for stmt, _, _ in analysis.source_map.spans.values()
+        if not any(w.encode() in (analysis.source_map.text(stmt) or b"") for w in words)
+    ]
+    assert silent  # something is skipped
+    full = a.name_uses(module)
+    quick = a.name_uses(module, skip=silent, only=words)
+    assert {w: quick.get(w, 0) for w in words} == {w: full.get(w, 0) for w in words}
