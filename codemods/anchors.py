@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import libcst as cst
@@ -341,7 +341,7 @@ _AST_OF = {
 
 @dataclass
 class SourceMap:
-    """The lines of each module- and class-level statement, and Python's own tree.
+    """The lines of each statement, at every depth, and Python's own tree.
 
     LibCST gives positions only by generating them for every node of the file,
     which costs more than the analysis itself; Python's parser gives them for
@@ -362,7 +362,7 @@ class SourceMap:
         except (SyntaxError, ValueError, MemoryError, RecursionError):
             return None
         spans: dict[int, tuple[cst.CSTNode, int, int]] = {}
-        if not _map_block(module.body, tree.body, spans, in_class=False):
+        if not _map_block(module.body, tree.body, spans):
             return None
         return cls(tree, [b""] + raw.splitlines(), spans)
 
@@ -392,9 +392,9 @@ def _map_block(
     body: Sequence[cst.BaseStatement],
     nodes: list[ast.stmt],
     spans: dict[int, tuple[cst.CSTNode, int, int]],
-    in_class: bool,
 ) -> bool:
-    """Pair LibCST statements with ast ones (a line of ``a; b`` is two); False if they differ."""
+    """Pair LibCST statements with ast ones (a line of ``a; b`` is two), at every depth;
+    False where the two trees differ."""
     i = 0
     for stmt in body:
         count = len(stmt.body) if isinstance(stmt, cst.SimpleStatementLine) else 1
@@ -407,11 +407,63 @@ def _map_block(
             min((d.lineno for d in getattr(g, "decorator_list", ())), default=g.lineno) for g in group
         )
         spans[id(stmt)] = (stmt, first, max(g.end_lineno or g.lineno for g in group))
-        if isinstance(stmt, cst.ClassDef) and isinstance(stmt.body, cst.IndentedBlock) and not in_class:
-            assert isinstance(group[0], ast.ClassDef)
-            if not _map_block(stmt.body.body, group[0].body, spans, in_class=True):
+        if expected is not None:
+            pairs = _sub_blocks_of(stmt, group[0])
+            if pairs is None or not all(_map_block(b, n, spans) for b, n in pairs):
                 return False
     return i == len(nodes)
+
+
+def _sub_blocks_of(
+    stmt: cst.BaseStatement, node: ast.stmt
+) -> list[tuple[Sequence[cst.BaseStatement], list[ast.stmt]]] | None:
+    """The statement lists inside a compound statement, LibCST's and ast's side by side.
+
+    One-line suites (``if x: y``) hold small statements, not statements: not paired.
+    """
+    pairs: list[tuple[Sequence[cst.BaseStatement], list[ast.stmt]]] = []
+
+    def block(suite: cst.BaseSuite, nodes: list[ast.stmt]) -> None:
+        if isinstance(suite, cst.IndentedBlock):
+            pairs.append((suite.body, nodes))
+
+    def orelse(other: cst.Else | None, nodes: list[ast.stmt]) -> None:
+        if other is not None:
+            block(other.body, nodes)
+        elif nodes:
+            pairs.append(([], nodes))  # a mismatch: _map_block says so
+
+    if isinstance(stmt, (cst.FunctionDef, cst.ClassDef, cst.With)):
+        block(stmt.body, node.body)  # type: ignore[attr-defined]
+    elif isinstance(stmt, (cst.For, cst.While)):
+        block(stmt.body, node.body)  # type: ignore[attr-defined]
+        orelse(stmt.orelse, node.orelse)  # type: ignore[attr-defined]
+    elif isinstance(stmt, cst.If):
+        assert isinstance(node, ast.If)
+        block(stmt.body, node.body)
+        if isinstance(stmt.orelse, cst.If):  # elif
+            pairs.append(([stmt.orelse], node.orelse))
+        else:
+            orelse(stmt.orelse, node.orelse)
+    elif isinstance(stmt, (cst.Try, cst.TryStar)):
+        assert isinstance(node, (ast.Try, ast.TryStar))
+        if len(stmt.handlers) != len(node.handlers):
+            return None
+        block(stmt.body, node.body)
+        for handler, ast_handler in zip(stmt.handlers, node.handlers, strict=True):
+            block(handler.body, ast_handler.body)
+        orelse(stmt.orelse, node.orelse)
+        if stmt.finalbody is not None:
+            block(stmt.finalbody.body, node.finalbody)
+        elif node.finalbody:
+            return None
+    elif isinstance(stmt, cst.Match):
+        assert isinstance(node, ast.Match)
+        if len(stmt.cases) != len(node.cases):
+            return None
+        for case, ast_case in zip(stmt.cases, node.cases, strict=True):
+            block(case.body, ast_case.body)
+    return pairs
 
 
 # --- imports ------------------------------------------------------------------
@@ -443,15 +495,10 @@ def module_imports(module: cst.Module) -> list[ImportedName]:
     return found
 
 
-def name_uses(
-    module: cst.Module, skip: Sequence[cst.CSTNode] = (), only: Collection[str] | None = None
-) -> dict[str, int]:
+def name_uses(module: cst.Module, skip: Sequence[cst.CSTNode] = ()) -> dict[str, int]:
     """How often each name is read outside import statements (strings counted too).
 
     ``skip``: statements known not to matter to the caller (not counted).
-    ``only``: the names the caller asks about; a one-line statement whose text
-    holds none of them is not visited (generating its text costs a quarter of
-    visiting it), so other names' counts may come out short.
     """
     counts: dict[str, int] = {}
     skipped = {id(n): n for n in skip}
@@ -460,10 +507,6 @@ def name_uses(
         def on_visit(self, node: cst.CSTNode) -> bool:
             if skipped.get(id(node)) is node:
                 return False
-            if only is not None and isinstance(node, cst.SimpleStatementLine):
-                text = module.code_for_node(node)
-                if not any(name in text for name in only):
-                    return False
             return super().on_visit(node)
 
         def visit_Import(self, node: cst.Import) -> bool:

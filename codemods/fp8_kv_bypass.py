@@ -139,9 +139,9 @@ def _find_calls(module: cst.Module, source_map: a.SourceMap | None) -> list[_Fou
 
     The lines are those ``PositionProvider`` gives (the callee's first line; a
     call's own parentheses are not part of it), read from Python's parser of
-    the same text, which also says which module- and class-level statements
-    can be skipped: ``PositionProvider`` and a visit of every node cost more
-    than the rest of the analysis. If the two parsers do not see the same
+    the same text, which also says which statements can be skipped:
+    ``PositionProvider`` and a visit of every node cost more than the rest of
+    the analysis. If the two parsers do not see the same
     calls, every node is visited and ``PositionProvider`` numbers them.
     """
     if source_map is not None:
@@ -921,7 +921,7 @@ def remove_unused_imports(
     """
     if not candidates:
         return module
-    uses = a.name_uses(module, skip=silent, only=candidates)
+    uses = a.name_uses(module, skip=silent)
     unused = {n for n in candidates if uses.get(n, 0) == 0}
     if not unused:
         return module
