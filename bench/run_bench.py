@@ -1,0 +1,345 @@
+"""Cold-process timings of mm3-codemod, side by side with what they are judged against.
+
+    pip install '.[test]' && python bench/run_bench.py
+
+Every command runs as a fresh process (what pre-commit does), and all of them
+run interleaved - one of each per round, the order rotated every round - for
+``--reps`` rounds; the table shows medians. On a shared machine only ratios
+taken in one run mean much: each goal is a ratio against the LibCST-parse
+baseline of the same file measured in the same rounds.
+
+- ``check`` on the vLLM 0.34.0 model file (native, 83 KB; the wheel is
+  downloaded once into the tests' cache, ``~/.cache/mm3-codemod/wheels`` or
+  ``$MM3_CODEMOD_WHEEL_CACHE``), on the bundled fork-era example (needs a
+  rewrite) and on that example after ``run`` (patched);
+- the baseline: ``python -c "import libcst; libcst.parse_module(src)"``;
+- ``patch -p1 --dry-run`` with the seed's diff (``bench/seed.diff``) on a tree
+  holding the example as its fork-era model file;
+- ``run`` on a fresh copy of the example (parse, rewrite, validate, diff, write).
+
+The tool's modules are byte-compiled first, as ``pip install`` leaves them.
+Results go to ``bench/results.json`` (``--json``); ``--markdown`` also prints
+the README's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import compileall
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+VLLM_VERSION = "0.34.0"
+MODEL_IN_WHEEL = "vllm/models/minimax_m3/nvidia/model.py"
+BASELINE = "import sys, libcst; libcst.parse_module(open(sys.argv[1], 'rb').read())"
+GOALS = {"check": 0.8, "run": 2.0, "survey": 0.65}
+
+
+@dataclass
+class Measure:
+    key: str
+    label: str
+    argv: list[str]
+    expect_rc: set[int]
+    cwd: Path | None = None
+    before: object = None  # called (untimed) before each timed run
+    samples: list[float] = field(default_factory=list)
+    rcs: list[int] = field(default_factory=list)
+    output: str = ""
+
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    def stats(self) -> dict[str, object]:
+        s = sorted(self.samples)
+        q = statistics.quantiles(s, n=4) if len(s) > 1 else [s[0]] * 3
+        return {
+            "label": self.label,
+            "argv": self.argv,
+            "median_ms": round(1e3 * self.median(), 1),
+            "p25_ms": round(1e3 * q[0], 1),
+            "p75_ms": round(1e3 * q[2], 1),
+            "min_ms": round(1e3 * s[0], 1),
+            "samples_ms": [round(1e3 * x, 1) for x in self.samples],
+            "exit_codes": sorted(set(self.rcs)),
+        }
+
+
+# --- inputs -------------------------------------------------------------------------------
+
+
+def wheel_cache() -> Path:
+    default = Path.home() / ".cache" / "mm3-codemod" / "wheels"
+    return Path(os.environ.get("MM3_CODEMOD_WHEEL_CACHE", default))
+
+
+def vllm_model_file(into: Path) -> Path:
+    """The 0.34.0 wheel's NVIDIA model file (the wheel is fetched once, like the tests do)."""
+    cache = wheel_cache()
+    wheels = sorted(cache.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+    if not wheels:
+        cache.mkdir(parents=True, exist_ok=True)
+        print(f"downloading the vllm {VLLM_VERSION} wheel into {cache} (once) ...", file=sys.stderr)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet"]
+            + ["-d", str(cache), f"vllm=={VLLM_VERSION}"],
+            check=True,
+        )
+        wheels = sorted(cache.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        wheel.extract(MODEL_IN_WHEEL, into)
+    return into / MODEL_IN_WHEEL
+
+
+def tool_argv() -> tuple[list[str], str]:
+    """The console script beside this interpreter, else ``python -m rewriter``."""
+    script = Path(sys.executable).with_name("mm3-codemod")
+    if script.exists():
+        return [str(script)], str(script)
+    found = shutil.which("mm3-codemod")
+    if found:
+        return [found], found
+    return [sys.executable, "-m", "rewriter"], f"{sys.executable} -m rewriter"
+
+
+def byte_compile() -> list[str]:
+    import codemods
+    import rewriter
+
+    folders = [str(Path(p.__file__).parent) for p in (rewriter, codemods)]
+    for folder in folders:
+        compileall.compile_dir(folder, quiet=1)
+    return folders
+
+
+def has_command(tool: list[str], name: str) -> bool:
+    proc = subprocess.run([*tool, name, "--help"], capture_output=True, text=True)
+    return proc.returncode == 0
+
+
+# --- measuring ----------------------------------------------------------------------------
+
+
+def run_once(m: Measure) -> None:
+    if callable(m.before):
+        m.before()
+    start = time.perf_counter()
+    proc = subprocess.run(m.argv, cwd=m.cwd, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    if proc.returncode not in m.expect_rc:
+        raise SystemExit(
+            f"{m.label}: exit {proc.returncode}, expected {sorted(m.expect_rc)}\n{proc.stdout}{proc.stderr}"
+        )
+    m.samples.append(elapsed)
+    m.rcs.append(proc.returncode)
+    m.output = (proc.stdout + proc.stderr).strip()
+
+
+def measure(measures: list[Measure], reps: int) -> None:
+    for m in measures:  # warm-up round, not counted (file caches)
+        run_once(m)
+        m.samples.clear()
+        m.rcs.clear()
+    for r in range(reps):
+        shift = r % len(measures)
+        for m in measures[shift:] + measures[:shift]:
+            run_once(m)
+        print(f"\rround {r + 1}/{reps}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr, flush=True)
+
+
+# --- report -------------------------------------------------------------------------------
+
+
+def ratios(by_key: dict[str, Measure]) -> list[dict[str, object]]:
+    def row(what: str, key: str, base: str, goal: float | None) -> dict[str, object]:
+        value = by_key[key].median() / by_key[base].median()
+        return {
+            "what": what,
+            "measure": key,
+            "baseline": base,
+            "ratio": round(value, 2),
+            "goal": f"<= {goal}" if goal else None,
+            "met": (value <= goal) if goal else None,
+        }
+
+    return [
+        row("check, native (vLLM 0.34.0)", "check-native", "libcst-native", GOALS["check"]),
+        row("check, patched (example after run)", "check-patched", "libcst-patched", GOALS["check"]),
+        row("check, needs-bypass (example)", "check-example", "libcst-example", None),
+        row("run, example -> temp copy", "run-example", "libcst-example", GOALS["run"]),
+        row("patch -p1 --dry-run, seed diff", "patch-seed", "libcst-example", None),
+    ]
+
+
+def markdown(result: dict) -> str:
+    """The README's table, from a results JSON (so the README can be checked against it)."""
+    sizes, measures = result["file_sizes"], result["measures"]
+
+    def kb(name: str) -> str:
+        return f"{sizes[name] / 1000:.1f} KB"
+
+    files = {
+        "check-native": f"vLLM {VLLM_VERSION} `model.py` (native, {kb('native')})",
+        "check-patched": f"example after `run` (patched, {kb('patched')})",
+        "check-example": f"bundled example (needs-bypass, {kb('example')})",
+        "run-example": "bundled example, temp copy",
+        "patch-seed": "bundled example as the fork-era file",
+    }
+    labels = {
+        "check-native": "`check`",
+        "check-patched": "`check`",
+        "check-example": "`check` (LibCST path)",
+        "run-example": "`run` (parse, rewrite, validate, diff, write)",
+        "patch-seed": "`patch -p1 --dry-run` with the seed's diff",
+    }
+    lines = [
+        "| measurement (cold process) | file | median | LibCST-parse baseline | ratio | goal |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for row in result["ratios"]:
+        key, base = row["measure"], row["baseline"]
+        verdict = f"{row['goal']} {'met' if row['met'] else 'MISSED'}" if row["goal"] else "-"
+        lines.append(
+            f"| {labels[key]} | {files[key]} | {measures[key]['median_ms']:.0f} ms "
+            f"| {measures[base]['median_ms']:.0f} ms | {row['ratio']:.2f}x | {verdict} |"
+        )
+    return "\n".join(lines)
+
+
+def print_table(by_key: dict[str, Measure], rows: list[dict[str, object]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="mm3-codemod, cold processes (medians)")
+    for column in ("measurement", "median", "p25-p75", "baseline", "ratio", "goal"):
+        table.add_column(column, justify="right" if column not in ("measurement", "goal") else "left")
+    for row in rows:
+        m, base = by_key[str(row["measure"])], by_key[str(row["baseline"])]
+        s = m.stats()
+        goal = row["goal"]
+        verdict = f"{goal} {'met' if row['met'] else 'MISSED'}" if goal else "-"
+        table.add_row(
+            str(row["what"]),
+            f"{s['median_ms']:.0f} ms",
+            f"{s['p25_ms']:.0f}-{s['p75_ms']:.0f}",
+            f"{1e3 * base.median():.0f} ms",
+            f"{row['ratio']:.2f}x",
+            verdict,
+        )
+    Console().print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=15, help="timed rounds (default 15)")
+    parser.add_argument("--json", type=Path, default=HERE / "results.json", help="where the results go")
+    parser.add_argument("--markdown", action="store_true", help="also print the README's table")
+    args = parser.parse_args()
+
+    from rewriter.targets import example_path
+
+    tool, tool_shown = tool_argv()
+    compiled = byte_compile()
+    work = Path(tempfile.mkdtemp(prefix="mm3-codemod-bench-"))
+    try:
+        native = vllm_model_file(work / "wheel")
+        example = work / "example" / "model.py"
+        example.parent.mkdir()
+        shutil.copyfile(example_path(), example)
+        patched = work / "patched" / "model.py"
+        patched.parent.mkdir()
+        shutil.copyfile(example_path(), patched)
+        subprocess.run([*tool, "run", str(patched)], check=True, capture_output=True)
+        tree = work / "fork"
+        (tree / MODEL_IN_WHEEL).parent.mkdir(parents=True)
+        shutil.copyfile(example_path(), tree / MODEL_IN_WHEEL)
+        copy = work / "run" / "model.py"
+        copy.parent.mkdir()
+        sizes = {
+            name: f.stat().st_size
+            for name, f in (("native", native), ("example", example), ("patched", patched))
+        }
+
+        def fresh_copy() -> None:
+            shutil.copyfile(example, copy)
+
+        def base(f: Path) -> list[str]:
+            return [sys.executable, "-c", BASELINE, str(f)]
+
+        measures = [
+            Measure("check-native", "check native", [*tool, "check", str(native)], {0}),
+            Measure("libcst-native", "libcst parse native", base(native), {0}),
+            Measure("check-patched", "check patched", [*tool, "check", str(patched)], {0}),
+            Measure("libcst-patched", "libcst parse patched", base(patched), {0}),
+            Measure("check-example", "check example", [*tool, "check", str(example)], {1}),
+            Measure("libcst-example", "libcst parse example", base(example), {0}),
+            Measure("run-example", "run example", [*tool, "run", str(copy)], {0}, before=fresh_copy),
+            Measure(
+                "patch-seed",
+                "patch --dry-run seed",
+                ["patch", "-p1", "--dry-run", "-i", str(HERE / "seed.diff")],
+                {0, 1},
+                cwd=tree,
+            ),
+        ]
+        survey = has_command(tool, "survey")
+        load_before = os.getloadavg()
+        measure(measures, args.reps)
+        load_after = os.getloadavg()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    by_key = {m.key: m for m in measures}
+    rows = ratios(by_key)
+    print_table(by_key, rows)
+    patch = by_key["patch-seed"]
+    print(f"patch(1) said (exit {patch.rcs[-1]}):\n  " + patch.output.replace("\n", "\n  "))
+    if not survey:
+        print("survey: not in this version of mm3-codemod; its rows are left out")
+
+    from rewriter import __version__
+
+    result = {
+        "tool": "mm3-codemod",
+        "version": __version__,
+        "command": f"python bench/run_bench.py --reps {args.reps}",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "libcst": metadata.version("libcst"),
+            "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in load_after],
+        },
+        "tool_command": tool_shown,
+        "byte_compiled": compiled,
+        "reps": args.reps,
+        "file_sizes": sizes,
+        "measures": {m.key: m.stats() for m in measures},
+        "ratios": rows,
+        "patch_output": patch.output,
+        "survey": "not available in this version" if not survey else "available but not measured",
+        "gpu": None,  # bypass vs fused bf16 insert: filled in by the verify issue
+    }
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"results: {args.json}")
+    if args.markdown:
+        print()
+        print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
