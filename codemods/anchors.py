@@ -16,23 +16,21 @@ import libcst as cst
 
 # The op schema and the bypass's names live in `schema` (no parser attached),
 # shared with the ast triage; they are re-exported here for the finders' users.
-from codemods.schema import (
-    FP8_FLAG as FP8_FLAG,
-    FUSED_OP as FUSED_OP,
-    INDEX_CACHE as INDEX_CACHE,
-    INDEX_SLOT_MAPPING as INDEX_SLOT_MAPPING,
-    INSERT_KV as INSERT_KV,
-    KV_CACHE as KV_CACHE,
-    KV_CACHE_DTYPE as KV_CACHE_DTYPE,
-    NUM_HEADS as NUM_HEADS,
-    NUM_INDEX_HEADS as NUM_INDEX_HEADS,
-    NUM_KV_HEADS as NUM_KV_HEADS,
-    QKV as QKV,
-    RESHAPE_OP as RESHAPE_OP,
-    SLOT_MAPPING as SLOT_MAPPING,
-    OpParam as OpParam,
-    bind_arg,
-)
+from codemods.schema import FP8_FLAG as FP8_FLAG
+from codemods.schema import FUSED_OP as FUSED_OP
+from codemods.schema import INDEX_CACHE as INDEX_CACHE
+from codemods.schema import INDEX_SLOT_MAPPING as INDEX_SLOT_MAPPING
+from codemods.schema import INSERT_KV as INSERT_KV
+from codemods.schema import KV_CACHE as KV_CACHE
+from codemods.schema import KV_CACHE_DTYPE as KV_CACHE_DTYPE
+from codemods.schema import NUM_HEADS as NUM_HEADS
+from codemods.schema import NUM_INDEX_HEADS as NUM_INDEX_HEADS
+from codemods.schema import NUM_KV_HEADS as NUM_KV_HEADS
+from codemods.schema import QKV as QKV
+from codemods.schema import RESHAPE_OP as RESHAPE_OP
+from codemods.schema import SLOT_MAPPING as SLOT_MAPPING
+from codemods.schema import OpParam as OpParam
+from codemods.schema import bind_arg
 
 # Plain isinstance tests rather than libcst.matchers: importing the matchers
 # costs more than parsing an 80 KB model file (``python -X importtime``).

@@ -28,18 +28,18 @@ from codemods import anchors as a
 # LibCST; this module gathers what they are decided on, and plans and rewrites.
 from codemods.schema import (
     AUTO_DTYPE,
-    GUARD_NAME as GUARD_NAME,
     METADATA_ATTR,
-    PIECES as PIECES,
-    Action as Action,
     CallFacts,
-    InsertSite as InsertSite,
     Pieces,
-    SiteState as SiteState,
     Verdict,
     insert_kv_form,
     verdict,
 )
+from codemods.schema import GUARD_NAME as GUARD_NAME
+from codemods.schema import PIECES as PIECES
+from codemods.schema import Action as Action
+from codemods.schema import InsertSite as InsertSite
+from codemods.schema import SiteState as SiteState
 
 DESCRIPTION = "Route fp8 KV-cache writes of MiniMax-M3 sparse attention around the bf16-only fused insert op."
 

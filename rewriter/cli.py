@@ -12,7 +12,8 @@ from rich.progress import Progress
 
 from rewriter import __version__, entry
 from rewriter.apply import FileStatus
-from rewriter.commands import Report, revert as revert_targets
+from rewriter.commands import Report
+from rewriter.commands import revert as revert_targets
 from rewriter.locking import DEFAULT_TIMEOUT
 from rewriter.report import print_json, print_survey
 from rewriter.survey import survey as survey_targets

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rewriter.apply import FileStatus
-from rewriter.commands import Report, analyze_targets, example_copy, run as run_targets
+from rewriter.commands import Report, analyze_targets, example_copy
+from rewriter.commands import run as run_targets
 from rewriter.locking import DEFAULT_TIMEOUT
 from rewriter.targets import Target, TargetError, resolve
 
