@@ -117,6 +117,12 @@ def revert(analysis: RevertAnalysis) -> cst.Module:
     return revert_module(analysis)
 
 
+def load_codemod() -> None:
+    """Import LibCST and the codemod now (they are otherwise imported on first need):
+    worker processes forked afterwards share them instead of each importing them."""
+    import codemods.fp8_kv_bypass  # noqa: F401
+
+
 def _parse(raw: bytes) -> cst.Module:
     import libcst as cst
 

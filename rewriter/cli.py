@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import Progress
 
 from rewriter import __version__, entry
 from rewriter.apply import FileStatus
 from rewriter.commands import Report
 from rewriter.commands import revert as revert_targets
 from rewriter.locking import DEFAULT_TIMEOUT
-from rewriter.report import print_json, print_survey
-from rewriter.survey import survey as survey_targets
 from rewriter.targets import Target
 
 app = typer.Typer(
@@ -67,9 +63,6 @@ LockWait = Annotated[
         help="How long to wait for another mm3-codemod run on the same file.",
     ),
 ]
-
-# survey shows a progress bar (on a terminal) above this many targets.
-PROGRESS_MIN_TARGETS = 8
 
 
 # check, preview and run live in rewriter.entry, which also runs their plain
@@ -269,23 +262,7 @@ def survey(
 
     Exit codes as check: 0 nothing to do, 1 a rewrite is needed, 2 a target could not be handled.
     """
-    targets, failed = _targets("survey", paths, python, vllm_root, False)
-    err = _stderr(wide=True)
-    if failed:
-        report = failed
-    elif len(targets) > PROGRESS_MIN_TARGETS and err.is_terminal and not json:
-        # Refreshed by hand (no refresh thread): the pool forks its workers first.
-        with Progress(console=err, transient=True, auto_refresh=False) as progress:
-            task = progress.add_task("surveying", total=len(targets))
-            report = survey_targets(
-                targets, jobs, advance=lambda: progress.update(task, advance=1, refresh=True)
-            )
-    else:
-        report = survey_targets(targets, jobs)
-    print_survey(report, err, show_all=show_all)
-    if json:
-        print_json(report, sys.stdout)
-    raise typer.Exit(int(report.exit_code))
+    raise typer.Exit(entry.survey(paths or [], python or [], vllm_root or [], jobs, json, show_all))
 
 
 def _version(value: bool) -> None:

@@ -1,9 +1,10 @@
 """The ``mm3-codemod`` console script, and what each command prints.
 
-``check`` sits in pre-commit, so a plain ``check``/``preview``/``run`` command
-line is read here and run without typer: importing typer and building its
-pydantic-backed option converters costs more than the whole ast triage. The
-fast reader accepts only the commands' own options in their plain forms;
+``check`` sits in pre-commit and ``survey`` walks dozens of environments, so
+a plain ``check``/``preview``/``run``/``survey`` command line is read here and
+run without typer: importing typer and building its pydantic-backed option
+converters costs more than the whole ast triage. The fast reader accepts
+only the commands' own options in their plain forms;
 anything else (``--help``, ``--version``, another command, an option it does
 not know, ``--``) goes to the typer app in ``rewriter.cli``, which stays the
 definition of the command line. Both call the same functions below, so the
@@ -130,13 +131,46 @@ def run(
     return finish(report, as_json, show_all)
 
 
+# survey shows a progress bar (on a terminal) above this many targets.
+PROGRESS_MIN_TARGETS = 8
+
+
+def survey(
+    paths: list[Path], pythons: list[str], roots: list[Path], jobs: int | None, as_json: bool, show_all: bool
+) -> int:
+    from rewriter.report import print_json, print_survey
+    from rewriter.survey import survey as survey_targets
+
+    targets, failed = targets_of("survey", paths, pythons, roots, False)
+    err = stderr(wide=True)
+    if failed:
+        report = failed
+    elif len(targets) > PROGRESS_MIN_TARGETS and err.is_terminal and not as_json:
+        from rich.progress import Progress
+
+        # Refreshed by hand (no refresh thread): the pool forks its workers first.
+        with Progress(console=err, transient=True, auto_refresh=False) as progress:
+            task = progress.add_task("surveying", total=len(targets))
+            report = survey_targets(
+                targets, jobs, advance=lambda: progress.update(task, advance=1, refresh=True)
+            )
+    else:
+        report = survey_targets(targets, jobs)
+    print_survey(report, err, show_all=show_all)
+    if as_json:
+        print_json(report, sys.stdout)
+    return int(report.exit_code)
+
+
 # --- the fast command-line reader ---------------------------------------------------------
 
 _VALUE_OPTIONS = {"--python": "pythons", "--vllm-root": "roots"}
+_JOBS = ("--jobs", "-j")  # survey only; a positive whole number
 _FLAGS = {
     "check": {"--example", "--diff", "--json", "--all"},
     "preview": {"--example", "--json", "--all"},
     "run": {"--example", "--json", "--all", "--backup", "--show-diff", "--exit-non-zero-on-fix"},
+    "survey": {"--json", "--all"},
 }
 
 
@@ -147,11 +181,21 @@ def read_plain(argv: list[str]) -> tuple[str, dict[str, object]] | None:
     command, flags = argv[0], _FLAGS[argv[0]]
     options: dict[str, object] = {"paths": [], "pythons": [], "roots": []}
     options.update({flag: False for flag in flags})
+    if command == "survey":
+        options["jobs"] = None
     rest = argv[1:]
     while rest:
         arg = rest.pop(0)
         name, eq, value = arg.partition("=")
-        if name in _VALUE_OPTIONS:
+        if command == "survey" and name in _JOBS:
+            if not eq:
+                if not rest:
+                    return None
+                value = rest.pop(0)
+            if not (value.isascii() and value.isdigit() and int(value) >= 1):
+                return None  # typer explains what is wrong with it
+            options["jobs"] = int(value)
+        elif name in _VALUE_OPTIONS:
             if not eq:
                 if not rest:
                     return None
@@ -178,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
         app(args=args, prog_name="mm3-codemod")
         return
     command, o = plain
+    if command == "survey":
+        sys.exit(survey(o["paths"], o["pythons"], o["roots"], o["jobs"], o["--json"], o["--all"]))  # type: ignore[arg-type]
     common = (o["paths"], o["pythons"], o["roots"], o["--example"])
     if command == "check":
         code = check(*common, o["--diff"], o["--json"], o["--all"])  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from rewriter.apply import FileResult, plan_file
+from rewriter.apply import FileResult, load_codemod, plan_file
 from rewriter.commands import Report
 from rewriter.targets import Target
 
@@ -60,6 +60,7 @@ def survey(
             tick()
     else:
         chunksize = max(1, math.ceil(len(paths) / (jobs * CHUNKS_PER_JOB)))
+        load_codemod()  # before the fork, not once per worker
         with _context().Pool(jobs) as pool:
             for result in pool.imap(survey_file, paths, chunksize):
                 files.append(result)

@@ -86,11 +86,16 @@ def command_lines(tmp_path: Path) -> list[list[str]]:
         ["check", "--vllm-root", str(tree)],
         ["check", "--python", sys.executable],
         ["check"],  # the vLLM of this interpreter: found, never imported
+        ["survey", "--jobs", "1", str(FIXTURES)],
+        ["survey", "-j", "2", str(FIXTURES), "--vllm-root", str(tree)],
+        ["revert", str(copy(tmp_path, "patched"))],
+        ["revert", "--check", str(FIXTURES / "half_applied" / "model.py")],
     ]
 
 
 @pytest.mark.parametrize("entry", ["fast", "typer"])
 def test_torch_and_vllm_are_never_imported(tmp_path: Path, entry: str) -> None:
+    """check, preview, run, survey and revert (verify imports torch: that is its job)."""
     for args in command_lines(tmp_path):
         modules, proc = imported(tmp_path, *args, entry=entry)
         assert "rewriter" in modules, proc.stderr  # the command really ran
@@ -130,6 +135,16 @@ def test_a_rewrite_still_goes_through_libcst(tmp_path: Path) -> None:
     assert "libcst" in modules and "typer" not in modules
 
 
+def test_survey_jobs_are_read_as_typer_reads_them() -> None:
+    for argv, jobs in (
+        (["survey", "d"], None),
+        (["survey", "-j", "2", "d"], 2),
+        (["survey", "d", "--jobs=3"], 3),
+    ):
+        plain = read_plain(argv)
+        assert plain is not None and plain[1]["jobs"] == jobs and plain[1]["paths"] == [Path("d")]
+
+
 def test_what_the_fast_reader_leaves_to_typer() -> None:
     assert read_plain(["check", "a.py", "--json", "--python=py3", "--vllm-root", "r"]) == (
         "check",
@@ -154,6 +169,11 @@ def test_what_the_fast_reader_leaves_to_typer() -> None:
         ["check", "--python"],  # no value
         ["check", "--python", "--json"],
         ["check", "-"],
+        ["survey", "-j", "0"],
+        ["survey", "--jobs", "two"],
+        ["survey", "-j"],
+        ["survey", "--example"],
+        ["revert", "a.py"],
         ["verify", "a.py"],
     ):
         assert read_plain(argv) is None, argv
@@ -186,7 +206,11 @@ def run_both(tmp_path: Path, args: list[str], restore: Path | None = None) -> No
         ["preview", "--json", "--example"],
         ["check", "fixtures/no_such_file.py"],
         ["check", "--vllm-root", "fixtures"],
+        ["check", "--diff", "fixtures/fork_era/model.py", "fixtures/patched/model.py"],
+        ["survey", "fixtures", "--all"],
+        ["survey", "--json", "-j", "2", "fixtures"],
         ["check", "--bogus"],  # typer's error either way
+        ["survey", "-j", "0", "fixtures"],
     ],
     ids=lambda a: " ".join(a),
 )
@@ -198,4 +222,4 @@ def test_same_output_through_typer(tmp_path: Path, args: list[str]) -> None:
 def test_same_run_through_typer(tmp_path: Path, variant: str) -> None:
     target = copy(tmp_path, variant)
     run_both(tmp_path, ["run", "--backup", "--show-diff", str(target)], restore=target)
-    run_both(tmp_path, ["run", "--json", str(target)], restore=target)
+    run_both(tmp_path, ["run", "--json", "--exit-non-zero-on-fix", str(target)], restore=target)
