@@ -15,7 +15,10 @@ baseline of the same file measured in the same rounds.
 - the baseline: ``python -c "import libcst; libcst.parse_module(src)"``;
 - ``patch -p1 --dry-run`` with the seed's diff (``bench/seed.diff``) on a tree
   holding the example as its fork-era model file;
-- ``run`` on a fresh copy of the example (parse, rewrite, validate, diff, write).
+- ``run`` on a fresh copy of the example (parse, rewrite, validate, diff, write);
+- ``survey`` over 50 files (one per folder, as from 50 environments: the
+  0.34.0 file, the example and the patched example in turn) with ``--jobs 1``
+  and ``--jobs 2``.
 
 The tool's modules are byte-compiled first, as ``pip install`` leaves them.
 Results go to ``bench/results.json`` (``--json``); ``--markdown`` also prints
@@ -44,6 +47,15 @@ HERE = Path(__file__).resolve().parent
 VLLM_VERSION = "0.34.0"
 MODEL_IN_WHEEL = "vllm/models/minimax_m3/nvidia/model.py"
 BASELINE = "import sys, libcst; libcst.parse_module(open(sys.argv[1], 'rb').read())"
+# A control for survey's ratio: the same fixed CPU work in a pool of 1 or 2
+# processes shows how much of a second core the machine had to give.
+CONTROL = (
+    "import sys, multiprocessing as mp\n"
+    "def work(n):\n    return sum(i * i for i in range(n))\n"
+    "if __name__ == '__main__':\n"
+    "    with mp.get_context('fork').Pool(int(sys.argv[1])) as pool:\n"
+    "        pool.map(work, [800_000] * 16)\n"
+)
 GOALS = {"check": 0.8, "run": 2.0, "survey": 0.65}
 
 
@@ -163,7 +175,7 @@ def measure(measures: list[Measure], reps: int) -> None:
 # --- report -------------------------------------------------------------------------------
 
 
-def ratios(by_key: dict[str, Measure]) -> list[dict[str, object]]:
+def ratios(by_key: dict[str, Measure], files: int) -> list[dict[str, object]]:
     def row(what: str, key: str, base: str, goal: float | None) -> dict[str, object]:
         value = by_key[key].median() / by_key[base].median()
         return {
@@ -175,12 +187,21 @@ def ratios(by_key: dict[str, Measure]) -> list[dict[str, object]]:
             "met": (value <= goal) if goal else None,
         }
 
+    survey = (
+        [
+            row(f"survey, {files} files: 2 jobs vs 1", "survey-2", "survey-1", GOALS["survey"]),
+            row("control: fixed CPU work, 2 processes vs 1", "control-2", "control-1", None),
+        ]
+        if "survey-1" in by_key
+        else []
+    )
     return [
         row("check, native (vLLM 0.34.0)", "check-native", "libcst-native", GOALS["check"]),
         row("check, patched (example after run)", "check-patched", "libcst-patched", GOALS["check"]),
         row("check, needs-bypass (example)", "check-example", "libcst-example", None),
         row("run, example -> temp copy", "run-example", "libcst-example", GOALS["run"]),
         row("patch -p1 --dry-run, seed diff", "patch-seed", "libcst-example", None),
+        *survey,
     ]
 
 
@@ -197,6 +218,8 @@ def markdown(result: dict) -> str:
         "check-example": f"bundled example (needs-bypass, {kb('example')})",
         "run-example": "bundled example, temp copy",
         "patch-seed": "bundled example as the fork-era file",
+        "survey-2": f"{result['survey_files']} files (native, needs-bypass, patched in turn)",
+        "control-2": "(how much of a second core the machine gave)",
     }
     labels = {
         "check-native": "`check`",
@@ -204,9 +227,11 @@ def markdown(result: dict) -> str:
         "check-example": "`check` (LibCST path)",
         "run-example": "`run` (parse, rewrite, validate, diff, write)",
         "patch-seed": "`patch -p1 --dry-run` with the seed's diff",
+        "survey-2": "`survey --jobs 2` (baseline: `--jobs 1`)",
+        "control-2": "control: a CPU-bound pool of 2 (baseline: of 1)",
     }
     lines = [
-        "| measurement (cold process) | file | median | LibCST-parse baseline | ratio | goal |",
+        "| measurement (cold process) | file | median | baseline | ratio | goal |",
         "|---|---|---:|---:|---:|---|",
     ]
     for row in result["ratios"]:
@@ -247,6 +272,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15, help="timed rounds (default 15)")
     parser.add_argument("--json", type=Path, default=HERE / "results.json", help="where the results go")
     parser.add_argument("--markdown", action="store_true", help="also print the README's table")
+    parser.add_argument("--survey-files", type=int, default=50, help="files for survey (default 50)")
     args = parser.parse_args()
 
     from rewriter.targets import example_path
@@ -296,6 +322,29 @@ def main() -> None:
             ),
         ]
         survey = has_command(tool, "survey")
+        if survey:
+            many = work / "survey"
+            cycle = [native, example, patched]
+            for i in range(args.survey_files):
+                (many / f"env{i:02d}").mkdir(parents=True)
+                shutil.copyfile(cycle[i % 3], many / f"env{i:02d}" / "model.py")
+            for jobs in (1, 2):
+                measures.append(
+                    Measure(
+                        f"survey-{jobs}",
+                        f"survey {jobs} job(s)",
+                        [*tool, "survey", "--jobs", str(jobs), str(many)],
+                        {1},
+                    )
+                )
+                measures.append(
+                    Measure(
+                        f"control-{jobs}",
+                        f"control {jobs} process(es)",
+                        [sys.executable, "-c", CONTROL, str(jobs)],
+                        {0},
+                    )
+                )
         load_before = os.getloadavg()
         measure(measures, args.reps)
         load_after = os.getloadavg()
@@ -303,7 +352,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     by_key = {m.key: m for m in measures}
-    rows = ratios(by_key)
+    rows = ratios(by_key, args.survey_files)
     print_table(by_key, rows)
     patch = by_key["patch-seed"]
     print(f"patch(1) said (exit {patch.rcs[-1]}):\n  " + patch.output.replace("\n", "\n  "))
@@ -315,7 +364,7 @@ def main() -> None:
     result = {
         "tool": "mm3-codemod",
         "version": __version__,
-        "command": f"python bench/run_bench.py --reps {args.reps}",
+        "command": " ".join(["python", "bench/run_bench.py", *sys.argv[1:]]),
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
@@ -328,6 +377,7 @@ def main() -> None:
         "byte_compiled": compiled,
         "reps": args.reps,
         "file_sizes": sizes,
+        "survey_files": args.survey_files,
         "measures": {m.key: m.stats() for m in measures},
         "ratios": rows,
         "patch_output": patch.output,

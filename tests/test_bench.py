@@ -1,0 +1,64 @@
+"""bench/run_bench.py runs from a checkout, and the README shows a real run of it.
+
+No timing is asserted here: the goals are judged by the bench itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+
+BENCH = ROOT / "bench" / "run_bench.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("run_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_table_is_the_committed_run() -> None:
+    result = json.loads((ROOT / "bench" / "results.json").read_text())
+    table = load_bench().markdown(result)
+    assert table in (ROOT / "README.md").read_text()
+    assert result["reps"] >= 10 and result["survey_files"] == 50
+
+
+def test_bench_runs_and_writes_every_row(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--reps", "1", "--survey-files", "4", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert set(result["measures"]) == {
+        "check-native",
+        "libcst-native",
+        "check-patched",
+        "libcst-patched",
+        "check-example",
+        "libcst-example",
+        "run-example",
+        "patch-seed",
+        "survey-1",
+        "survey-2",
+        "control-1",
+        "control-2",
+    }
+    goals = {r["measure"]: r["goal"] for r in result["ratios"]}
+    assert goals["check-native"] == goals["check-patched"] == "<= 0.8"
+    assert goals["run-example"] == "<= 2.0" and goals["survey-2"] == "<= 0.65"
+    assert "Hunk #1" in result["patch_output"]  # what patch(1) said is kept
+    assert "check, native" in proc.stdout  # the table
