@@ -67,6 +67,17 @@ class _Source:
         except (SyntaxError, ValueError, MemoryError) as exc:
             raise Undecided("ast cannot parse it; LibCST decides (and reports)") from exc
         self.lines = [b""] + re.split(rb"\r\n|\n", body)  # 1-based
+        self.mentions_flag = s.FP8_FLAG.encode() in body
+        needle = s.FUSED_OP.encode()
+        self.op_lines = [i for i, line in enumerate(self.lines) if needle in line]
+
+    def may_hold_op(self, node: ast.AST) -> bool:
+        """A statement whose lines never name the op holds no call of it."""
+        if not isinstance(node, ast.stmt):
+            return True
+        first = min((d.lineno for d in getattr(node, "decorator_list", ())), default=node.lineno)
+        last = node.end_lineno or node.lineno
+        return any(first <= line <= last for line in self.op_lines)
 
     def before(self, node: ast.AST) -> bytes:
         return self.lines[node.lineno][: node.col_offset]  # type: ignore[attr-defined]
@@ -152,6 +163,8 @@ def _find_calls(source: _Source) -> list[_FoundCall]:
     found: list[_FoundCall] = []
 
     def visit(node: ast.AST, scopes: list[ast.AST]) -> None:
+        if not source.may_hold_op(node):
+            return
         if isinstance(node, ast.Call) and _callee_name(node) == s.FUSED_OP:
             found.append(_FoundCall(node, scopes))
         inner = scopes + [node] if isinstance(node, _SCOPES) else scopes
@@ -309,9 +322,11 @@ def _collect_pieces(source: _Source, cls: ast.ClassDef, call: ast.Call, slot: _S
     """``fp8_kv_bypass._collect_pieces``, read from ``ast``."""
     p = s.Pieces()
     init = _methods(cls, "__init__")
-    if init is not None:
+    if init is not None and source.mentions_flag:
         p.flag_set = _sets_flag(source, init)
-    p.flag_read = any(_is_self_attr(n, s.FP8_FLAG) for stmt in cls.body for n in ast.walk(stmt))
+    p.flag_read = source.mentions_flag and any(
+        _is_self_attr(n, s.FP8_FLAG) for stmt in cls.body for n in ast.walk(stmt)
+    )
     p.guard_args = [g for g in (_guard_of(_arg(call, s.KV_CACHE)), _guard_of(_arg(call, s.INDEX_CACHE))) if g]
     fn = _methods(cls, s.INSERT_KV)
     if fn is not None:
