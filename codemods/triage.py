@@ -10,6 +10,11 @@ or refuse, or a fact that ``ast`` cannot establish exactly as LibCST would
 (``ast`` forgets parentheses, semicolons and one-line suites) - is
 ``Undecided``, and the caller runs the LibCST analysis, which stays the
 authority. It never guesses.
+
+One difference is left on purpose: a file that this Python parses but
+LibCST cannot (syntax newer than LibCST knows) is reported by its states
+here, where the LibCST path would report a parse error; no such file needs
+a rewrite, and ``run`` on one that did would go to LibCST and fail there.
 """
 
 from __future__ import annotations

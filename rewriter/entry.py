@@ -175,7 +175,7 @@ _FLAGS = {
 
 
 def read_plain(argv: list[str]) -> tuple[str, dict[str, object]] | None:
-    """``(command, options)`` for a plain check/preview/run line; None: let typer read it."""
+    """``(command, options)`` for a plain check/preview/run/survey line; None: let typer read it."""
     if not argv or argv[0] not in _FLAGS:
         return None
     command, flags = argv[0], _FLAGS[argv[0]]
@@ -188,6 +188,8 @@ def read_plain(argv: list[str]) -> tuple[str, dict[str, object]] | None:
         arg = rest.pop(0)
         name, eq, value = arg.partition("=")
         if command == "survey" and name in _JOBS:
+            if eq and name == "-j":
+                return None  # click reads "-j=2" as the value "=2"
             if not eq:
                 if not rest:
                     return None

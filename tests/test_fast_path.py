@@ -170,6 +170,7 @@ def test_what_the_fast_reader_leaves_to_typer() -> None:
         ["check", "--python", "--json"],
         ["check", "-"],
         ["survey", "-j", "0"],
+        ["survey", "-j=2"],
         ["survey", "--jobs", "two"],
         ["survey", "-j"],
         ["survey", "--example"],
