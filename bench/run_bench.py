@@ -32,6 +32,7 @@ import compileall
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -68,6 +69,7 @@ class Measure:
     cwd: Path | None = None
     before: object = None  # called (untimed) before each timed run
     samples: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)  # user + system seconds, all its processes
     rcs: list[int] = field(default_factory=list)
     output: str = ""
 
@@ -85,6 +87,7 @@ class Measure:
             "p75_ms": round(1e3 * q[2], 1),
             "min_ms": round(1e3 * s[0], 1),
             "samples_ms": [round(1e3 * x, 1) for x in self.samples],
+            "cpu_median_ms": round(1e3 * statistics.median(self.cpu), 1),
             "exit_codes": sorted(set(self.rcs)),
         }
 
@@ -147,14 +150,17 @@ def has_command(tool: list[str], name: str) -> bool:
 def run_once(m: Measure) -> None:
     if callable(m.before):
         m.before()
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run(m.argv, cwd=m.cwd, capture_output=True, text=True)
     elapsed = time.perf_counter() - start
+    now = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode not in m.expect_rc:
         raise SystemExit(
             f"{m.label}: exit {proc.returncode}, expected {sorted(m.expect_rc)}\n{proc.stdout}{proc.stderr}"
         )
     m.samples.append(elapsed)
+    m.cpu.append(now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime)
     m.rcs.append(proc.returncode)
     m.output = (proc.stdout + proc.stderr).strip()
 
@@ -163,6 +169,7 @@ def measure(measures: list[Measure], reps: int) -> None:
     for m in measures:  # warm-up round, not counted (file caches)
         run_once(m)
         m.samples.clear()
+        m.cpu.clear()
         m.rcs.clear()
     for r in range(reps):
         shift = r % len(measures)
@@ -358,6 +365,14 @@ def main() -> None:
     print(f"patch(1) said (exit {patch.rcs[-1]}):\n  " + patch.output.replace("\n", "\n  "))
     if not survey:
         print("survey: not in this version of mm3-codemod; its rows are left out")
+    else:
+        cpu = {
+            k: by_key[k].stats()["cpu_median_ms"] for k in ("survey-1", "survey-2", "control-1", "control-2")
+        }
+        print(
+            f"CPU time (all processes, median): survey {cpu['survey-1']:.0f} ms with 1 job, "
+            f"{cpu['survey-2']:.0f} ms with 2; control {cpu['control-1']:.0f} / {cpu['control-2']:.0f} ms"
+        )
 
     from rewriter import __version__
 
