@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -356,7 +357,9 @@ class SourceMap:
     def of(cls, module: cst.Module, source: str | bytes) -> SourceMap | None:
         raw = source.encode(module.encoding) if isinstance(source, str) else source
         try:
-            tree = ast.parse(raw)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the file's own warnings ("\d") are not ours
+                tree = ast.parse(raw)
         except (SyntaxError, ValueError, MemoryError, RecursionError):
             return None
         spans: dict[int, tuple[cst.CSTNode, int, int]] = {}

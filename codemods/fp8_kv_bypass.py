@@ -33,6 +33,7 @@ from codemods.schema import (
     Pieces,
     Verdict,
     insert_kv_form,
+    note_guard_assignment,
     verdict,
 )
 from codemods.schema import GUARD_NAME as GUARD_NAME
@@ -285,13 +286,7 @@ def _collect_pieces(
     for stmt in slot.before():
         pair = a.simple_assignment(stmt)
         if pair and isinstance(pair[0], cst.Name) and pair[0].value in guard_names:
-            if _is_not_flag(pair[1]):
-                p.guard_assigned = pair[0].value
-            elif pair[0].value in p.guard_args:
-                p.guard_other = True  # the name the cache arguments test holds something else
-            elif p.guard_assigned == pair[0].value:
-                p.guard_assigned = None  # reassigned: no longer the guard
-            # else: a local that only shares the default guard name; the rewrite picks a fresh one
+            note_guard_assignment(p, pair[0].value, _is_not_flag(pair[1]))
     for stmt in slot.after():
         node = a.first_in(stmt, _is_insert_kv_call)
         if isinstance(node, cst.Call):

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from codemods import anchors as a, fp8_kv_bypass as bp
+from codemods import anchors as a
+from codemods import fp8_kv_bypass as bp
 from codemods.fp8_kv_bypass import Action, InsertSite, Unsupported
 
 DESCRIPTION = "Take the fp8 KV-cache bypass out of MiniMax-M3 sparse attention again."

@@ -179,6 +179,18 @@ class Pieces:
         )
 
 
+def note_guard_assignment(p: Pieces, name: str, not_flag: bool) -> None:
+    """What one ``<name> = <value>`` before the call (in order) says about the guard;
+    ``not_flag``: the value is ``not self._fp8_kv``."""
+    if not_flag:
+        p.guard_assigned = name
+    elif name in p.guard_args:
+        p.guard_other = True  # the name the cache arguments test holds something else
+    elif p.guard_assigned == name:
+        p.guard_assigned = None  # reassigned: no longer the guard
+    # else: a local that only shares the default guard name; the rewrite picks a fresh one
+
+
 def insert_kv_form(exists: bool, reads_metadata: bool, params_after_self: int) -> str:
     """Which `_insert_kv` the class has: absent, the fork-era one, the bypass one, or other."""
     if not exists:

@@ -23,6 +23,7 @@ import ast
 import io
 import re
 import tokenize
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -68,7 +69,9 @@ class _Source:
         if encoding not in ("utf-8", "utf-8-sig") or "\r" in text.replace("\r\n", ""):
             raise Undecided("another encoding, or lone carriage returns")
         try:
-            self.tree = ast.parse(text)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the file's own warnings ("\d") are not ours
+                self.tree = ast.parse(text)
         except (SyntaxError, ValueError, MemoryError) as exc:
             raise Undecided("ast cannot parse it; LibCST decides (and reports)") from exc
         self.lines = [b""] + re.split(rb"\r\n|\n", body)  # 1-based
@@ -352,10 +355,7 @@ def _collect_pieces(source: _Source, cls: ast.ClassDef, call: ast.Call, slot: _S
         before = _Slot(slot.body, i, slot.certain)
         pair = _simple_assignment(before.statement)
         if pair and isinstance(pair[0], ast.Name) and pair[0].id in guard_names and _single(source, before):
-            if _is_not_flag(pair[1]):
-                p.guard_assigned = pair[0].id
-            else:
-                p.guard_other = True
+            s.note_guard_assignment(p, pair[0].id, _is_not_flag(pair[1]))
     for i in range(slot.index + 1, len(slot.body)):
         stmt = slot.body[i]
         inserts = [n for n in ast.walk(stmt) if _is_insert_kv_call(n)]

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 from codemods.schema import FUSED_OP, Action, InsertSite, SiteState
 from codemods.triage import triage
-
 from rewriter import testhook
 
 if TYPE_CHECKING:

@@ -1,4 +1,5 @@
-"""The typer CLI: declares every command and option; check, preview and run live in ``rewriter.entry``."""
+"""The typer CLI: declares every command and option (the bodies of check, preview, run and survey
+live in ``rewriter.entry``)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ LockWait = Annotated[
 ]
 
 
-# check, preview and run live in rewriter.entry, which also runs their plain
+# check, preview, run and survey live in rewriter.entry, which also runs their plain
 # command lines without importing typer; here they only declare their options.
 
 _say_waiting = entry.say_waiting
@@ -183,7 +184,8 @@ def verify(
 
     Exit 0 when nothing failed, 1 when a level failed, 2 when a target could not be read.
     """
-    from rewriter.verify import VerifyReport, verify as verify_targets
+    from rewriter.verify import VerifyReport
+    from rewriter.verify import verify as verify_targets
     from rewriter.verify.table import print_verify
 
     targets, failed = _targets("verify", paths, [python] if python else [], vllm_root, example)
