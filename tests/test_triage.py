@@ -20,11 +20,13 @@ import black
 import pytest
 from conftest import FIXTURES
 from rich.console import Console
+from test_mutation_corpus import CORPUS
 from test_real_wheels import PREFIX, VERSIONS, vllm_wheel
 
 from codemods import triage as triage_module
 from codemods.triage import triage
-from rewriter.apply import FileResult, plan_file
+from rewriter import commands
+from rewriter.apply import FileResult, FileStatus, plan_file
 from rewriter.commands import Report
 from rewriter.report import print_human, to_json
 from rewriter.targets import Target
@@ -95,6 +97,19 @@ def test_agrees_on_reformatted_files(variant: str, line_length: int, tmp_path: P
         path = tmp_path / name
         path.write_text(black.format_str(source, mode=black.Mode(line_length=line_length)))
         assert_agree(path)
+
+
+@pytest.mark.parametrize("variant", CORPUS[::5], ids=lambda v: v.id)
+def test_agrees_on_mutated_files_and_what_run_makes_of_them(variant, tmp_path: Path) -> None:
+    """Every fifth variant of the mutation corpus, before and after `run`: what
+    run writes is patched, and the triage answers it itself."""
+    path = tmp_path / "model.py"
+    path.write_text(variant.source())
+    assert_agree(path)
+    report = commands.run([Target(path, "corpus")])
+    assert_agree(path)
+    if report.files[0].status is FileStatus.REWRITTEN:
+        assert triage(path.read_bytes()) is not None
 
 
 # --- layouts that ast cannot see, or sees differently from LibCST ---------------------------
