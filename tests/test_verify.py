@@ -117,18 +117,29 @@ def test_unreadable_target_is_exit_2_with_one_line(tmp_path: Path) -> None:
     )
 
 
-def test_without_torch_the_semantic_level_is_skipped_and_says_so() -> None:
+def _verify_without_torch(path: Path) -> subprocess.CompletedProcess[str]:
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "from rewriter.cli import main\n"
-        f"sys.argv = ['mm3-codemod', 'verify', {str(FIXTURES / 'patched' / 'model.py')!r}, '--json']\n"
+        f"sys.argv = ['mm3-codemod', 'verify', {str(path)!r}, '--json']\n"
         "main()\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_without_torch_the_semantic_level_is_skipped_and_says_so() -> None:
+    proc = _verify_without_torch(FIXTURES / "patched" / "model.py")
     assert proc.returncode == 0, proc.stderr
     levels = json.loads(proc.stdout)["files"][0]["levels"]
     assert [lv["status"] for lv in levels[1:]] == ["skipped", "skipped"]
     assert "torch is not installed" in levels[1]["reason"]
+
+
+def test_an_unpatched_file_fails_verify_even_when_no_level_can_run() -> None:
+    path = FIXTURES / "fork_era" / "model.py"
+    proc = _verify_without_torch(path)
+    assert proc.returncode == 1, proc.stderr
+    assert f"{path}: needs-bypass at line" in proc.stderr
 
 
 # --- the semantic check can fail: broken rewrites of a correct file ----------------

@@ -67,7 +67,8 @@ class FileVerification:
 
     @property
     def failed(self) -> bool:
-        return any(level.status is Status.FAILED for level in self.levels)
+        # A site still to rewrite is never "confirmed", even where no level could run.
+        return self.note is not None or any(level.status is Status.FAILED for level in self.levels)
 
     def to_json(self) -> dict[str, object]:
         return {

@@ -43,6 +43,8 @@ def print_verify(report: VerifyReport, err: Console, verbose: bool = False) -> N
     for f in report.files:  # one unwrapped line per failure, for logs and hooks
         if f.error:
             err.print(Text(f"{f.path}: {f.error}", style="red"), soft_wrap=True)
+        if f.note:
+            err.print(Text(f"{f.path}: {f.note}", style="red"), soft_wrap=True)
         for level in f.levels:
             if level.status is Status.FAILED:
                 err.print(
