@@ -156,6 +156,11 @@ def plan_file(path: Path, triage_first: bool = True) -> FileResult:
     )
 
 
+def classify_file(path: Path) -> FileResult:
+    """Each site's state only: nothing is rewritten or validated (``verify``)."""
+    return _plan(path, lambda module, raw: analyze(module, raw), None, None, triage_first=True)
+
+
 def plan_revert_file(path: Path) -> FileResult:
     """Like ``plan_file``, for taking the bypass out again (``revert``)."""
     return _plan(
@@ -196,6 +201,9 @@ def _plan(path: Path, analyze_module, transform, check, triage_first: bool) -> F
     if not analysis.needs_rewrite:
         if not analysis.sites:
             result.status = FileStatus.NO_SITES
+        return result
+    if transform is None:  # classify only
+        result.status = FileStatus.NEEDS_REWRITE
         return result
     try:
         new_module = transform(analysis)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from codemods.fp8_kv_bypass import SiteState
-from rewriter.apply import FileStatus, plan_file
+from rewriter.apply import FileStatus, classify_file
 from rewriter.targets import Target
 
 from .importcheck import import_check
@@ -187,7 +187,7 @@ def load_kernels(kernels: str | None, timing: bool = True) -> KernelContext:
     return ctx
 
 
-def _semantic(path: Path, classes: list[str], backend_name: str, ctx: KernelContext | None) -> LevelResult:
+def _semantic(path: Path, classes: list[str], ctx: KernelContext | None) -> LevelResult:
     level = "kernel" if ctx is not None else "semantic"
     from . import harness
 
@@ -227,7 +227,7 @@ def verify_file(
 ) -> FileVerification:
     path = target.path
     out = FileVerification(path, target.origin)
-    planned = plan_file(path)
+    planned = classify_file(path)
     if planned.status is FileStatus.ERROR:
         out.error = planned.error
         return out
@@ -254,14 +254,14 @@ def verify_file(
         out.levels.append(LevelResult("semantic", Status.SKIPPED, reason))
     else:
         _import_torch()
-        out.levels.append(_semantic(path, classes, "reference", None))
+        out.levels.append(_semantic(path, classes, None))
 
     if kernel is None or kernel.ops is None:
         reason = kernel.skipped if kernel and kernel.skipped else "kernel level not requested"
         status = Status.FAILED if require_gpu else Status.SKIPPED
         out.levels.append(LevelResult("kernel", status, reason + (" (--require-gpu)" if require_gpu else "")))
     else:
-        out.levels.append(_semantic(path, classes, "kernels", kernel))
+        out.levels.append(_semantic(path, classes, kernel))
     return out
 
 

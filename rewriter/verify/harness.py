@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from codemods import anchors as a
-from codemods.anchors import FUSED_OP, INSERT_KV, KV_CACHE, RESHAPE_OP
+from codemods import schema as a
+from codemods.schema import FUSED_OP, KV_CACHE, RESHAPE_OP
 
 from . import refops
 
@@ -70,16 +70,18 @@ class Shape:
 # --- the layer's code, out of the file -----------------------------------------
 
 
+def _arg(call: ast.Call, param: a.OpParam) -> ast.expr | None:
+    positional = [arg for arg in call.args if not isinstance(arg, ast.Starred)]
+    return a.bind_arg(param, positional, [(k.arg, k.value) for k in call.keywords if k.arg is not None])
+
+
 def _calls_fused_with_cache(node: ast.AST) -> bool:
     for call in ast.walk(node):
-        if not isinstance(call, ast.Call):
-            continue
-        func = call.func
+        func = getattr(call, "func", None)
         name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
         if name != FUSED_OP:
             continue
-        cache = call.args[KV_CACHE.index] if len(call.args) > KV_CACHE.index else None
-        cache = cache or next((k.value for k in call.keywords if k.arg == KV_CACHE.keyword), None)
+        cache = _arg(call, KV_CACHE)
         if cache is not None and not (isinstance(cache, ast.Constant) and cache.value is None):
             return True
     return False
@@ -98,10 +100,6 @@ class LayerCode:
     imported: dict[str, str]
     bindings: dict[tuple[str, ...], str] = field(default_factory=dict)
     called_attrs: set[str] = field(default_factory=set)
-
-    @property
-    def has_insert_kv(self) -> bool:
-        return INSERT_KV in self.methods
 
 
 def _imports(tree: ast.Module) -> tuple[dict[str, str], set[str]]:
@@ -176,20 +174,20 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
 
 # The fused op's parameters whose argument, when it is a `self.` chain, tells the
 # stand-in which attribute holds which input (names differ between files).
-_BOUND_PARAMS = {
-    1: "q_norm_weight",
-    2: "k_norm_weight",
-    3: "cos_sin_cache",
-    a.NUM_HEADS.index: "num_heads",
-    a.NUM_KV_HEADS.index: "num_kv_heads",
-    7: "rotary_dim",
-    8: "eps",
-    9: "index_q_norm_weight",
-    10: "index_k_norm_weight",
-    a.NUM_INDEX_HEADS.index: "num_index_heads",
-    a.KV_CACHE.index: "kv_cache",
-    a.INDEX_CACHE.index: "index_cache",
-}
+_BOUND_PARAMS = [
+    a.OpParam(1, "q_norm_weight"),
+    a.OpParam(2, "k_norm_weight"),
+    a.OpParam(3, "cos_sin_cache"),
+    a.NUM_HEADS,
+    a.NUM_KV_HEADS,
+    a.OpParam(7, "rotary_dim"),
+    a.OpParam(8, "eps"),
+    a.OpParam(9, "index_q_norm_weight"),
+    a.OpParam(10, "index_k_norm_weight"),
+    a.NUM_INDEX_HEADS,
+    a.KV_CACHE,
+    a.INDEX_CACHE,
+]
 
 
 def _self_chain(node: ast.AST) -> tuple[str, ...] | None:
@@ -208,12 +206,11 @@ def _bindings(cls: ast.ClassDef) -> dict[tuple[str, ...], str]:
     for call in ast.walk(cls):
         if not (isinstance(call, ast.Call) and _calls_fused_with_cache(call)):
             continue
-        for index, name in _BOUND_PARAMS.items():
-            arg = call.args[index] if index < len(call.args) else None
-            arg = arg or next((k.value for k in call.keywords if k.arg == name), None)
+        for param in _BOUND_PARAMS:
+            arg = _arg(call, param)
             chain = _self_chain(arg) if arg is not None else None
             if chain is not None:
-                bound[chain] = name
+                bound[chain] = param.keyword
     counts = {chain[0]: name for chain, name in bound.items() if len(chain) == 1}
     dims = {"num_heads": "head_dim", "num_kv_heads": "head_dim", "num_index_heads": "idx_head_dim"}
     for node in ast.walk(cls):
@@ -265,7 +262,7 @@ REFERENCE = Backend(
 )
 
 
-_FUSED_SIGNATURE = inspect.signature(refops.fused_minimax_m3_qknorm_rope_kv_insert)
+FUSED_SIGNATURE = inspect.signature(refops.fused_minimax_m3_qknorm_rope_kv_insert)
 
 
 class _Recorder:
@@ -281,7 +278,7 @@ class _Recorder:
         """The op, noting the q / index_q buffers it writes (what attention reads)."""
 
         def call(*args: Any, **kwargs: Any) -> None:
-            bound = _FUSED_SIGNATURE.bind(*args, **kwargs).arguments
+            bound = FUSED_SIGNATURE.bind(*args, **kwargs).arguments
             self.q_out = bound.get("q_out", self.q_out)
             self.index_q_out = bound.get("index_q_out", self.index_q_out)
             op(*args, **kwargs)

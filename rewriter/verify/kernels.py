@@ -25,7 +25,7 @@ import torch
 
 from . import harness, refops
 
-FORK_PARAMS = list(harness._FUSED_SIGNATURE.parameters)[:19]
+FORK_PARAMS = list(harness.FUSED_SIGNATURE.parameters)[:19]
 # Parameters after the fork's 19 that vLLM 0.33's schema adds, and the value
 # that keeps the fork's meaning (bf16 insert, index branch on, no fp8 q, no nvfp4).
 EXTRA_DEFAULTS: dict[str, Any] = {
@@ -88,13 +88,13 @@ class KernelOps:
     notes: list[str] = field(default_factory=list)
 
     def fused_call(self, bound: dict[str, Any], cache: torch.Tensor | None) -> None:
-        args = [bound.get(name, harness._FUSED_SIGNATURE.parameters[name].default) for name in FORK_PARAMS]
+        args = [bound.get(name, harness.FUSED_SIGNATURE.parameters[name].default) for name in FORK_PARAMS]
         args[FORK_PARAMS.index("kv_cache")] = cache
         self.fused_raw(*args, *(bound.get(name, value) for name, value in self.extra))
 
     def fused(self, *args: Any, **kwargs: Any) -> None:
         """The fork's Python signature, adapted to the library's schema and layout."""
-        bound = harness._FUSED_SIGNATURE.bind(*args, **kwargs)
+        bound = harness.FUSED_SIGNATURE.bind(*args, **kwargs)
         bound.apply_defaults()
         values = dict(bound.arguments)
         fork_cache = values.get("kv_cache")
@@ -107,12 +107,9 @@ class KernelOps:
         self.fused_call(values, native)
         fork_cache.copy_(self.layout.to_fork(native))
 
-    def reshape_and_cache_flash(self, *args: Any, **kwargs: Any) -> None:
-        self.reshape_raw(*args, **kwargs)
-
     @property
     def backend(self) -> harness.Backend:
-        return harness.Backend(f"kernels ({self.source})", self.fused, self.reshape_and_cache_flash)
+        return harness.Backend(f"kernels ({self.source})", self.fused, self.reshape_raw)
 
 
 def cuda_device() -> str:
