@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import ast
+import inspect
 import os
 import shutil
 import subprocess
@@ -71,3 +73,15 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for fixture, kinds_, outcome, reason in results:
         if outcome == "refused":
             write(f"refused: {fixture} {'+'.join(kinds_)}: {reason}")
+
+
+def syntax_tree(source: str) -> str:
+    """``ast.dump`` of a file, docstrings compared without the whitespace black may move."""
+    module = ast.parse(source)
+    for node in ast.walk(module):
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+            and ast.get_docstring(node) is not None
+        ):
+            node.body[0] = ast.Expr(ast.Constant(inspect.cleandoc(node.body[0].value.value).strip()))
+    return ast.dump(module)

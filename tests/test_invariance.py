@@ -8,32 +8,19 @@ breaks) do not count, but every statement, name, slice and comment does.
 
 from __future__ import annotations
 
-import ast
-import inspect
 import io
 import tokenize
 
 import black
 import libcst as cst
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, syntax_tree
 
 from codemods.fp8_kv_bypass import SiteState, analyze, rewrite
 
 
 def fmt(source: str, line_length: int) -> str:
     return black.format_str(source, mode=black.Mode(line_length=line_length))
-
-
-def tree(source: str) -> str:
-    module = ast.parse(source)
-    for node in ast.walk(module):
-        if (
-            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
-            and ast.get_docstring(node) is not None
-        ):
-            node.body[0] = ast.Expr(ast.Constant(inspect.cleandoc(node.body[0].value.value).strip()))
-    return ast.dump(module)
 
 
 def comments(source: str) -> list[str]:
@@ -51,5 +38,5 @@ def test_reformatted_input_gives_the_same_rewrite(variant: str, line_length: int
     out = rewrite(analyze(cst.parse_module(reformatted))).code
     states = [s.state for s in analyze(cst.parse_module(out)).sites if s.state is not SiteState.NOT_A_SITE]
     assert states == [SiteState.PATCHED]
-    assert tree(out) == tree(expected)
+    assert syntax_tree(out) == syntax_tree(expected)
     assert comments(out) == comments(expected)

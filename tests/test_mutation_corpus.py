@@ -10,12 +10,10 @@ test session.
 
 from __future__ import annotations
 
-import ast
-import inspect
 from dataclasses import dataclass
 
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, syntax_tree
 from judge import judge_rewrite
 from mutations import RESULTS, Mutation, apply_all, catalogue, combinations, shape
 
@@ -90,18 +88,6 @@ def test_the_corpus_is_large_enough() -> None:
     assert kinds == {m.kind for f in ORIGINAL.values() for m in catalogue(shape(f))}
 
 
-def _tree(source: str) -> str:
-    """The syntax tree, docstrings compared without the whitespace black may move."""
-    module = ast.parse(source)
-    for node in ast.walk(module):
-        if (
-            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
-            and ast.get_docstring(node) is not None
-        ):
-            node.body[0] = ast.Expr(ast.Constant(inspect.cleandoc(node.body[0].value.value).strip()))
-    return ast.dump(module)
-
-
 @pytest.mark.parametrize("variant", CORPUS, ids=lambda v: v.id)
 def test_variant_is_rewritten_correctly_or_refused(variant: Variant, tmp_path) -> None:
     # The mutation itself must change the file and keep the program: it
@@ -110,7 +96,7 @@ def test_variant_is_rewritten_correctly_or_refused(variant: Variant, tmp_path) -
     assert source != ORIGINAL[variant.fixture], "a no-op mutation"
     compile(source, variant.id, "exec", dont_inherit=True)
     if all(m.layout_only for m in variant.mutations):
-        assert _tree(source) == _tree(ORIGINAL[variant.fixture])
+        assert syntax_tree(source) == syntax_tree(ORIGINAL[variant.fixture])
 
     path = tmp_path / "model.py"
     path.write_bytes(source.encode())
