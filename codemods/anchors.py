@@ -18,6 +18,7 @@ import libcst as cst
 # The op schema and the bypass's names live in `schema` (no parser attached),
 # shared with the ast triage; they are re-exported here for the finders' users.
 from codemods.schema import FP8_FLAG as FP8_FLAG
+from codemods.schema import FP8_SCALE as FP8_SCALE
 from codemods.schema import FUSED_OP as FUSED_OP
 from codemods.schema import INDEX_CACHE as INDEX_CACHE
 from codemods.schema import INDEX_SLOT_MAPPING as INDEX_SLOT_MAPPING
@@ -314,6 +315,44 @@ def resolve_self_expr(
     if isinstance(expr, cst.Attribute) and is_self_rooted(expr):
         return expr
     return None
+
+
+def module_functions(module: cst.Module) -> dict[str, cst.FunctionDef]:
+    """Top-level ``def``s of the module, by name (the last one wins, as at runtime)."""
+    return {s.name.value: s for s in module.body if isinstance(s, cst.FunctionDef)}
+
+
+def delegates(
+    fn: cst.FunctionDef, cls: cst.ClassDef, functions: dict[str, cst.FunctionDef]
+) -> list[cst.FunctionDef]:
+    """Methods (``self.f(...)``) and module functions (``f(...)``) that ``fn`` calls: one level."""
+    found: list[cst.FunctionDef] = []
+    for node in nodes_in(fn.body, scope_only=True):
+        if not isinstance(node, cst.Call):
+            continue
+        target = None
+        if isinstance(node.func, cst.Attribute) and self_attr(node.func) is not None:
+            target = find_method(cls, node.func.attr.value)
+        elif isinstance(node.func, cst.Name):
+            target = functions.get(node.func.value)
+        if target is not None and target is not fn and all(target is not f for f in found):
+            found.append(target)
+    return found
+
+
+def raw_scatters(fn: cst.FunctionDef) -> list[StatementSlot]:
+    """``cache[slots] = ...`` where ``slots`` is a parameter of ``fn``: a write by slot that
+    sends slot -1 (a padded token) to the last row instead of skipping it."""
+    params = set(param_names(fn))
+    found = []
+    for slot in statement_slots(fn):
+        pair = simple_assignment(slot.statement)
+        if pair is None or not isinstance(pair[0], cst.Subscript) or len(pair[0].slice) != 1:
+            continue
+        index = pair[0].slice[0].slice
+        if isinstance(index, cst.Index) and isinstance(index.value, cst.Name) and index.value.value in params:
+            found.append(slot)
+    return found
 
 
 def product_of(value: cst.BaseExpression) -> tuple[cst.BaseExpression, cst.BaseExpression] | None:

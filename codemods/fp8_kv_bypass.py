@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
@@ -61,7 +61,7 @@ class FileAnalysis:
 
     @property
     def needs_rewrite(self) -> bool:
-        return any(s.action in (Action.REWRITE, Action.COMPLETE) for s in self.sites)
+        return any(s.action in (Action.REWRITE, Action.COMPLETE, Action.UPGRADE) for s in self.sites)
 
     @property
     def refused(self) -> list[InsertSite]:
@@ -241,13 +241,16 @@ def _find_call_slot(method: cst.FunctionDef, call: cst.Call) -> a.StatementSlot 
     return None
 
 
-def _insert_kv_form(fn: cst.FunctionDef | None) -> str:
+def _insert_kv_form(
+    fn: cst.FunctionDef | None, cls: cst.ClassDef, functions: dict[str, cst.FunctionDef]
+) -> str:
     if fn is None:
         return "absent"
     reads_metadata = any(
         isinstance(n, cst.Attribute) and n.attr.value == METADATA_ATTR for n in a.nodes_in(fn.body)
     )
-    return insert_kv_form(True, reads_metadata, len(a.param_names(fn)) - 1)
+    scatter = any(a.raw_scatters(f) for f in (fn, *a.delegates(fn, cls, functions)))
+    return insert_kv_form(True, reads_metadata, len(a.param_names(fn)) - 1, scatter)
 
 
 def _is_insert_kv_call(node: cst.CSTNode) -> bool:
@@ -263,23 +266,25 @@ def _collect_pieces(
     method: cst.FunctionDef,
     call: cst.Call,
     slot: a.StatementSlot | None,
+    functions: dict[str, cst.FunctionDef],
     mentions_flag: bool = True,
 ) -> _Pieces:
-    """``mentions_flag``: the file's text holds the flag's name at all (else no walk for it)."""
+    """``functions``: the module's top-level defs (``_insert_kv`` may hand its work to one).
+    ``mentions_flag``: the file's text holds the flag's name at all (else no walk for it)."""
     p = _Pieces()
     init = a.find_method(cls, "__init__")
     if init is not None and mentions_flag:
         p.flag_set = a.FP8_FLAG in a.self_assignments(init)
-    # Once set, whether the flag is also read decides nothing (Pieces.any_bypass).
-    p.flag_read = (
-        mentions_flag
-        and not p.flag_set
-        and any(a.self_attr(node) == a.FP8_FLAG for node in a.nodes_in(cls.body))
-    )
+        p.scale_set = a.FP8_SCALE in a.self_assignments(init)
+    if mentions_flag:
+        attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
+        # Once set, whether the flag is also read decides nothing (Pieces.any_bypass).
+        p.flag_read = not p.flag_set and a.FP8_FLAG in attrs
+        p.scale_read = a.FP8_SCALE in attrs
     p.guard_args = [
         g for g in (_guard_of(a.get_arg(call, a.KV_CACHE)), _guard_of(a.get_arg(call, a.INDEX_CACHE))) if g
     ]
-    p.insert_kv = _insert_kv_form(a.find_method(cls, a.INSERT_KV))
+    p.insert_kv = _insert_kv_form(a.find_method(cls, a.INSERT_KV), cls, functions)
     if slot is None:
         return p
     guard_names = set(p.guard_args) | {GUARD_NAME}
@@ -337,13 +342,15 @@ class BypassPlan:
     wrap_args: list[a.OpParam]
     add_post_insert: bool
     post_insert_code: str
-    flag_slot: a.StatementSlot | None  # insert `self._fp8_kv = ...` after it
+    flag_slot: a.StatementSlot | None  # insert `self._fp8_kv = ...` (and the scale) after it
     flag_code: str
-    insert_kv: str  # keep | replace | add
+    insert_kv: str  # keep | replace | add | upgrade
     insert_kv_code: str
     old_insert_kv: cst.FunctionDef | None
     reshape_import: tuple[cst.SimpleStatementLine, cst.ImportFrom] | None
     scopes: tuple[cst.CSTNode, ...] = ()  # the defs/classes the transformer must enter
+    # statement -> the code that replaces it (the upgrade of an older `_insert_kv`)
+    edits: list[tuple[cst.BaseStatement, str]] = field(default_factory=list)
 
 
 _Assignments = dict[str, list[tuple[a.StatementSlot, cst.BaseExpression]]]
@@ -394,7 +401,7 @@ def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p:
     imports = a.module_imports(module)
     if not any(i.bound == "torch" and a.code(i.alias.name) == "torch" for i in imports):
         raise Unsupported("the module does not `import torch`, which the bypass uses")
-    insert_kv = {"absent": "add", "metadata": "replace", "slots": "keep"}.get(p.insert_kv)
+    insert_kv = {"absent": "add", "metadata": "replace", "slots": "keep", "scatter": "upgrade"}.get(p.insert_kv)
     if insert_kv is None:
         raise Unsupported(
             "`_insert_kv` exists in a form that is neither the attn_metadata one nor the slot-mapping one"
@@ -415,6 +422,15 @@ def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p:
     reshape_call = a.RESHAPE_OP if namespace is None else f"{namespace}.{a.RESHAPE_OP}"
 
     n, indent = module.default_newline, module.default_indent
+    edits: list[tuple[cst.BaseStatement, str]] = []
+    old_insert_kv = a.find_method(cls, a.INSERT_KV)
+    if insert_kv == "upgrade":
+        assert old_insert_kv is not None
+        edits = _upgrade_edits(module, cls, old_insert_kv, n, indent)
+    reads_scale = insert_kv in ("add", "replace") or p.scale_read or any(SCALE_READ in code for _, code in edits)
+    scale_code = _render(SCALE, n, indent) if reads_scale and not p.scale_set else ""
+    if p.flag_set and scale_code:
+        flag_slot = init_attrs[a.FP8_FLAG][-1][0]  # the scale goes right after the existing flag
     local = {f"n_{k}": _fresh(k, taken) for k in ("kv", "k0", "ik0", "k", "v", "index_k")}
     return BypassPlan(
         cls=cls,
@@ -440,8 +456,8 @@ def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p:
             index_slots=index_slots,
             **local,
         ),
-        flag_slot=None if p.flag_set else flag_slot,
-        flag_code=_render(FLAG, n, indent, dtype=dtype_attr),
+        flag_slot=flag_slot if (not p.flag_set or scale_code) else None,
+        flag_code=("" if p.flag_set else _render(FLAG, n, indent, dtype=dtype_attr)) + scale_code,
         insert_kv=insert_kv,
         insert_kv_code=_render(
             INSERT_KV_METHOD,
@@ -449,17 +465,153 @@ def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p:
             indent,
             found.class_depth + 1,
             kv_cache=caches[a.KV_CACHE.keyword],
-            index_cache=caches[a.INDEX_CACHE.keyword],
             num_kv_heads=w.num_kv_heads,
             head_dim=w.head_dim,
-            idx_head_dim=w.idx_head_dim,
             dtype=dtype_attr,
             reshape=reshape_call,
+            index_write=_indented(
+                _render(
+                    INDEX_WRITE,
+                    "\n",
+                    indent,
+                    idx_key="idx_key",
+                    idx_cache="idx_cache",
+                    index_key="index_key",
+                    index_cache=caches[a.INDEX_CACHE.keyword],
+                    idx_head_dim=w.idx_head_dim,
+                    index_slots="index_slot_mapping",
+                    reshape=reshape_call,
+                    scale="scale",
+                ),
+                indent,
+            ),
         ),
-        old_insert_kv=a.find_method(cls, a.INSERT_KV) if insert_kv == "replace" else None,
+        old_insert_kv=old_insert_kv if insert_kv == "replace" else None,
         reshape_import=reshape_import,
-        scopes=(*found.outer, cls, method, init),
+        scopes=(*found.outer, cls, method, init, *_edited_functions(cls, old_insert_kv, edits, module)),
+        edits=edits,
     )
+
+
+def _edited_functions(
+    cls: cst.ClassDef, insert_kv: cst.FunctionDef | None, edits: list[tuple[cst.BaseStatement, str]], module
+) -> list[cst.FunctionDef]:
+    if not edits or insert_kv is None:
+        return []
+    return [insert_kv, *a.delegates(insert_kv, cls, a.module_functions(module))]
+
+
+# --- the upgrade of an older `_insert_kv` ------------------------------------------------
+
+
+def _upgrade_edits(
+    module: cst.Module, cls: cst.ClassDef, insert_kv: cst.FunctionDef, newline: str, indent: str
+) -> list[tuple[cst.BaseStatement, str]]:
+    """Replace each raw index scatter (in `_insert_kv` or the function it hands its work to)
+    with the padding-safe write, and a per-call ``torch.ones`` scale with the buffer."""
+    edits: list[tuple[cst.BaseStatement, str]] = []
+    for fn in (insert_kv, *a.delegates(insert_kv, cls, a.module_functions(module))):
+        for scatter in a.raw_scatters(fn):
+            edits += _scatter_edits(fn, scatter, newline, indent)
+    return edits
+
+
+def _scatter_edits(
+    fn: cst.FunctionDef, scatter: a.StatementSlot, newline: str, indent: str
+) -> list[tuple[cst.BaseStatement, str]]:
+    """``idx = <cache>.view(-1, D)`` + ``idx[slots] = key[.to(...)]`` -> the padding-safe write,
+    proven to write the same rows; ``Unsupported`` when any part is not that shape."""
+    shown = " ".join(a.code(scatter.statement).split())
+    pair = a.simple_assignment(scatter.statement)
+    assert pair is not None and isinstance(pair[0], cst.Subscript)
+    target, value = pair
+    slots = a.code(target.slice[0].slice.value)  # type: ignore[attr-defined]
+    key = value.func.value if _is_method_call(value, "to") else value  # type: ignore[attr-defined]
+    if not (isinstance(key, cst.Name) and key.value in a.param_names(fn)):
+        raise Unsupported(f"cannot upgrade `{shown}`: what it writes is not a parameter of {fn.name.value}")
+    view_stmt = None
+    view = target.value
+    if isinstance(target.value, cst.Name):
+        view_slot = _single_assignment(fn, target.value.value, scatter)
+        if view_slot is None:
+            raise Unsupported(f"cannot upgrade `{shown}`: `{target.value.value}` is not assigned once before it")
+        view_stmt = view_slot.statement
+        view = a.simple_assignment(view_stmt)[1]  # type: ignore[index]
+    if not (_is_method_call(view, "view") and len(view.args) == 2 and a.code(view.args[0].value) == "-1"):  # type: ignore[attr-defined]
+        raise Unsupported(f"cannot upgrade `{shown}`: its cache is not `<index cache>.view(-1, <head dim>)`")
+    reshape = _reshape_in(fn)
+    if reshape is None:
+        raise Unsupported(f"cannot upgrade `{shown}`: {fn.name.value} holds no `{a.RESHAPE_OP}` call to follow")
+    scale_arg = a.get_arg(reshape, a.OpParam(6, "k_scale"))
+    if scale_arg is None or not a.is_pure(scale_arg.value):
+        raise Unsupported(f"cannot upgrade `{shown}`: the scale of `{a.RESHAPE_OP}` is not a plain name")
+    taken = a.bound_names(fn)
+    write = _render(
+        INDEX_WRITE,
+        newline,
+        indent,
+        idx_key=_fresh("idx_key", taken),
+        idx_cache=target.value.value if isinstance(target.value, cst.Name) else _fresh("idx_cache", taken),
+        index_key=key.value,
+        index_cache=a.code(view.func.value),  # type: ignore[attr-defined]
+        idx_head_dim=a.code(view.args[1].value),  # type: ignore[attr-defined]
+        index_slots=slots,
+        reshape=a.code(reshape.func),
+        scale=a.code(scale_arg.value),
+    )
+    edits = [(view_stmt, write), (scatter.statement, "")] if view_stmt is not None else [(scatter.statement, write)]
+    scale = _ones_scale(fn, scale_arg.value)
+    if scale is not None and a.param_names(fn)[:1] == ["self"]:
+        edits.append((scale.statement, _render(SCALE_LOCAL, newline, indent, scale=a.code(scale_arg.value))))
+    return edits
+
+
+def _is_method_call(node: cst.BaseExpression, name: str) -> bool:
+    return isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value == name
+
+
+def _single_assignment(fn: cst.FunctionDef, name: str, before: a.StatementSlot) -> a.StatementSlot | None:
+    """The one statement of ``fn`` that assigns ``name``, if it comes before ``before`` in its block
+    and ``name`` is read nowhere but in ``before``."""
+    assigned = [
+        x
+        for x in a.statement_slots(fn)
+        if (pair := a.simple_assignment(x.statement)) and isinstance(pair[0], cst.Name) and pair[0].value == name
+    ]
+    if len(assigned) != 1 or assigned[0].block is not before.block or assigned[0].index > before.index:
+        return None
+    reads = [
+        node
+        for x in a.statement_slots(fn)
+        if x.statement is not assigned[0].statement and x.statement is not before.statement
+        for node in a.nodes_in(x.statement)
+        if isinstance(node, cst.Name) and node.value == name
+    ]
+    return None if reads else assigned[0]
+
+
+def _reshape_in(fn: cst.FunctionDef) -> cst.Call | None:
+    return next(
+        (n for n in a.walk_scope(fn.body) if isinstance(n, cst.Call) and a.callee_name(n) == a.RESHAPE_OP),
+        None,
+    )
+
+
+def _ones_scale(fn: cst.FunctionDef, scale: cst.BaseExpression) -> a.StatementSlot | None:
+    """``<scale> = torch.ones(...)``: a fill kernel on every call, where the buffer needs none."""
+    if not isinstance(scale, cst.Name):
+        return None
+    for x in a.statement_slots(fn):
+        pair = a.simple_assignment(x.statement)
+        if (
+            pair
+            and isinstance(pair[0], cst.Name)
+            and pair[0].value == scale.value
+            and isinstance(pair[1], cst.Call)
+            and a.code(pair[1].func).replace(" ", "") == "torch.ones"
+        ):
+            return x
+    return None
 
 
 def _no_other_insert_kv_callers(cls: cst.ClassDef, p: _Pieces) -> None:
@@ -631,6 +783,15 @@ FLAG = """\
 self._fp8_kv = "fp8" in {dtype}
 """
 
+SCALE = """\
+self._fp8_kv_scale = torch.ones((), dtype=torch.float32)  # identity: x / 1
+"""
+
+SCALE_READ = "self._fp8_kv_scale"
+SCALE_LOCAL = """\
+{scale} = self._fp8_kv_scale  # identity: stores x / 1
+"""
+
 GUARD = """\
 # fp8 KV cache: cache arguments None -> the fused op only norms/ropes in place.
 {guard} = not self._fp8_kv
@@ -649,6 +810,26 @@ if not {guard}:
 {I}self._insert_kv({n_k}, {n_v}, {n_index_k}, {main_slots}, {index_slots})
 """
 
+# The index key as the key and value of a one-slot-per-block view of the index
+# cache: reshape_and_cache_flash skips slot -1 (a padded token) as the fused op does.
+INDEX_WRITE = """\
+# Index-key cache: one head per token, written by reshape_and_cache_flash,
+# which skips padded tokens (slot -1) as the fused op does.
+{idx_key} = {index_key}.view(-1, 1, {idx_head_dim})
+{idx_cache} = {index_cache}.view(-1, 1, 1, {idx_head_dim})
+assert {idx_cache}.dtype == {idx_key}.dtype  # the index cache stays bf16
+{reshape}(
+{I}{idx_key},
+{I}{idx_key},
+{I}{idx_cache},
+{I}{idx_cache},
+{I}{index_slots},
+{I}"auto",
+{I}{scale},
+{I}{scale},
+)
+"""
+
 INSERT_KV_METHOD = '''\
 def _insert_kv(
 {I}self,
@@ -665,7 +846,7 @@ def _insert_kv(
 {D}The index cache stays bf16 (no quantization).
 {D}"""
 {I}key_cache, value_cache = {kv_cache}.unbind(1)
-{I}scale = torch.ones((), device=key.device)  # identity: stores x / 1
+{I}scale = self._fp8_kv_scale  # identity: stores x / 1
 {I}{reshape}(
 {I}{I}key.view(-1, {num_kv_heads}, {head_dim}),
 {I}{I}value.view(-1, {num_kv_heads}, {head_dim}),
@@ -676,10 +857,11 @@ def _insert_kv(
 {I}{I}scale,
 {I}{I}scale,
 {I})
-{I}# Index-key cache: one vector per token, scattered by slot.
-{I}idx_cache = {index_cache}.view(-1, {idx_head_dim})
-{I}idx_cache[index_slot_mapping] = index_key.to(idx_cache.dtype)
-'''
+{index_write}'''
+
+
+def _indented(text: str, indent: str) -> str:
+    return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
 
 
 def _render(template: str, newline: str, indent: str, depth: int = 1, **names: str) -> str:
@@ -712,10 +894,11 @@ def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalys
     found_calls = _find_calls(module, source_map)
     flag = a.FP8_FLAG if isinstance(source, str) else a.FP8_FLAG.encode()
     mentions_flag = flag in source  # type: ignore[operator]
-    sites = [_classify(module, f, mentions_flag) for f in found_calls]
+    functions = a.module_functions(module)
+    sites = [_classify(module, f, functions, mentions_flag) for f in found_calls]
 
     # Fork-era insert sites the bypass could own; more than one cannot be proven.
-    candidates = [s for s in sites if s.plan is not None or s.state is SiteState.PATCHED]
+    candidates = [s for s in sites if s.plan is not None or s.state in (SiteState.PATCHED, SiteState.OUTDATED)]
     if len(candidates) > 1 and any(s.plan is not None for s in candidates):
         where = ", ".join(f"{s.class_name}.{s.method} (line {s.line})" for s in candidates)
         for s in candidates:
@@ -726,7 +909,12 @@ def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalys
     return FileAnalysis(module, sites, source_map)
 
 
-def _classify(module: cst.Module, found: _FoundCall, mentions_flag: bool = True) -> InsertSite:
+def _classify(
+    module: cst.Module,
+    found: _FoundCall,
+    functions: dict[str, cst.FunctionDef] | None = None,
+    mentions_flag: bool = True,
+) -> InsertSite:
     call = found.call
     kv = a.get_arg(call, a.KV_CACHE)
     dtype = a.get_arg(call, a.KV_CACHE_DTYPE)
@@ -752,11 +940,12 @@ def _classify(module: cst.Module, found: _FoundCall, mentions_flag: bool = True)
 
     def collect() -> _Pieces:
         assert found.cls is not None and found.method is not None
-        found_pieces.append(_collect_pieces(found.cls, found.method, call, slot, mentions_flag))
+        fns = a.module_functions(module) if functions is None else functions
+        found_pieces.append(_collect_pieces(found.cls, found.method, call, slot, fns, mentions_flag))
         return found_pieces[-1]
 
     decided = verdict(facts, collect)
-    if decided.action not in (Action.REWRITE, Action.COMPLETE):
+    if decided.action not in (Action.REWRITE, Action.COMPLETE, Action.UPGRADE):
         return decided.site(facts)
     assert slot is not None
     try:
@@ -830,6 +1019,9 @@ class Fp8KvBypass(cst.CSTTransformer):
         self, original: cst.IndentedBlock, updated: cst.IndentedBlock
     ) -> cst.IndentedBlock:
         plan = self.plan
+        edits = {id(stmt): code for stmt, code in plan.edits}
+        if any(id(stmt) in edits for stmt in original.body):
+            return updated.with_changes(body=self._edited(original, updated, edits))
         body = list(updated.body)
         if original is plan.call_slot.block:
             i = plan.call_slot.index
@@ -847,6 +1039,44 @@ class Fp8KvBypass(cst.CSTTransformer):
             index = next(i for i, s in enumerate(original.body) if s is plan.method)
             body.insert(index, new)
         return updated.with_changes(body=body)
+
+    def _edited(
+        self, original: cst.IndentedBlock, updated: cst.IndentedBlock, edits: dict[int, str]
+    ) -> list[cst.BaseStatement]:
+        """The block with each edited statement replaced by its new code (none: removed);
+        the comments above it stay, but for those of the code it replaces."""
+        body: list[cst.BaseStatement] = []
+        carried: list[cst.EmptyLine] = []
+        for orig, new in zip(original.body, updated.body, strict=True):
+            if id(orig) not in edits:
+                if carried:
+                    new = new.with_changes(leading_lines=[*carried, *new.leading_lines])
+                    carried = []
+                body.append(new)
+                continue
+            kept = [*carried, *(line for line in new.leading_lines if not _replaced_comment(line))]
+            replacement = _statements(edits[id(orig)], self.module)
+            if not replacement:
+                carried = kept
+                continue
+            first = replacement[0]
+            replacement[0] = first.with_changes(leading_lines=[*kept, *first.leading_lines])
+            carried = []
+            body += replacement
+        assert not carried, "an edit removed the last statement of a block"
+        return body
+
+
+# Comments of the code the upgrade replaces (the tool's earlier form and the
+# seed write-up's), recognised by their text; any other comment stays.
+REPLACED_COMMENTS = (
+    "Index-key cache: one vector per token, scattered by slot.",
+    "Index-key cache: single vector per token, scatter by slot.",
+)
+
+
+def _replaced_comment(line: cst.EmptyLine) -> bool:
+    return line.comment is not None and " ".join(line.comment.value.lstrip("#").split()) in REPLACED_COMMENTS
 
 
 def apply_plan(module: cst.Module, plan: BypassPlan, source_map: a.SourceMap | None = None) -> cst.Module:

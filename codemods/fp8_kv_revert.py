@@ -29,6 +29,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 from codemods import anchors as a
 from codemods import fp8_kv_bypass as bp
 from codemods.fp8_kv_bypass import Action, InsertSite, Unsupported
+from codemods.schema import SLOTS_FORMS
 
 DESCRIPTION = "Take the fp8 KV-cache bypass out of MiniMax-M3 sparse attention again."
 
@@ -234,7 +235,7 @@ def _plan_site(module: cst.Module, found: bp._FoundCall, positions) -> RevertPla
         return None
     assert method is not None
     slot = bp._find_call_slot(method, call)
-    pieces = bp._collect_pieces(cls, method, call, slot)
+    pieces = bp._collect_pieces(cls, method, call, slot, a.module_functions(module))
     if not pieces.any_bypass():
         return None
     if slot is None:
@@ -247,10 +248,12 @@ def _plan_site(module: cst.Module, found: bp._FoundCall, positions) -> RevertPla
     remove: list[cst.BaseStatement] = []
     init = a.find_method(cls, "__init__")
     if init is not None:
-        for flag_slot, value in a.self_assignments(init).get(a.FP8_FLAG, []):
+        attrs = a.self_assignments(init)
+        for flag_slot, value in attrs.get(a.FP8_FLAG, []):
             if any(isinstance(n, cst.Call) for n in a.walk_all(value)):
                 raise Unsupported("`self._fp8_kv` is assigned a call, which removing would skip")
             remove.append(flag_slot.statement)
+        remove += [scale_slot.statement for scale_slot, _ in attrs.get(a.FP8_SCALE, [])]
     if pieces.guard_assigned is not None:
         remove += [
             s
@@ -293,7 +296,7 @@ def _plan_site(module: cst.Module, found: bp._FoundCall, positions) -> RevertPla
         metadata_import=None,
         pieces=pieces.present(),
     )
-    if pieces.insert_kv == "slots":
+    if pieces.insert_kv in SLOTS_FORMS:
         assert insert_kv_fn is not None
         _plan_insert_kv(module, found, slot, insert_kv_fn, post, plan)
     elif pieces.insert_kv == "other" and post is not None:

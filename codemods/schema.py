@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 FUSED_OP = "fused_minimax_m3_qknorm_rope_kv_insert"
 RESHAPE_OP = "reshape_and_cache_flash"
 FP8_FLAG = "_fp8_kv"
+FP8_SCALE = "_fp8_kv_scale"  # the identity scale `_insert_kv` passes, made once (no fill kernel per call)
 INSERT_KV = "_insert_kv"
 GUARD_NAME = "insert_via_fused"
 AUTO_DTYPE = "auto"  # kv_cache_dtype="auto" with a cache: neither fork-era nor native
@@ -78,6 +79,7 @@ def bind_arg(param: OpParam, positional: Sequence[T], keywords: Sequence[tuple[s
 class SiteState(str, enum.Enum):
     NEEDS_BYPASS = "needs-bypass"
     PATCHED = "patched"
+    OUTDATED = "outdated"  # a complete bypass in an older form (the raw index scatter)
     HALF_APPLIED = "half-applied"
     NATIVE = "native"
     NOT_A_SITE = "not-a-site"
@@ -87,6 +89,7 @@ class SiteState(str, enum.Enum):
 class Action(str, enum.Enum):
     REWRITE = "rewrite"  # needs-bypass: add the whole bypass
     COMPLETE = "complete"  # half-applied on a fork-era call: add what is missing
+    UPGRADE = "upgrade"  # outdated: replace the raw index scatter with the current write
     NONE = "none"
     REFUSE = "refuse"
     REVERT = "revert"  # `revert`: take a bypass out again
@@ -94,7 +97,7 @@ class Action(str, enum.Enum):
 
 # The pieces of the bypass, in the words the reports use.
 PIECES = {
-    "flag": f"`self.{FP8_FLAG}` set in __init__",
+    "flag": f"`self.{FP8_FLAG}` set in __init__ (and `self.{FP8_SCALE}` where it is read)",
     "guard": f"the guard (`{GUARD_NAME} = not self.{FP8_FLAG}`) assigned before the call",
     "guarded-args": f"cache arguments `X if {GUARD_NAME} else None`",
     "post-insert": f"`self.{INSERT_KV}(k, v, index_k, <slots>)` after the call",
@@ -152,20 +155,22 @@ class Pieces:
 
     flag_set: bool = False  # `self._fp8_kv = ...` in __init__
     flag_read: bool = False  # `self._fp8_kv` anywhere in the class (moot once set)
+    scale_set: bool = False  # `self.register_buffer("_fp8_kv_scale", ...)` in __init__
+    scale_read: bool = False  # `self._fp8_kv_scale` read in the class
     guard_args: list[str] = field(default_factory=list)  # guard names in the cache args
     guard_assigned: str | None = None  # `G = not self._fp8_kv` before the call
     guard_other: bool = False  # G assigned some other way
     post_insert: bool = False  # `self._insert_kv(...)` after the call
     post_insert_wired: bool = False
-    insert_kv: str = "absent"  # absent | metadata | slots | other
+    insert_kv: str = "absent"  # absent | metadata | slots | scatter | other
 
     def present(self) -> dict[str, bool]:
         return {
-            "flag": self.flag_set,
+            "flag": self.flag_set and (self.scale_set or not self.scale_read),
             "guard": self.guard_assigned is not None,
             "guarded-args": len(self.guard_args) == 2,
             "post-insert": self.post_insert and self.post_insert_wired,
-            "insert-kv": self.insert_kv == "slots",
+            "insert-kv": self.insert_kv in SLOTS_FORMS,
         }
 
     def any_bypass(self) -> bool:
@@ -175,7 +180,9 @@ class Pieces:
             or bool(self.guard_args)
             or self.guard_assigned is not None
             or self.post_insert
-            or self.insert_kv == "slots"
+            or self.insert_kv in SLOTS_FORMS
+            or self.scale_set
+            or self.scale_read
         )
 
 
@@ -191,14 +198,28 @@ def note_guard_assignment(p: Pieces, name: str, not_flag: bool) -> None:
     # else: a local that only shares the default guard name; the rewrite picks a fresh one
 
 
-def insert_kv_form(exists: bool, reads_metadata: bool, params_after_self: int) -> str:
-    """Which `_insert_kv` the class has: absent, the fork-era one, the bypass one, or other."""
+# `_insert_kv` taking the slot mappings: the current form, and the older one whose
+# raw index scatter `idx_cache[index_slot_mapping] = ...` writes padded tokens
+# (slot -1) into the last index slot.
+SLOTS_FORMS = ("slots", "scatter")
+PADDING_BUG = (
+    "its index-key write `idx_cache[<slots>] = ...` sends padded tokens (slot -1, CUDA-graph "
+    "padding) to the last index slot, corrupting whichever sequence owns it"
+)
+
+
+def insert_kv_form(exists: bool, reads_metadata: bool, params_after_self: int, raw_scatter: bool) -> str:
+    """Which `_insert_kv` the class has: absent, the fork-era one, the bypass one
+    (current or with the raw scatter), or other.
+
+    ``raw_scatter``: it (or a function it hands its arguments to) assigns through
+    a subscript indexed by one of its parameters (``cache[slots] = ...``)."""
     if not exists:
         return "absent"
     if reads_metadata and params_after_self == INSERT_KV_METADATA_PARAMS:
         return "metadata"
     if not reads_metadata and params_after_self == INSERT_KV_SLOTS_PARAMS:
-        return "slots"
+        return "scatter" if raw_scatter else "slots"
     return "other"
 
 
@@ -287,6 +308,13 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
             present,
         )
     if all(present.values()):
+        if p.insert_kv == "scatter":
+            return Verdict(
+                SiteState.OUTDATED,
+                Action.UPGRADE,
+                f"fp8 bypass in an older form: {PADDING_BUG}; `run` upgrades it",
+                present,
+            )
         return Verdict(SiteState.PATCHED, Action.NONE, "fp8 bypass present and wired", present)
     if p.any_bypass():
         return Verdict(SiteState.HALF_APPLIED, Action.COMPLETE, _half_applied_reason(p, present), present)
@@ -305,6 +333,10 @@ def _half_applied_reason(p: Pieces, present: dict[str, bool]) -> str:
         problems.append(f"`{p.guard_args[0]}` is read but never assigned (NameError at runtime)")
     if p.flag_read and not p.flag_set:
         problems.append(f"`self.{FP8_FLAG}` is read but never set (AttributeError at runtime)")
+    if p.scale_read and not p.scale_set:
+        problems.append(f"`self.{FP8_SCALE}` is read but never set (AttributeError at runtime)")
+    if p.insert_kv == "scatter":
+        problems.append(f"`{INSERT_KV}` is in an older form: {PADDING_BUG}")
     if p.post_insert and not p.post_insert_wired:
         problems.append(f"the post-call `{INSERT_KV}` is not guarded or not passed the call's slot mappings")
     text = "partial fp8 bypass; missing: " + "; ".join(missing)

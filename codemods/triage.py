@@ -332,9 +332,11 @@ def _collect_pieces(source: _Source, cls: ast.ClassDef, call: ast.Call, slot: _S
     init = _methods(cls, "__init__")
     if init is not None and source.mentions_flag:
         p.flag_set = _sets_flag(source, init)
-    p.flag_read = source.mentions_flag and any(
-        _is_self_attr(n, s.FP8_FLAG) for stmt in cls.body for n in ast.walk(stmt)
-    )
+        p.scale_set = _sets_flag(source, init, s.FP8_SCALE)
+    if source.mentions_flag:
+        attrs = {n.attr for stmt in cls.body for n in ast.walk(stmt) if _is_self_attr(n, getattr(n, "attr", ""))}
+        p.flag_read = not p.flag_set and s.FP8_FLAG in attrs
+        p.scale_read = s.FP8_SCALE in attrs
     p.guard_args = [g for g in (_guard_of(_arg(call, s.KV_CACHE)), _guard_of(_arg(call, s.INDEX_CACHE))) if g]
     fn = _methods(cls, s.INSERT_KV)
     if fn is not None:
@@ -343,10 +345,8 @@ def _collect_pieces(source: _Source, cls: ast.ClassDef, call: ast.Call, slot: _S
             for stmt in fn.body
             for n in ast.walk(stmt)
         )
-        params = fn.args
-        count = len(params.posonlyargs) + len(params.args) + len(params.kwonlyargs)
-        count += (params.vararg is not None) + (params.kwarg is not None)
-        p.insert_kv = s.insert_kv_form(True, reads, count - 1)
+        scatter = any(_raw_scatter(f) for f in (fn, *_delegates(source, fn, cls)))
+        p.insert_kv = s.insert_kv_form(True, reads, len(_param_names(fn)) - 1, scatter)
     if slot is None:
         return p
 
@@ -371,11 +371,61 @@ def _collect_pieces(source: _Source, cls: ast.ClassDef, call: ast.Call, slot: _S
     return p
 
 
-def _sets_flag(source: _Source, init: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+def _param_names(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    args = fn.args
+    names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+    return names + [a.arg for a in (args.vararg, args.kwarg) if a is not None]
+
+
+def _delegates(
+    source: _Source, fn: ast.FunctionDef | ast.AsyncFunctionDef, cls: ast.ClassDef
+) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """``anchors.delegates``: the methods and module functions ``fn`` calls, one level."""
+    functions = {f.name: f for f in source.tree.body if isinstance(f, _FUNCTIONS)}
+    found: list[ast.FunctionDef | ast.AsyncFunctionDef] = []
+    for node in _walk_scope(fn):
+        if not isinstance(node, ast.Call):
+            continue
+        target = None
+        if isinstance(node.func, ast.Attribute) and _is_self_attr(node.func, node.func.attr):
+            target = _methods(cls, node.func.attr)
+        elif isinstance(node.func, ast.Name):
+            target = functions.get(node.func.id)
+        if target is not None and target is not fn and all(target is not f for f in found):
+            found.append(target)
+    return found
+
+
+def _walk_scope(fn: ast.AST) -> list[ast.AST]:
+    """Nodes of a function body, not inside nested defs, lambdas or classes."""
+    out: list[ast.AST] = []
+    stack = list(ast.iter_child_nodes(fn))
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        if not isinstance(node, _SCOPES):
+            stack += ast.iter_child_nodes(node)
+    return out
+
+
+def _raw_scatter(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """``anchors.raw_scatters``: ``cache[<a parameter>] = ...`` in a statement of ``fn``'s blocks."""
+    params = set(_param_names(fn))
+    for stmt in _walk_scope(fn):
+        pair = _simple_assignment(stmt) if isinstance(stmt, ast.stmt) else None
+        if pair and isinstance(pair[0], ast.Subscript):
+            index = pair[0].slice
+            if isinstance(index, ast.Name) and index.id in params:
+                return True
+    return False
+
+
+def _sets_flag(source: _Source, init: ast.FunctionDef | ast.AsyncFunctionDef, attr: str = s.FP8_FLAG) -> bool:
+    """``self.<attr> = ...`` as a statement of ``__init__`` (``anchors.self_assignments``)."""
     unsure = False
     for slot in _slots(source, init):
         pair = _simple_assignment(slot.statement)
-        if pair and _is_self_attr(pair[0], s.FP8_FLAG):
+        if pair and _is_self_attr(pair[0], attr):
             if slot.certain and source.alone(slot.statement):
                 return True
             unsure = True

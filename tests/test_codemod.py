@@ -54,6 +54,7 @@ class Layer:
         # fp8 KV cache: the fused qknorm+rope+kv-insert op writes bf16 caches only;
         # forward() then runs it norm+rope-only and writes the cache via _insert_kv().
         self._fp8_kv = "fp8" in self.kv_cache_dtype
+        self._fp8_kv_scale = torch.ones((), dtype=torch.float32)  # identity: x / 1
         self.kv_cache = torch.tensor([])
 
     def _insert_kv(
@@ -71,7 +72,7 @@ class Layer:
         The index cache stays bf16 (no quantization).
         \"\"\"
         key_cache, value_cache = self.kv_cache.unbind(1)
-        scale = torch.ones((), device=key.device)  # identity: stores x / 1
+        scale = self._fp8_kv_scale  # identity: stores x / 1
         ops.reshape_and_cache_flash(
             key.view(-1, self.num_kv_heads, self.head_dim),
             value.view(-1, self.num_kv_heads, self.head_dim),
@@ -82,9 +83,21 @@ class Layer:
             scale,
             scale,
         )
-        # Index-key cache: one vector per token, scattered by slot.
-        idx_cache = self.index_cache.view(-1, self.idx_head_dim)
-        idx_cache[index_slot_mapping] = index_key.to(idx_cache.dtype)
+        # Index-key cache: one head per token, written by reshape_and_cache_flash,
+        # which skips padded tokens (slot -1) as the fused op does.
+        idx_key = index_key.view(-1, 1, self.idx_head_dim)
+        idx_cache = self.index_cache.view(-1, 1, 1, self.idx_head_dim)
+        assert idx_cache.dtype == idx_key.dtype  # the index cache stays bf16
+        ops.reshape_and_cache_flash(
+            idx_key,
+            idx_key,
+            idx_cache,
+            idx_cache,
+            index_slot_mapping,
+            "auto",
+            scale,
+            scale,
+        )
 
     def forward(self, positions, qkv, slots, index_slots, q, index_q):
         # fp8 KV cache: cache arguments None -> the fused op only norms/ropes in place.

@@ -20,6 +20,8 @@ VARIANTS = {
     "reformatted": ([SiteState.NEEDS_BYPASS], 1),
     "no_insert_kv": ([SiteState.NEEDS_BYPASS], 1),
     "patched": ([SiteState.PATCHED], 0),
+    "seed_form": ([SiteState.OUTDATED], 1),
+    "old_form": ([SiteState.OUTDATED], 1),
     "half_applied": ([SiteState.HALF_APPLIED], 1),
     "patch_fuzz": ([SiteState.HALF_APPLIED], 1),
     "native": ([SiteState.NATIVE], 0),

@@ -21,6 +21,8 @@ BEFORE_STATES = ["fork_era", "reformatted", "no_insert_kv"]
 # Variants whose revert changes model.py -> the hand-written clean file whose body it must equal.
 REVERTED = {
     "patched": "fork_era",
+    "seed_form": "fork_era",
+    "old_form": "fork_era",
     "half_applied": "fork_era",
     "patch_fuzz": "fork_era",
     "native_stale_bypass": "native",

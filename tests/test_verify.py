@@ -64,6 +64,16 @@ def test_semantic_fails_on_unpatched_files_naming_the_reason(name: str) -> None:
     assert "forward" in level.reason  # where it failed, in the file's own code
 
 
+@pytest.mark.parametrize("variant", ["seed_form", "old_form"])
+def test_the_older_forms_fail_the_padding_check(variant: str) -> None:
+    """The seed's bypass (and this tool's earlier one) scatters the index key by slot:
+    a padded token's slot -1 writes the last index slot, which the fused op never does."""
+    level, _ = semantic(FIXTURES / variant / "model.py")
+    assert level.status is Status.FAILED
+    assert "padded tokens (slot -1, last 3) wrote nothing: no" in level.reason
+    assert "MiniMaxM3SparseAttention: padded tokens (slot -1, last 3) wrote nothing: NO" in level.details
+
+
 def test_cli_verify_example_fails_with_the_crash_and_exit_1() -> None:
     proc = cli("verify", "--example", "--json")
     assert proc.returncode == 1, proc.stderr
@@ -165,7 +175,21 @@ MUTANTS = {
     # the post-call insert never runs
     "insert skipped": ("        if not insert_via_fused:\n", "        if False:\n"),
     # fp8 values scaled on the way in
-    "scale": ("scale = torch.ones((), device=key.device)", "scale = 2 * torch.ones((), device=key.device)"),
+    "scale": ("scale = self._fp8_kv_scale", "scale = 2 * self._fp8_kv_scale"),
+    # the scale never made in __init__ (AttributeError on the fp8 path)
+    "scale never set": ("        self._fp8_kv_scale = torch.ones((), dtype=torch.float32)  # identity: x / 1\n", ""),
+    # the older raw index scatter: padded tokens write the last index slot
+    "raw index scatter": (
+        "        idx_cache = self.indexer.index_cache.kv_cache.view(-1, 1, 1, self.idx_head_dim)\n",
+        "        idx_cache = self.indexer.index_cache.kv_cache.view(-1, 1, 1, self.idx_head_dim)\n"
+        "        idx_cache.view(-1, self.idx_head_dim)[index_slot_mapping] = index_key\n"
+        "        return\n",
+    ),
+    # the index key written to the main slots
+    "index slots": (
+        "            idx_cache,\n            index_slot_mapping,\n",
+        "            idx_cache,\n            main_slot_mapping,\n",
+    ),
 }
 
 
@@ -324,7 +348,6 @@ def test_adapter_detects_the_cache_layout_and_the_bypass_agrees_through_it() -> 
     code = harness.load_layer(FIXTURES / "fork_era" / "expected.py", "MiniMaxM3SparseAttention")
     comparison, _, _ = harness.check_layer(code, ops.backend, inputs)
     assert comparison.passed, comparison.reason
-    assert "index scatter writes the last index slot" in kernels.padding_probe(ops, inputs)
 
 
 def test_adapter_refuses_a_library_whose_insert_matches_no_layout() -> None:
@@ -341,31 +364,35 @@ def test_kernel_level_without_a_gpu_is_skipped_with_the_reason() -> None:
     assert kernel.status is Status.SKIPPED and "no CUDA GPU" in kernel.reason
 
 
-def test_timing_plan_runs_every_path_and_counts_bytes() -> None:
+def test_timing_plan_runs_the_files_own_insert_kv_at_every_size() -> None:
     """The timed closures on the CPU (one call each instead of a CUDA graph)."""
     ops = _fake_ops("hnd")
-    inputs = harness.Inputs.random(harness.Shape(tokens=16, num_blocks=8), seed=2)
-    kernels.detect_layout(ops, inputs)
+    kernels.detect_layout(ops, harness.Inputs.random(harness.Shape(tokens=16, num_blocks=8), seed=2))
+    code = harness.load_layer(FIXTURES / "fork_era" / "expected.py", "MiniMaxM3SparseAttention")
     calls: list[str] = []
+    written: list[int] = []
+    real_reshape = ops.reshape_raw
+
+    def counting_reshape(*args):
+        written.append(args[4].numel())
+        real_reshape(*args)
+
+    ops.reshape_raw = counting_reshape
 
     def once(fn):
         fn()
         calls.append(fn.__name__)
         return 1.0, "one call"
 
-    t = kernels.timings(ops, tokens=64, device="cpu", timer=once)
-    assert calls == [
-        "fused_insert",
-        "norm_rope",
-        "fp8_insert",
-        "index_scatter",
-        "bypass",
-        "bf16_insert",
-        "fp8_dense",
+    t = kernels.timings(ops, code, sizes=(16, 32), device="cpu", timer=once)
+    assert calls == ["fused_insert", "norm_rope", "insert_kv", "bypass"] * 2
+    assert [(r.name, r.tokens) for r in t["rows"]][:4] == [
+        ("fused bf16 insert", 16),
+        ("fused norm+rope only", 16),
+        ("the file's _insert_kv (fp8 k/v + index key)", 16),
+        ("bypass total", 16),
     ]
-    rows = {r.name: r for r in t["rows"]}
-    total = rows["bypass total (fp8 cache)"].bytes_moved
-    parts = sum(rows[n].bytes_moved for n in rows if n.startswith("bypass:"))
-    assert total == parts
+    # the file's own _insert_kv ran: two reshape_and_cache_flash calls (k/v, index key) per call
+    assert written == [16, 16, 16, 16, 32, 32, 32, 32]
     per = t["kv_bytes_per_token"]
     assert per["bf16"] - per["fp8"] == 2 * 4 * 128  # k and v, 4 kv heads x 128, one byte saved each

@@ -56,6 +56,7 @@ class Shape:
     max_position: int = 4096
     hidden_size: int = 256
     eps: float = 1e-6
+    padded: int = 3  # the batch's last tokens are CUDA-graph padding: slot -1 in both mappings
 
     @property
     def num_idx_heads(self) -> int:
@@ -223,24 +224,36 @@ def _bindings(cls: ast.ClassDef) -> dict[tuple[str, ...], str]:
 
 
 def _init_assignments(init: ast.FunctionDef, path: str) -> list[tuple[str, types.CodeType]]:
-    """``self.X = <expr reading only self>`` statements of ``__init__``, in order."""
+    """``self.X = <expr>`` and ``self.register_buffer("X", <expr>, ...)`` statements of
+    ``__init__``, in order, whose expression reads only ``self`` and ``torch``."""
     found = []
     for stmt in ast.walk(init):
-        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
-            continue
-        target = stmt.targets[0]
-        if not (
-            isinstance(target, ast.Attribute)
-            and isinstance(target.value, ast.Name)
-            and target.value.id == "self"
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+            target, value = stmt.targets[0], stmt.value
+            if not (
+                isinstance(target, ast.Attribute)
+                and isinstance(target.value, ast.Name)
+                and target.value.id == "self"
+            ):
+                continue
+            name = target.attr
+        elif (
+            isinstance(stmt, ast.Expr)
+            and isinstance(stmt.value, ast.Call)
+            and _self_chain(stmt.value.func) == ("register_buffer",)
+            and len(stmt.value.args) >= 2
+            and isinstance(stmt.value.args[0], ast.Constant)
+            and isinstance(stmt.value.args[0].value, str)
         ):
+            name, value = stmt.value.args[0].value, stmt.value.args[1]
+        else:
             continue
-        names = {n.id for n in ast.walk(stmt.value) if isinstance(n, ast.Name)}
-        if names - {"self"} - set(dir(builtins)):
+        names = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
+        if names - {"self", "torch"} - set(dir(builtins)):
             continue
-        expr = ast.Expression(body=stmt.value)
-        ast.copy_location(expr, stmt.value)
-        found.append((target.attr, compile(expr, path, "eval")))
+        expr = ast.Expression(body=value)
+        ast.copy_location(expr, value)
+        found.append((name, compile(expr, path, "eval")))
     found.sort(key=lambda item: item[1].co_firstlineno)
     return found
 
@@ -339,12 +352,27 @@ class Inputs:
     main_slots: torch.Tensor
     index_slots: torch.Tensor
 
+    @property
+    def valid_main(self) -> torch.Tensor:
+        return self.main_slots >= 0
+
+    @property
+    def valid_index(self) -> torch.Tensor:
+        return self.index_slots >= 0
+
     @classmethod
     def random(cls, shape: Shape, device: str = "cpu", seed: int = 0) -> Inputs:
         g = torch.Generator(device="cpu").manual_seed(seed)
         slots_total = shape.num_blocks * shape.block_size
-        if shape.tokens > slots_total:
+        if shape.tokens >= slots_total:
             raise ValueError("more tokens than cache slots")
+
+        def slots() -> torch.Tensor:
+            # Never the last slot, where a padded token's write would land
+            # (index -1); padded tokens at the end of the batch, as vLLM pads.
+            chosen = torch.randperm(slots_total - 1, generator=g)[: shape.tokens]
+            chosen[shape.tokens - shape.padded :] = -1
+            return chosen.to(device)
 
         def rand(*size: int, scale: float = 1.0) -> torch.Tensor:
             return (torch.randn(*size, generator=g) * scale).to(torch.bfloat16).to(device)
@@ -367,8 +395,8 @@ class Inputs:
                     ("index_k_norm", shape.idx_head_dim),
                 )
             },
-            main_slots=torch.randperm(slots_total, generator=g)[: shape.tokens].to(device),
-            index_slots=torch.randperm(slots_total, generator=g)[: shape.tokens].to(device),
+            main_slots=slots(),
+            index_slots=slots(),
         )
 
 
@@ -487,9 +515,11 @@ def _standin(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> tu
         if name in values:
             continue
         try:
-            setattr(layer, name, eval(expr, {"__builtins__": builtins}, {"self": layer}))
+            with torch.device(dev):  # vLLM builds its layers on the target device
+                value = eval(expr, {"__builtins__": builtins, "torch": torch}, {"self": layer})
         except Exception:  # reads something the stand-in lacks: left unset
             continue
+        setattr(layer, name, value)
     return layer, rec, {"qkv": qkv, "kv_cache": kv_cache, "index_cache": index_cache}
 
 
@@ -550,7 +580,8 @@ def compare_runs(inputs: Inputs, bf16: RunResult, fp8: RunResult) -> Comparison:
         checks["index_q identical"] = torch.equal(bf16.index_query, fp8.index_query)
     checks["index cache identical"] = torch.equal(bf16.index_cache, fp8.index_cache)
 
-    slots = inputs.main_slots.long()
+    valid = inputs.valid_main
+    slots = inputs.main_slots[valid].long()
     total = s.num_blocks * s.block_size
     written = torch.zeros(total, dtype=torch.bool, device=slots.device)
     written[slots] = True
@@ -559,7 +590,7 @@ def compare_runs(inputs: Inputs, bf16: RunResult, fp8: RunResult) -> Comparison:
     # The fused insert wrote exactly the normed/roped k and raw v that qkv holds.
     kv = s.num_kv_heads * s.head_dim
     k0 = s.num_heads * s.head_dim
-    expect = bf16.qkv[:, k0 : k0 + 2 * kv]  # [k | v] per token, as the rows are laid out
+    expect = bf16.qkv[valid, k0 : k0 + 2 * kv]  # [k | v] per token, as the rows are laid out
     checks["bf16 run wrote every slot"] = torch.equal(ref_rows[slots], expect)
     checks["fp8 cache = e4m3(bf16 cache) at every written slot"] = torch.equal(
         fp8_rows[slots], refops.to_e4m3_bits(ref_rows[slots])
@@ -567,11 +598,27 @@ def compare_runs(inputs: Inputs, bf16: RunResult, fp8: RunResult) -> Comparison:
     checks["unwritten slots untouched"] = bool(
         (ref_rows[~written] == 0).all() and (fp8_rows[~written] == 0).all()
     )
+    if s.padded:
+        # What the fused op does with slot -1 (nothing) the bypass must do too:
+        # a padded token's write lands in the last row of a cache indexed by slot.
+        index_rows = s.num_blocks * s.block_size
+        index_written = torch.zeros(index_rows, dtype=torch.bool, device=slots.device)
+        index_written[inputs.index_slots[inputs.valid_index].long()] = True
+        checks[f"padded tokens (slot -1, last {s.padded}) wrote nothing"] = all(
+            bool((rows[~mask] == 0).all())
+            for rows, mask in (
+                (fp8_rows, written),
+                (fp8.index_cache.reshape(index_rows, -1), index_written),
+                (bf16.index_cache.reshape(index_rows, -1), index_written),
+            )
+        )
     failed = [name for name, ok in checks.items() if not ok]
     if failed:
         return Comparison(False, "; ".join(failed) + ": no", checks)
     return Comparison(
-        True, f"{len(checks)} checks, {s.tokens} tokens, {s.num_kv_heads}x{s.head_dim} kv", checks
+        True,
+        f"{len(checks)} checks, {s.tokens} tokens ({s.padded} padded), {s.num_kv_heads}x{s.head_dim} kv",
+        checks,
     )
 
 

@@ -60,9 +60,10 @@ def _scatter_rows(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -
 def _scatter_into(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """Row ``i`` to slot ``slots[i]`` of a (possibly strided) ``[blocks, block_size, ...]`` cache."""
     num_blocks, bs = cache.shape[:2]
-    flat = cache.reshape(num_blocks * bs, -1)
+    flat = cache.reshape(num_blocks * bs, -1)  # a view when the cache allows one, else a copy
     _scatter_rows(flat, slots, rows.reshape(rows.shape[0], -1))
-    cache.copy_(flat.view(cache.shape))
+    if flat.data_ptr() != cache.data_ptr():
+        cache.copy_(flat.view(cache.shape))
 
 
 def fused_minimax_m3_qknorm_rope_kv_insert(

@@ -67,10 +67,9 @@ def print_verify(report: VerifyReport, err: Console, verbose: bool = False) -> N
                 ),
                 soft_wrap=True,
             )
-        if ctx.padding:
-            err.print(escape(f"  note: {ctx.padding}"), soft_wrap=True)
-    if ctx is not None and ctx.timings:
-        print_timings(ctx.timings, err)
+    for f in report.files:
+        if f.timings:
+            print_timings(f.path, f.timings, err)
     passed = sum(1 for f in report.files if f.levels and not f.failed and not f.error)
     failed = sum(1 for f in report.files if f.failed)
     errors = sum(1 for f in report.files if f.error)
@@ -79,17 +78,20 @@ def print_verify(report: VerifyReport, err: Console, verbose: bool = False) -> N
     )
 
 
-def print_timings(t: dict, err: Console) -> None:
-    table = Table(title=f"{t['device']}: {t['tokens']} tokens; {t['shape']}")
+def print_timings(path, t: dict, err: Console) -> None:
+    sizes = t["sizes"]
+    table = Table(title=escape(f"{path}: µs per layer call on {t['device']}; {t['shape']}"))
     table.add_column("path")
-    table.add_column("µs / call", justify="right")
-    table.add_column("MB moved", justify="right")
-    table.add_column("GB/s", justify="right")
-    peak = t.get("peak_gbps")
-    table.add_column(f"% of {peak / 1000:.2f} TB/s" if peak else "% of peak", justify="right")
+    for n in sizes:
+        table.add_column(f"N={n}", justify="right")
+    by_name: dict[str, dict[int, float]] = {}
     for row in t["rows"]:
-        share = f"{100 * row.gbps / peak:.0f}%" if peak else "?"
-        table.add_row(row.name, f"{row.us:.1f}", f"{row.bytes_moved / 1e6:.1f}", f"{row.gbps:.0f}", share)
+        by_name.setdefault(row.name, {})[row.tokens] = row.us
+    for name, us in by_name.items():
+        table.add_row(escape(name), *(f"{us[n]:.2f}" for n in sizes))
+    fused, total = by_name.get("fused bf16 insert"), by_name.get("bypass total")
+    if fused and total:
+        table.add_row("bypass total / fused insert", *(f"{total[n] / fused[n]:.2f}x" for n in sizes))
     err.print(table)
     per = t["kv_bytes_per_token"]
     err.print(
