@@ -28,6 +28,7 @@ from codemods.schema import KV_CACHE_DTYPE as KV_CACHE_DTYPE
 from codemods.schema import NUM_HEADS as NUM_HEADS
 from codemods.schema import NUM_INDEX_HEADS as NUM_INDEX_HEADS
 from codemods.schema import NUM_KV_HEADS as NUM_KV_HEADS
+from codemods.schema import OP_PARAMS as OP_PARAMS
 from codemods.schema import QKV as QKV
 from codemods.schema import RESHAPE_OP as RESHAPE_OP
 from codemods.schema import SLOT_MAPPING as SLOT_MAPPING
@@ -51,6 +52,83 @@ def callee_name(call: cst.Call) -> str | None:
 def is_fused_call(node: cst.CSTNode) -> bool:
     """``ops.fused_…(…)``, ``torch.ops._C.fused_…(…)`` or a bare ``fused_…(…)``."""
     return isinstance(node, cst.Call) and callee_name(node) == FUSED_OP
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A module-level function that hands its parameters unchanged to the op (or to
+    another such function): ``params`` maps an op parameter's index to its own."""
+
+    name: str
+    params: dict[int, OpParam]
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """A call of the fused op, made directly or through a pass-through wrapper."""
+
+    call: cst.Call
+    wrapper: Wrapper | None = None
+
+    def arg(self, param: OpParam) -> cst.Arg | None:
+        """The argument the op's ``param`` receives from this call."""
+        if self.wrapper is None:
+            return get_arg(self.call, param)
+        own = self.wrapper.params.get(param.index)
+        return get_arg(self.call, own) if own is not None else None
+
+
+def pass_through_wrappers(module: cst.Module, levels: int = 2) -> dict[str, Wrapper]:
+    """Module functions whose every call of the op (or of a wrapper found one level
+    down) passes only the function's own parameters, by name: followed two levels."""
+    functions = module_functions(module)
+    found: dict[str, Wrapper] = {}
+    for _ in range(levels):
+        for name, fn in functions.items():
+            if name in found:
+                continue
+            wrapper = _as_wrapper(fn, found)
+            if wrapper is not None:
+                found[name] = wrapper
+    return found
+
+
+def _as_wrapper(fn: cst.FunctionDef, known: dict[str, Wrapper]) -> Wrapper | None:
+    own = _positional_params(fn)
+    mappings = []
+    for node in nodes_in(fn.body, scope_only=True):
+        if not isinstance(node, cst.Call):
+            continue
+        name = callee_name(node)
+        if name == FUSED_OP:
+            inner = None
+        elif name in known:
+            inner = known[name]
+        else:
+            continue
+        if has_star_args(node):
+            return None
+        mapping: dict[int, OpParam] = {}
+        for param in OP_PARAMS:
+            arg = OpCall(node, inner).arg(param)
+            if arg is None:
+                continue
+            if not (isinstance(arg.value, cst.Name) and arg.value.value in own):
+                return None  # not handed on unchanged
+            mapping[param.index] = own[arg.value.value]
+        mappings.append(mapping)
+    if not mappings or any(m != mappings[0] for m in mappings):
+        return None
+    return Wrapper(fn.name.value, mappings[0])
+
+
+def _positional_params(fn: cst.FunctionDef) -> dict[str, OpParam]:
+    """A function's parameters as ``OpParam``s (keyword-only ones bind by keyword alone)."""
+    params = fn.params
+    positional = list(params.posonly_params) + list(params.params)
+    out = {p.name.value: OpParam(i, p.name.value) for i, p in enumerate(positional)}
+    out |= {p.name.value: OpParam(10_000, p.name.value) for p in params.kwonly_params}
+    return out
 
 
 def has_star_args(call: cst.Call) -> bool:

@@ -33,9 +33,12 @@ from codemods.schema import (
     Pieces,
     Verdict,
     insert_kv_form,
+    is_guard_value,
     note_guard_assignment,
+    post_block_guard,
     verdict,
 )
+from codemods.schema import expression as schema_expression
 from codemods.schema import GUARD_NAME as GUARD_NAME
 from codemods.schema import PIECES as PIECES
 from codemods.schema import Action as Action
@@ -43,6 +46,9 @@ from codemods.schema import InsertSite as InsertSite
 from codemods.schema import SiteState as SiteState
 
 DESCRIPTION = "Route fp8 KV-cache writes of MiniMax-M3 sparse attention around the bf16-only fused insert op."
+
+
+CHANGING = (Action.REWRITE, Action.COMPLETE, Action.UPGRADE, Action.STRIP)
 
 
 class Unsupported(Exception):
@@ -56,12 +62,18 @@ class FileAnalysis:
     source_map: a.SourceMap | None = None
 
     @property
-    def plans(self) -> list[BypassPlan]:
+    def plans(self) -> list:
+        """``BypassPlan``s, and the ``RevertPlan`` of a bypass to strip from a native call."""
         return [s.plan for s in self.sites if s.plan is not None]
 
     @property
+    def patched_after(self) -> int:
+        """How many sites the rewrite leaves ``patched`` (a stripped one ends ``native``)."""
+        return sum(1 for p in self.plans if isinstance(p, BypassPlan))
+
+    @property
     def needs_rewrite(self) -> bool:
-        return any(s.action in (Action.REWRITE, Action.COMPLETE, Action.UPGRADE) for s in self.sites)
+        return any(s.action in CHANGING for s in self.sites)
 
     @property
     def refused(self) -> list[InsertSite]:
@@ -73,7 +85,7 @@ class FileAnalysis:
 
 @dataclass
 class _FoundCall:
-    call: cst.Call
+    op: a.OpCall
     line: int  # set once every call is found (see _find_calls)
     cls: cst.ClassDef | None
     method: cst.FunctionDef | None
@@ -81,13 +93,21 @@ class _FoundCall:
     module_function: str | None
     class_depth: int = 0  # how many defs/classes enclose the class
     outer: tuple[cst.CSTNode, ...] = ()  # those defs/classes
+    wrapper_of: str | None = None  # the call sits in this pass-through wrapper
+
+    @property
+    def call(self) -> cst.Call:
+        return self.op.call
 
 
 class _CallFinder(cst.CSTVisitor):
-    def __init__(self, skip: list[cst.CSTNode] | None = None) -> None:
+    """Calls of the op, and of its pass-through wrappers (``wrappers``)."""
+
+    def __init__(self, wrappers: dict[str, a.Wrapper], skip: list[cst.CSTNode] | None = None) -> None:
         self.stack: list[cst.CSTNode] = []
         self.found: list[_FoundCall] = []
         self.skip = {id(n): n for n in skip or ()}
+        self.wrappers = wrappers
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         if self.skip.get(id(node)) is node:
@@ -108,14 +128,21 @@ class _CallFinder(cst.CSTVisitor):
     leave_ClassDef = leave_FunctionDef = leave_Lambda = _pop  # type: ignore[assignment]
 
     def visit_Call(self, node: cst.Call) -> None:
-        if not a.is_fused_call(node):
+        name = a.callee_name(node)
+        if name == a.FUSED_OP:
+            op = a.OpCall(node)
+        elif name in self.wrappers:
+            op = a.OpCall(node, self.wrappers[name])
+        else:
             return
         line = 0  # numbered once every call is found (_find_calls)
         classes = [i for i, n in enumerate(self.stack) if isinstance(n, cst.ClassDef)]
         if not classes:
             outer = self.stack[0] if self.stack else None
-            name = outer.name.value if isinstance(outer, cst.FunctionDef) else None
-            self.found.append(_FoundCall(node, line, None, None, None, name or "<module>"))
+            fn = outer.name.value if isinstance(outer, cst.FunctionDef) else None
+            found = _FoundCall(op, line, None, None, None, fn or "<module>")
+            found.wrapper_of = fn if fn in self.wrappers else None
+            self.found.append(found)
             return
         ci = classes[-1]
         cls = self.stack[ci]
@@ -126,7 +153,7 @@ class _CallFinder(cst.CSTVisitor):
             n = inner[-1]
             nested = n.name.value if isinstance(n, cst.FunctionDef) else "<lambda>"
         assert isinstance(cls, cst.ClassDef)
-        self.found.append(_FoundCall(node, line, cls, method, nested, None, ci, tuple(self.stack[:ci])))
+        self.found.append(_FoundCall(op, line, cls, method, nested, None, ci, tuple(self.stack[:ci])))
 
     def visit_Import(self, node: cst.Import) -> bool:
         return False  # nothing to find in an import
@@ -135,7 +162,9 @@ class _CallFinder(cst.CSTVisitor):
         return False
 
 
-def _find_calls(module: cst.Module, source_map: a.SourceMap | None) -> list[_FoundCall]:
+def _find_calls(
+    module: cst.Module, source_map: a.SourceMap | None, wrappers: dict[str, a.Wrapper]
+) -> list[_FoundCall]:
     """Every call of the op, in source order, with the line it starts on.
 
     The lines are those ``PositionProvider`` gives (the callee's first line; a
@@ -145,17 +174,18 @@ def _find_calls(module: cst.Module, source_map: a.SourceMap | None) -> list[_Fou
     the analysis. If the two parsers do not see the same
     calls, every node is visited and ``PositionProvider`` numbers them.
     """
+    names = {a.FUSED_OP, *wrappers}
     if source_map is not None:
-        needle = a.FUSED_OP.encode()
-        op_lines = [i for i, text in enumerate(source_map.lines) if needle in text]
+        needles = [name.encode() for name in names]
+        op_lines = [i for i, text in enumerate(source_map.lines) if any(n in text for n in needles)]
         skip = [
             stmt
             for stmt, first, last in source_map.spans.values()
             if not any(first <= line <= last for line in op_lines)
         ]
-        finder = _CallFinder(skip)
+        finder = _CallFinder(wrappers, skip)
         module.visit(finder)
-        calls = _ast_calls(source_map.tree, op_lines)
+        calls = _ast_calls(source_map.tree, op_lines, names)
         if len(calls) == len(finder.found) and all(
             len(c.args) + len(c.keywords) == len(f.call.args)
             for c, f in zip(calls, finder.found, strict=True)
@@ -163,7 +193,7 @@ def _find_calls(module: cst.Module, source_map: a.SourceMap | None) -> list[_Fou
             for f, c in zip(finder.found, calls, strict=True):
                 f.line = c.lineno
             return finder.found
-    finder = _CallFinder()
+    finder = _CallFinder(wrappers)
     module.visit(finder)
     positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
     for f in finder.found:
@@ -171,8 +201,9 @@ def _find_calls(module: cst.Module, source_map: a.SourceMap | None) -> list[_Fou
     return finder.found
 
 
-def _ast_calls(tree: ast.Module, op_lines: list[int]) -> list[ast.Call]:
-    """ast calls of the op, in source order (statements without the op's name skipped)."""
+def _ast_calls(tree: ast.Module, op_lines: list[int], names: set[str]) -> list[ast.Call]:
+    """ast calls of the op (and wrappers: ``names``), in source order (statements
+    without any of the names skipped)."""
     found: list[ast.Call] = []
 
     def visit(node: ast.AST) -> None:
@@ -181,7 +212,7 @@ def _ast_calls(tree: ast.Module, op_lines: list[int]) -> list[ast.Call]:
             last = node.end_lineno or node.lineno
             if not any(first <= line <= last for line in op_lines):
                 return
-        if isinstance(node, ast.Call) and _ast_callee(node) == a.FUSED_OP:
+        if isinstance(node, ast.Call) and _ast_callee(node) in names:
             found.append(node)
         for child in ast.iter_child_nodes(node):
             visit(child)
@@ -225,13 +256,10 @@ def _unguarded(arg: cst.Arg) -> cst.BaseExpression:
     return value
 
 
-def _is_not_flag(expr: cst.BaseExpression) -> bool:
-    """``not self._fp8_kv``."""
-    return (
-        isinstance(expr, cst.UnaryOperation)
-        and isinstance(expr.operator, cst.Not)
-        and a.self_attr(expr.expression) == a.FP8_FLAG
-    )
+def _is_guard_value(expr: cst.BaseExpression) -> bool:
+    """``not self._fp8_kv`` (``schema.is_guard_value``)."""
+    tree = schema_expression(a.code(expr))
+    return tree is not None and is_guard_value(tree)
 
 
 def _find_call_slot(method: cst.FunctionDef, call: cst.Call) -> a.StatementSlot | None:
@@ -264,7 +292,7 @@ def _is_insert_kv_call(node: cst.CSTNode) -> bool:
 def _collect_pieces(
     cls: cst.ClassDef,
     method: cst.FunctionDef,
-    call: cst.Call,
+    op: a.OpCall,
     slot: a.StatementSlot | None,
     functions: dict[str, cst.FunctionDef],
     mentions_flag: bool = True,
@@ -281,9 +309,7 @@ def _collect_pieces(
         # Once set, whether the flag is also read decides nothing (Pieces.any_bypass).
         p.flag_read = not p.flag_set and a.FP8_FLAG in attrs
         p.scale_read = a.FP8_SCALE in attrs
-    p.guard_args = [
-        g for g in (_guard_of(a.get_arg(call, a.KV_CACHE)), _guard_of(a.get_arg(call, a.INDEX_CACHE))) if g
-    ]
+    p.guard_args = [g for g in (_guard_of(op.arg(a.KV_CACHE)), _guard_of(op.arg(a.INDEX_CACHE))) if g]
     p.insert_kv = _insert_kv_form(a.find_method(cls, a.INSERT_KV), cls, functions)
     if slot is None:
         return p
@@ -291,35 +317,29 @@ def _collect_pieces(
     for stmt in slot.before():
         pair = a.simple_assignment(stmt)
         if pair and isinstance(pair[0], cst.Name) and pair[0].value in guard_names:
-            note_guard_assignment(p, pair[0].value, _is_not_flag(pair[1]))
+            note_guard_assignment(p, pair[0].value, _is_guard_value(pair[1]))
     for stmt in slot.after():
         node = a.first_in(stmt, _is_insert_kv_call)
         if isinstance(node, cst.Call):
             p.post_insert, p.post_insert_call = True, node
-            p.post_insert_wired = _insert_is_wired(node, call) and _is_guarded_block(stmt, p)
+            p.post_insert_wired = _insert_is_wired(node, op) and _is_guarded_block(stmt, p)
             break
     return p
 
 
 def _is_guarded_block(stmt: cst.BaseStatement, p: Pieces) -> bool:
-    """``if not G:`` or ``if self._fp8_kv:`` around the post-call insert."""
+    """``if not G:`` or ``if self._fp8_kv:`` around the post-call insert (``schema.post_block_guard``)."""
     if not isinstance(stmt, cst.If):
         return False
-    test = stmt.test
-    if a.self_attr(test) == a.FP8_FLAG:
-        return True
-    return (
-        isinstance(test, cst.UnaryOperation)
-        and isinstance(test.operator, cst.Not)
-        and isinstance(test.expression, cst.Name)
-        and test.expression.value in (set(p.guard_args) | {p.guard_assigned or GUARD_NAME})
-    )
+    test = schema_expression(a.code(stmt.test))
+    guard = post_block_guard(test) if test is not None else None
+    return guard == a.FP8_FLAG or guard in (set(p.guard_args) | {p.guard_assigned or GUARD_NAME})
 
 
-def _insert_is_wired(insert: cst.Call, fused: cst.Call) -> bool:
+def _insert_is_wired(insert: cst.Call, fused: a.OpCall) -> bool:
     args = [x for x in insert.args if x.keyword is None]
-    main = a.get_arg(fused, a.SLOT_MAPPING)
-    index = a.get_arg(fused, a.INDEX_SLOT_MAPPING)
+    main = fused.arg(a.SLOT_MAPPING)
+    index = fused.arg(a.INDEX_SLOT_MAPPING)
     if len(insert.args) != 5 or len(args) != 5 or main is None or index is None:
         return False
     return a.same_expr(args[3].value, main.value) and a.same_expr(args[4].value, index.value)
@@ -334,7 +354,7 @@ class BypassPlan:
 
     cls: cst.ClassDef
     method: cst.FunctionDef
-    call: cst.Call
+    op: a.OpCall
     call_slot: a.StatementSlot
     guard: str
     add_guard: bool
@@ -378,6 +398,14 @@ def _size_attrs(init_attrs: _Assignments, count: cst.BaseExpression) -> tuple[st
     return None, None
 
 
+def _wrapper_namespace(imports: list[a.ImportedName]) -> str | None:
+    """Behind a wrapper: the module's ``vllm._custom_ops`` alias, where ``reshape_and_cache_flash`` is."""
+    for imp in imports:
+        if a.code(imp.alias.name) == "_custom_ops" or a.code(imp.alias.name).endswith("._custom_ops"):
+            return imp.bound
+    raise Unsupported("the op is called through a wrapper and the module does not import `vllm._custom_ops`")
+
+
 def _op_namespace(call: cst.Call) -> str | None:
     """Where ``reshape_and_cache_flash`` lives, by the fused op's callee."""
     func = call.func
@@ -391,7 +419,7 @@ def _op_namespace(call: cst.Call) -> str | None:
 
 def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p: _Pieces) -> BypassPlan:
     """Find and check every name the bypass needs; raise ``Unsupported`` if one is missing."""
-    cls, method, call = found.cls, found.method, found.call
+    cls, method, op = found.cls, found.method, found.op
     assert cls is not None and method is not None
     if method.name.value == "__init__":
         raise Unsupported("the insert call is in __init__, not in a forward path")
@@ -410,14 +438,14 @@ def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p:
 
     taken = a.bound_names(method)
     guard = _guard_name(p, taken)
-    caches, wrap = _cache_args(call, method, slot)
-    qkv, main_slots, index_slots = _qkv_and_slots(call)
+    caches, wrap = _cache_args(op, method, slot)
+    qkv, main_slots, index_slots = _qkv_and_slots(op)
     init_attrs = a.self_assignments(init)
-    w = _widths(call, method, slot, init_attrs)
+    w = _widths(op, method, slot, init_attrs)
     flag_slot, dtype_attr = _dtype_anchor(init, init_attrs)
     if dtype_attr is None or flag_slot is None:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
-    namespace = _op_namespace(call)
+    namespace = _op_namespace(op.call) if op.wrapper is None else _wrapper_namespace(imports)
     reshape_import = _bare_import(module, imports) if namespace is None else None
     reshape_call = a.RESHAPE_OP if namespace is None else f"{namespace}.{a.RESHAPE_OP}"
 
@@ -435,7 +463,7 @@ def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p:
     return BypassPlan(
         cls=cls,
         method=method,
-        call=call,
+        op=op,
         call_slot=slot,
         guard=guard,
         add_guard=p.guard_assigned is None,
@@ -649,13 +677,13 @@ def _guard_name(p: Pieces, taken: set[str]) -> str:
 
 
 def _cache_args(
-    call: cst.Call, method: cst.FunctionDef, slot: a.StatementSlot
+    op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot
 ) -> tuple[dict[str, str], list[a.OpParam]]:
     """The cache expressions `_insert_kv` can reach, and which arguments still need the guard."""
     caches: dict[str, str] = {}
     wrap: list[a.OpParam] = []
     for param in (a.KV_CACHE, a.INDEX_CACHE):
-        arg = a.get_arg(call, param)
+        arg = op.arg(param)
         if arg is None or a.is_none(arg.value):
             raise Unsupported(f"the call passes no `{param.keyword}` argument to guard")
         if isinstance(arg.value, cst.IfExp) and _guard_of(arg) is None:
@@ -675,14 +703,14 @@ def _cache_args(
     return caches, wrap
 
 
-def _qkv_and_slots(call: cst.Call) -> tuple[str, str, str]:
+def _qkv_and_slots(op: a.OpCall) -> tuple[str, str, str]:
     """The fused buffer and the two slot-mapping expressions, safe to use again after the call."""
-    qkv = a.get_arg(call, a.QKV)
+    qkv = op.arg(a.QKV)
     if qkv is None or not isinstance(qkv.value, cst.Name):
         raise Unsupported("the fused qkv argument is not a plain local name")
     slots = []
     for param in (a.SLOT_MAPPING, a.INDEX_SLOT_MAPPING):
-        arg = a.get_arg(call, param)
+        arg = op.arg(param)
         if arg is None or a.is_none(arg.value) or not a.is_pure(arg.value):
             shown = a.code(arg.value) if arg is not None else "nothing"
             raise Unsupported(
@@ -705,12 +733,12 @@ class _Widths:
 
 
 def _widths(
-    call: cst.Call, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: _Assignments
+    op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: _Assignments
 ) -> _Widths:
     """The head counts the call passes, and their products with a head size in __init__."""
     counts: dict[str, cst.BaseExpression] = {}
     for param in (a.NUM_HEADS, a.NUM_KV_HEADS, a.NUM_INDEX_HEADS):
-        arg = a.get_arg(call, param)
+        arg = op.arg(param)
         resolved = a.resolve_self_expr(method, arg.value, slot) if arg is not None else None
         if resolved is None:
             raise Unsupported(f"`{param.keyword}` is not a `self.` attribute (or a local holding one)")
@@ -891,13 +919,14 @@ def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalys
     if source is None:
         source = module.code
     source_map = a.SourceMap.of(module, source)
-    found_calls = _find_calls(module, source_map)
+    found_calls = _find_calls(module, source_map, a.pass_through_wrappers(module))
     flag = a.FP8_FLAG if isinstance(source, str) else a.FP8_FLAG.encode()
     mentions_flag = flag in source  # type: ignore[operator]
     functions = a.module_functions(module)
     sites = [_classify(module, f, functions, mentions_flag) for f in found_calls]
 
-    # Fork-era insert sites the bypass could own; more than one cannot be proven.
+    # Fork-era insert sites the bypass could own, and sites to change; more than one
+    # cannot be proven (plans are made on one tree and applied one at a time).
     candidates = [s for s in sites if s.plan is not None or s.state in (SiteState.PATCHED, SiteState.OUTDATED)]
     if len(candidates) > 1 and any(s.plan is not None for s in candidates):
         where = ", ".join(f"{s.class_name}.{s.method} (line {s.line})" for s in candidates)
@@ -916,8 +945,8 @@ def _classify(
     mentions_flag: bool = True,
 ) -> InsertSite:
     call = found.call
-    kv = a.get_arg(call, a.KV_CACHE)
-    dtype = a.get_arg(call, a.KV_CACHE_DTYPE)
+    kv = found.op.arg(a.KV_CACHE)
+    dtype = found.op.arg(a.KV_CACHE_DTYPE)
     in_method = found.method is not None and found.nested_in is None
     slot = _find_call_slot(found.method, call) if in_method else None
     facts = CallFacts(
@@ -925,6 +954,7 @@ def _classify(
         class_name=found.cls.name.value if found.cls else None,
         method=found.method.name.value if found.method else None,
         module_function=found.module_function,
+        in_wrapper=found.wrapper_of is not None,
         nested_in=found.nested_in,
         star_args=a.has_star_args(call),
         has_cache=kv is not None and not a.is_none(kv.value),
@@ -941,11 +971,24 @@ def _classify(
     def collect() -> _Pieces:
         assert found.cls is not None and found.method is not None
         fns = a.module_functions(module) if functions is None else functions
-        found_pieces.append(_collect_pieces(found.cls, found.method, call, slot, fns, mentions_flag))
+        found_pieces.append(_collect_pieces(found.cls, found.method, found.op, slot, fns, mentions_flag))
         return found_pieces[-1]
 
     decided = verdict(facts, collect)
-    if decided.action not in (Action.REWRITE, Action.COMPLETE, Action.UPGRADE):
+    if decided.action is Action.STRIP:
+        from codemods import fp8_kv_revert  # the strip is the revert of that one site
+
+        try:
+            return decided.site(facts, fp8_kv_revert.plan_strip(module, found))
+        except Unsupported as exc:
+            reason = (
+                f"{decided.reason.split('; `run` takes')[0]}; `run` cannot take the bypass out: {exc}. "
+                f"By hand: in the call at line {facts.line} pass each `X if <guard> else ...` argument "
+                "as `X`, delete the post-call block that calls `self._insert_kv` and the `_insert_kv` "
+                "method, then run `mm3-codemod check` on the file"
+            )
+            return Verdict(SiteState.HALF_APPLIED, Action.REFUSE, reason, decided.pieces).site(facts)
+    if decided.action not in CHANGING:
         return decided.site(facts)
     assert slot is not None
     try:
@@ -977,13 +1020,13 @@ class Fp8KvBypass(cst.CSTTransformer):
         return super().on_visit(node)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        if original is not self.plan.call:
+        if original is not self.plan.op.call:
             return updated
         wrap = {p.keyword for p in self.plan.wrap_args}
         new_args = []
         for orig_arg, arg in zip(original.args, updated.args, strict=True):
             param = next(
-                (p for p in (a.KV_CACHE, a.INDEX_CACHE) if a.get_arg(original, p) is orig_arg),
+                (p for p in (a.KV_CACHE, a.INDEX_CACHE) if self.plan.op.arg(p) is orig_arg),
                 None,
             )
             if param is not None and param.keyword in wrap:
@@ -1118,7 +1161,12 @@ def rewrite(analysis: FileAnalysis) -> cst.Module:
     plans = analysis.plans
     assert len(plans) <= 1, "analyze() refuses files with several candidate sites"
     for plan in plans:
-        module = apply_plan(module, plan, analysis.source_map)
+        if isinstance(plan, BypassPlan):
+            module = apply_plan(module, plan, analysis.source_map)
+        else:
+            from codemods import fp8_kv_revert
+
+            module = fp8_kv_revert.apply_revert(module, plan)
     return module
 
 

@@ -29,6 +29,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 from codemods import anchors as a
 from codemods import fp8_kv_bypass as bp
 from codemods.fp8_kv_bypass import Action, InsertSite, Unsupported
+from codemods import schema
 from codemods.schema import SLOTS_FORMS
 
 DESCRIPTION = "Take the fp8 KV-cache bypass out of MiniMax-M3 sparse attention again."
@@ -148,6 +149,7 @@ class RevertPlan:
     add_imports: list[str] = field(default_factory=list)
     drop_imports: set[str] = field(default_factory=set)
     pieces: dict[str, bool] = field(default_factory=dict)
+    also_remove: list[cst.FunctionDef] = field(default_factory=list)  # delegates only _insert_kv used
 
 
 @dataclass
@@ -170,7 +172,7 @@ class RevertAnalysis:
 def analyze_revert(module: cst.Module) -> RevertAnalysis:
     """Find every call of the fused op; plan the removal of a bypass around it."""
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    finder = bp._CallFinder()
+    finder = bp._CallFinder(a.pass_through_wrappers(module))
     wrapper.visit(finder)
     positions = wrapper.resolve(PositionProvider)
     for found in finder.found:  # the finder leaves numbering to its caller
@@ -204,6 +206,15 @@ def analyze_revert(module: cst.Module) -> RevertAnalysis:
     return RevertAnalysis(module, sites, [p for _, p in plans])
 
 
+def plan_strip(module: cst.Module, found: bp._FoundCall) -> RevertPlan:
+    """``run`` on a native call that carries bypass pieces: the revert of that site."""
+    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+    plan = _plan_site(module, found, positions)
+    if plan is None:
+        raise Unsupported("no bypass piece could be delimited")
+    return plan
+
+
 def _revert_reason(plan: RevertPlan) -> str:
     have = ", ".join(k for k, v in plan.pieces.items() if v) or "a read of self._fp8_kv"
     what = {
@@ -216,26 +227,27 @@ def _revert_reason(plan: RevertPlan) -> str:
 
 def _plan_site(module: cst.Module, found: bp._FoundCall, positions) -> RevertPlan | None:
     """None when there is no bypass around this call; ``Unsupported`` when one cannot be proven."""
-    cls, method, call = found.cls, found.method, found.call
+    cls, method, op = found.cls, found.method, found.op
+    call = op.call
     if cls is None:
         return None
     class_reads_flag = any(a.self_attr(n) == a.FP8_FLAG for n in a.walk_all(cls.body))
+    kv = op.arg(a.KV_CACHE)
     odd = (
         method is None
         or found.nested_in is not None
         or a.has_star_args(call)
-        or a.get_arg(call, a.KV_CACHE) is None
-        or a.is_none(a.get_arg(call, a.KV_CACHE).value)
+        or kv is None
+        or a.is_none(kv.value)
     )
     if odd:
         if class_reads_flag and method is not None and not a.has_star_args(call):
-            kv = a.get_arg(call, a.KV_CACHE)
             if kv is not None and not a.is_none(kv.value):
                 raise Unsupported("the call is not directly in a method: its bypass cannot be delimited")
         return None
     assert method is not None
     slot = bp._find_call_slot(method, call)
-    pieces = bp._collect_pieces(cls, method, call, slot, a.module_functions(module))
+    pieces = bp._collect_pieces(cls, method, op, slot, a.module_functions(module))
     if not pieces.any_bypass():
         return None
     if slot is None:
@@ -265,18 +277,13 @@ def _plan_site(module: cst.Module, found: bp._FoundCall, positions) -> RevertPla
     post = _post_call_block(method, slot, guards)
     if post is not None:
         remove.append(post)
-        test = post.test
-        if isinstance(test, cst.UnaryOperation):
-            assert isinstance(test.expression, cst.Name)
-            guards.add(test.expression.value)
-
-    unwrap = []
-    for param in (a.KV_CACHE, a.INDEX_CACHE):
-        arg = a.get_arg(call, param)
-        guard = bp._guard_of(arg)
-        if arg is not None and guard is not None:
+        guard = _block_guard(post)
+        if guard is not None and guard != a.FP8_FLAG:
             guards.add(guard)
-            unwrap.append(arg)
+
+    # `X if G else None` cache arguments, and any other argument the guard
+    # decides (a merge's `self.kv_cache.size(2) if G else 0` block size).
+    unwrap = [arg for arg in call.args if _guarded_by(arg, guards)]
 
     _check_nothing_left(cls, method, remove, unwrap, guards, positions)
     for block_slot in {id(s.block): s for s in _slots_of(cls, remove)}.values():
@@ -298,7 +305,7 @@ def _plan_site(module: cst.Module, found: bp._FoundCall, positions) -> RevertPla
     )
     if pieces.insert_kv in SLOTS_FORMS:
         assert insert_kv_fn is not None
-        _plan_insert_kv(module, found, slot, insert_kv_fn, post, plan)
+        _plan_insert_kv(module, found, slot, insert_kv_fn, post, plan, native=op.arg(a.KV_CACHE_DTYPE) is not None)
     elif pieces.insert_kv == "other" and post is not None:
         raise Unsupported(
             "`_insert_kv` is neither the attn_metadata form nor the slot-mapping one: cannot restore it"
@@ -306,38 +313,36 @@ def _plan_site(module: cst.Module, found: bp._FoundCall, positions) -> RevertPla
     return plan
 
 
+def _block_guard(block: cst.If) -> str | None:
+    test = schema.expression(a.code(block.test))
+    return schema.post_block_guard(test) if test is not None else None
+
+
+def _guarded_by(arg: cst.Arg, guards: set[str]) -> bool:
+    """``X if G else <None or a number>`` with ``G`` one of the bypass's guards."""
+    value = arg.value
+    return (
+        isinstance(value, cst.IfExp)
+        and isinstance(value.test, cst.Name)
+        and value.test.value in guards
+        and (a.is_none(value.orelse) or isinstance(value.orelse, (cst.Integer, cst.Float)))
+    )
+
+
 def _post_call_block(method: cst.FunctionDef, slot: a.StatementSlot, guards: set[str]) -> cst.If | None:
-    """``if not <guard>:`` (or ``if self._fp8_kv:``) after the call: slices, then ``self._insert_kv(...)``."""
+    """``if not <guard>:`` (or ``if self._fp8_kv:``, or ``if torch.compiler.is_compiling() or
+    not <guard>:``) after the call: slices and asserts, then ``self._insert_kv(...)`` - on
+    the compiled path maybe a custom op instead (``if torch.compiler.is_compiling(): ...``)."""
     for index, stmt in enumerate(slot.after()):
         if not any(bp._is_insert_kv_call(n) for n in a.walk_all(stmt)):
             continue
         if not isinstance(stmt, cst.If) or stmt.orelse is not None:
             raise Unsupported("the post-call `self._insert_kv(...)` is not in an `if not <guard>:` block")
-        test = stmt.test
-        guarded = a.self_attr(test) == a.FP8_FLAG or (
-            isinstance(test, cst.UnaryOperation)
-            and isinstance(test.operator, cst.Not)
-            and isinstance(test.expression, cst.Name)
-            and (test.expression.value in guards or test.expression.value == bp.GUARD_NAME)
-        )
-        if not guarded:
+        guard = _block_guard(stmt)
+        if guard is None or (guard != a.FP8_FLAG and guard not in guards and guard != bp.GUARD_NAME):
             raise Unsupported("the post-call `self._insert_kv(...)` is not under `if not <guard>:`")
         assigned: set[str] = set()
-        inserts = 0
-        body = stmt.body.body if isinstance(stmt.body, cst.IndentedBlock) else ()
-        for inner in body:
-            pair = a.simple_assignment(inner)
-            call = a.expression_call(inner)
-            if pair is not None and isinstance(pair[0], cst.Name):
-                assigned.add(pair[0].value)
-            elif call is not None and bp._is_insert_kv_call(call):
-                inserts += 1
-            else:
-                raise Unsupported(
-                    "the post-call block holds more than slices and `self._insert_kv(...)`: "
-                    "it cannot be removed as a whole"
-                )
-        if inserts != 1:
+        if _block_inserts(stmt.body, assigned) != 1:
             raise Unsupported("the post-call block does not hold exactly one `self._insert_kv(...)`")
         later = set()
         for after in slot.after()[index + 1 :]:
@@ -348,6 +353,44 @@ def _post_call_block(method: cst.FunctionDef, slot: a.StatementSlot, guards: set
             )
         return stmt
     return None
+
+
+def _block_inserts(suite: cst.BaseSuite, assigned: set[str]) -> int:
+    """How many ``self._insert_kv(...)`` a post-call block holds, once it is proven to hold
+    nothing else: slices (``assigned``), asserts, and a compiled-path branch of calls."""
+    inserts = 0
+    for inner in suite.body if isinstance(suite, cst.IndentedBlock) else ():
+        pair = a.simple_assignment(inner)
+        call = a.expression_call(inner)
+        if pair is not None and isinstance(pair[0], cst.Name):
+            assigned.add(pair[0].value)
+        elif call is not None and bp._is_insert_kv_call(call):
+            inserts += 1
+        elif isinstance(inner, cst.SimpleStatementLine) and all(isinstance(x, cst.Assert) for x in inner.body):
+            continue
+        elif _is_compile_branch(inner):
+            assert isinstance(inner, cst.If) and isinstance(inner.orelse, cst.Else)
+            inserts += _block_inserts(inner.orelse.body, assigned)
+        else:
+            raise Unsupported(
+                "the post-call block holds more than slices, asserts and `self._insert_kv(...)`: "
+                f"`{' '.join(a.code(inner).split())[:80]}` - it cannot be removed as a whole"
+            )
+    return inserts
+
+
+def _is_compile_branch(stmt: cst.BaseStatement) -> bool:
+    """``if torch.compiler.is_compiling(): <calls> else: ...``: the compiled path's cache write."""
+    if not isinstance(stmt, cst.If) or not isinstance(stmt.orelse, cst.Else):
+        return False
+    test = schema.expression(a.code(stmt.test))
+    body = stmt.body.body if isinstance(stmt.body, cst.IndentedBlock) else ()
+    return (
+        test is not None
+        and schema.is_compiling(test)
+        and bool(body)
+        and all(a.expression_call(x) is not None for x in body)
+    )
 
 
 def _slots_of(cls: cst.ClassDef, statements: list[cst.BaseStatement]) -> list[a.StatementSlot]:
@@ -395,14 +438,22 @@ def _plan_insert_kv(
     fn: cst.FunctionDef,
     post: cst.If | None,
     plan: RevertPlan,
+    native: bool = False,
 ) -> None:
-    """Restore the attn_metadata ``_insert_kv``, or remove the one the rewrite added."""
-    cls, method, call = found.cls, found.method, found.call
+    """Restore the attn_metadata ``_insert_kv``, or remove the one the rewrite added
+    (on a native call always: the kernel writes the cache, upstream has no ``_insert_kv``)."""
+    cls, method, op = found.cls, found.method, found.op
     assert cls is not None and method is not None
     post_calls = {id(n) for n in a.walk_all(post)} if post is not None else set()
     for node in a.walk_all(cls.body):
         if bp._is_insert_kv_call(node) and id(node) not in post_calls:
             raise Unsupported("`_insert_kv` is also called outside the bypass: its signature must stay")
+    if native:
+        plan.insert_kv = "remove"
+        plan.old_insert_kv = fn
+        plan.drop_imports = {a.RESHAPE_OP}
+        plan.also_remove = _exclusive_delegates(module, cls, fn)
+        return
 
     imports = a.module_imports(module)
     metadata = [
@@ -418,6 +469,7 @@ def _plan_insert_kv(
         plan.insert_kv = "remove"
         plan.old_insert_kv = fn
         plan.drop_imports = {a.RESHAPE_OP}
+        plan.also_remove = _exclusive_delegates(module, cls, fn)
         return
 
     if not any(i.bound == FORWARD_CONTEXT for i in imports):
@@ -425,13 +477,13 @@ def _plan_insert_kv(
     init = a.find_method(cls, "__init__")
     if init is None:
         raise Unsupported(f"class {cls.name.value} has no __init__")
-    caches, _ = bp._cache_args(call, method, slot)
+    caches, _ = bp._cache_args(op, method, slot)
     init_attrs = a.self_assignments(init)
-    w = bp._widths(call, method, slot, init_attrs)
+    w = bp._widths(op, method, slot, init_attrs)
     _, dtype_attr = bp._dtype_anchor(init, init_attrs)
     if dtype_attr is None:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
-    namespace = bp._op_namespace(call)
+    namespace = bp._op_namespace(op.call)
     if namespace is None and not any(i.bound == a.RESHAPE_OP for i in imports):
         raise Unsupported(f"`{a.RESHAPE_OP}` is not imported: cannot restore the attn_metadata _insert_kv")
     reshape = a.RESHAPE_OP if namespace is None else f"{namespace}.{a.RESHAPE_OP}"
@@ -444,13 +496,14 @@ def _plan_insert_kv(
     plan.add_imports = [n for n in (INDEX_METADATA, MAIN_METADATA) if n not in bound]
     plan.insert_kv = "restore"
     plan.old_insert_kv = fn
+    plan.also_remove = _exclusive_delegates(module, cls, fn)
     plan.insert_kv_code = bp._render(
         INSERT_KV_METADATA,
         module.default_newline,
         module.default_indent,
         found.class_depth + 1,
-        main_key=_metadata_key(method, call, a.SLOT_MAPPING, slot),
-        index_key=_metadata_key(method, call, a.INDEX_SLOT_MAPPING, slot),
+        main_key=_metadata_key(method, op, a.SLOT_MAPPING, slot),
+        index_key=_metadata_key(method, op, a.INDEX_SLOT_MAPPING, slot),
         main_metadata=MAIN_METADATA,
         index_metadata=INDEX_METADATA,
         kv_cache=caches[a.KV_CACHE.keyword],
@@ -463,9 +516,9 @@ def _plan_insert_kv(
     )
 
 
-def _metadata_key(method: cst.FunctionDef, call: cst.Call, param: a.OpParam, slot: a.StatementSlot) -> str:
+def _metadata_key(method: cst.FunctionDef, op: a.OpCall, param: a.OpParam, slot: a.StatementSlot) -> str:
     """``fwd_slot_mapping[<key>]`` (directly or through a local) -> the code of ``<key>``."""
-    arg = a.get_arg(call, param)
+    arg = op.arg(param)
     value = arg.value if arg is not None else None
     if isinstance(value, cst.Name):
         value = a.local_value(method, value.value, slot)
@@ -482,6 +535,22 @@ def _metadata_key(method: cst.FunctionDef, call: cst.Call, param: a.OpParam, slo
     )
 
 
+def _exclusive_delegates(module: cst.Module, cls: cst.ClassDef, fn: cst.FunctionDef) -> list[cst.FunctionDef]:
+    """Methods ``fn`` hands its work to that nothing else names (they go with it)."""
+    out = []
+    for delegate in a.delegates(fn, cls, {}):
+        uses = [
+            n
+            for n in a.nodes_in(module)
+            if (isinstance(n, cst.Attribute) and n.attr.value == delegate.name.value)
+            or (isinstance(n, cst.Name) and n.value == delegate.name.value and n is not delegate.name)
+        ]
+        inside = {id(n) for n in a.nodes_in(fn)}
+        if all(id(n) in inside for n in uses):
+            out.append(delegate)
+    return out
+
+
 # --- the transformer -------------------------------------------------------------
 
 
@@ -496,7 +565,7 @@ class Fp8KvRevert(cst.CSTTransformer):
         super().__init__()
         self.module = module
         self.plan = plan
-        self.remove = list(plan.remove)
+        self.remove = [*plan.remove, *plan.also_remove]
         if plan.insert_kv == "remove" and plan.old_insert_kv is not None:
             self.remove.append(plan.old_insert_kv)
 

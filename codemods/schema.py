@@ -14,6 +14,7 @@ not pay for importing LibCST.
 
 from __future__ import annotations
 
+import ast
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from codemods.fp8_kv_bypass import BypassPlan
+    from codemods.fp8_kv_revert import RevertPlan
 
 FUSED_OP = "fused_minimax_m3_qknorm_rope_kv_insert"
 RESHAPE_OP = "reshape_and_cache_flash"
@@ -51,6 +53,17 @@ INDEX_SLOT_MAPPING = OpParam(13, "index_slot_mapping")
 KV_CACHE = OpParam(14, "kv_cache")
 INDEX_CACHE = OpParam(15, "index_cache")
 KV_CACHE_DTYPE = OpParam(19, "kv_cache_dtype")
+# Every parameter, in order: a pass-through wrapper may hand any of them on.
+OP_PARAMS = tuple(
+    OpParam(i, name)
+    for i, name in enumerate(
+        (
+            "qkv q_norm_weight k_norm_weight cos_sin_cache positions num_heads num_kv_heads rotary_dim "
+            "eps index_q_norm_weight index_k_norm_weight num_index_heads slot_mapping index_slot_mapping "
+            "kv_cache index_cache block_size q_out index_q_out kv_cache_dtype"
+        ).split()
+    )
+)
 
 # `_insert_kv(self, key, value, index_key, main_slot_mapping, index_slot_mapping)`:
 # parameters after `self` of the fork-era form (reads attn_metadata) and of the
@@ -90,6 +103,7 @@ class Action(str, enum.Enum):
     REWRITE = "rewrite"  # needs-bypass: add the whole bypass
     COMPLETE = "complete"  # half-applied on a fork-era call: add what is missing
     UPGRADE = "upgrade"  # outdated: replace the raw index scatter with the current write
+    STRIP = "strip"  # a bypass around a native call: take it out (the kernel writes fp8 itself)
     NONE = "none"
     REFUSE = "refuse"
     REVERT = "revert"  # `revert`: take a bypass out again
@@ -116,7 +130,7 @@ class InsertSite:
     action: Action
     reason: str
     pieces: dict[str, bool] = field(default_factory=dict)
-    plan: BypassPlan | None = field(default=None, repr=False, compare=False)
+    plan: BypassPlan | RevertPlan | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -141,6 +155,7 @@ class CallFacts:
     class_name: str | None  # innermost enclosing class
     method: str | None  # the class's method holding the call; None: in the class body
     module_function: str | None  # outside any class: the outer function or "<module>"
+    in_wrapper: bool  # module_function hands its parameters on to the op unchanged
     nested_in: str | None  # a def/lambda between the method and the call
     star_args: bool
     has_cache: bool  # a main K/V cache argument that is not None
@@ -186,9 +201,71 @@ class Pieces:
         )
 
 
+# --- the expressions of the guard, on Python's own tree (both readers hand theirs here) ---
+
+
+def _dotted(node: ast.expr) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id, *reversed(parts)])
+    return None
+
+
+def is_compiling(node: ast.expr) -> bool:
+    """``torch.compiler.is_compiling()``: forks that compile write the cache through a custom op."""
+    return (
+        isinstance(node, ast.Call)
+        and not node.args
+        and not node.keywords
+        and _dotted(node.func) in ("torch.compiler.is_compiling", "torch._dynamo.is_compiling")
+    )
+
+
+def _negated(node: ast.expr) -> ast.expr | None:
+    return node.operand if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not) else None
+
+
+def _is_flag(node: ast.expr | None) -> bool:
+    return _dotted(node) == f"self.{FP8_FLAG}" if node is not None else False
+
+
+def is_guard_value(node: ast.expr) -> bool:
+    """``not self._fp8_kv``, alone or ``and``-ed with ``not torch.compiler.is_compiling()``."""
+    if _is_flag(_negated(node)):
+        return True
+    if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And) and len(node.values) == 2:
+        negated = [_negated(v) for v in node.values]
+        return any(_is_flag(n) for n in negated) and any(n is not None and is_compiling(n) for n in negated)
+    return False
+
+
+def post_block_guard(test: ast.expr) -> str | None:
+    """What the ``if`` around the post-call insert tests: ``not G`` or
+    ``torch.compiler.is_compiling() or not G`` -> ``"G"``; ``self._fp8_kv`` -> the flag's name."""
+    if _is_flag(test):
+        return FP8_FLAG
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or) and len(test.values) == 2:
+        first, test = test.values
+        if not is_compiling(first):
+            return None
+    guard = _negated(test)
+    return guard.id if isinstance(guard, ast.Name) else None
+
+
+def expression(code: str) -> ast.expr | None:
+    """One expression's source (from the other reader) as Python's own tree."""
+    try:
+        return ast.parse(f"({code})", mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+
+
 def note_guard_assignment(p: Pieces, name: str, not_flag: bool) -> None:
     """What one ``<name> = <value>`` before the call (in order) says about the guard;
-    ``not_flag``: the value is ``not self._fp8_kv``."""
+    ``not_flag``: the value is a guard value (``is_guard_value``)."""
     if not_flag:
         p.guard_assigned = name
     elif name in p.guard_args:
@@ -230,7 +307,7 @@ class Verdict:
     reason: str
     pieces: dict[str, bool] = field(default_factory=dict)
 
-    def site(self, f: CallFacts, plan: BypassPlan | None = None) -> InsertSite:
+    def site(self, f: CallFacts, plan: BypassPlan | RevertPlan | None = None) -> InsertSite:
         return InsertSite(
             class_name=f.class_name,
             method=f.method if f.class_name is not None else f.module_function,
@@ -258,11 +335,11 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
     if not f.has_cache:
         return Verdict(SiteState.NOT_A_SITE, Action.NONE, "no main K/V cache argument: a norm+rope-only call")
     if f.class_name is None:
-        return Verdict(
-            SiteState.NOT_A_SITE,
-            Action.NONE,
-            f"in module-level function `{f.module_function}`, not a layer class",
-        )
+        if f.in_wrapper:
+            why = f"in `{f.module_function}`, a pass-through wrapper: the layer's call of it is the site"
+        else:
+            why = f"in module-level function `{f.module_function}`, not a layer class"
+        return Verdict(SiteState.NOT_A_SITE, Action.NONE, why)
     if f.method is None:
         return Verdict(SiteState.UNSUPPORTED, Action.REFUSE, "the call is in a class body, not in a method")
     if f.nested_in is not None:
@@ -287,10 +364,10 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
             have = ", ".join(k for k, v in present.items() if v) or f"a read of self.{FP8_FLAG}"
             return Verdict(
                 SiteState.HALF_APPLIED,
-                Action.REFUSE,
+                Action.STRIP,
                 f"native call (kv_cache_dtype={f.dtype}) carrying a stale fp8 bypass ({have}): "
-                "the bypass assumes the fork-era cache layout and must not run here; remove it "
-                "with `mm3-codemod revert`, then run with --kv-cache-dtype fp8 directly",
+                f"{_broken_now(p, f.line)}; `run` takes the bypass out - the native kernel writes "
+                "fp8 and skips padded slots itself - then run with --kv-cache-dtype fp8 directly",
                 present,
             )
         return Verdict(
@@ -324,6 +401,18 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
         "fork-era insert call (no kv_cache_dtype): the fused op would assert on an fp8 cache",
         present,
     )
+
+
+def _broken_now(p: Pieces, line: int) -> str:
+    """What the bypass pieces do to a native call today."""
+    if p.guard_args and p.guard_assigned is None:
+        return (
+            f"now `{p.guard_args[0]}` is read by the call at line {line} but never assigned: "
+            "every forward raises NameError"
+        )
+    if p.flag_read and not p.flag_set:
+        return f"now `self.{FP8_FLAG}` is read but never set: every forward raises AttributeError"
+    return "with an fp8 cache the bypass writes the fork-era layout into the native cache"
 
 
 def _half_applied_reason(p: Pieces, present: dict[str, bool]) -> str:

@@ -282,6 +282,10 @@ def _classify(source: _Source, found: _FoundCall) -> s.InsertSite:
     outer = found.scopes[0] if found.scopes else None
     module_function = (outer.name if isinstance(outer, _FUNCTIONS) else "<module>") if cls is None else None
 
+    if cls is None and outer is not None and call.args + [k.value for k in call.keywords] and all(
+        isinstance(x, ast.Name) for x in [*call.args, *(k.value for k in call.keywords)]
+    ):
+        raise Undecided("maybe a pass-through wrapper: its callers are sites LibCST finds")
     kv = _arg(call, s.KV_CACHE)
     dtype = _arg(call, s.KV_CACHE_DTYPE)
     dtype_code = source.segment(dtype, call) if dtype is not None else None
@@ -291,6 +295,7 @@ def _classify(source: _Source, found: _FoundCall) -> s.InsertSite:
         class_name=cls.name if isinstance(cls, ast.ClassDef) else None,
         method=method.name if method is not None else None,
         module_function=module_function,
+        in_wrapper=False,
         nested_in=nested,
         star_args=any(isinstance(a, ast.Starred) for a in call.args)
         or any(k.arg is None for k in call.keywords),
@@ -355,7 +360,7 @@ def _collect_pieces(source: _Source, cls: ast.ClassDef, call: ast.Call, slot: _S
         before = _Slot(slot.body, i, slot.certain)
         pair = _simple_assignment(before.statement)
         if pair and isinstance(pair[0], ast.Name) and pair[0].id in guard_names and _single(source, before):
-            s.note_guard_assignment(p, pair[0].id, _is_not_flag(pair[1]))
+            s.note_guard_assignment(p, pair[0].id, s.is_guard_value(pair[1]))
     for i in range(slot.index + 1, len(slot.body)):
         stmt = slot.body[i]
         inserts = [n for n in ast.walk(stmt) if _is_insert_kv_call(n)]
@@ -441,12 +446,7 @@ def _guard_of(arg: ast.expr | None) -> str | None:
     return None
 
 
-def _is_not_flag(expr: ast.expr) -> bool:
-    return (
-        isinstance(expr, ast.UnaryOp)
-        and isinstance(expr.op, ast.Not)
-        and _is_self_attr(expr.operand, s.FP8_FLAG)
-    )
+
 
 
 def _is_insert_kv_call(node: ast.AST) -> bool:
@@ -456,15 +456,8 @@ def _is_insert_kv_call(node: ast.AST) -> bool:
 def _is_guarded_block(stmt: ast.stmt, p: s.Pieces) -> bool:
     if not isinstance(stmt, ast.If):
         return False
-    test = stmt.test
-    if _is_self_attr(test, s.FP8_FLAG):
-        return True
-    return (
-        isinstance(test, ast.UnaryOp)
-        and isinstance(test.op, ast.Not)
-        and isinstance(test.operand, ast.Name)
-        and test.operand.id in (set(p.guard_args) | {p.guard_assigned or s.GUARD_NAME})
-    )
+    guard = s.post_block_guard(stmt.test)
+    return guard == s.FP8_FLAG or guard in (set(p.guard_args) | {p.guard_assigned or s.GUARD_NAME})
 
 
 def _insert_is_wired(source: _Source, insert: ast.Call, fused: ast.Call) -> bool:

@@ -151,7 +151,7 @@ def plan_file(path: Path, triage_first: bool = True) -> FileResult:
         path,
         lambda module, raw: analyze(module, raw),
         lambda analysis: rewrite(analysis),
-        lambda new, analysis: validate(new, path, expected_patched=len(analysis.plans)),
+        lambda new, analysis: validate(new, path, expected_patched=analysis.patched_after),
         triage_first=triage_first,
     )
 

@@ -111,10 +111,40 @@ def test_native_and_siteless_files_are_skipped_with_a_reason() -> None:
         [Target(FIXTURES / "native" / "model.py", "t"), Target(FIXTURES / "dense_only" / "model.py", "t")]
     )
     native, dense = report.files
-    assert {lv.status for lv in native.levels} == {Status.SKIPPED}
-    assert "native fp8 support" in native.levels[1].reason
+    # A native call runs too: the kernel (here its reference) quantizes by itself.
+    assert native.levels[1].status is Status.PASSED, native.levels[1].reason
     assert {lv.status for lv in dense.levels} == {Status.SKIPPED}
     assert report.exit_code == 0
+
+
+@pytest.mark.parametrize("name", ["half_native", "half_native_plain", "wrapper_native", "native_stale_bypass"])
+def test_a_bypass_taken_out_of_a_native_call_is_proven_by_running_it(name: str) -> None:
+    before, _ = semantic(FIXTURES / name / "model.py")
+    assert before.status is Status.FAILED
+    after, _ = semantic(FIXTURES / name / "expected.py")
+    assert after.status is Status.PASSED, after.reason + "\n" + "\n".join(after.details)
+    assert any("padded tokens (slot -1, last 3) wrote nothing: yes" in d for d in after.details)
+
+
+def test_a_lost_guard_fails_verify_with_the_files_own_name_error() -> None:
+    level, _ = semantic(FIXTURES / "half_native" / "model.py")
+    assert "NameError: name 'insert_via_fused' is not defined (at model.py:" in level.reason
+
+
+def test_what_the_stand_in_cannot_model_is_a_skip_not_a_failure(tmp_path: Path) -> None:
+    """An attribute __init__ sets through code the stand-in does not run is its limit."""
+    source = (FIXTURES / "native" / "model.py").read_text()
+    assert source.count("        qkv, _ = self.qkv_proj(hidden_states)\n") == 2
+    path = tmp_path / "model.py"
+    path.write_text(
+        source.replace(
+            "        qkv, _ = self.qkv_proj(hidden_states)\n        num_tokens",
+            "        qkv, _ = self.qkv_proj(hidden_states)\n        assert self.use_nvfp4_kv is not None\n        num_tokens",
+        )
+    )
+    level, _ = semantic(path)
+    assert level.status is Status.SKIPPED, level.reason
+    assert "the stand-in lacks `self.use_nvfp4_kv`" in level.reason
 
 
 def test_unreadable_target_is_exit_2_with_one_line(tmp_path: Path) -> None:

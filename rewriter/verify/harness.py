@@ -41,6 +41,10 @@ class HarnessError(Exception):
     """The file cannot be executed on the stand-in (not a failure of the bypass)."""
 
 
+class StandInGap(Exception):
+    """What the file needs here is something the stand-in does not model: not the file's fault."""
+
+
 @dataclass(frozen=True)
 class Shape:
     """Sizes of the stand-in layer; head dims 128 as the real kernels require."""
@@ -76,16 +80,44 @@ def _arg(call: ast.Call, param: a.OpParam) -> ast.expr | None:
     return a.bind_arg(param, positional, [(k.arg, k.value) for k in call.keywords if k.arg is not None])
 
 
-def _calls_fused_with_cache(node: ast.AST) -> bool:
-    for call in ast.walk(node):
-        func = getattr(call, "func", None)
-        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-        if name != FUSED_OP:
-            continue
-        cache = _arg(call, KV_CACHE)
-        if cache is not None and not (isinstance(cache, ast.Constant) and cache.value is None):
-            return True
-    return False
+def _callee(call: ast.Call) -> str | None:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+
+
+def _calls_fused_with_cache(node: ast.AST, wrappers: dict[str, dict[int, a.OpParam]] | None = None) -> bool:
+    """A call of the op, or of a pass-through wrapper of it, that passes a main cache."""
+    return any(
+        cache is not None and not (isinstance(cache, ast.Constant) and cache.value is None)
+        for call in _op_calls(node, wrappers or {})
+        for cache in (_op_arg(call, KV_CACHE, wrappers or {}),)
+    )
+
+
+def _op_calls(node: ast.AST, wrappers: dict[str, dict[int, a.OpParam]]) -> list[ast.Call]:
+    return [c for c in ast.walk(node) if isinstance(c, ast.Call) and (_callee(c) == FUSED_OP or _callee(c) in wrappers)]
+
+
+def _op_arg(call: ast.Call, param: a.OpParam, wrappers: dict[str, dict[int, a.OpParam]]) -> ast.expr | None:
+    """What the op's ``param`` receives from ``call`` (through a wrapper's own parameter)."""
+    mapping = wrappers.get(_callee(call) or "")
+    if mapping is None:
+        return _arg(call, param)
+    own = mapping.get(param.index)
+    return _arg(call, own) if own is not None else None
+
+
+def _wrappers(text: str) -> dict[str, dict[int, a.OpParam]]:
+    """The file's pass-through wrappers of the op, as the codemod finds them."""
+    import libcst
+
+    from codemods.anchors import pass_through_wrappers
+
+    try:
+        module = libcst.parse_module(text)
+    except libcst.ParserSyntaxError:
+        return {}
+    return {name: w.params for name, w in pass_through_wrappers(module).items()}
 
 
 @dataclass
@@ -101,6 +133,7 @@ class LayerCode:
     imported: dict[str, str]
     bindings: dict[tuple[str, ...], str] = field(default_factory=dict)
     called_attrs: set[str] = field(default_factory=set)
+    functions: dict[str, types.CodeType] = field(default_factory=dict)  # the module's own defs
 
 
 def _imports(tree: ast.Module) -> tuple[dict[str, str], set[str]]:
@@ -120,14 +153,30 @@ def _imports(tree: ast.Module) -> tuple[dict[str, str], set[str]]:
 
 
 def layer_classes(source: str) -> list[str]:
-    """Classes with a method that calls the fused op with a main cache (insert sites)."""
+    """Classes with a method that calls the fused op (or a wrapper of it) with a main cache."""
     tree = ast.parse(source)
+    wrappers = _wrappers(source)
     return [
         node.name
         for node in tree.body
         if isinstance(node, ast.ClassDef)
-        and any(isinstance(f, ast.FunctionDef) and _calls_fused_with_cache(f) for f in node.body)
+        and any(isinstance(f, ast.FunctionDef) and _calls_fused_with_cache(f, wrappers) for f in node.body)
     ]
+
+
+def _compiled(fn: ast.FunctionDef, path: str) -> types.CodeType:
+    """A def compiled on its own, decorators dropped, its line numbers kept."""
+    bare = ast.FunctionDef(
+        name=fn.name,
+        args=fn.args,
+        body=fn.body,
+        decorator_list=[],
+        returns=None,
+        type_comment=None,
+        **({"type_params": []} if hasattr(fn, "type_params") else {}),
+    )
+    ast.copy_location(bare, fn)
+    return compile(ast.Module(body=[bare], type_ignores=[]), path, "exec")
 
 
 def load_layer(path: Path | str, class_name: str, source: str | None = None) -> LayerCode:
@@ -150,27 +199,20 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
         if fn.name.startswith("__"):
             continue
         kept = [d.id for d in fn.decorator_list if isinstance(d, ast.Name) and d.id in _KEPT_DECORATORS]
-        bare = ast.FunctionDef(
-            name=fn.name,
-            args=fn.args,
-            body=fn.body,
-            decorator_list=[],
-            returns=None,
-            type_comment=None,
-            **({"type_params": []} if hasattr(fn, "type_params") else {}),
-        )
-        ast.copy_location(bare, fn)
-        methods[fn.name] = compile(ast.Module(body=[bare], type_ignores=[]), path, "exec")
+        methods[fn.name] = _compiled(fn, path)
         decorators[fn.name] = kept
     if "forward" not in methods:
         raise HarnessError(f"{path}: {class_name} has no forward()")
-    bindings = _bindings(cls)
+    bindings = _bindings(cls, _wrappers(text))
     called = {
         chain[0]
         for node in ast.walk(cls)
         if isinstance(node, ast.Call) and (chain := _self_chain(node.func)) is not None and len(chain) == 1
     }
-    return LayerCode(path, class_name, methods, decorators, init_assignments, ops, imported, bindings, called)
+    functions = {f.name: _compiled(f, path) for f in tree.body if isinstance(f, ast.FunctionDef)}
+    return LayerCode(
+        path, class_name, methods, decorators, init_assignments, ops, imported, bindings, called, functions
+    )
 
 
 # The fused op's parameters whose argument, when it is a `self.` chain, tells the
@@ -201,14 +243,14 @@ def _self_chain(node: ast.AST) -> tuple[str, ...] | None:
     return None
 
 
-def _bindings(cls: ast.ClassDef) -> dict[tuple[str, ...], str]:
+def _bindings(cls: ast.ClassDef, wrappers: dict[str, dict[int, a.OpParam]]) -> dict[tuple[str, ...], str]:
     """``self.`` chains -> the op parameter they feed, plus head sizes from ``__init__``."""
     bound: dict[tuple[str, ...], str] = {}
     for call in ast.walk(cls):
-        if not (isinstance(call, ast.Call) and _calls_fused_with_cache(call)):
+        if not (isinstance(call, ast.Call) and _calls_fused_with_cache(call, wrappers)):
             continue
         for param in _BOUND_PARAMS:
-            arg = _arg(call, param)
+            arg = _op_arg(call, param, wrappers)
             chain = _self_chain(arg) if arg is not None else None
             if chain is not None:
                 bound[chain] = param.keyword
@@ -224,30 +266,16 @@ def _bindings(cls: ast.ClassDef) -> dict[tuple[str, ...], str]:
 
 
 def _init_assignments(init: ast.FunctionDef, path: str) -> list[tuple[str, types.CodeType]]:
-    """``self.X = <expr>`` and ``self.register_buffer("X", <expr>, ...)`` statements of
-    ``__init__``, in order, whose expression reads only ``self`` and ``torch``."""
+    """``self.X = <expr>`` statements of ``__init__``, in order, whose expression reads
+    only ``self`` and ``torch``."""
     found = []
     for stmt in ast.walk(init):
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-            target, value = stmt.targets[0], stmt.value
-            if not (
-                isinstance(target, ast.Attribute)
-                and isinstance(target.value, ast.Name)
-                and target.value.id == "self"
-            ):
-                continue
-            name = target.attr
-        elif (
-            isinstance(stmt, ast.Expr)
-            and isinstance(stmt.value, ast.Call)
-            and _self_chain(stmt.value.func) == ("register_buffer",)
-            and len(stmt.value.args) >= 2
-            and isinstance(stmt.value.args[0], ast.Constant)
-            and isinstance(stmt.value.args[0].value, str)
-        ):
-            name, value = stmt.value.args[0].value, stmt.value.args[1]
-        else:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
             continue
+        target, value = stmt.targets[0], stmt.value
+        if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"):
+            continue
+        name = target.attr
         names = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
         if names - {"self", "torch"} - set(dir(builtins)):
             continue
@@ -291,7 +319,10 @@ class _Recorder:
         """The op, noting the q / index_q buffers it writes (what attention reads)."""
 
         def call(*args: Any, **kwargs: Any) -> None:
-            bound = FUSED_SIGNATURE.bind(*args, **kwargs).arguments
+            try:
+                bound = FUSED_SIGNATURE.bind(*args, **kwargs).arguments
+            except TypeError as exc:
+                raise StandInGap(f"the call passes what the fork's 20-argument op does not take ({exc})") from exc
             self.q_out = bound.get("q_out", self.q_out)
             self.index_q_out = bound.get("index_q_out", self.index_q_out)
             op(*args, **kwargs)
@@ -412,6 +443,20 @@ class RunResult:
     index_cache: torch.Tensor | None = None
     error: str | None = None
     traceback: list[str] = field(default_factory=list)
+    gap: str | None = None  # the error is the stand-in's limit, not the file's fault
+
+
+# The bypass's own attributes: a missing one is the file's bug, never the stand-in's.
+_BYPASS_ATTRS = (a.FP8_FLAG, a.FP8_SCALE)
+
+
+def _gap(exc: BaseException, layer: Any) -> str | None:
+    """Why ``exc`` is the stand-in's limit rather than the file's fault, if it is."""
+    if isinstance(exc, StandInGap):
+        return str(exc)
+    if isinstance(exc, AttributeError) and exc.obj is layer and exc.name not in _BYPASS_ATTRS:
+        return f"the stand-in lacks `self.{exc.name}` (set by __init__ code it does not run)"
+    return None
 
 
 MODES = {"bf16": ("auto", torch.bfloat16), "fp8": ("fp8", torch.uint8)}
@@ -450,6 +495,8 @@ def _standin(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> tu
             namespace[name] = lambda: ctx
         elif name.endswith("Metadata"):
             namespace[name] = meta  # the isinstance() asserts of attn_metadata readers
+    for fn_code in code.functions.values():
+        exec(fn_code, namespace)  # the module's own helpers and wrappers, as the file defines them
     attrs: dict[str, Any] = {}
     for name, fn_code in code.methods.items():
         exec(fn_code, namespace)  # defines the function under its own name
@@ -482,6 +529,11 @@ def _standin(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> tu
         "qkv_proj": lambda hidden: (qkv, None),
         "o_proj": lambda x: (x, None),
     }
+    # What vLLM's set_default_quant_scales(layer) gives a layer in __init__ (a call
+    # the stand-in does not run): identity scales, on the device and on the host.
+    for scale in ("_q_scale", "_k_scale", "_v_scale", "_prob_scale"):
+        values[scale] = torch.ones((), dtype=torch.float32, device=dev)
+        values[f"{scale}_float"] = 1.0
     for name, value in values.items():
         setattr(layer, name, value)
     by_param = {
@@ -541,6 +593,7 @@ def run_layer(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> R
         if inputs.device != "cpu":
             torch.cuda.synchronize()
     except Exception as exc:  # the layer's own failure is the finding
+        result.gap = _gap(exc, layer)
         result.traceback = _traceback_tail(exc, code.path)
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == code.path]
         where = f" (at {Path(code.path).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
@@ -562,11 +615,14 @@ class Comparison:
     passed: bool
     reason: str
     checks: dict[str, bool]
+    gap: bool = False  # not run to the end for the stand-in's sake: neither passed nor failed
 
 
 def compare_runs(inputs: Inputs, bf16: RunResult, fp8: RunResult) -> Comparison:
     """The bypass (fp8 run) must store what the fused insert (bf16 run) stores, quantized."""
     for run in (bf16, fp8):
+        if run.gap is not None:
+            return Comparison(False, f"cannot run this file on the stand-in: {run.gap}", {}, gap=True)
         if run.error is not None:
             return Comparison(False, f"{run.mode} run failed: {run.error}", {})
     assert bf16.kv_cache is not None and fp8.kv_cache is not None and bf16.qkv is not None

@@ -49,7 +49,7 @@ def guarded(cls):
     return False
 
 problems, seen = [], []
-for name in classes.split(","):
+for name in filter(None, classes.split(",")):
     cls = getattr(mod, name, None)
     if cls is None:
         problems.append(f"{name} is not in {module}")

@@ -88,8 +88,8 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
     index_q_out: torch.Tensor | None = None,
     kv_cache_dtype: str = "auto",
 ) -> None:
-    if kv_cache_dtype != "auto":
-        raise NotImplementedError(f"reference op: kv_cache_dtype={kv_cache_dtype!r} (native quantization)")
+    if kv_cache_dtype != "auto" and kv_cache_dtype not in FP8_DTYPES:
+        raise NotImplementedError(f"reference op: kv_cache_dtype={kv_cache_dtype!r}")
     head_dim = q_norm_weight.numel()
     q_end = num_heads * head_dim
     k_end = q_end + num_kv_heads * head_dim
@@ -117,13 +117,16 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
 
     if kv_cache is None:
         return
-    if kv_cache.dtype != qkv.dtype or (index_cache is not None and index_cache.dtype != qkv.dtype):
-        raise RuntimeError(BF16_ONLY)
+    # The fork's op writes bf16 caches only; a native one (kv_cache_dtype passed)
+    # also stores k/v as e4m3 (scale 1) in a uint8 cache. The index cache stays bf16.
+    main_dtype = qkv.dtype if kv_cache_dtype == "auto" else torch.uint8
+    if kv_cache.dtype != main_dtype or (index_cache is not None and index_cache.dtype != qkv.dtype):
+        raise RuntimeError(BF16_ONLY if kv_cache_dtype == "auto" else f"{kv_cache_dtype} needs a uint8 kv_cache")
     assert slot_mapping is not None
     if kv_cache.shape[2] != block_size:
         raise RuntimeError(f"block_size {block_size} does not match the cache ({kv_cache.shape[2]})")
-    _scatter_into(kv_cache[:, 0], slot_mapping, qkv[:, q_end:k_end])
-    _scatter_into(kv_cache[:, 1], slot_mapping, qkv[:, k_end:v_end])
+    for half, rows in ((0, qkv[:, q_end:k_end]), (1, qkv[:, k_end:v_end])):
+        _scatter_into(kv_cache[:, half], slot_mapping, rows if kv_cache_dtype == "auto" else to_e4m3_bits(rows))
     if index_cache is not None and index_k is not None:
         slots = index_slot_mapping if index_slot_mapping is not None else slot_mapping
         _scatter_rows(index_cache.view(-1, index_k.shape[-1]), slots, index_k)
