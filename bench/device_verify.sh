@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Level 3 of `mm3-codemod verify` on a CUDA machine with a vLLM kernel library
 # (see README "Verify"): rewrite a copy of the bundled before-state example,
-# then verify it - and the unpatched original, which must fail - with the real ops.
+# then verify it - padded tokens included, timed at N = 16, 128, 1024, 8192 -
+# and the files that must fail: the unpatched original (the real kernel's
+# bf16-only assert) and the seed's older bypass (a padded token writes the
+# last index slot).
 # Usage: bench/device_verify.sh PATH/TO/_C.so [OUTDIR]
 set -uo pipefail
 KERNELS=$1
@@ -18,5 +21,7 @@ $PY -m rewriter verify --kernels "$KERNELS" --require-gpu --verbose --json "$W/m
 echo "verify (rewritten example) exit $?"; cat "$OUT/verify.txt"
 $PY -m rewriter verify --kernels "$KERNELS" --require-gpu --no-timing "$W/before.py" 2>&1 | tail -25
 echo "verify (unpatched example) exit ${PIPESTATUS[0]}"
+$PY -m rewriter verify --kernels "$KERNELS" --require-gpu --no-timing --verbose fixtures/seed_form/model.py 2>&1 | grep -E "padded|index cache identical|seed_form" | head -8
+echo "verify (the seed's form) exit ${PIPESTATUS[0]}"
 $PY -m rewriter verify --kernels "$KERNELS" --require-gpu --no-timing fixtures/*/expected.py 2>"$OUT/fixtures.txt"
 echo "verify (every fixture's expected.py) exit $?"; tail -3 "$OUT/fixtures.txt"

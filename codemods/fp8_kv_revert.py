@@ -150,6 +150,7 @@ class RevertPlan:
     drop_imports: set[str] = field(default_factory=set)
     pieces: dict[str, bool] = field(default_factory=dict)
     also_remove: list[cst.FunctionDef] = field(default_factory=list)  # delegates only _insert_kv used
+    removed_because: str = ""
 
 
 @dataclass
@@ -219,9 +220,11 @@ def _revert_reason(plan: RevertPlan) -> str:
     have = ", ".join(k for k, v in plan.pieces.items() if v) or "a read of self._fp8_kv"
     what = {
         "restore": "_insert_kv back to its attn_metadata form",
-        "remove": "_insert_kv removed (the bypass added it)",
+        "remove": f"_insert_kv removed ({plan.removed_because})",
         "keep": "_insert_kv kept",
     }[plan.insert_kv]
+    if plan.also_remove:
+        what += " with " + ", ".join(f.name.value for f in plan.also_remove)
     return f"fp8 bypass ({have}) taken out: plain cache arguments, {what}"
 
 
@@ -449,6 +452,7 @@ def _plan_insert_kv(
         if bp._is_insert_kv_call(node) and id(node) not in post_calls:
             raise Unsupported("`_insert_kv` is also called outside the bypass: its signature must stay")
     if native:
+        plan.removed_because = "a native call writes the cache itself"
         plan.insert_kv = "remove"
         plan.old_insert_kv = fn
         plan.drop_imports = {a.RESHAPE_OP}
@@ -464,8 +468,10 @@ def _plan_insert_kv(
         and any(isinstance(s, cst.ImportFrom) for s in i.statement.body)
     ]
     if not metadata:
-        # The attn_metadata form asserts on the metadata classes: a file that
-        # imports neither never had it, so the rewrite added the method.
+        # The attn_metadata form asserts on the metadata classes: with neither
+        # imported there is nothing to restore it from (run added the method, or
+        # dropped both imports as unused when it replaced the fork-era one).
+        plan.removed_because = "no attn_metadata class is imported, so no fork-era form to restore"
         plan.insert_kv = "remove"
         plan.old_insert_kv = fn
         plan.drop_imports = {a.RESHAPE_OP}

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
 BENCH = ROOT / "bench" / "run_bench.py"
@@ -62,3 +63,19 @@ def test_bench_runs_and_writes_every_row(tmp_path: Path) -> None:
     assert goals["run-example"] == "<= 2.0" and goals["survey-2"] == "<= 0.65"
     assert "Hunk #1" in result["patch_output"]  # what patch(1) said is kept
     assert "check, native" in proc.stdout  # the table
+
+
+def test_kv_forms_checks_every_candidate_form_on_the_cpu() -> None:
+    """bench/kv_forms.py's correctness checks (padded tokens included) with the reference ops."""
+    pytest.importorskip("torch")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "kv_forms.py"), "--reference", "--tokens", "16,32"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    checks = [line for line in proc.stdout.splitlines() if " check " in line]
+    assert len(checks) == 4 and all("main cache exact, index cache exact" in line for line in checks)
+    assert "saturation: reshape fp8 stores 0x7e / 0xfe" in proc.stdout
+    assert "% denormal)" in proc.stdout
