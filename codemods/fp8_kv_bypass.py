@@ -93,7 +93,6 @@ class _FoundCall:
     module_function: str | None
     class_depth: int = 0  # how many defs/classes enclose the class
     outer: tuple[cst.CSTNode, ...] = ()  # those defs/classes
-    wrapper_of: str | None = None  # the call sits in this pass-through wrapper
 
     @property
     def call(self) -> cst.Call:
@@ -140,9 +139,7 @@ class _CallFinder(cst.CSTVisitor):
         if not classes:
             outer = self.stack[0] if self.stack else None
             fn = outer.name.value if isinstance(outer, cst.FunctionDef) else None
-            found = _FoundCall(op, line, None, None, None, fn or "<module>")
-            found.wrapper_of = fn if fn in self.wrappers else None
-            self.found.append(found)
+            self.found.append(_FoundCall(op, line, None, None, None, fn or "<module>"))
             return
         ci = classes[-1]
         cls = self.stack[ci]
@@ -954,7 +951,6 @@ def _classify(
         class_name=found.cls.name.value if found.cls else None,
         method=found.method.name.value if found.method else None,
         module_function=found.module_function,
-        in_wrapper=found.wrapper_of is not None,
         nested_in=found.nested_in,
         star_args=a.has_star_args(call),
         has_cache=kv is not None and not a.is_none(kv.value),
@@ -1064,7 +1060,8 @@ class Fp8KvBypass(cst.CSTTransformer):
         plan = self.plan
         edits = {id(stmt): code for stmt, code in plan.edits}
         if any(id(stmt) in edits for stmt in original.body):
-            return updated.with_changes(body=self._edited(original, updated, edits))
+            body, carried = self._edited(original, updated, edits)
+            return updated.with_changes(body=body, footer=[*carried, *updated.footer])
         body = list(updated.body)
         if original is plan.call_slot.block:
             i = plan.call_slot.index
@@ -1085,9 +1082,10 @@ class Fp8KvBypass(cst.CSTTransformer):
 
     def _edited(
         self, original: cst.IndentedBlock, updated: cst.IndentedBlock, edits: dict[int, str]
-    ) -> list[cst.BaseStatement]:
+    ) -> tuple[list[cst.BaseStatement], list[cst.EmptyLine]]:
         """The block with each edited statement replaced by its new code (none: removed);
-        the comments above it stay, but for those of the code it replaces."""
+        the comments above it stay, but for those of the code it replaces (those above
+        a removed last statement go to the block's end)."""
         body: list[cst.BaseStatement] = []
         carried: list[cst.EmptyLine] = []
         for orig, new in zip(original.body, updated.body, strict=True):
@@ -1106,8 +1104,7 @@ class Fp8KvBypass(cst.CSTTransformer):
             replacement[0] = first.with_changes(leading_lines=[*kept, *first.leading_lines])
             carried = []
             body += replacement
-        assert not carried, "an edit removed the last statement of a block"
-        return body
+        return body, carried
 
 
 # Comments of the code the upgrade replaces (the tool's earlier form and the

@@ -155,7 +155,6 @@ class CallFacts:
     class_name: str | None  # innermost enclosing class
     method: str | None  # the class's method holding the call; None: in the class body
     module_function: str | None  # outside any class: the outer function or "<module>"
-    in_wrapper: bool  # module_function hands its parameters on to the op unchanged
     nested_in: str | None  # a def/lambda between the method and the call
     star_args: bool
     has_cache: bool  # a main K/V cache argument that is not None
@@ -335,11 +334,11 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
     if not f.has_cache:
         return Verdict(SiteState.NOT_A_SITE, Action.NONE, "no main K/V cache argument: a norm+rope-only call")
     if f.class_name is None:
-        if f.in_wrapper:
-            why = f"in `{f.module_function}`, a pass-through wrapper: the layer's call of it is the site"
-        else:
-            why = f"in module-level function `{f.module_function}`, not a layer class"
-        return Verdict(SiteState.NOT_A_SITE, Action.NONE, why)
+        return Verdict(
+            SiteState.NOT_A_SITE,
+            Action.NONE,
+            f"in module-level function `{f.module_function}`, not a layer class (a call of it in one may be)",
+        )
     if f.method is None:
         return Verdict(SiteState.UNSUPPORTED, Action.REFUSE, "the call is in a class body, not in a method")
     if f.nested_in is not None:

@@ -282,10 +282,8 @@ def _classify(source: _Source, found: _FoundCall) -> s.InsertSite:
     outer = found.scopes[0] if found.scopes else None
     module_function = (outer.name if isinstance(outer, _FUNCTIONS) else "<module>") if cls is None else None
 
-    if cls is None and outer is not None and call.args + [k.value for k in call.keywords] and all(
-        isinstance(x, ast.Name) for x in [*call.args, *(k.value for k in call.keywords)]
-    ):
-        raise Undecided("maybe a pass-through wrapper: its callers are sites LibCST finds")
+    if cls is None and isinstance(outer, _FUNCTIONS) and _is_called(source, outer.name):
+        raise Undecided("maybe a pass-through wrapper: a call of it in a class may be a site")
     kv = _arg(call, s.KV_CACHE)
     dtype = _arg(call, s.KV_CACHE_DTYPE)
     dtype_code = source.segment(dtype, call) if dtype is not None else None
@@ -295,7 +293,6 @@ def _classify(source: _Source, found: _FoundCall) -> s.InsertSite:
         class_name=cls.name if isinstance(cls, ast.ClassDef) else None,
         method=method.name if method is not None else None,
         module_function=module_function,
-        in_wrapper=False,
         nested_in=nested,
         star_args=any(isinstance(a, ast.Starred) for a in call.args)
         or any(k.arg is None for k in call.keywords),
@@ -310,6 +307,11 @@ def _classify(source: _Source, found: _FoundCall) -> s.InsertSite:
         return _collect_pieces(source, cls, call, slot)
 
     return s.verdict(facts, collect).site(facts)
+
+
+def _is_called(source: _Source, name: str) -> bool:
+    """A call of ``name`` (bare or as an attribute, a wrapper's wrapper too) in the file."""
+    return any(isinstance(node, ast.Call) and _callee_name(node) == name for node in ast.walk(source.tree))
 
 
 def _is_auto(node: ast.expr, code: str) -> bool:

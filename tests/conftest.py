@@ -85,3 +85,18 @@ def syntax_tree(source: str) -> str:
         ):
             node.body[0] = ast.Expr(ast.Constant(inspect.cleandoc(node.body[0].value.value).strip()))
     return ast.dump(module)
+
+
+_FIXTURE_BYTES: dict[Path, bytes] = {}
+
+
+def pytest_sessionstart(session) -> None:
+    _FIXTURE_BYTES.update((p, p.read_bytes()) for p in FIXTURES.rglob("*.py"))
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """No test may write the fixtures it reads (a run on a fixture path writes it)."""
+    changed = [str(p) for p, data in _FIXTURE_BYTES.items() if not p.exists() or p.read_bytes() != data]
+    if changed:
+        print("\nfixtures changed by the tests: " + ", ".join(changed))
+        session.exitstatus = 1

@@ -42,6 +42,7 @@ from mutations import FUSED_OP, INDEX_CACHE, INDEX_SLOT_MAPPING, KV_CACHE, SCHEM
 from codemods.fp8_kv_bypass import SiteState, analyze
 
 FLAG = "_fp8_kv"
+SCALE = "_fp8_kv_scale"
 INSERT_KV = "_insert_kv"
 
 
@@ -168,7 +169,7 @@ class _Strip(ast.NodeTransformer):
 
 def _is_bypass_statement(stmt: ast.stmt) -> bool:
     if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-        if _self_attr(stmt.targets[0]) == FLAG:
+        if _self_attr(stmt.targets[0]) in (FLAG, SCALE):
             return True
         if isinstance(stmt.targets[0], ast.Name) and _is_not_flag(stmt.value):
             return True
@@ -330,10 +331,23 @@ def _flag_and_insert_kv(cls: ast.ClassDef, where: str) -> list[str]:
         and ast.unparse(n.func).endswith("reshape_and_cache_flash")
         and len(n.args) == 8
     ]
-    if len(writes) != 1 or _self_attr(writes[0].args[5]) != dtype:
+    params = [a.arg for a in insert_kv.args.args]
+    main = [w for w in writes if _self_attr(w.args[5]) == dtype]
+    index = [w for w in writes if isinstance(w.args[5], ast.Constant) and w.args[5].value == "auto"]
+    if len(writes) != 2 or len(main) != 1 or len(index) != 1:
         problems.append(
-            f"{where}: `_insert_kv` does not write with reshape_and_cache_flash(..., self.{dtype}, ...)"
+            f"{where}: `_insert_kv` does not write k/v with reshape_and_cache_flash(..., self.{dtype}, ...) "
+            'and the index key with reshape_and_cache_flash(..., "auto", ...)'
         )
+    elif params[4:] != [ast.unparse(main[0].args[4]), ast.unparse(index[0].args[4])]:
+        problems.append(f"{where}: `_insert_kv`'s writes do not use its own slot-mapping parameters")
+    scatters = [
+        n
+        for n in ast.walk(insert_kv)
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Subscript) for t in n.targets)
+    ]
+    if scatters:
+        problems.append(f"{where}: `_insert_kv` still scatters by slot ({ast.unparse(scatters[0])})")
     return problems
 
 

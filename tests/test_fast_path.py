@@ -82,7 +82,7 @@ def command_lines(tmp_path: Path) -> list[list[str]]:
         ["preview", str(FIXTURES / "half_applied" / "model.py")],
         ["run", "--backup", str(copy(tmp_path, "fork_era"))],
         ["run", "--example", "--show-diff"],
-        ["run", str(FIXTURES / "native_stale_bypass" / "model.py")],
+        ["run", str(FIXTURES / "two_candidates" / "model.py")],  # refused: nothing written
         ["check", "--vllm-root", str(tree)],
         ["check", "--python", sys.executable],
         ["check"],  # the vLLM of this interpreter: found, never imported

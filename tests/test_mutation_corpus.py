@@ -31,6 +31,8 @@ FIXTURES_MUTATED = {
     "no_insert_kv": (1, 76),
     "half_applied": (1, 4),
     "patch_fuzz": (2, 4),
+    # the seed's older bypass, which `run` upgrades
+    "seed_form": (4, 3),
 }
 
 # Refusals that are right, by (fixture, mutation label) -> what the refusal must say.
@@ -46,6 +48,10 @@ JUSTIFIED_REFUSALS = {
     # Half-applied: the existing post-call insert passes `main_slot_mapping`, the
     # call now `fwd_slot_mapping[self.layer_name]`; equal values, but not provably.
     ("half_applied", "slot-expressions"): "is not passed the call's own slot mappings",
+    # The same for the seed's complete bypass that `run` upgrades.
+    ("seed_form", "slot-expressions"): "is not passed the call's own slot mappings",
+    ("seed_form", "call-only"): "is called elsewhere than right after the insert call",
+    ("seed_form", "rebind-aliases"): "is called elsewhere than right after the insert call",
 }
 
 
