@@ -45,6 +45,14 @@ def to_e4m3_bits(x: torch.Tensor, scale: torch.Tensor | float = 1.0) -> torch.Te
     return y.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
+def e4m3_steps(bits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """How many e4m3 steps (at ``x``'s magnitude) the stored bits are from ``x``."""
+    stored = bits.view(torch.float8_e4m3fn).float()
+    xf = x.float().clamp(-E4M3_MAX, E4M3_MAX)
+    exponent = torch.floor(torch.log2(xf.abs().clamp(min=2.0**-6))).clamp(max=8)
+    return (stored - xf).abs() / 2.0 ** (exponent - 3)
+
+
 def _norm_rope(
     view: torch.Tensor, heads: int, weight: torch.Tensor, eps: float, cos_sin: torch.Tensor, rotary_dim: int
 ) -> torch.Tensor:
