@@ -66,7 +66,8 @@ def print_diffs(report: Report, only: FileStatus | None = None) -> None:
     for index, result in enumerate(report.files):
         if result.diff and (only is None or result.status is only):
             out.print(render_diff(result.diff), end="", soft_wrap=True)
-            root = report.targets[index].root if index < len(report.targets) else None
+            target = report.targets[index] if index < len(report.targets) else None
+            root = target.root if target and target.origin != "--example" else None
             if root is not None and os.path.abspath(root) != os.getcwd() and root not in roots:
                 roots.append(root)
     for root in roots:
