@@ -170,7 +170,8 @@ def run(
     example: Annotated[
         bool,
         typer.Option(
-            "--example", help="Rewrite a temporary copy of the bundled example (never the package's own file)."
+            "--example",
+            help="Rewrite a temporary copy of the bundled example (never the package's own file).",
         ),
     ] = False,
     dry_run: DryRun = False,
@@ -273,7 +274,8 @@ def revert(
     python: Pythons = None,
     vllm_root: Roots = None,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Write nothing; exit 1 when a file carries a bypass to take out.")
+        bool,
+        typer.Option("--dry-run", help="Write nothing; exit 1 when a file carries a bypass to take out."),
     ] = False,
     check: Annotated[bool, typer.Option("--check", hidden=True, help="Old spelling of --dry-run.")] = False,
     diff: Annotated[

@@ -145,7 +145,11 @@ def print_human(report: Report, err: Console, show_all: bool = False) -> None:
 
 # The hook that runs each command (.pre-commit-hooks.yaml), and whether it is a
 # manual-stage hook: under pre-commit, mm3-codemod itself may not be on PATH.
-HOOKS = {"run": ("mm3-codemod", False), "check": ("mm3-codemod-check", False), "revert": ("mm3-codemod-revert", True)}
+HOOKS = {
+    "run": ("mm3-codemod", False),
+    "check": ("mm3-codemod-check", False),
+    "revert": ("mm3-codemod-revert", True),
+}
 
 
 def under_pre_commit() -> bool:
@@ -160,7 +164,9 @@ def command_for(verb: str, report: Report, indices: Iterable[int]) -> str:
     names = [shlex.quote(shown_path(t.path)) for t in targets if t.origin != "--example"]
     if under_pre_commit() and not example:
         hook, manual = HOOKS[verb]
-        return " ".join(["pre-commit run", hook, *(["--hook-stage manual"] if manual else []), "--files", *names])
+        return " ".join(
+            ["pre-commit run", hook, *(["--hook-stage manual"] if manual else []), "--files", *names]
+        )
     return " ".join(["mm3-codemod", verb, *(["--example"] if example else []), *names])
 
 

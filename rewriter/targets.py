@@ -195,7 +195,8 @@ def default_targets() -> list[Target]:
         return [Target(f, f"source tree {tree}", version, tree) for f in python_files(folder)]
     if package is None:
         raise TargetError(
-            f"{missing}, and {Path.cwd()} is not inside a vLLM source tree (no vllm/models/minimax_m3/nvidia/); "
+            f"{missing}, and {Path.cwd()} is not inside a vLLM source tree"
+            " (no vllm/models/minimax_m3/nvidia/); "
             "name the files (PATH...), a fork checkout or site-packages (--vllm-root DIR), "
             "or another environment (--python EXE)"
         )

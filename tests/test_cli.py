@@ -79,7 +79,11 @@ DIFF_ROOTS = {
     "--vllm-root .": (lambda fork: ["--vllm-root", "."], lambda fork: fork, "fork"),
     "bare, inside the fork": (lambda fork: [], lambda fork: fork / "vllm" / "models", "fork"),
     "relative file": (lambda fork: [NVIDIA_MODEL], lambda fork: fork, "fork"),
-    "absolute file elsewhere": (lambda fork: [str(fork / NVIDIA_MODEL)], lambda fork: elsewhere(fork), "file"),
+    "absolute file elsewhere": (
+        lambda fork: [str(fork / NVIDIA_MODEL)],
+        lambda fork: elsewhere(fork),
+        "file",
+    ),
 }
 
 
@@ -99,7 +103,9 @@ def test_preview_diff_applies_with_git_apply_from_the_targeted_root(tmp_path: Pa
     name = NVIDIA_MODEL if root == "fork" else "model.py"
     assert proc.stdout.startswith(f"--- a/{name}\n+++ b/{name}\n@@ ")
     if shutil.which("patch"):
-        subprocess.run(["patch", "-p1", "--dry-run", "-s"], input=proc.stdout, text=True, cwd=apply_in, check=True)
+        subprocess.run(
+            ["patch", "-p1", "--dry-run", "-s"], input=proc.stdout, text=True, cwd=apply_in, check=True
+        )
     subprocess.run(["git", "apply", "--check", "-"], input=proc.stdout, text=True, cwd=apply_in, check=True)
     subprocess.run(["git", "apply", "-"], input=proc.stdout, text=True, cwd=apply_in, check=True)
     assert (fork / NVIDIA_MODEL).read_bytes() == (FIXTURES / "fork_era" / "expected.py").read_bytes()
@@ -151,7 +157,9 @@ def test_run_example_writes_a_copy_not_the_package(tmp_path: Path) -> None:
     assert "1 file rewritten." in proc.stderr and "(removed afterwards)" in proc.stderr
     (tmp_path / "example_model.py").write_bytes(original)
     subprocess.run(["git", "apply", "-"], input=proc.stdout, text=True, cwd=tmp_path, check=True)
-    assert (tmp_path / "example_model.py").read_bytes() == (FIXTURES / "fork_era" / "expected.py").read_bytes()
+    assert (tmp_path / "example_model.py").read_bytes() == (
+        FIXTURES / "fork_era" / "expected.py"
+    ).read_bytes()
     assert example_path().read_bytes() == original
     assert list(temp.iterdir()) == []
 

@@ -186,7 +186,9 @@ def test_every_command_prints_one_json_envelope(tmp_path: Path) -> None:
         assert set(report) - {"kernel"} == ENVELOPE and (command == "verify") == ("kernel" in report)
         assert (report["tool"], report["version"], report["command"]) == ("mm3-codemod", __version__, command)
         assert report["exit_code"] == proc.returncode
-        assert report["files"] and all({"path", "status", "error", "origin"} <= set(f) for f in report["files"])
+        assert report["files"] and all(
+            {"path", "status", "error", "origin"} <= set(f) for f in report["files"]
+        )
         assert sum(report["summary"].values()) == len(report["files"])
         assert {f["status"] for f in report["files"]} <= set(report["summary"])
     error = json.loads(cli("verify", "--json", str(tmp_path / "missing.py")).stdout)

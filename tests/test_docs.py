@@ -17,8 +17,9 @@ README = (ROOT / "README.md").read_text()
 
 # The parameters of the fused op, in the fork-era order: the wrapper passes each through.
 PARAMS = (
-    "qkv q_weight k_weight cos_sin_cache positions num_heads num_kv_heads rotary_dim eps index_q_weight"
-    " index_k_weight num_index_heads slot_mapping index_slot_mapping kv_cache index_cache block_size q index_q"
+    "qkv q_weight k_weight cos_sin_cache positions num_heads num_kv_heads rotary_dim eps"
+    " index_q_weight index_k_weight num_index_heads slot_mapping index_slot_mapping"
+    " kv_cache index_cache block_size q index_q"
 ).split()
 
 
@@ -27,7 +28,9 @@ def wrapper_file(folder: Path) -> Path:
     source = (FIXTURES / "patched" / "model.py").read_text()
     layer = source.index("class MiniMaxM3SparseAttention")
     call = source.index("ops.fused_minimax_m3_qknorm_rope_kv_insert(", layer)
-    source = source[:call] + "fused_insert(" + source[call + len("ops.fused_minimax_m3_qknorm_rope_kv_insert(") :]
+    source = (
+        source[:call] + "fused_insert(" + source[call + len("ops.fused_minimax_m3_qknorm_rope_kv_insert(") :]
+    )
     first_class = source.index("\nclass ")
     wrapper = (
         f"\n\ndef fused_insert({', '.join(PARAMS)}):\n"

@@ -311,7 +311,12 @@ def test_readme_fork_workflow_end_to_end(tmp_path: Path, pre_commit_home: Path) 
     git("commit", "-q", "-m", "pre-commit config", cwd=fork)
     # The environment of the README's `pip install .`: mm3-codemod and pre-commit on PATH.
     bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, **GIT_ENV, "PRE_COMMIT_HOME": str(pre_commit_home), "PATH": bin_dir + os.pathsep + os.environ["PATH"]}
+    env = {
+        **os.environ,
+        **GIT_ENV,
+        "PRE_COMMIT_HOME": str(pre_commit_home),
+        "PATH": bin_dir + os.pathsep + os.environ["PATH"],
+    }
     env.pop("PRE_COMMIT", None)
     printed_next: str | None = None
     for arrival, steps in zip(ARRIVALS, blocks):
@@ -322,7 +327,9 @@ def test_readme_fork_workflow_end_to_end(tmp_path: Path, pre_commit_home: Path) 
         for command, shown in steps:
             if printed_next is not None:  # follow only what the tool printed
                 assert command.startswith(printed_next), (command, printed_next)
-            proc = subprocess.run(["bash", "-c", command], cwd=fork, env=env, capture_output=True, text=True, timeout=300)
+            proc = subprocess.run(
+                ["bash", "-c", command], cwd=fork, env=env, capture_output=True, text=True, timeout=300
+            )
             out = (proc.stdout + proc.stderr).splitlines()
             for line in shown:
                 assert line in out, (command, line, out)
