@@ -21,8 +21,10 @@ baseline of the same file measured in the same rounds.
   and ``--jobs 2``.
 
 The tool's modules are byte-compiled first, as ``pip install`` leaves them.
-Results go to ``bench/results.json`` (``--json``); ``--markdown`` also prints
-the README's table.
+Results go to ``$XDG_CACHE_HOME/mm3-codemod/bench/results.json`` (default
+``~/.cache/...``), never into the checkout unless asked: ``--json
+bench/results.json`` updates the committed run the README's table comes from;
+``--markdown`` also prints that table.
 """
 
 from __future__ import annotations
@@ -93,6 +95,12 @@ class Measure:
 
 
 # --- inputs -------------------------------------------------------------------------------
+
+
+def default_results() -> Path:
+    """Outside the checkout: a run must not dirty the committed bench/results.json."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "mm3-codemod" / "bench" / "results.json"
 
 
 def wheel_cache() -> Path:
@@ -277,7 +285,12 @@ def print_table(by_key: dict[str, Measure], rows: list[dict[str, object]]) -> No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=15, help="timed rounds (default 15)")
-    parser.add_argument("--json", type=Path, default=HERE / "results.json", help="where the results go")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=default_results(),
+        help="where the results go (default: %(default)s; bench/results.json is the committed run)",
+    )
     parser.add_argument("--markdown", action="store_true", help="also print the README's table")
     parser.add_argument("--survey-files", type=int, default=50, help="files for survey (default 50)")
     args = parser.parse_args()
@@ -399,6 +412,7 @@ def main() -> None:
         "survey": "not available in this version" if not survey else "available but not measured",
         "gpu": None,  # bypass vs fused bf16 insert: filled in by the verify issue
     }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(f"results: {args.json}")
     if args.markdown:

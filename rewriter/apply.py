@@ -141,11 +141,12 @@ def _encode(module: cst.Module, bom: bool) -> bytes:
     return (BOM if bom else b"") + module.bytes
 
 
-def plan_file(path: Path, triage_first: bool = True) -> FileResult:
+def plan_file(path: Path, triage_first: bool = True, name: str | None = None) -> FileResult:
     """Analyze one file and, where a rewrite is needed, prepare the validated new bytes.
 
     ``triage_first=False`` skips the ast triage: LibCST decides every file
-    (what the tests compare the triage against).
+    (what the tests compare the triage against). ``name``: the path the diff
+    names (relative to the folder the user targeted; default: the file's name).
     """
     return _plan(
         path,
@@ -153,6 +154,7 @@ def plan_file(path: Path, triage_first: bool = True) -> FileResult:
         lambda analysis: rewrite(analysis),
         lambda new, analysis: validate(new, path, expected_patched=analysis.patched_after),
         triage_first=triage_first,
+        name=name,
     )
 
 
@@ -161,7 +163,7 @@ def classify_file(path: Path) -> FileResult:
     return _plan(path, lambda module, raw: analyze(module, raw), None, None, triage_first=True)
 
 
-def plan_revert_file(path: Path) -> FileResult:
+def plan_revert_file(path: Path, name: str | None = None) -> FileResult:
     """Like ``plan_file``, for taking the bypass out again (``revert``)."""
     return _plan(
         path,
@@ -169,10 +171,13 @@ def plan_revert_file(path: Path) -> FileResult:
         lambda analysis: revert(analysis),
         lambda new, analysis: validate_revert(new, path),
         triage_first=False,
+        name=name,
     )
 
 
-def _plan(path: Path, analyze_module, transform, check, triage_first: bool) -> FileResult:
+def _plan(
+    path: Path, analyze_module, transform, check, triage_first: bool, name: str | None = None
+) -> FileResult:
     """Read, pre-filter, (triage,) parse, analyze; then transform and ``check`` the new bytes."""
     try:
         raw = read_bytes(path)
@@ -196,7 +201,8 @@ def _plan(path: Path, analyze_module, transform, check, triage_first: bool) -> F
     if analysis.refused:
         first = analysis.refused[0]
         result.status = FileStatus.REFUSED
-        result.error = f"refused at line {first.line} ({first.state.value}); nothing written"
+        # Planning writes nothing; a command that writes says so in its note.
+        result.error = f"refused at line {first.line} ({first.state.value})"
         return result
     if not analysis.needs_rewrite:
         if not analysis.sites:
@@ -211,11 +217,11 @@ def _plan(path: Path, analyze_module, transform, check, triage_first: bool) -> F
         check(new, analysis)
     except FileError as exc:
         result.status = FileStatus.ERROR
-        result.error = f"rewrite failed validation, nothing written: {exc}"
+        result.error = f"rewrite failed validation: {exc}"
         return result
     result.status = FileStatus.NEEDS_REWRITE
     result.new = new
-    result.diff = unified_diff(path, raw, new, module.encoding)
+    result.diff = unified_diff(name or path.name, raw, new, module.encoding)
     return result
 
 
@@ -263,13 +269,15 @@ def _lines(raw: bytes, encoding: str) -> list[str]:
     return body.decode(encoding).splitlines(keepends=True)
 
 
-def unified_diff(path: Path, old: bytes, new: bytes, encoding: str) -> str:
-    """Both sides decoded with the encoding the parse already found (the rewrite keeps it)."""
+def unified_diff(name: str, old: bytes, new: bytes, encoding: str) -> str:
+    """A git-style diff of the file ``name`` (a relative POSIX path): ``a/``/``b/``
+    prefixes, so that ``git apply`` and ``patch -p1`` take it from the folder that
+    ``name`` is relative to. Both sides decoded with the encoding the parse found."""
     lines = difflib.unified_diff(
         _lines(old, encoding),
         _lines(new, encoding),
-        fromfile=str(path),
-        tofile=str(path),
+        fromfile=f"a/{name}",
+        tofile=f"b/{name}",
     )
     out = []
     for line in lines:

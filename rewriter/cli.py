@@ -7,35 +7,75 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+import typer.core
 from rich.console import Console
 
 from rewriter import __version__, entry
 from rewriter.apply import FileStatus
 from rewriter.commands import Report
 from rewriter.commands import revert as revert_targets
+from rewriter.console import COLOR_MODES, set_color
 from rewriter.locking import DEFAULT_TIMEOUT
 from rewriter.targets import Target
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
     help="Rewrite vLLM's MiniMax-M3 NVIDIA model so that an fp8 KV cache works on SM89 GPUs.",
 )
+
+
+def _metavar_only(param: typer.core.TyperOption, ctx: object) -> str | None:
+    """Help names an option's value by its metavar (EXE, DIR), never by a Python type
+    (`<list[Path]>`, `<bool>`); a flag takes no value and shows none."""
+    return None if param.is_flag else param.metavar
+
+
+# typer >= 0.20 prints each parameter's Python type in the help; the name column says enough.
+typer.core.TyperArgument.display_type_rich = lambda param, ctx: None  # type: ignore[method-assign]
+typer.core.TyperOption.display_type_rich = _metavar_only  # type: ignore[method-assign]
 
 Paths = Annotated[
     Optional[list[Path]],
     typer.Argument(
-        help="Model files or directories. None given: the vLLM of this interpreter.", show_default=False
+        metavar="PATHS",
+        help="Model files or directories. None given: the vLLM source tree around the working folder,"
+        " else the vLLM of this interpreter.",
+        show_default=False,
     ),
 ]
 Pythons = Annotated[
     Optional[list[str]],
-    typer.Option("--python", help="Find the vLLM of this interpreter (repeatable).", show_default=False),
+    typer.Option(
+        "--python", metavar="EXE", help="Find the vLLM of this interpreter (repeatable).", show_default=False
+    ),
 ]
 Roots = Annotated[
     Optional[list[Path]],
     typer.Option(
-        "--vllm-root", help="A vLLM source checkout or site-packages folder (repeatable).", show_default=False
+        "--vllm-root",
+        metavar="DIR",
+        help="A vLLM source checkout or site-packages folder (repeatable).",
+        show_default=False,
+    ),
+]
+
+
+def _color(value: str) -> str:
+    if value not in COLOR_MODES:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(COLOR_MODES)}")
+    set_color(value)
+    return value
+
+
+Color = Annotated[
+    str,
+    typer.Option(
+        "--color",
+        metavar="WHEN",
+        callback=_color,
+        help="Colour: auto (a terminal, unless NO_COLOR is set), always or never.",
     ),
 ]
 Example = Annotated[
@@ -48,6 +88,9 @@ ShowAll = Annotated[bool, typer.Option("--all", help="List not-a-site calls too.
 Backup = Annotated[bool, typer.Option("--backup", help="Keep the original as <file>.orig.")]
 ShowDiff = Annotated[
     bool, typer.Option("--show-diff", help="Also print the diff of each file written (stdout).")
+]
+DryRun = Annotated[
+    bool, typer.Option("--dry-run", help="Write nothing; exit 1 when a file would be changed (as check).")
 ]
 FixExit = Annotated[
     bool,
@@ -99,6 +142,7 @@ def check(
     ] = False,
     json: Json = False,
     show_all: ShowAll = False,
+    color: Color = "auto",
 ) -> None:
     """Report each call site's state; write nothing. Exit 1 when a rewrite is needed."""
     raise typer.Exit(entry.check(paths or [], python or [], vllm_root or [], example, diff, json, show_all))
@@ -112,6 +156,7 @@ def preview(
     example: Example = False,
     json: Json = False,
     show_all: ShowAll = False,
+    color: Color = "auto",
 ) -> None:
     """Show the unified diff `run` would apply (stdout); write nothing. Exit 1 when there is one."""
     raise typer.Exit(entry.preview(paths or [], python or [], vllm_root or [], example, json, show_all))
@@ -125,8 +170,13 @@ def run(
     example: Annotated[
         bool,
         typer.Option(
-            "--example", help="Rewrite a fresh copy of the bundled example (never the package's own file)."
+            "--example",
+            help="Rewrite a temporary copy of the bundled example (never the package's own file).",
         ),
+    ] = False,
+    dry_run: DryRun = False,
+    diff: Annotated[
+        bool, typer.Option("--diff", help="Write nothing; print the diff a run would apply (stdout).")
     ] = False,
     backup: Backup = False,
     show_diff: ShowDiff = False,
@@ -134,6 +184,7 @@ def run(
     lock_timeout: LockWait = DEFAULT_TIMEOUT,
     json: Json = False,
     show_all: ShowAll = False,
+    color: Color = "auto",
 ) -> None:
     """Apply the fp8 bypass where needed: validated, atomic, all or nothing."""
     raise typer.Exit(
@@ -142,11 +193,13 @@ def run(
             python or [],
             vllm_root or [],
             example,
-            backup,
-            show_diff,
-            exit_non_zero_on_fix,
-            json,
-            show_all,
+            backup=backup,
+            dry_run=dry_run,
+            diff=diff,
+            show_diff=show_diff,
+            exit_non_zero_on_fix=exit_non_zero_on_fix,
+            as_json=json,
+            show_all=show_all,
             lock_timeout=lock_timeout,
         )
     )
@@ -158,7 +211,10 @@ def verify(
     python: Annotated[
         Optional[str],
         typer.Option(
-            "--python", help="Interpreter whose vLLM to verify and import with.", show_default=False
+            "--python",
+            metavar="EXE",
+            help="Interpreter whose vLLM to verify and import with.",
+            show_default=False,
         ),
     ] = None,
     vllm_root: Roots = None,
@@ -169,6 +225,7 @@ def verify(
         Optional[Path],
         typer.Option(
             "--kernels",
+            metavar="SO",
             help="A vLLM kernel library (_C*.so) to load instead of vllm._custom_ops.",
             show_default=False,
         ),
@@ -179,6 +236,7 @@ def verify(
     timing: Annotated[bool, typer.Option("--timing/--no-timing", help="Time the kernels (GPU only).")] = True,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show every check.")] = False,
     json: Json = False,
+    color: Color = "auto",
 ) -> None:
     """Import the rewritten module and run its code: reference ops (CPU) and vLLM's kernels (GPU).
 
@@ -215,9 +273,11 @@ def revert(
     paths: Paths = None,
     python: Pythons = None,
     vllm_root: Roots = None,
-    check: Annotated[
-        bool, typer.Option("--check", help="Write nothing; exit 1 when a file carries a bypass to take out.")
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Write nothing; exit 1 when a file carries a bypass to take out."),
     ] = False,
+    check: Annotated[bool, typer.Option("--check", hidden=True, help="Old spelling of --dry-run.")] = False,
     diff: Annotated[
         bool, typer.Option("--diff", help="Write nothing; print the diff a revert would apply (stdout).")
     ] = False,
@@ -227,10 +287,11 @@ def revert(
     lock_timeout: LockWait = DEFAULT_TIMEOUT,
     json: Json = False,
     show_all: ShowAll = False,
+    color: Color = "auto",
 ) -> None:
     """Take the fp8 bypass out again (the inverse of run): validated, atomic, all or nothing."""
     targets, failed = _targets("revert", paths, python, vllm_root, False)
-    dry = check or diff
+    dry = dry_run or check or diff
     report = failed or revert_targets(
         targets,
         backup=backup,
@@ -252,15 +313,21 @@ def survey(
     jobs: Annotated[
         Optional[int],
         typer.Option(
-            "--jobs", "-j", min=1, help="Worker processes (default: the CPU count).", show_default=False
+            "--jobs",
+            "-j",
+            min=1,
+            metavar="N",
+            help="Worker processes (default: the CPU count).",
+            show_default=False,
         ),
     ] = None,
     json: Json = False,
     show_all: Annotated[
         bool, typer.Option("--all", help="Also list files without the fused op and not-a-site calls.")
     ] = False,
+    color: Color = "auto",
 ) -> None:
-    """One table of every target: vLLM version, file, each site's state, what run would do.
+    """One table of every target: vLLM version, file, each site's state, what run would do and why.
 
     Exit codes as check: 0 nothing to do, 1 a rewrite is needed, 2 a target could not be handled.
     """
@@ -276,7 +343,7 @@ def _version(value: bool) -> None:
 @app.callback()
 def _main(
     version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")
+        bool, typer.Option("--version", "-V", callback=_version, is_eager=True, help="Show the version.")
     ] = False,
 ) -> None:
     pass

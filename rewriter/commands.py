@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +47,7 @@ class Report:
     files: list[FileResult] = field(default_factory=list)
     error: str | None = None  # a target-level error (nothing was processed)
     note: str | None = None
-    dry_run: bool = False  # `revert --check/--diff`: planned, nothing written
+    dry_run: bool = False  # `run`/`revert` with --dry-run or --diff: planned, nothing written
     exit_non_zero_on_fix: bool = False  # exit 1 when a file was written (pre-commit's fixer contract)
 
     @property
@@ -67,9 +68,9 @@ class Report:
         return sum(1 for f in self.files if f.status is status)
 
 
-def analyze_targets(command: str, targets: list[Target]) -> Report:
-    """Plan every target; nothing is written (``check`` and ``preview``)."""
-    return Report(command, targets, [plan_file(t.path) for t in targets])
+def analyze_targets(command: str, targets: list[Target], dry_run: bool = False) -> Report:
+    """Plan every target; nothing is written (``check``, ``preview``, ``run --dry-run``)."""
+    return Report(command, targets, [plan_file(t.path, name=t.diff_name) for t in targets], dry_run=dry_run)
 
 
 def run(
@@ -78,6 +79,7 @@ def run(
     exit_non_zero_on_fix: bool = False,
     lock_timeout: float = DEFAULT_TIMEOUT,
     on_wait: Callable[[Path], None] | None = None,
+    dry_run: bool = False,
 ) -> Report:
     """Rewrite every target that needs it - all or nothing.
 
@@ -90,10 +92,12 @@ def run(
     """
 
     def plan() -> Report:
-        report = analyze_targets("run", targets)
+        report = analyze_targets("run", targets, dry_run=dry_run)
         report.exit_non_zero_on_fix = exit_non_zero_on_fix
         return report
 
+    if dry_run:
+        return plan()  # writes nothing: no lock to wait for
     return _plan_and_write(targets, plan, backup, lock_timeout, on_wait)
 
 
@@ -111,7 +115,7 @@ def revert(
         return Report(
             "revert",
             targets,
-            [plan_revert_file(t.path) for t in targets],
+            [plan_revert_file(t.path, name=t.diff_name) for t in targets],
             dry_run=dry_run,
             exit_non_zero_on_fix=exit_non_zero_on_fix,
         )
@@ -180,10 +184,11 @@ def _write_all(report: Report, backup: bool) -> None:
             return
 
 
-def example_copy() -> Path:
+@contextlib.contextmanager
+def example_copy() -> Iterator[Path]:
     """A private copy of the bundled example, so that `run --example` never
-    writes into the installed package."""
-    folder = Path(tempfile.mkdtemp(prefix="mm3-codemod-example-"))
-    target = folder / "model.py"
-    shutil.copyfile(example_path(), target)
-    return target
+    writes into the installed package; removed again afterwards."""
+    with tempfile.TemporaryDirectory(prefix="mm3-codemod-example-") as folder:
+        target = Path(folder) / "example_model.py"
+        shutil.copyfile(example_path(), target)
+        yield target

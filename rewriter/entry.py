@@ -13,6 +13,8 @@ output is the same whichever read the command line.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -22,19 +24,18 @@ from typing import TYPE_CHECKING
 from rewriter.apply import FileStatus
 from rewriter.commands import Report, analyze_targets, example_copy
 from rewriter.commands import run as run_targets
+from rewriter.console import COLOR_MODES, console, set_color
 from rewriter.locking import DEFAULT_TIMEOUT
-from rewriter.targets import Target, TargetError, resolve
+from rewriter.targets import Target, TargetError, resolve, shown_path
 
 if TYPE_CHECKING:
     from rich.console import Console
 
 
 def stderr(wide: bool = False) -> Console:
-    from rich.console import Console
-
     # Tables are not squeezed to 80 columns when stderr is a pipe or a file.
     width = None if not wide or sys.stderr.isatty() else int(os.environ.get("COLUMNS", 0) or 240)
-    return Console(file=sys.stderr, highlight=False, width=width)
+    return console(sys.stderr, width=width)
 
 
 def say_waiting(timeout: float) -> Callable[[Path], None]:
@@ -56,15 +57,24 @@ def targets_of(
 
 
 def print_diffs(report: Report, only: FileStatus | None = None) -> None:
-    """Each file's unified diff on stdout (coloured only on a terminal)."""
-    from rich.console import Console
-
+    """Each file's unified diff on stdout (coloured only on a terminal); on stderr,
+    the folder to apply it from when that is not the working folder."""
     from rewriter.report import render_diff
 
-    out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
-    for result in report.files:
+    out = console(sys.stdout)
+    roots = []
+    for index, result in enumerate(report.files):
         if result.diff and (only is None or result.status is only):
-            out.print(render_diff(result.diff), end="")
+            out.print(render_diff(result.diff), end="", soft_wrap=True)
+            target = report.targets[index] if index < len(report.targets) else None
+            root = target.root if target and target.origin != "--example" else None
+            if root is not None and os.path.abspath(root) != os.getcwd() and root not in roots:
+                roots.append(root)
+    for root in roots:
+        stderr().print(
+            f"diff paths are relative to {shown_path(root)}: apply it there (git apply, or patch -p1)",
+            soft_wrap=True,
+        )
 
 
 def finish(report: Report, as_json: bool, show_all: bool) -> int:
@@ -108,27 +118,38 @@ def run(
     pythons: list[str],
     roots: list[Path],
     example: bool,
-    backup: bool,
-    show_diff: bool,
-    exit_non_zero_on_fix: bool,
-    as_json: bool,
-    show_all: bool,
+    *,
+    backup: bool = False,
+    dry_run: bool = False,
+    diff: bool = False,
+    show_diff: bool = False,
+    exit_non_zero_on_fix: bool = False,
+    as_json: bool = False,
+    show_all: bool = False,
     lock_timeout: float = DEFAULT_TIMEOUT,
 ) -> int:
-    extra = [example_copy()] if example else []
-    targets, failed = targets_of("run", paths + extra, pythons, roots, False)
-    report = failed or run_targets(
-        targets,
-        backup=backup,
-        exit_non_zero_on_fix=exit_non_zero_on_fix,
-        lock_timeout=lock_timeout,
-        on_wait=say_waiting(lock_timeout),
-    )
-    if example and not failed:
-        stderr().print(f"example copied to {extra[0]}", soft_wrap=True)
-    if show_diff and not as_json:
-        print_diffs(report, only=FileStatus.REWRITTEN)
-    return finish(report, as_json, show_all)
+    """``--diff`` writes nothing and prints the diff (as ``check --diff``); ``--show-diff``
+    prints the diff of what was written."""
+    dry = dry_run or diff
+    with contextlib.ExitStack() as stack:
+        copy = stack.enter_context(example_copy()) if example else None
+        targets, failed = targets_of("run", paths + ([copy] if copy else []), pythons, roots, False)
+        targets = [dataclasses.replace(t, origin="--example") if t.path == copy else t for t in targets]
+        report = failed or run_targets(
+            targets,
+            backup=backup,
+            exit_non_zero_on_fix=exit_non_zero_on_fix,
+            lock_timeout=lock_timeout,
+            on_wait=say_waiting(lock_timeout),
+            dry_run=dry,
+        )
+        if copy is not None and not failed:
+            stderr().print(
+                f"the bundled example, copied to {copy} for this run (removed afterwards)", soft_wrap=True
+            )
+        if (diff or show_diff) and not as_json:
+            print_diffs(report, only=None if dry else FileStatus.REWRITTEN)
+        return finish(report, as_json, show_all)
 
 
 # survey shows a progress bar (on a terminal) above this many targets.
@@ -166,10 +187,20 @@ def survey(
 
 _VALUE_OPTIONS = {"--python": "pythons", "--vllm-root": "roots"}
 _JOBS = ("--jobs", "-j")  # survey only; a positive whole number
+_COLOR = "--color"  # every command; one of COLOR_MODES
 _FLAGS = {
     "check": {"--example", "--diff", "--json", "--all"},
     "preview": {"--example", "--json", "--all"},
-    "run": {"--example", "--json", "--all", "--backup", "--show-diff", "--exit-non-zero-on-fix"},
+    "run": {
+        "--example",
+        "--json",
+        "--all",
+        "--backup",
+        "--dry-run",
+        "--diff",
+        "--show-diff",
+        "--exit-non-zero-on-fix",
+    },
     "survey": {"--json", "--all"},
 }
 
@@ -179,7 +210,7 @@ def read_plain(argv: list[str]) -> tuple[str, dict[str, object]] | None:
     if not argv or argv[0] not in _FLAGS:
         return None
     command, flags = argv[0], _FLAGS[argv[0]]
-    options: dict[str, object] = {"paths": [], "pythons": [], "roots": []}
+    options: dict[str, object] = {"paths": [], "pythons": [], "roots": [], "color": "auto"}
     options.update({flag: False for flag in flags})
     if command == "survey":
         options["jobs"] = None
@@ -197,6 +228,14 @@ def read_plain(argv: list[str]) -> tuple[str, dict[str, object]] | None:
             if not (value.isascii() and value.isdigit() and int(value) >= 1):
                 return None  # typer explains what is wrong with it
             options["jobs"] = int(value)
+        elif name == _COLOR:
+            if not eq:
+                if not rest:
+                    return None
+                value = rest.pop(0)
+            if value not in COLOR_MODES:
+                return None  # typer explains what is wrong with it
+            options["color"] = value
         elif name in _VALUE_OPTIONS:
             if not eq:
                 if not rest:
@@ -224,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         app(args=args, prog_name="mm3-codemod")
         return
     command, o = plain
+    set_color(o["color"])  # type: ignore[arg-type]
     if command == "survey":
         sys.exit(survey(o["paths"], o["pythons"], o["roots"], o["jobs"], o["--json"], o["--all"]))  # type: ignore[arg-type]
     common = (o["paths"], o["pythons"], o["roots"], o["--example"])
@@ -234,10 +274,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         code = run(
             *common,  # type: ignore[arg-type]
-            o["--backup"],  # type: ignore[arg-type]
-            o["--show-diff"],  # type: ignore[arg-type]
-            o["--exit-non-zero-on-fix"],  # type: ignore[arg-type]
-            o["--json"],  # type: ignore[arg-type]
-            o["--all"],  # type: ignore[arg-type]
+            backup=o["--backup"],  # type: ignore[arg-type]
+            dry_run=o["--dry-run"],  # type: ignore[arg-type]
+            diff=o["--diff"],  # type: ignore[arg-type]
+            show_diff=o["--show-diff"],  # type: ignore[arg-type]
+            exit_non_zero_on_fix=o["--exit-non-zero-on-fix"],  # type: ignore[arg-type]
+            as_json=o["--json"],  # type: ignore[arg-type]
+            show_all=o["--all"],  # type: ignore[arg-type]
         )
     sys.exit(code)

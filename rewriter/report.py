@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
+import re
+import shlex
+from collections.abc import Iterable
 from typing import TextIO
 
-from rich.console import Console
+from rich import box
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from codemods.schema import FUSED_OP, InsertSite, SiteState
 from rewriter import __version__
-from rewriter.apply import FileStatus
+from rewriter.apply import FileResult, FileStatus
 from rewriter.commands import Report
+from rewriter.targets import shown_path
 
 STATE_STYLE = {
     "needs-bypass": "yellow",
@@ -34,17 +40,36 @@ _SUMMARY = {
 }
 
 
-def to_json(report: Report) -> dict[str, object]:
+def envelope(
+    command: str,
+    exit_code: int,
+    error: str | None,
+    note: str | None,
+    files: list[dict[str, object]],
+    summary: dict[str, int],
+) -> dict[str, object]:
+    """The one JSON shape every command prints with ``--json`` (``verify`` adds ``kernel``)."""
     return {
         "tool": "mm3-codemod",
         "version": __version__,
-        "command": report.command,
-        "exit_code": int(report.exit_code),
-        "error": report.error,
-        "note": report.note,
-        "files": [f.to_json() | _target_fields(report, i) for i, f in enumerate(report.files)],
-        "summary": {status.value: report.count(status) for status in FileStatus},
+        "command": command,
+        "exit_code": int(exit_code),
+        "error": error,
+        "note": note,
+        "files": files,
+        "summary": summary,
     }
+
+
+def to_json(report: Report) -> dict[str, object]:
+    return envelope(
+        report.command,
+        report.exit_code,
+        report.error,
+        report.note,
+        [f.to_json() | _target_fields(report, i) for i, f in enumerate(report.files)],
+        {status.value: report.count(status) for status in FileStatus},
+    )
 
 
 def _origin(report: Report, index: int) -> str | None:
@@ -80,17 +105,25 @@ def render_diff(diff: str) -> Text:
     return text
 
 
+def shown_sites(result: FileResult, show_all: bool = False) -> list[InsertSite]:
+    """The sites a report lists: not-a-site calls only with ``--all`` - unless a file has
+    nothing else, where they are what explains why nothing is done."""
+    sites = [s for s in result.sites if show_all or s.state is not SiteState.NOT_A_SITE]
+    return sites or result.sites
+
+
+def _where(site: InsertSite) -> str:
+    return f"{site.class_name}.{site.method}" if site.class_name else f"{site.method}()"
+
+
 def print_human(report: Report, err: Console, show_all: bool = False) -> None:
-    """Per-site table, per-file errors, one summary line (all on stderr)."""
+    """Per-site lines, per-file errors, one summary line, what to do next (all on stderr)."""
     if report.error:
         err.print(Text(f"error: {report.error}", style="red"), soft_wrap=True)
         return
     for result in report.files:
-        for site in result.sites:
-            if site.state.value == "not-a-site" and not show_all:
-                continue
-            where = f"{site.class_name}.{site.method}" if site.class_name else f"{site.method}()"
-            line = Text(f"{result.path}:{site.line}: {where}: ")
+        for site in shown_sites(result, show_all):
+            line = Text(f"{result.path}:{site.line}: {_where(site)}: ")
             line.append(site.state.value, style=STATE_STYLE.get(site.state.value, ""))
             if site.action.value != "none":
                 line.append(f" -> {site.action.value}")
@@ -104,18 +137,56 @@ def print_human(report: Report, err: Console, show_all: bool = False) -> None:
     if report.note:
         err.print(Text(report.note, style="red"), soft_wrap=True)
     err.print(summary_line(report), soft_wrap=True, highlight=False)
-    if report.command == "check" and report.count(FileStatus.NEEDS_REWRITE):
-        err.print(
-            "run `mm3-codemod run` with the same targets to apply the fp8 bypass",
-            soft_wrap=True,
-            highlight=False,
+    for step in next_steps(report):
+        err.print(step, soft_wrap=True, highlight=False)
+
+
+# --- what to do next -------------------------------------------------------------------
+
+# The hook that runs each command (.pre-commit-hooks.yaml), and whether it is a
+# manual-stage hook: under pre-commit, mm3-codemod itself may not be on PATH.
+HOOKS = {
+    "run": ("mm3-codemod", False),
+    "check": ("mm3-codemod-check", False),
+    "revert": ("mm3-codemod-revert", True),
+}
+
+
+def under_pre_commit() -> bool:
+    return os.environ.get("PRE_COMMIT") == "1"  # set by pre-commit for its hooks
+
+
+def command_for(verb: str, report: Report, indices: Iterable[int]) -> str:
+    """The exact command line that runs ``mm3-codemod <verb>`` on those files of the
+    report: through pre-commit's hook when running under pre-commit."""
+    targets = [report.targets[i] for i in indices if i < len(report.targets)]
+    example = any(t.origin == "--example" for t in targets)
+    names = [shlex.quote(shown_path(t.path)) for t in targets if t.origin != "--example"]
+    if under_pre_commit() and not example:
+        hook, manual = HOOKS[verb]
+        return " ".join(
+            ["pre-commit run", hook, *(["--hook-stage manual"] if manual else []), "--files", *names]
         )
-    if report.command == "revert" and report.dry_run and report.count(FileStatus.NEEDS_REWRITE):
-        err.print(
-            "run `mm3-codemod revert` with the same targets to take the fp8 bypass out",
-            soft_wrap=True,
-            highlight=False,
-        )
+    return " ".join(["mm3-codemod", verb, *(["--example"] if example else []), *names])
+
+
+def next_steps(report: Report) -> list[str]:
+    """One line per thing left to do, each with the exact command."""
+    steps = []
+    by_status = {
+        status: [i for i, f in enumerate(report.files) if f.status is status] for status in FileStatus
+    }
+    pending = by_status[FileStatus.NEEDS_REWRITE]
+    if report.dry and pending and report.command != "survey":
+        if report.command == "revert":
+            steps.append(f"to take the fp8 bypass out: {command_for('revert', report, pending)}")
+        else:
+            steps.append(f"to apply the fp8 bypass: {command_for('run', report, pending)}")
+    written = by_status[FileStatus.REWRITTEN]
+    if written and under_pre_commit():
+        names = " ".join(shlex.quote(shown_path(report.files[i].path)) for i in written)
+        steps.append(f"review the change, then stage it: git add {names}")
+    return steps
 
 
 # `revert` rewrites files too, but the reader wants to know they were reverted.
@@ -142,43 +213,132 @@ def summary_line(report: Report) -> str:
 
 # --- survey ---------------------------------------------------------------------------
 
-_RUN_WOULD = {"rewrite": "rewrite", "complete": "complete", "none": "nothing", "refuse": "refuse"}
+
+class Folded:
+    """A name that wraps only after one of ``separators`` (``/`` in paths, ``.`` in
+    ``Class.method``), so that no file, folder, class or method name is cut."""
+
+    def __init__(self, text: str, separators: str, style: str = "") -> None:
+        self.text, self.style = text, style
+        self.parts: list[str] = []
+        for char in text:
+            if not self.parts or self.parts[-1][-1:] in separators:
+                self.parts.append(char)
+            else:
+                self.parts[-1] += char
+
+    @property
+    def shortest(self) -> int:
+        return max((len(p) for p in self.parts), default=0)
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement(self.shortest, len(self.text))
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width = max(1, options.max_width)
+        lines: list[str] = []
+        for part in self.parts:
+            if lines and len(lines[-1]) + len(part) <= width:
+                lines[-1] += part
+            else:
+                lines += [part[i : i + width] for i in range(0, len(part), width)]  # cut only if it must
+        yield Text("\n".join(lines), style=self.style)
 
 
-def shown_path(path: Path) -> str:
-    """Relative to the working directory when under it, else as given."""
-    try:
-        return str(Path(os.path.abspath(path)).relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
+def brief_reason(site: InsertSite) -> str:
+    """The start of the site's reason, to its first ": " or "; " (``check`` prints it whole),
+    with the missing pieces of a half-applied bypass."""
+    text = re.split(r": |; ", site.reason, maxsplit=1)[0]
+    missing = [name for name, present in site.pieces.items() if not present]
+    if site.state is SiteState.HALF_APPLIED and missing:
+        text += "; missing: " + ", ".join(missing)
+    return text
 
 
-def survey_table(report: Report, show_all: bool = False) -> Table:
-    """One row per insert site (per file where it has none to show)."""
-    table = Table(title="mm3-codemod survey", title_justify="left", header_style="bold")
-    for name in ("vLLM", "file", "site", "state", "run would"):
-        table.add_column(name, no_wrap=name != "file", overflow="fold")
+# survey's columns, under a line naming each file; "state" also says what run would do.
+# No vertical rules: 80 columns are few.
+_COLUMNS = ("vLLM", "site", "state", "why")
+_GAP = 2
+_WHY_MIN = 12  # narrower, the reason becomes a word per line
+_CUT_MIN = 8  # where even whole names do not fit: cut, but keep this much of the column
+
+
+def _fit(minimum: list[int], maximum: list[int], available: int) -> list[int]:
+    """Column widths within ``available``: each as wide as its widest cell, then the widest
+    shrunk first, never below its narrowest whole name; where even that is too wide, the
+    reason and then the site give way (cut), never the version or the state."""
+    widths = list(maximum)
+    cut = [minimum[0], minimum[1], minimum[2], _CUT_MIN]
+    for floor in (minimum, cut, [minimum[0], _CUT_MIN, minimum[2], _CUT_MIN]):
+        while sum(widths) > available:
+            shrinkable = [i for i, w in enumerate(widths) if w > floor[i]]
+            if not shrinkable:
+                break
+            widths[max(shrinkable, key=lambda i: widths[i])] -= 1
+    return widths
+
+
+Row = tuple[str, Folded, Text, str]
+
+
+def survey_rows(report: Report, show_all: bool = False) -> list[tuple[str, list[Row]]]:
+    """Each file listed, with one row per insert site; a file without one shows why
+    (its not-a-site calls, or its status)."""
+    files = []
     for index, result in enumerate(report.files):
-        if result.status is FileStatus.NO_SITES and not show_all:
+        if result.status is FileStatus.NO_SITES and not result.sites and not show_all:
             continue
         version = report.targets[index].vllm_version or "unknown"
-        where = shown_path(result.path)
-        sites = [s for s in result.sites if show_all or s.state.value != "not-a-site"]
-        if result.status is FileStatus.ERROR:
-            table.add_row(version, where, "-", Text("error", style="red"), "refuse")
-        elif not sites:
-            state = "no insert site" if result.sites else "no fused op"
-            table.add_row(version, where, "-", Text(state, style="dim"), "nothing")
-        for site in sites if result.status is not FileStatus.ERROR else []:
-            what = f"{site.class_name}.{site.method}" if site.class_name else f"{site.method}()"
-            table.add_row(
-                version,
-                where,
-                f"{what}:{site.line}",
-                Text(site.state.value, style=STATE_STYLE.get(site.state.value, "")),
-                _RUN_WOULD.get(site.action.value, site.action.value),
-            )
-    return table
+        rows: list[Row] = []
+        if result.status is FileStatus.ERROR or not result.sites:
+            state = Text(result.status.value, style="red" if result.failed else "dim")
+            rows.append((version, Folded("-", "."), state, result.error or f"no call of {FUSED_OP}"))
+        else:
+            for site in shown_sites(result, show_all):
+                state = Text(site.state.value, style=STATE_STYLE.get(site.state.value, ""))
+                if site.action.value != "none":
+                    state.append(f"\n-> {site.action.value}")
+                rows.append((version, Folded(f"{_where(site)}:{site.line}", "."), state, brief_reason(site)))
+        files.append((shown_path(result.path), rows))
+    return files
+
+
+def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
+    """The column headers, then each file: its path on a line of its own (folded only
+    after a ``/``), and its rows in columns of one width throughout."""
+    files = survey_rows(report, show_all)
+    minimum = [len(name) for name in _COLUMNS]
+    maximum = list(minimum)
+    for _, rows in files:
+        for version, site, state, why in rows:
+            state_width = max(len(line) for line in state.plain.splitlines())
+            narrowest = [len(version), site.shortest, state_width, _WHY_MIN]  # a long word may be cut
+            widest = [len(version), len(site.text), state_width, len(why)]
+            minimum = [max(a, b) for a, b in zip(minimum, narrowest)]
+            maximum = [max(a, b) for a, b in zip(maximum, widest)]
+    widths = _fit(minimum, maximum, width - _GAP * (len(_COLUMNS) - 1))
+
+    def columns(header: bool) -> Table:
+        table = Table(
+            box=box.SIMPLE_HEAD,  # its rules are blanks but for the line under the header
+            show_header=header,
+            header_style="bold",
+            show_edge=False,
+            pad_edge=False,
+            padding=(0, _GAP - 1, 0, 0),
+        )
+        for name, column_width in zip(_COLUMNS, widths):
+            table.add_column(name, width=column_width, overflow="fold")
+        return table
+
+    parts: list[RenderableType] = [Text("mm3-codemod survey", style="bold"), columns(header=True)]
+    for path, rows in files:
+        parts.append(Folded(path, "/", style="bold"))
+        table = columns(header=False)
+        for version, site, state, why in rows:
+            table.add_row(version, site, state, Folded(why, " =."))
+        parts.append(table)
+    return Group(*parts)
 
 
 def print_survey(report: Report, err: Console, show_all: bool = False) -> None:
@@ -186,7 +346,7 @@ def print_survey(report: Report, err: Console, show_all: bool = False) -> None:
     if report.error:
         err.print(Text(f"error: {report.error}", style="red"), soft_wrap=True)
         return
-    err.print(survey_table(report, show_all))
+    err.print(survey_table(report, err.width, show_all))
     for result in report.files:
         if result.error:
             err.print(Text(f"error: {result.path}: {result.error}", style="red"), soft_wrap=True)

@@ -28,6 +28,20 @@ class Target:
     path: Path
     origin: str
     vllm_version: str | None = None  # from distribution metadata; None for plain paths
+    # The folder the user targeted (a fork root, a site-packages, the working folder):
+    # diffs name the file relative to it, so that `git apply` works from there.
+    root: Path | None = None
+
+    @property
+    def diff_name(self) -> str:
+        """The path a diff names: relative to ``root`` (POSIX), else the file's name."""
+        path = Path(os.path.abspath(self.path))
+        if self.root is not None:
+            try:
+                return path.relative_to(os.path.abspath(self.root)).as_posix()
+            except ValueError:
+                pass
+        return path.name
 
 
 def dist_version_beside(package: Path) -> str | None:
@@ -111,12 +125,16 @@ else:
 """
 
 
+class VllmNotInstalled(TargetError):
+    """The interpreter asked has no vLLM."""
+
+
 def _vllm_from_report(report: dict[str, object], who: str) -> Path:
     if "error" in report:
         raise TargetError(f"{who}: cannot look up vllm: {report['error']}")
     locations = report.get("locations") or []
     if not locations:
-        raise TargetError(f"{who}: vLLM is not installed in this environment")
+        raise VllmNotInstalled(f"{who}: vLLM is not installed in this environment")
     return Path(str(locations[0]))  # type: ignore[index]
 
 
@@ -131,6 +149,60 @@ def vllm_of_current_interpreter() -> Path:
         raise TargetError(f"{who}: cannot look up vllm: {exc}") from exc
     locations = list(spec.submodule_search_locations or []) if spec else []
     return _vllm_from_report({"locations": locations}, who)
+
+
+def source_tree_around(folder: Path) -> Path | None:
+    """The vLLM source tree ``folder`` is in: the nearest folder, ``folder`` or above,
+    that holds ``vllm/models/minimax_m3/nvidia/``."""
+    folder = Path(os.path.abspath(folder))
+    for candidate in (folder, *folder.parents):
+        if candidate.joinpath("vllm", *NVIDIA_PARTS).is_dir():
+            return candidate
+    return None
+
+
+def shown_path(path: Path) -> str:
+    """A path as the user would type it from the working folder: relative when that
+    is shorter than the absolute path, else absolute."""
+    absolute = os.path.abspath(path)
+    try:
+        relative = os.path.relpath(absolute)
+    except ValueError:  # another drive (Windows)
+        return absolute
+    return relative if len(relative) < len(absolute) else absolute
+
+
+def default_targets() -> list[Target]:
+    """No target named: the vLLM source tree the working folder is in, else this
+    interpreter's vLLM; both, when they are different trees, is a question for the user."""
+    tree = source_tree_around(Path.cwd())
+    try:
+        package: Path | None = vllm_of_current_interpreter()
+        missing: TargetError | None = None
+    except VllmNotInstalled as exc:
+        package, missing = None, exc
+    installed = package if package is not None and package.joinpath(*NVIDIA_PARTS).is_dir() else None
+    if tree is not None and installed is not None:
+        if os.path.realpath(installed) != os.path.realpath(tree / "vllm"):
+            raise TargetError(
+                f"{shown_path(tree)}: two vLLMs could be meant: this source tree and the one installed "
+                f"for {sys.executable} ({installed}); choose with --vllm-root {shown_path(tree)} (this tree) "
+                f"or --python {sys.executable} (the installed one)"
+            )
+    if tree is not None:
+        folder = tree.joinpath("vllm", *NVIDIA_PARTS)
+        version = dist_version_beside(tree / "vllm")
+        return [Target(f, f"source tree {tree}", version, tree) for f in python_files(folder)]
+    if package is None:
+        raise TargetError(
+            f"{missing}, and {Path.cwd()} is not inside a vLLM source tree"
+            " (no vllm/models/minimax_m3/nvidia/); "
+            "name the files (PATH...), a fork checkout or site-packages (--vllm-root DIR), "
+            "or another environment (--python EXE)"
+        )
+    folder = nvidia_dir(package, f"vLLM of {sys.executable}")
+    version = installed_version(package)
+    return [Target(f, "current interpreter", version, package.parent) for f in python_files(folder)]
 
 
 def vllm_of_interpreter(python: str) -> Path:
@@ -178,6 +250,16 @@ def vllm_install_of_interpreter(python: str) -> tuple[Path, str | None]:
     return folder, dist_version_beside(folder) or (str(version) if version else None)
 
 
+def _path_root(path: Path, outside: Path) -> Path:
+    """A path's root: the working folder when the path is under it, else ``outside``."""
+    cwd = Path.cwd()
+    try:
+        Path(os.path.abspath(path)).relative_to(cwd)
+        return cwd
+    except ValueError:
+        return Path(os.path.abspath(outside))
+
+
 def resolve(
     paths: list[Path] | None = None,
     pythons: list[str] | None = None,
@@ -186,7 +268,8 @@ def resolve(
 ) -> list[Target]:
     """All files to process, de-duplicated, in a stable order.
 
-    With nothing given, the vLLM of the current interpreter.
+    With nothing given, the vLLM source tree around the working folder, or the
+    vLLM of the current interpreter (``default_targets``).
     """
     paths, pythons, vllm_roots = paths or [], pythons or [], vllm_roots or []
     targets: list[Target] = []
@@ -195,26 +278,24 @@ def resolve(
             files = python_files(path)
             if not files:
                 raise TargetError(f"{path}: directory holds no .py files")
-            targets += [Target(f, str(path)) for f in files]
+            root = _path_root(path, path)
+            targets += [Target(f, str(path), root=root) for f in files]
         elif path.exists() or path.is_symlink():
-            targets.append(Target(path, "path"))
+            targets.append(Target(path, "path", root=_path_root(path, path.parent)))
         else:
             raise TargetError(f"{path}: no such file or directory")
     for root in vllm_roots:
         folder = nvidia_dir(root, "--vllm-root")
         version = dist_version_beside(folder.parents[len(NVIDIA_PARTS) - 1])
-        targets += [Target(f, f"--vllm-root {root}", version) for f in python_files(folder)]
+        targets += [Target(f, f"--vllm-root {root}", version, root) for f in python_files(folder)]
     for python in pythons:
         package, version = vllm_install_of_interpreter(python)
         folder = nvidia_dir(package, f"vLLM of {python}")
-        targets += [Target(f, f"--python {python}", version) for f in python_files(folder)]
+        targets += [Target(f, f"--python {python}", version, package.parent) for f in python_files(folder)]
     if example:
-        targets.append(Target(example_path(), "--example"))
+        targets.append(Target(example_path(), "--example", root=example_path().parent))
     if not (paths or pythons or vllm_roots or example):
-        package = vllm_of_current_interpreter()
-        folder = nvidia_dir(package, f"vLLM of {sys.executable}")
-        version = installed_version(package)
-        targets += [Target(f, "current interpreter", version) for f in python_files(folder)]
+        targets += default_targets()
 
     seen: set[str] = set()
     unique = []

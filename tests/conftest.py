@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,25 @@ def make_vllm_tree(root: Path, files: dict[str, bytes], init: str = "") -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
     return nvidia
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_temp_folder_left(tmp_path_factory):
+    """Everything temporary that the code under test makes - in this process or in the CLI,
+    pre-commit and pip processes the tests start - goes under one TMPDIR, which must be
+    empty again at the end (pytest's own tmp_path folders live elsewhere)."""
+    temp = tmp_path_factory.mktemp("TMPDIR")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(temp)
+    tempfile.tempdir = None  # tempfile reads TMPDIR again
+    yield
+    if before is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
+    left = sorted(p.name for p in temp.iterdir())
+    assert not left, f"temporary files left behind: {left}"
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,15 +35,22 @@ def test_readme_table_is_the_committed_run() -> None:
 
 
 def test_bench_runs_and_writes_every_row(tmp_path: Path) -> None:
-    out = tmp_path / "results.json"
+    """Asked nothing, it writes its results into the user's cache, not the checkout."""
+    committed = (ROOT / "bench" / "results.json").read_bytes()
+    before = sorted(p.name for p in (ROOT / "bench").iterdir())
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--reps", "1", "--survey-files", "4", "--json", str(out)],
+        [sys.executable, str(BENCH), "--reps", "1", "--survey-files", "4"],
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "mm3-codemod" / "bench" / "results.json"
+    assert f"results: {out}" in proc.stdout
+    assert (ROOT / "bench" / "results.json").read_bytes() == committed
+    assert sorted(p.name for p in (ROOT / "bench").iterdir()) == before
     result = json.loads(out.read_text())
     assert set(result["measures"]) == {
         "check-native",

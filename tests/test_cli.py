@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 import libcst as cst
@@ -31,7 +33,9 @@ def test_preview_prints_the_diff_on_stdout_and_writes_nothing(copy_fixture) -> N
     original = target.read_bytes()
     proc = cli("preview", str(target))
     assert proc.returncode == 1
-    assert proc.stdout.startswith(f"--- {target}\n+++ {target}\n@@ ")
+    # Outside the working folder, the diff is relative to the file's own folder.
+    assert proc.stdout.startswith("--- a/model.py\n+++ b/model.py\n@@ ")
+    assert f"diff paths are relative to {target.parent}" in proc.stderr
     assert "+        insert_via_fused = not self._fp8_kv\n" in proc.stdout
     assert target.read_bytes() == original
 
@@ -47,6 +51,64 @@ def test_preview_diff_applies_with_patch(copy_fixture, tmp_path: Path) -> None:
     diff = cli("preview", str(target)).stdout
     subprocess.run(["patch", "-s", str(target)], input=diff, text=True, check=True)
     assert target.read_bytes() == (FIXTURES / "fork_era" / "expected.py").read_bytes()
+
+
+NVIDIA_MODEL = "vllm/models/minimax_m3/nvidia/model.py"
+
+
+def git_fork(root: Path) -> Path:
+    """A git repo laid out like a vLLM fork holding the fork-era model file, committed."""
+    (root / NVIDIA_MODEL).parent.mkdir(parents=True)
+    shutil.copyfile(FIXTURES / "fork_era" / "model.py", root / NVIDIA_MODEL)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t.invalid"}
+    env |= {"GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t.invalid"}
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "fork"]):
+        subprocess.run(["git", *args], cwd=root, env=env, check=True, capture_output=True)
+    return root
+
+
+def elsewhere(fork: Path) -> Path:
+    folder = fork.parent / "elsewhere"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+# (how the user names the target, from which folder) -> the folder the diff applies from
+DIFF_ROOTS = {
+    "--vllm-root elsewhere": (lambda fork: ["--vllm-root", str(fork)], lambda fork: fork.parent, "fork"),
+    "--vllm-root .": (lambda fork: ["--vllm-root", "."], lambda fork: fork, "fork"),
+    "bare, inside the fork": (lambda fork: [], lambda fork: fork / "vllm" / "models", "fork"),
+    "relative file": (lambda fork: [NVIDIA_MODEL], lambda fork: fork, "fork"),
+    "absolute file elsewhere": (
+        lambda fork: [str(fork / NVIDIA_MODEL)],
+        lambda fork: elsewhere(fork),
+        "file",
+    ),
+}
+
+
+@pytest.mark.parametrize("how", sorted(DIFF_ROOTS))
+def test_preview_diff_applies_with_git_apply_from_the_targeted_root(tmp_path: Path, how: str) -> None:
+    """`git apply` (and `patch -p1`) take preview's diff as it is, from the folder the user
+    targeted - the fork root - or, for a file outside the working folder, the file's folder."""
+    import importlib.util
+
+    if how.startswith("bare") and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this interpreter has a real vLLM installed")
+    fork = git_fork(tmp_path / "fork")
+    args, cwd, root = DIFF_ROOTS[how]
+    proc = cli("preview", *args(fork), cwd=cwd(fork))
+    assert proc.returncode == 1, proc.stderr
+    apply_in = fork if root == "fork" else (fork / NVIDIA_MODEL).parent
+    name = NVIDIA_MODEL if root == "fork" else "model.py"
+    assert proc.stdout.startswith(f"--- a/{name}\n+++ b/{name}\n@@ ")
+    if shutil.which("patch"):
+        subprocess.run(
+            ["patch", "-p1", "--dry-run", "-s"], input=proc.stdout, text=True, cwd=apply_in, check=True
+        )
+    subprocess.run(["git", "apply", "--check", "-"], input=proc.stdout, text=True, cwd=apply_in, check=True)
+    subprocess.run(["git", "apply", "-"], input=proc.stdout, text=True, cwd=apply_in, check=True)
+    assert (fork / NVIDIA_MODEL).read_bytes() == (FIXTURES / "fork_era" / "expected.py").read_bytes()
 
 
 def test_json_report(copy_fixture) -> None:
@@ -84,14 +146,22 @@ def test_backup_never_overwrites_an_earlier_one(copy_fixture) -> None:
     )
 
 
-def test_run_example_writes_a_copy_not_the_package() -> None:
+def test_run_example_writes_a_copy_not_the_package(tmp_path: Path) -> None:
+    """The copy is rewritten (its diff turns the example into what run writes), then
+    removed with its folder: the package's file is untouched, no temp folder is left."""
     original = example_path().read_bytes()
-    proc = cli("run", "--example", "--show-diff")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    proc = cli("run", "--example", "--show-diff", env={"TMPDIR": str(temp)})
     assert proc.returncode == 0, proc.stderr
-    assert "+        insert_via_fused = not self._fp8_kv" in proc.stdout
-    copied = Path(proc.stderr.split("example copied to ")[1].split()[0])
-    assert copied.read_bytes() == (FIXTURES / "fork_era" / "expected.py").read_bytes()
+    assert "1 file rewritten." in proc.stderr and "(removed afterwards)" in proc.stderr
+    (tmp_path / "example_model.py").write_bytes(original)
+    subprocess.run(["git", "apply", "-"], input=proc.stdout, text=True, cwd=tmp_path, check=True)
+    assert (tmp_path / "example_model.py").read_bytes() == (
+        FIXTURES / "fork_era" / "expected.py"
+    ).read_bytes()
     assert example_path().read_bytes() == original
+    assert list(temp.iterdir()) == []
 
 
 def test_preview_example() -> None:
@@ -229,8 +299,8 @@ def test_file_changed_between_read_and_write_is_refused(copy_fixture, monkeypatc
     target = copy_fixture("fork_era")
     real_plan = apply.plan_file
 
-    def plan_then_edit(path):
-        result = real_plan(path)
+    def plan_then_edit(path, **kwargs):
+        result = real_plan(path, **kwargs)
         path.write_bytes(path.read_bytes() + b"# edited by someone else\n")
         return result
 

@@ -156,6 +156,7 @@ def test_what_the_fast_reader_leaves_to_typer() -> None:
             "--diff": False,
             "--json": True,
             "--all": False,
+            "color": "auto",
         },
     )
     for argv in (
@@ -174,6 +175,9 @@ def test_what_the_fast_reader_leaves_to_typer() -> None:
         ["survey", "--jobs", "two"],
         ["survey", "-j"],
         ["survey", "--example"],
+        ["check", "--color", "sometimes"],
+        ["check", "--color"],
+        ["check", "--dry-run"],  # a run option
         ["revert", "a.py"],
         ["verify", "a.py"],
     ):
@@ -212,6 +216,11 @@ def run_both(tmp_path: Path, args: list[str], restore: Path | None = None) -> No
         ["survey", "--json", "-j", "2", "fixtures"],
         ["check", "--bogus"],  # typer's error either way
         ["survey", "-j", "0", "fixtures"],
+        ["run", "--dry-run", "fixtures/fork_era/model.py", "fixtures/patched/model.py"],
+        ["run", "--diff", "--color=always", "fixtures/half_applied/model.py"],
+        ["check", "--diff", "--color", "always", "fixtures/fork_era/model.py"],
+        ["survey", "--color", "never", "fixtures"],
+        ["check", "--color", "sometimes", "fixtures"],  # typer's error either way
     ],
     ids=lambda a: " ".join(a),
 )

@@ -22,6 +22,8 @@ import pytest
 import yaml
 from conftest import FIXTURES, ROOT, cli
 
+from rewriter.report import HOOKS
+
 NVIDIA = "vllm/models/minimax_m3/nvidia"
 GIT_ENV = {
     "GIT_AUTHOR_NAME": "mm3-codemod tests",
@@ -101,20 +103,38 @@ def fork_repo(root: Path, files: dict[str, Path]) -> Path:
     return root
 
 
-def readme_config(repo: Path, rev: str) -> str:
-    """The README's `.pre-commit-config.yaml` snippet, pointed at the snapshot."""
-    readme = (ROOT / "README.md").read_text()
-    (snippet,) = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "mm3-codemod-check" in b]
-    snippet = re.sub(r"(?m)^(\s*- repo:|\s*repo:).*$", rf"\g<1> {repo}", snippet)
-    return re.sub(r"(?m)^(\s*rev:).*$", rf"\g<1> {rev}", snippet)
+README = (ROOT / "README.md").read_text()
+MODEL = f"{NVIDIA}/model.py"
+
+
+def readme_snippet(marker: str) -> str:
+    """The README's one `.pre-commit-config.yaml` snippet that contains ``marker``."""
+    (snippet,) = [b for b in re.findall(r"```yaml\n(.*?)```", README, re.S) if marker in b]
+    return snippet
+
+
+def readme_config(repo: Path, rev: str, hook: str) -> str:
+    """The README's snippet for a hook environment built by pre-commit, with its
+    placeholders filled in: the snapshot of this project and its commit. A hook of the
+    manifest that the snippet does not list is added, so each can be run on its own."""
+    snippet = readme_snippet("rev:")
+    snippet = re.sub(r"(?m)^(\s*- repo:).*$", rf"\g<1> {repo}", snippet)
+    snippet = re.sub(r"(?m)^(\s*rev:).*$", rf"\g<1> {rev}", snippet)
+    if f"- id: {hook}\n" not in snippet:
+        snippet += f"      - id: {hook}\n"
+    return snippet
 
 
 # --- the manifest ---------------------------------------------------------------------------
 
 
+def manifest() -> dict[str, dict]:
+    return {h["id"]: h for h in yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())}
+
+
 def test_manifest() -> None:
-    hooks = {h["id"]: h for h in yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())}
-    assert set(hooks) == {"mm3-codemod", "mm3-codemod-check"}
+    hooks = manifest()
+    assert set(hooks) == {"mm3-codemod", "mm3-codemod-check", "mm3-codemod-revert"}
     for hook in hooks.values():
         assert hook["language"] == "python" and hook["require_serial"] is True
         files = re.compile(hook["files"])
@@ -124,6 +144,28 @@ def test_manifest() -> None:
     assert hooks["mm3-codemod"]["entry"].split()[:2] == ["mm3-codemod", "run"]
     assert "--exit-non-zero-on-fix" in hooks["mm3-codemod"]["entry"]
     assert hooks["mm3-codemod-check"]["entry"].split()[:2] == ["mm3-codemod", "check"]
+    assert hooks["mm3-codemod-revert"]["entry"].split()[:2] == ["mm3-codemod", "revert"]
+    assert hooks["mm3-codemod-revert"]["stages"] == ["manual"]  # only when asked
+
+
+def test_the_commands_messages_name_are_the_manifests_hooks() -> None:
+    """What a message under pre-commit tells the user to run is a hook that exists, at its stage."""
+    hooks = manifest()
+    for verb, (hook, manual) in HOOKS.items():
+        assert hooks[hook]["entry"].split()[:2] == ["mm3-codemod", verb]
+        assert ("manual" in hooks[hook].get("stages", [])) == manual
+
+
+def test_readme_local_hooks_are_the_manifests() -> None:
+    """The copy-paste snippet (`repo: local`) declares each hook as the manifest does; only
+    the language differs (the installed mm3-codemod, not an environment pre-commit builds)."""
+    hooks = manifest()
+    (local,) = yaml.safe_load(readme_snippet("repo: local"))["repos"]
+    assert local["repo"] == "local" and local["hooks"]
+    for hook in local["hooks"]:
+        assert hook.pop("language") == "system"
+        expected = {k: v for k, v in hooks[hook["id"]].items() if k not in ("language", "description")}
+        assert hook == expected
 
 
 # --- the hooks' commands, without pre-commit ----------------------------------------------------
@@ -143,11 +185,9 @@ def test_check_diff(copy_fixture) -> None:
     original = target.read_bytes()
     proc = cli("check", "--diff", str(target))
     assert proc.returncode == 1
-    assert proc.stdout.startswith(f"--- {target}\n+++ {target}\n")
+    assert proc.stdout.startswith("--- a/model.py\n+++ b/model.py\n")
     assert "+        insert_via_fused = not self._fp8_kv\n" in proc.stdout
-    assert proc.stderr.rstrip().endswith(
-        "run `mm3-codemod run` with the same targets to apply the fp8 bypass"
-    )
+    assert proc.stderr.rstrip().endswith(f"to apply the fp8 bypass: mm3-codemod run {target}")
     assert target.read_bytes() == original
     patched = cli("check", "--diff", str(copy_fixture("patched")))
     assert (patched.returncode, patched.stdout) == (0, "")
@@ -187,16 +227,25 @@ def test_try_repo(tmp_path: Path, hook_repo: tuple[Path, str], pre_commit_home: 
 
 # (hook, fixture) -> (hook exit code or None when it passes, file afterwards, text in the output)
 MATRIX = {
-    ("mm3-codemod", "fork_era"): (1, "expected.py", "1 file rewritten."),
+    ("mm3-codemod", "fork_era"): (1, "expected.py", f"review the change, then stage it: git add {MODEL}"),
     ("mm3-codemod", "half_applied"): (1, "expected.py", "half-applied -> complete"),
     ("mm3-codemod", "patched"): (None, "model.py", ""),
     ("mm3-codemod", "native"): (None, "model.py", ""),
-    ("mm3-codemod", "native_stale_bypass"): (2, "model.py", "mm3-codemod revert"),
+    (
+        "mm3-codemod",
+        "native_stale_bypass",
+    ): (2, "model.py", f"pre-commit run mm3-codemod-revert --hook-stage manual --files {MODEL}"),
     ("mm3-codemod-check", "fork_era"): (1, "model.py", "+        insert_via_fused = not self._fp8_kv"),
-    ("mm3-codemod-check", "half_applied"): (1, "model.py", "run `mm3-codemod run`"),
+    (
+        "mm3-codemod-check",
+        "half_applied",
+    ): (1, "model.py", f"to apply the fp8 bypass: pre-commit run mm3-codemod --files {MODEL}"),
     ("mm3-codemod-check", "patched"): (None, "model.py", ""),
     ("mm3-codemod-check", "native"): (None, "model.py", ""),
-    ("mm3-codemod-check", "native_stale_bypass"): (2, "model.py", "mm3-codemod revert"),
+    ("mm3-codemod-check", "native_stale_bypass"): (2, "model.py", "mm3-codemod-revert --hook-stage manual"),
+    ("mm3-codemod-revert", "native_stale_bypass"): (1, "reverted.py", "1 file reverted."),
+    ("mm3-codemod-revert", "patched"): (1, "reverted.py", f"git add {MODEL}"),
+    ("mm3-codemod-revert", "native"): (None, "model.py", ""),
 }
 
 
@@ -204,17 +253,92 @@ MATRIX = {
 def test_pre_commit_run(
     hook: str, fixture: str, tmp_path: Path, hook_repo: tuple[Path, str], pre_commit_home: Path
 ) -> None:
+    """The README's snippet for hooks in pre-commit's own environment: mm3-codemod is not
+    on PATH there, so every message names the hook's command."""
     code, after, text = MATRIX[hook, fixture]
-    model = f"{NVIDIA}/model.py"
-    fork = fork_repo(tmp_path / "fork", {model: FIXTURES / fixture / "model.py"})
-    (fork / ".pre-commit-config.yaml").write_text(readme_config(*hook_repo))
+    fork = fork_repo(tmp_path / "fork", {MODEL: FIXTURES / fixture / "model.py"})
+    (fork / ".pre-commit-config.yaml").write_text(readme_config(*hook_repo, hook))
     git("add", ".pre-commit-config.yaml", cwd=fork)
-    proc = pre_commit("run", hook, "--files", model, cwd=fork, home=pre_commit_home)
+    stage = ["--hook-stage", "manual"] if "manual" in manifest()[hook].get("stages", []) else []
+    proc = pre_commit("run", hook, *stage, "--files", MODEL, cwd=fork, home=pre_commit_home)
     out = proc.stdout + proc.stderr
-    assert (fork / model).read_bytes() == (FIXTURES / fixture / after).read_bytes()
+    assert (fork / MODEL).read_bytes() == (FIXTURES / fixture / after).read_bytes()
     if code is None:
         assert proc.returncode == 0 and "Passed" in out, out
     else:
         assert proc.returncode == 1 and "Failed" in out and f"- exit code: {code}" in out, out
         assert text in out
-        assert ("files were modified by this hook" in out) == (after == "expected.py")
+        assert ("files were modified by this hook" in out) == (after != "model.py")
+
+
+# --- the README's fork workflow, end to end --------------------------------------------------
+
+
+def walkthrough() -> list[list[tuple[str, list[str]]]]:
+    """The README's walk-through: per code block, each `$ command` with the output lines
+    shown under it (blank lines and lines shortened with "…" left out)."""
+    section = README.split("**Walk-through.**", 1)[1].split("\n### ", 1)[0]
+    blocks = []
+    for block in re.findall(r"```\n(.*?)```", section, re.S):
+        steps: list[tuple[str, list[str]]] = []
+        for line in block.splitlines():
+            if line.startswith("$ "):
+                steps.append((line[2:], []))
+            elif line.strip() and "…" not in line:
+                steps[-1][1].append(line)
+        blocks.append(steps)
+    return blocks
+
+
+# What comes in before each block of the walk-through (the README's narrative): the
+# fork-era file; a merge that left the patched file half-applied; a native-era merge
+# that kept the bypass. Each is staged, as a merge leaves it.
+ARRIVALS = ["fork_era", "half_applied", "native_stale_bypass"]
+
+
+def test_readme_fork_workflow_end_to_end(tmp_path: Path, pre_commit_home: Path) -> None:
+    """The README's `repo: local` snippet, copied from the README as it is, in a fork repo
+    with real pre-commit and git hooks; each command of the walk-through run as written,
+    each output line the README shows found in what really came out, and every next
+    command the one the tool printed."""
+    blocks = walkthrough()
+    assert len(blocks) == len(ARRIVALS)
+    fork = tmp_path / "fork"
+    fork.mkdir()
+    git("init", "-q", cwd=fork)
+    (fork / ".pre-commit-config.yaml").write_text(readme_snippet("repo: local"))
+    git("add", ".pre-commit-config.yaml", cwd=fork)
+    git("commit", "-q", "-m", "pre-commit config", cwd=fork)
+    # The environment of the README's `pip install .`: mm3-codemod and pre-commit on PATH.
+    bin_dir = str(Path(sys.executable).parent)
+    env = {
+        **os.environ,
+        **GIT_ENV,
+        "PRE_COMMIT_HOME": str(pre_commit_home),
+        "PATH": bin_dir + os.pathsep + os.environ["PATH"],
+    }
+    env.pop("PRE_COMMIT", None)
+    printed_next: str | None = None
+    for arrival, steps in zip(ARRIVALS, blocks):
+        (fork / MODEL).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(FIXTURES / arrival / "model.py", fork / MODEL)
+        if arrival != "fork_era":  # the first block stages the file itself
+            git("add", MODEL, cwd=fork)
+        for command, shown in steps:
+            if printed_next is not None:  # follow only what the tool printed
+                assert command.startswith(printed_next), (command, printed_next)
+            proc = subprocess.run(
+                ["bash", "-c", command], cwd=fork, env=env, capture_output=True, text=True, timeout=300
+            )
+            out = (proc.stdout + proc.stderr).splitlines()
+            for line in shown:
+                assert line in out, (command, line, out)
+            printed_next = None
+            for line in out:
+                for lead in ("review the change, then stage it: ", "to take the stale bypass out: "):
+                    if lead in line:
+                        printed_next = line.split(lead, 1)[1]
+            assert proc.returncode == (1 if any(line.endswith("Failed") for line in shown) else 0), out
+    assert (fork / MODEL).read_bytes() == (FIXTURES / "native_stale_bypass" / "reverted.py").read_bytes()
+    assert git("status", "--porcelain", cwd=fork) == ""
+    assert len(git("log", "--oneline", cwd=fork).splitlines()) == 4

@@ -327,15 +327,16 @@ def test_cli_revert_check_diff_and_write(tmp_path: Path) -> None:
     target = copy(FIXTURES / "fork_era" / "expected.py", tmp_path)
     patched = target.read_bytes()
 
-    proc = cli("revert", "--check", str(target))
-    assert proc.returncode == 1 and proc.stdout == ""
-    assert "patched -> revert" in proc.stderr and "1 file would be reverted." in proc.stderr
-    assert "run `mm3-codemod revert`" in proc.stderr
-    assert target.read_bytes() == patched
+    for dry in ("--dry-run", "--check"):  # --check: the old spelling, kept hidden
+        proc = cli("revert", dry, str(target))
+        assert proc.returncode == 1 and proc.stdout == ""
+        assert "patched -> revert" in proc.stderr and "1 file would be reverted." in proc.stderr
+        assert f"to take the fp8 bypass out: mm3-codemod revert {target}" in proc.stderr
+        assert target.read_bytes() == patched
 
     proc = cli("revert", "--diff", str(target))
     assert proc.returncode == 1
-    assert proc.stdout.startswith(f"--- {target}\n+++ {target}\n")
+    assert proc.stdout.startswith("--- a/model.py\n+++ b/model.py\n")
     assert "-        insert_via_fused = not self._fp8_kv\n" in proc.stdout
     assert "+    MiniMaxM3SparseMetadata,\n" in proc.stdout
     assert target.read_bytes() == patched

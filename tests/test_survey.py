@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -80,22 +82,49 @@ def test_survey_fixtures_and_real_wheels(tmp_path: Path, wheel_sites: dict[str, 
         assert others and all(f["vllm_version"] == version for f in others)
         assert all(f["status"] in ("unchanged", "no-sites") for f in others)
 
-    # The table on stderr: one row per insert site, with version and what run would do.
-    rows = [line for line in proc.stderr.splitlines() if line.startswith("│")]
-    cells = [[c.strip() for c in row.strip("│").split("│")] for row in rows]
+    # The table on stderr, read as wide: each file on a line, then a row per insert site.
+    wide = cli(*args[:1], *args[2:], env={"COLUMNS": "240"})
+    rows = table_rows(wide.stderr)
     for version in VERSIONS:
-        native_rows = [c for c in cells if c[0] == version and c[3] == "native"]
-        assert [c[2].split(":")[0] for c in native_rows] == ["MiniMaxM3SparseAttention.forward"]
-        assert native_rows[0][4] == "nothing"
-    fork = next(c for c in cells if c[1].endswith("fork_era/model.py"))
-    assert fork[0] == "unknown" and fork[2] == "MiniMaxM3SparseAttention.forward:276"
-    assert (fork[3], fork[4]) == ("needs-bypass", "rewrite")
-    half = next(c for c in cells if c[1].endswith("half_applied/model.py"))
-    assert (half[3], half[4]) == ("half-applied", "complete")
-    stale = next(c for c in cells if c[1].endswith("native_stale_bypass/model.py"))
-    assert (stale[3], stale[4]) == ("half-applied", "refuse")
-    assert not any("mtp.py" in c[1] for c in cells)  # files without the op: counted, not listed
+        native_rows = [r for r in rows if r["vLLM"] == version and r["state"] == "native"]
+        assert [r["site"].split(":")[0] for r in native_rows] == ["MiniMaxM3SparseAttention.forward"]
+        assert native_rows[0]["run would"] == "nothing"
+    fork = next(r for r in rows if r["file"].endswith("fork_era/model.py"))
+    assert fork["vLLM"] == "unknown" and fork["site"] == "MiniMaxM3SparseAttention.forward:276"
+    assert (fork["state"], fork["run would"]) == ("needs-bypass", "rewrite")
+    assert fork["why"].startswith("fork-era insert call")
+    half = next(r for r in rows if r["file"].endswith("half_applied/model.py"))
+    assert (half["state"], half["run would"]) == ("half-applied", "complete")
+    assert "missing: flag, guard" in half["why"]
+    stale = next(r for r in rows if r["file"].endswith("native_stale_bypass/model.py"))
+    assert (stale["state"], stale["run would"]) == ("half-applied", "refuse")
+    assert not any("mtp.py" in r["file"] for r in rows)  # files without the op: counted, not listed
     assert "files without the fused op" in proc.stderr
+
+
+def table_rows(stderr: str) -> list[dict[str, str]]:
+    """survey's table, read back: a line per file, then its rows; a row's state cell may go
+    on with "-> <action>" on the next line. Each row: vLLM, file, site, state, run would, why."""
+    lines = stderr.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("vLLM "))
+    names = ("vLLM", "site", "state", "why")
+    starts = [lines[head].index(name) for name in names]
+    rows: list[dict[str, str]] = []
+    file = ""
+    for line in lines[head + 2 :]:
+        if line.startswith("error:") or re.match(r"\d+ files? ", line):
+            break
+        cells = [line[a:b].strip() for a, b in zip(starts, [*starts[1:], None])]
+        if not line.startswith(" ") and not re.match(r"\S+ {2,}\S", line):
+            file = line.strip()
+        elif not line.startswith(" "):
+            rows.append(dict(zip(names, cells), file=file, **{"run would": "nothing"}))
+        elif cells[2].startswith("-> "):
+            rows[-1]["run would"] = cells[2][3:]
+            rows[-1]["why"] += " " + cells[3]
+        else:
+            rows[-1]["why"] += " " + cells[3]
+    return rows
 
 
 def test_jobs_2_gives_the_same_report_as_jobs_1(tmp_path: Path, wheel_sites: dict[str, Path]) -> None:
@@ -200,7 +229,7 @@ def test_torch_and_vllm_are_never_imported(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**__import__("os").environ, "PYTHONPATH": f"{poison}:{ROOT}"},
+        env={**os.environ, "PYTHONPATH": f"{poison}:{ROOT}"},
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
@@ -237,6 +266,39 @@ def test_targets_keep_their_version(tmp_path: Path) -> None:
     (tmp_path / "vllm-0.25.0.dist-info").mkdir()
     (tmp_path / "vllm-0.25.0.dist-info" / "METADATA").write_text("Name: vllm\nVersion: 0.25.0\n")
     (target,) = resolve(vllm_roots=[tmp_path])
-    assert target == Target(target.path, f"--vllm-root {tmp_path}", "0.25.0")
+    assert (target.origin, target.vllm_version) == (f"--vllm-root {tmp_path}", "0.25.0")
     (plain,) = resolve(paths=[target.path])
     assert plain.vllm_version is None
+
+
+@pytest.mark.parametrize("width", [80, 100, 140])
+def test_readable_at_every_width(tmp_path: Path, wheel_sites: dict[str, Path], width: int) -> None:
+    """Every line fits; every folder, file, class and method name shows whole (folded only
+    after a "/" or a "."); paths are relative to the working folder; each row says why."""
+    fork = tmp_path / "forks" / "minimax-m3-fp8-fork"
+    make_vllm_tree(fork, {"model.py": (FIXTURES / "half_applied" / "model.py").read_bytes()})
+    folder = fixture_copies(tmp_path)
+    args = ["--vllm-root", str(fork), str(folder / "two_candidates"), str(folder / "fork_era")]
+    for version in VERSIONS:
+        args += ["--vllm-root", str(wheel_sites[version])]
+    report = json.loads(cli("survey", "--json", *args, cwd=tmp_path).stdout)
+    proc = cli("survey", *args, cwd=tmp_path, env={"COLUMNS": str(width)})
+    assert proc.returncode == 2, proc.stderr  # two_candidates is refused
+    table = proc.stderr.split("\nerror:")[0]
+    lines = [line.rstrip() for line in table.splitlines()]
+    assert max(len(line) for line in lines) <= width
+    words = {word for line in lines for word in re.split(r"[ /.:()]+", line)}
+    listed = [f for f in report["files"] if f["sites"]]
+    assert len(listed) == 5
+    for entry in listed:
+        relative = Path(os.path.relpath(entry["path"], tmp_path))  # ../ for the wheels
+        assert str(relative) in "".join(line.strip() for line in lines)  # relative, whole when joined
+        pieces = [piece for part in relative.parts for piece in re.split(r"[ /.:()]+", part) if piece]
+        assert set(pieces) <= words, relative
+        for site in entry["sites"]:
+            if site["state"] != "not-a-site":
+                assert {site["class"], site["method"]} <= words, (site, width)
+    assert str(tmp_path) not in table
+    assert lines[1].split() == ["vLLM", "site", "state", "why"]
+    for version in VERSIONS:
+        assert re.search(rf"^{re.escape(version)} +MiniMaxM3SparseAttention\.", table, re.M), version

@@ -103,3 +103,64 @@ def test_vllm_without_minimax_is_a_one_line_error(tmp_path: Path) -> None:
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert "no MiniMax-M3 NVIDIA model" in line and str(tmp_path / "vllm") in line
+
+
+# --- no target named: the source tree around the working folder ----------------------------
+
+
+def no_installed_vllm() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this interpreter has a real vLLM installed")
+
+
+def test_bare_command_in_a_fork_checkout_targets_it(tmp_path: Path) -> None:
+    """Inside a fork's source tree (here two folders down), with no vLLM installed."""
+    no_installed_vllm()
+    fork = tmp_path / "fork"
+    nvidia = fork_tree(fork)
+    inside = fork / "vllm" / "models"
+    proc = cli("check", "--json", cwd=inside)
+    assert proc.returncode == 1, proc.stderr
+    files = {Path(f["path"]).resolve(): f for f in json.loads(proc.stdout)["files"]}
+    assert files[(nvidia / "model.py").resolve()]["status"] == "needs-rewrite"
+    assert {f["origin"] for f in files.values()} == {f"source tree {fork}"}
+    assert cli("run", cwd=inside).returncode == 0
+    assert (nvidia / "model.py").read_bytes() == (FIXTURES / "fork_era" / "expected.py").read_bytes()
+
+
+def test_a_fork_checkout_and_an_installed_vllm_is_a_question(tmp_path: Path) -> None:
+    """An installed vLLM elsewhere: exit 2, one line naming both and how to choose."""
+    fork = tmp_path / "fork"
+    nvidia = fork_tree(fork)
+    site = tmp_path / "site-packages"
+    installed = fork_tree(site)
+    before = (nvidia / "model.py").read_bytes(), (installed / "model.py").read_bytes()
+    for command in ("check", "run"):
+        proc = cli(command, cwd=fork / "vllm", env={"PYTHONPATH": str(site)})
+        assert proc.returncode == 2, proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert str(site / "vllm") in line and "two vLLMs" in line
+        assert "--vllm-root .." in line and f"--python {sys.executable}" in line
+    assert ((nvidia / "model.py").read_bytes(), (installed / "model.py").read_bytes()) == before
+    # Either way out works.
+    assert cli("check", "--vllm-root", "..", cwd=fork / "vllm", env={"PYTHONPATH": str(site)}).returncode == 1
+
+
+def test_a_fork_installed_from_its_own_checkout_is_not_ambiguous(tmp_path: Path) -> None:
+    """`pip install -e .` of the fork: the installed vLLM is the tree itself."""
+    fork = tmp_path / "fork"
+    fork_tree(fork)
+    proc = cli("check", "--json", cwd=fork, env={"PYTHONPATH": str(fork)})
+    assert proc.returncode == 1, proc.stderr
+    assert {f["origin"] for f in json.loads(proc.stdout)["files"]} == {f"source tree {fork}"}
+
+
+def test_no_vllm_anywhere_says_how_to_name_the_files(tmp_path: Path) -> None:
+    no_installed_vllm()
+    proc = cli("check", cwd=tmp_path)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "vLLM is not installed" in line and f"{tmp_path} is not inside a vLLM source tree" in line
+    assert "PATH" in line and "--vllm-root DIR" in line and "--python EXE" in line

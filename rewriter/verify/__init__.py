@@ -38,6 +38,7 @@ class Status(str, enum.Enum):
 
 
 LEVELS = ("import", "semantic", "kernel")
+FILE_STATUSES = ("passed", "skipped", "failed", "error")  # FileVerification.status
 
 
 @dataclass
@@ -71,9 +72,20 @@ class FileVerification:
         # A site still to rewrite is never "confirmed", even where no level could run.
         return self.note is not None or any(level.status is Status.FAILED for level in self.levels)
 
+    @property
+    def status(self) -> str:
+        """One word per file, like the other commands' file status: error, failed,
+        passed (a level passed and none failed) or skipped (no level could run)."""
+        if self.error:
+            return "error"
+        if self.failed:
+            return "failed"
+        return "passed" if any(level.status is Status.PASSED for level in self.levels) else "skipped"
+
     def to_json(self) -> dict[str, object]:
         return {
             "path": str(self.path),
+            "status": self.status,
             "origin": self.origin,
             "error": self.error,
             "note": self.note,
@@ -127,13 +139,12 @@ class VerifyReport:
         return 1 if any(f.failed for f in self.files) else 0
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "command": "verify",
-            "exit_code": self.exit_code,
-            "error": self.error,
-            "files": [f.to_json() for f in self.files],
-            "kernel": self.kernel.to_json() if self.kernel else None,
-        }
+        from rewriter.report import envelope
+
+        files = [f.to_json() for f in self.files]
+        summary = {status: sum(1 for f in self.files if f.status == status) for status in FILE_STATUSES}
+        report = envelope("verify", self.exit_code, self.error, None, files, summary)
+        return report | {"kernel": self.kernel.to_json() if self.kernel else None}
 
 
 def torch_available() -> bool:

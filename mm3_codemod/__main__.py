@@ -1,0 +1,3 @@
+from rewriter.entry import main
+
+main()

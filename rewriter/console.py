@@ -1,0 +1,37 @@
+"""Where human output goes and whether it is coloured: one decision for every command.
+
+``--color auto`` (the default) colours a terminal unless ``NO_COLOR`` is set to
+anything but the empty string (no-color.org); ``always`` and ``never`` override
+both. "No colour" means no escape codes at all, bold included. rich is
+imported only when a console is made.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+COLOR_MODES = ("auto", "always", "never")
+
+_mode = "auto"
+
+
+def set_color(mode: str) -> None:
+    """The process's colour mode, from ``--color``."""
+    global _mode
+    if mode not in COLOR_MODES:
+        raise ValueError(f"--color: {mode!r} is not one of {', '.join(COLOR_MODES)}")
+    _mode = mode
+
+
+def console(file: TextIO, width: int | None = None) -> Console:
+    from rich.console import Console
+
+    if _mode == "never" or (_mode == "auto" and os.environ.get("NO_COLOR")):
+        return Console(file=file, width=width, highlight=False, color_system=None)
+    if _mode == "always":
+        return Console(file=file, width=width, highlight=False, force_terminal=True, no_color=False)
+    return Console(file=file, width=width, highlight=False)
