@@ -264,6 +264,10 @@ def main() -> int:
             "diag: fp8, dense src, separate dense caches": diag_fp8_dense_src_dense_cache,
         }
         if args.only_ncu:
+            kv_forms["sequence: norm+rope, then strided fp8 (is the write slower right after?)"] = lambda: (
+                norm_rope(),
+                kv_strided(),
+            )
             for name, fn in kv_forms.items():
                 torch.cuda.nvtx.range_push(name)
                 fn()
@@ -307,6 +311,7 @@ def main() -> int:
             "norm+rope only": norm_rope,
             "total: old form (norm+rope, strided fp8 + ones, scatter)": lambda: (norm_rope(), kv_strided_alloc_scale(), idx_scatter()),
             "total: norm+rope, strided fp8 (cached scale), index reshape": lambda: (norm_rope(), kv_strided(), idx_reshape_1()),
+            "total: norm+rope, index reshape, then strided fp8": lambda: (norm_rope(), idx_reshape_1(), kv_strided()),
             "total: norm+rope, one copy + fp8, index reshape": lambda: (norm_rope(), kv_one_copy(), idx_reshape_1()),
             "total: norm+rope, clamp+cast + auto, index reshape": lambda: (norm_rope(), kv_quant_auto(), idx_reshape_1()),
         })

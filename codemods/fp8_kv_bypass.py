@@ -28,6 +28,7 @@ from codemods import anchors as a
 # LibCST; this module gathers what they are decided on, and plans and rewrites.
 from codemods.schema import (
     AUTO_DTYPE,
+    CHANGING,
     METADATA_ATTR,
     CallFacts,
     Pieces,
@@ -46,9 +47,6 @@ from codemods.schema import InsertSite as InsertSite
 from codemods.schema import SiteState as SiteState
 
 DESCRIPTION = "Route fp8 KV-cache writes of MiniMax-M3 sparse attention around the bf16-only fused insert op."
-
-
-CHANGING = (Action.REWRITE, Action.COMPLETE, Action.UPGRADE, Action.STRIP)
 
 
 class Unsupported(Exception):

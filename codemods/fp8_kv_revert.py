@@ -151,6 +151,7 @@ class RevertPlan:
     pieces: dict[str, bool] = field(default_factory=dict)
     also_remove: list[cst.FunctionDef] = field(default_factory=list)  # delegates only _insert_kv used
     removed_because: str = ""
+    dead: list[cst.BaseStatement] = field(default_factory=list)  # module code only the bypass used
 
 
 @dataclass
@@ -289,6 +290,7 @@ def _plan_site(module: cst.Module, found: bp._FoundCall, positions) -> RevertPla
     unwrap = [arg for arg in call.args if _guarded_by(arg, guards)]
 
     _check_nothing_left(cls, method, remove, unwrap, guards, positions)
+    dead = _dead_module_code(module, remove)
     for block_slot in {id(s.block): s for s in _slots_of(cls, remove)}.values():
         if all(any(st is r for r in remove) for st in block_slot.block.body):
             raise Unsupported("removing the bypass would leave an empty block")
@@ -305,6 +307,7 @@ def _plan_site(module: cst.Module, found: bp._FoundCall, positions) -> RevertPla
         insert_kv_code="",
         metadata_import=None,
         pieces=pieces.present(),
+        dead=dead,
     )
     if pieces.insert_kv in SLOTS_FORMS:
         assert insert_kv_fn is not None
@@ -456,7 +459,7 @@ def _plan_insert_kv(
         plan.insert_kv = "remove"
         plan.old_insert_kv = fn
         plan.drop_imports = {a.RESHAPE_OP}
-        plan.also_remove = _exclusive_delegates(module, cls, fn)
+        plan.also_remove = _exclusive_delegates(module, cls, fn, plan.dead)
         return
 
     imports = a.module_imports(module)
@@ -541,20 +544,59 @@ def _metadata_key(method: cst.FunctionDef, op: a.OpCall, param: a.OpParam, slot:
     )
 
 
-def _exclusive_delegates(module: cst.Module, cls: cst.ClassDef, fn: cst.FunctionDef) -> list[cst.FunctionDef]:
-    """Methods ``fn`` hands its work to that nothing else names (they go with it)."""
-    out = []
-    for delegate in a.delegates(fn, cls, {}):
-        uses = [
-            n
-            for n in a.nodes_in(module)
-            if (isinstance(n, cst.Attribute) and n.attr.value == delegate.name.value)
-            or (isinstance(n, cst.Name) and n.value == delegate.name.value and n is not delegate.name)
-        ]
-        inside = {id(n) for n in a.nodes_in(fn)}
-        if all(id(n) in inside for n in uses):
-            out.append(delegate)
-    return out
+def _exclusive_delegates(
+    module: cst.Module, cls: cst.ClassDef, fn: cst.FunctionDef, gone: list[cst.CSTNode] = ()
+) -> list[cst.FunctionDef]:
+    """Methods ``fn`` hands its work to that nothing else names (they go with it);
+    ``gone``: code removed anyway."""
+    inside = {id(n) for root in (fn, *gone) for n in a.nodes_in(root)}
+    return [d for d in a.delegates(fn, cls, {}) if all(id(n) in inside for n in _uses(module, d.name.value, d))]
+
+
+def _uses(module: cst.Module, name: str, definition: cst.CSTNode | None = None) -> list[cst.CSTNode]:
+    """Where ``name`` is named: as a name, an attribute (``x.name``) or a string."""
+    own = {id(n) for n in a.nodes_in(definition)} if definition is not None else set()
+    defined = {id(n.name) for n in a.nodes_in(module) if isinstance(n, (cst.FunctionDef, cst.ClassDef))}
+    return [
+        n
+        for n in a.nodes_in(module)
+        if id(n) not in own
+        and id(n) not in defined
+        and (
+            (isinstance(n, cst.Name) and n.value == name)
+            or (isinstance(n, cst.Attribute) and n.attr.value == name)
+            or (isinstance(n, cst.SimpleString) and n.evaluated_value == name)
+        )
+    ]
+
+
+def _dead_module_code(module: cst.Module, removed: list[cst.CSTNode]) -> list[cst.BaseStatement]:
+    """Module-level code that only the removed bypass used: the compiled path's custom
+    op (its registration, named by a string nothing else names, and the functions only
+    that names) and helpers only the removed code calls."""
+    gone = {id(n) for root in removed for n in a.nodes_in(root)}
+    dead: list[cst.BaseStatement] = []
+    changed = True
+    while changed:
+        changed = False
+        for stmt in module.body:
+            if any(stmt is d for d in dead):
+                continue
+            if isinstance(stmt, cst.FunctionDef):
+                uses = _uses(module, stmt.name.value, stmt)
+            else:
+                call = a.expression_call(stmt)
+                name = next(
+                    (x.value.evaluated_value for x in call.args if isinstance(x.value, cst.SimpleString)), None
+                ) if call is not None else None
+                if name is None:
+                    continue
+                uses = [n for n in _uses(module, name, stmt) if not isinstance(n, cst.SimpleString)]
+            if uses and all(id(n) in gone for n in uses):
+                dead.append(stmt)
+                gone |= {id(n) for n in a.nodes_in(stmt)}
+                changed = True
+    return dead
 
 
 # --- the transformer -------------------------------------------------------------
@@ -571,7 +613,7 @@ class Fp8KvRevert(cst.CSTTransformer):
         super().__init__()
         self.module = module
         self.plan = plan
-        self.remove = [*plan.remove, *plan.also_remove]
+        self.remove = [*plan.remove, *plan.also_remove, *plan.dead]
         if plan.insert_kv == "remove" and plan.old_insert_kv is not None:
             self.remove.append(plan.old_insert_kv)
 
@@ -597,6 +639,12 @@ class Fp8KvRevert(cst.CSTTransformer):
         for name in self.plan.add_imports:
             updated = add_import_alias(updated, name)
         return updated
+
+    def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
+        if not self.plan.dead:
+            return updated
+        kept = [new for orig, new in zip(original.body, updated.body, strict=True) if not self._removed(orig)]
+        return updated.with_changes(body=kept)
 
     def leave_IndentedBlock(
         self, original: cst.IndentedBlock, updated: cst.IndentedBlock
@@ -649,8 +697,11 @@ def add_import_alias(imp: cst.ImportFrom, name: str) -> cst.ImportFrom:
 
 def apply_revert(module: cst.Module, plan: RevertPlan) -> cst.Module:
     new = module.visit(Fp8KvRevert(module, plan))
-    if plan.drop_imports:
-        new = bp.remove_unused_imports(new, plan.drop_imports)
+    # Imports that only removed code used (the compiled path's registration helper, say).
+    removed = [*plan.dead, *plan.also_remove] + ([plan.old_insert_kv] if plan.insert_kv == "remove" else [])
+    candidates = plan.drop_imports | {n for node in removed if node is not None for n in a.names_read(node)}
+    if candidates:
+        new = bp.remove_unused_imports(new, candidates)
     return new
 
 

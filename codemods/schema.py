@@ -109,6 +109,9 @@ class Action(str, enum.Enum):
     REVERT = "revert"  # `revert`: take a bypass out again
 
 
+# The actions that change the file.
+CHANGING = (Action.REWRITE, Action.COMPLETE, Action.UPGRADE, Action.STRIP)
+
 # The pieces of the bypass, in the words the reports use.
 PIECES = {
     "flag": f"`self.{FP8_FLAG}` set in __init__ (and `self.{FP8_SCALE}` where it is read)",

@@ -15,7 +15,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from codemods.schema import FUSED_OP, InsertSite, SiteState
+from codemods.schema import CHANGING, FUSED_OP, Action, InsertSite, SiteState
 from rewriter import __version__
 from rewriter.apply import FileResult, FileStatus
 from rewriter.commands import Report
@@ -178,14 +178,21 @@ def next_steps(report: Report) -> list[str]:
     }
     pending = by_status[FileStatus.NEEDS_REWRITE]
     if report.dry and pending and report.command != "survey":
+        strips = all(
+            s.action is Action.STRIP for i in pending for s in report.files[i].sites if s.action in CHANGING
+        )
         if report.command == "revert":
             steps.append(f"to take the fp8 bypass out: {command_for('revert', report, pending)}")
+        elif strips:
+            steps.append(f"to take the stale bypass out: {command_for('run', report, pending)}")
         else:
             steps.append(f"to apply the fp8 bypass: {command_for('run', report, pending)}")
     written = by_status[FileStatus.REWRITTEN]
     if written and under_pre_commit():
         names = " ".join(shlex.quote(shown_path(report.files[i].path)) for i in written)
         steps.append(f"review the change, then stage it: git add {names}")
+    elif written and report.command == "run" and not any(t.origin == "--example" for t in report.targets):
+        steps.append(f"to confirm it by running it: {command_for('verify', report, written)}")
     return steps
 
 

@@ -172,7 +172,7 @@ def test_preview_example() -> None:
 
 def test_run_is_all_or_nothing(copy_fixture) -> None:
     good = copy_fixture("fork_era")
-    bad = copy_fixture("native_stale_bypass")
+    bad = copy_fixture("two_candidates")
     before = good.read_bytes(), bad.read_bytes()
     proc = cli("run", str(good), str(bad))
     assert proc.returncode == 2

@@ -112,7 +112,7 @@ def test_colour_auto_on_a_terminal_and_no_escape_codes_with_no_color() -> None:
 
 @pytest.mark.parametrize("command", ["check", "run", "revert", "survey"])
 def test_colour_always_and_never_through_a_pipe(tmp_path: Path, command: str) -> None:
-    target = copy(tmp_path, "native_stale_bypass")  # refused by run and check: red, yellow
+    target = copy(tmp_path, "two_candidates")  # refused by run and check: red, yellow
     extra = ["--dry-run"] if command in ("run", "revert") else []
     piped = cli(command, *extra, str(target))
     assert ESC not in piped.stderr  # auto: a pipe is not a terminal
@@ -155,10 +155,10 @@ def test_diff_and_dry_run_mean_the_same_on_every_command(tmp_path: Path) -> None
 
 
 def test_nothing_written_is_said_only_by_commands_that_could_write(tmp_path: Path) -> None:
-    target = copy(tmp_path, "native_stale_bypass")  # refused
+    target = copy(tmp_path, "two_candidates")  # refused
     for args in (["check"], ["preview"], ["survey"], ["run", "--dry-run"], ["check", "--diff"]):
         proc = cli(*args, str(target))
-        assert proc.returncode == 2 and "refused at line 55" in proc.stderr, args
+        assert proc.returncode == 2 and "refused at line 37" in proc.stderr, args
         assert "nothing written" not in proc.stderr, args
     proc = cli("run", str(target))
     assert proc.returncode == 2 and "nothing written" in proc.stderr

@@ -228,7 +228,7 @@ def test_same_output_through_typer(tmp_path: Path, args: list[str]) -> None:
     run_both(tmp_path, args)
 
 
-@pytest.mark.parametrize("variant", ["fork_era", "patched", "native_stale_bypass"])
+@pytest.mark.parametrize("variant", ["fork_era", "patched", "native_stale_bypass", "two_candidates"])
 def test_same_run_through_typer(tmp_path: Path, variant: str) -> None:
     target = copy(tmp_path, variant)
     run_both(tmp_path, ["run", "--backup", "--show-diff", str(target)], restore=target)

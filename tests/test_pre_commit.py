@@ -177,7 +177,7 @@ def test_run_exit_non_zero_on_fix(copy_fixture) -> None:
     assert proc.returncode == 1, proc.stderr
     assert target.read_bytes() == (FIXTURES / "fork_era" / "expected.py").read_bytes()
     assert cli("run", "--exit-non-zero-on-fix", str(target)).returncode == 0  # nothing to fix now
-    assert cli("run", "--exit-non-zero-on-fix", str(copy_fixture("native_stale_bypass"))).returncode == 2
+    assert cli("run", "--exit-non-zero-on-fix", str(copy_fixture("two_candidates"))).returncode == 2
 
 
 def test_check_diff(copy_fixture) -> None:
@@ -231,10 +231,9 @@ MATRIX = {
     ("mm3-codemod", "half_applied"): (1, "expected.py", "half-applied -> complete"),
     ("mm3-codemod", "patched"): (None, "model.py", ""),
     ("mm3-codemod", "native"): (None, "model.py", ""),
-    (
-        "mm3-codemod",
-        "native_stale_bypass",
-    ): (2, "model.py", f"pre-commit run mm3-codemod-revert --hook-stage manual --files {MODEL}"),
+    ("mm3-codemod", "native_stale_bypass"): (1, "expected.py", "half-applied -> strip"),
+    ("mm3-codemod", "half_native"): (1, "expected.py", "every forward raises NameError"),
+    ("mm3-codemod", "two_candidates"): (2, "model.py", "the bypass can be proven for one only"),
     ("mm3-codemod-check", "fork_era"): (1, "model.py", "+        insert_via_fused = not self._fp8_kv"),
     (
         "mm3-codemod-check",
@@ -242,7 +241,10 @@ MATRIX = {
     ): (1, "model.py", f"to apply the fp8 bypass: pre-commit run mm3-codemod --files {MODEL}"),
     ("mm3-codemod-check", "patched"): (None, "model.py", ""),
     ("mm3-codemod-check", "native"): (None, "model.py", ""),
-    ("mm3-codemod-check", "native_stale_bypass"): (2, "model.py", "mm3-codemod-revert --hook-stage manual"),
+    (
+        "mm3-codemod-check",
+        "native_stale_bypass",
+    ): (1, "model.py", f"to take the stale bypass out: pre-commit run mm3-codemod --files {MODEL}"),
     ("mm3-codemod-revert", "native_stale_bypass"): (1, "reverted.py", "1 file reverted."),
     ("mm3-codemod-revert", "patched"): (1, "reverted.py", f"git add {MODEL}"),
     ("mm3-codemod-revert", "native"): (None, "model.py", ""),
@@ -292,8 +294,8 @@ def walkthrough() -> list[list[tuple[str, list[str]]]]:
 
 # What comes in before each block of the walk-through (the README's narrative): the
 # fork-era file; a merge that left the patched file half-applied; a native-era merge
-# that kept the bypass. Each is staged, as a merge leaves it.
-ARRIVALS = ["fork_era", "half_applied", "native_stale_bypass"]
+# that kept the bypass and lost its guard. Each is staged, as a merge leaves it.
+ARRIVALS = ["fork_era", "half_applied", "half_native"]
 
 
 def test_readme_fork_workflow_end_to_end(tmp_path: Path, pre_commit_home: Path) -> None:
@@ -339,6 +341,6 @@ def test_readme_fork_workflow_end_to_end(tmp_path: Path, pre_commit_home: Path) 
                     if lead in line:
                         printed_next = line.split(lead, 1)[1]
             assert proc.returncode == (1 if any(line.endswith("Failed") for line in shown) else 0), out
-    assert (fork / MODEL).read_bytes() == (FIXTURES / "native_stale_bypass" / "reverted.py").read_bytes()
+    assert (fork / MODEL).read_bytes() == (FIXTURES / "half_native" / "expected.py").read_bytes()
     assert git("status", "--porcelain", cwd=fork) == ""
     assert len(git("log", "--oneline", cwd=fork).splitlines()) == 4

@@ -61,7 +61,7 @@ def test_survey_fixtures_and_real_wheels(tmp_path: Path, wheel_sites: dict[str, 
     for version in VERSIONS:
         args += ["--vllm-root", str(wheel_sites[version])]
     proc = cli(*args)
-    # two_candidates and native_stale_bypass are refused, as check would.
+    # two_candidates is refused, as check would.
     assert proc.returncode == 2, proc.stderr
     report = json.loads(proc.stdout)
     assert report["command"] == "survey" and report["exit_code"] == 2
@@ -97,7 +97,9 @@ def test_survey_fixtures_and_real_wheels(tmp_path: Path, wheel_sites: dict[str, 
     assert (half["state"], half["run would"]) == ("half-applied", "complete")
     assert "missing: flag, guard" in half["why"]
     stale = next(r for r in rows if r["file"].endswith("native_stale_bypass/model.py"))
-    assert (stale["state"], stale["run would"]) == ("half-applied", "refuse")
+    assert (stale["state"], stale["run would"]) == ("half-applied", "strip")
+    lost = next(r for r in rows if r["file"].endswith("half_native/model.py"))
+    assert "NameError" in lost["why"] or "never assigned" in lost["why"]
     assert not any("mtp.py" in r["file"] for r in rows)  # files without the op: counted, not listed
     assert "files without the fused op" in proc.stderr
 
