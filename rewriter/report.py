@@ -254,7 +254,10 @@ class Folded:
 
 def brief_reason(site: InsertSite) -> str:
     """The start of the site's reason, to its first ": " or "; " (``check`` prints it whole),
-    with the missing pieces of a half-applied bypass."""
+    with the missing pieces of a half-applied bypass; a stale bypass on a native call keeps what
+    it breaks now (to the first "; ")."""
+    if site.action is Action.STRIP:
+        return site.reason.split("; ", 1)[0]
     text = re.split(r": |; ", site.reason, maxsplit=1)[0]
     missing = [name for name, present in site.pieces.items() if not present]
     if site.state is SiteState.HALF_APPLIED and missing:

@@ -11,6 +11,7 @@ code under test, from a clean clone or a checkout with uncommitted changes.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -342,5 +343,13 @@ def test_readme_fork_workflow_end_to_end(tmp_path: Path, pre_commit_home: Path) 
                         printed_next = line.split(lead, 1)[1]
             assert proc.returncode == (1 if any(line.endswith("Failed") for line in shown) else 0), out
     assert (fork / MODEL).read_bytes() == (FIXTURES / "half_native" / "expected.py").read_bytes()
+    # ... and the file the hook left runs: verify's semantic level, padded tokens included
+    proc = subprocess.run(
+        ["mm3-codemod", "verify", "--json", MODEL], cwd=fork, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    (verified,) = json.loads(proc.stdout)["files"]
+    semantic = next(level for level in verified["levels"] if level["level"] == "semantic")
+    assert semantic["status"] == "passed", semantic
     assert git("status", "--porcelain", cwd=fork) == ""
     assert len(git("log", "--oneline", cwd=fork).splitlines()) == 4

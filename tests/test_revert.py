@@ -112,7 +112,9 @@ def test_run_on_a_bypassed_native_call_is_its_revert(name: str, tmp_path: Path) 
     assert run_file(ran) is FileStatus.REWRITTEN
     assert revert_file(reverted) is FileStatus.REWRITTEN
     assert ran.read_bytes() == reverted.read_bytes() == (FIXTURES / name / "expected.py").read_bytes()
-    (site,) = [s for s in analyze(cst.parse_module(ran.read_bytes())).sites if s.state is not SiteState.NOT_A_SITE]
+    (site,) = [
+        s for s in analyze(cst.parse_module(ran.read_bytes())).sites if s.state is not SiteState.NOT_A_SITE
+    ]
     assert site.state is SiteState.NATIVE
 
 
@@ -461,3 +463,59 @@ def test_half_applied_stale_bypass_on_a_native_call(edits) -> None:
     clean = (FIXTURES / "native" / "model.py").read_bytes()
     assert body(out.encode()) == body(clean)
     assert [s.state for s in analyze(cst.parse_module(out)).sites][-1] is SiteState.NATIVE
+
+
+def _mixed_merges() -> dict[str, str]:
+    """The two other shapes of the lost-guard merge, built from the fixtures that bracket them."""
+    full = (FIXTURES / "half_native" / "model.py").read_text()
+    plain = (FIXTURES / "half_native_plain" / "model.py").read_text()
+    plain_insert = plain[plain.index("    def _insert_kv(") :]
+    # a compiled path whose custom op calls _insert_kv itself; no delegate
+    start = full.index("    layer._insert_kv_into_caches(\n")
+    end = full.index("    )\n", start) + len("    )\n")
+    no_delegate = (
+        full[:start]
+        + "    layer._insert_kv(\n        key, value, index_key,"
+        + " slot_mapping[layer.layer_name], slot_mapping[layer.indexer.index_cache.prefix]\n    )\n"
+        + full[end:]
+    )
+    no_delegate = no_delegate[: no_delegate.index("    def _insert_kv(")] + plain_insert
+    # the delegate without a compiled path (no custom op, a plain `if not insert_via_fused:` block)
+    block = full[
+        full.index("        if torch.compiler.is_compiling() or not") : full.index(
+            "        return self.attend"
+        )
+    ]
+    plain_block = plain[
+        plain.index("        if not insert_via_fused:") : plain.index("        return self.attend")
+    ]
+    no_compile = full.replace(block, plain_block)
+    no_compile = (
+        no_compile[: no_compile.index("def _encode_layer_name")] + no_compile[no_compile.index("class ") :]
+    )
+    no_compile = no_compile.replace("from vllm.utils.torch_utils import direct_register_custom_op\n", "")
+    return {"compile branch, no delegate": no_delegate, "delegate, no compile branch": no_compile}
+
+
+@pytest.mark.parametrize("shape", sorted(_mixed_merges()))
+def test_every_shape_of_the_lost_guard_merge_is_taken_out_and_proven(shape: str, tmp_path: Path) -> None:
+    from test_verify import Status, semantic  # torch: the tests' extra has it
+
+    source = _mixed_merges()[shape]
+    target = tmp_path / "model.py"
+    target.write_text(source)
+    proc = cli("check", str(target))
+    assert proc.returncode == 1, proc.stderr
+    assert "insert_via_fused" in proc.stderr and "every forward raises NameError" in proc.stderr
+    before, _ = semantic(target)
+    assert before.status is Status.FAILED and "NameError: name 'insert_via_fused'" in before.reason
+    proc = cli("run", str(target))
+    assert proc.returncode == 0, proc.stderr
+    assert "half-applied -> strip" in proc.stderr
+    # past the header comment: the same clean native layer as the fixtures' own strip
+    code = target.read_text().split("\nimport torch\n", 1)[1]
+    assert code == (FIXTURES / "half_native" / "expected.py").read_text().split("\nimport torch\n", 1)[1]
+    assert cli("check", str(target)).returncode == 0
+    level, _ = semantic(target)
+    assert level.status is Status.PASSED, level.reason + "\n" + "\n".join(level.details)
+    assert any("padded tokens (slot -1, last 3) wrote nothing: yes" in d for d in level.details)
