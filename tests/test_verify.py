@@ -651,3 +651,52 @@ def test_a_native_file_gets_the_import_level_alone(tmp_path: Path) -> None:
     level = _import_level(proc)
     assert level["status"] == "passed", level
     assert "native call, no bypass to inspect" in level["reason"]
+
+
+# The fused op's schema in the kernel libraries: vLLM 0.24.0's (read from its
+# _C_stable_libtorch.abi3.so) and 0.33.0's (five more, defaulted).
+_FORK19 = (
+    "Tensor! qkv, Tensor q_norm_weight, Tensor k_norm_weight, Tensor cos_sin_cache, Tensor positions, "
+    "int num_heads, int num_kv_heads, int rotary_dim, float eps, Tensor? index_q_norm_weight, "
+    "Tensor? index_k_norm_weight, int num_index_heads, Tensor? slot_mapping, Tensor? index_slot_mapping, "
+    "Tensor!? kv_cache, Tensor!? index_cache, int block_size, Tensor!? q_out, Tensor!? index_q_out"
+)
+SCHEMAS = {
+    "0.24.0": f"_C::fused_minimax_m3_qknorm_rope_kv_insert({_FORK19}, str kv_cache_dtype) -> ()",
+    "0.33.0": f"_C::fused_minimax_m3_qknorm_rope_kv_insert({_FORK19}, str kv_cache_dtype, "
+    "bool skip_index_branch=False, Tensor!? q_fp8_out=None, float q_fp8_scale=1., "
+    "Tensor? kv_k_scale=None, Tensor? kv_v_scale=None) -> ()",
+}
+
+
+@pytest.mark.parametrize(
+    "version, extras", [("0.24.0", ["kv_cache_dtype"]), ("0.33.0", list(kernels.EXTRA_DEFAULTS))]
+)
+def test_adapter_reads_each_librarys_schema(version: str, extras: list[str]) -> None:
+    arguments = torch._C.parse_schema(SCHEMAS[version]).arguments
+    extra = kernels.schema_extras(version, arguments)
+    assert [name for name, _ in extra] == extras
+    assert dict(extra)["kv_cache_dtype"] == "auto"  # the fork's bf16 insert, unless the call passes one
+
+
+def test_adapter_passes_a_native_calls_dtype_through_a_20_argument_library() -> None:
+    """vLLM 0.24's op: the fork's 19 arguments + kv_cache_dtype. A fork-era call gets "auto";
+    a native call's own dtype reaches the library."""
+    seen: list[tuple[int, str]] = []
+    extra = kernels.schema_extras("0.24.0", torch._C.parse_schema(SCHEMAS["0.24.0"]).arguments)
+
+    def raw(*args):
+        seen.append((len(args), args[19]))
+
+    ops = kernels.KernelOps("0.24.0", raw, refops.reshape_and_cache_flash, extra)
+    inputs = harness.Inputs.random(harness.Shape(tokens=4))
+    args = kernels._op_args(inputs, inputs.qkv.clone(), *kernels._outs(inputs))
+    ops.fused(**args)
+    ops.fused(**args, kv_cache_dtype="fp8_e4m3")
+    assert seen == [(20, "auto"), (20, "fp8_e4m3")]
+
+
+def test_adapter_refuses_an_unknown_parameter_without_a_default() -> None:
+    schema = SCHEMAS["0.24.0"].replace("str kv_cache_dtype)", "str kv_cache_dtype, int mystery)")
+    with pytest.raises(kernels.KernelUnavailable, match="'mystery' has no known fork value"):
+        kernels.schema_extras("x", torch._C.parse_schema(schema).arguments)
