@@ -35,10 +35,12 @@ _SCRIPT = r"""
 import ast, importlib, importlib.util, inspect, json, os, sys, textwrap, traceback
 root, module, path, classes, op, cache_index, cache_kw = sys.argv[1:8]
 sys.path.insert(0, root)
+report, sys.stdout = sys.stdout, sys.stderr  # vLLM logs to stdout: keep it off the report line
 
 def emit(status, reason, tail=(), **facts):
-    print(json.dumps({"status": status, "reason": reason, "traceback": list(tail), **facts}))
-    raise SystemExit(0)
+    print(json.dumps({"status": status, "reason": reason, "traceback": list(tail), **facts}), file=report)
+    report.flush()
+    os._exit(0)  # no atexit hook of an imported vLLM runs after the report
 
 def raised(where, exc):
     tb = traceback.extract_tb(exc.__traceback__)
@@ -213,7 +215,8 @@ def import_check(path: Path, classes: list[str], python: str | None = None, time
         return {"status": "failed", "reason": f"{exe}: {exc}", "traceback": []}
     try:
         facts = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
+        facts["status"]
+    except (IndexError, json.JSONDecodeError, KeyError, TypeError):
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-TAIL:]
         return {
             "status": "failed",

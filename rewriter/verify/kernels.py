@@ -16,7 +16,9 @@ fork-era Python call the model file makes into a call of the library's op:
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,7 +133,9 @@ def load_ops(kernels: str | None) -> KernelOps:
         source = kernels
     else:
         try:
-            import vllm._custom_ops  # noqa: F401  (registers torch.ops._C*)
+            # vLLM's logger writes to stdout, which carries verify's --json report
+            with contextlib.redirect_stdout(sys.stderr):
+                import vllm._custom_ops  # noqa: F401  (registers torch.ops._C*)
         except Exception as exc:  # an absent or broken vLLM: the level is skipped
             raise KernelUnavailable(
                 f"vllm._custom_ops is not importable ({type(exc).__name__}: {exc})"
