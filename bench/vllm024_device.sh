@@ -55,7 +55,7 @@ if [ ! -f "$SITE/vllm/_C_stable_libtorch.abi3.so" ] || [ ! -f "$SITE/libcst/__in
   else
     cat $parts | $PY -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer, 1 << 24)" | tar -x -C "$H/x"
   fi || { echo "unpack failed"; exit 4; }
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$H"/x/whl/*.whl ||
+  $PY -m pip install -q --root-user-action=ignore --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$H"/x/whl/*.whl ||
     { echo "pip install of the carried wheels failed"; exit 4; }
   cp -a "$H/x/site/." "$SITE/"
 fi
@@ -170,11 +170,13 @@ def short(lv):
     return lv["status"] if lv else "-"
 
 def first_failure(lvs):
+    """import/semantic/kernel statuses, then the kernel's (else the first) failure."""
+    marks = "/".join(short(lvs.get(n))[:4] for n in ("import", "semantic", "kernel"))
     for name in ("kernel", "semantic", "import"):
         lv = lvs.get(name)
         if lv and lv["status"] == "failed":
-            return f"{name}: {lv['reason'][:90]}"
-    return "-"
+            return f"{marks}; {name}: {lv['reason'][:90]}".replace("|", "/")
+    return marks
 
 def run_state(report, path_end):
     for f in report.get("files", []):
@@ -188,16 +190,18 @@ rows.append(("0.24.0 nvidia/model.py (native)", "-", "-", nat))
 b, _ = levels(reports.get("example_before", {}), "nvidia/model.py")
 bs, _ = levels(reports.get("example_before_shim", {}), "nvidia/model.py")
 a, _ = levels(reports.get("example_after", {}), "nvidia/model.py")
-rows.append(("bundled example", f"{first_failure(b)} | with shim: {first_failure(bs)}", run_state(reports.get("example_run", {}), "model.py"), a))
+rows.append(("bundled example", first_failure(bs), run_state(reports.get("example_run", {}), "model.py"), a))
 for fx in ("fork_era", "reformatted", "no_insert_kv", "half_applied", "patch_fuzz", "patched"):
     end = f"v24fx_{fx}.py"
     b, _ = levels(reports.get("fixtures_before", {}), end)
     a, _ = levels(reports.get("fixtures_after", {}), end)
     rows.append((f"fixtures/{fx}", first_failure(b), run_state(reports.get("fixtures_run", {}), end), a))
-print("| file | verify before run (first failing level) | run | after: import | semantic | kernel |")
+print("| file | verify before run (import/semantic/kernel; a failure) | run | after: import | semantic | kernel |")
 print("|---|---|---|---|---|---|")
 for name, before, run, after in rows:
     print(f"| {name} | {before} | {run} | {short(after.get('import'))} | {short(after.get('semantic'))} | {short(after.get('kernel'))} |")
+if b.get("import"):
+    print(f"\nbundled example before run, before the shim, import: {b['import']['status']}: {b['import']['reason'][:300]}")
 imp = nat.get("import")
 if imp:
     print(f"\nnative import: {imp['status']}: {imp['reason']}")

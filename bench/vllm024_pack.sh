@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # Pack what importing vllm.models.minimax_m3.nvidia.model from the vllm==0.24.0
 # wheel needs on the GPU machine (python3 3.12, torch 2.11.0+cu130, no vLLM, no
-# network, <= 64 MiB a call) into .gpu/v24_1, .gpu/v24_2 (git-ignored), for
+# network, <= 64 MiB a call) into .gpu/v24_N (git-ignored), for
 # bench/vllm024_device.sh. Runs here, in the repository root; nothing is committed.
+# Two parts (.gpu/v24_1, .gpu/v24_2), 58 MiB at most each: one device call each.
 #
 #   bash bench/vllm024_pack.sh          # then the two device calls: see README,
 #                                       # "Verified against vLLM 0.24.0"
 #
-# One tar, xz-compressed and split in two, holding:
-#   site/vllm/…                the wheel's Python package (.py, .json, .jinja) and
-#                              _C_stable_libtorch.abi3.so, the one kernel library the
-#                              import reaches (_moe_C is looked up behind hasattr;
-#                              flash-attn, FlashMLA, qutlass are not needed)
+# One tar, xz-compressed and split, holding:
+#   site/vllm/…                the wheel's Python package (.py, .json, .jinja) and the
+#                              kernel libraries the import reaches on a CUDA machine:
+#                              _C_stable_libtorch.abi3.so (ops, read at import time)
+#                              and vllm_flash_attn/_vllm_fa3_C.abi3.so (fa_utils imports
+#                              vllm.vllm_flash_attn on CUDA, which raises without FA2
+#                              or FA3; FA3 is the smaller and the H200's). _moe_C is
+#                              looked up behind hasattr; FlashMLA, qutlass are optional
 #   site/vllm-0.24.0.dist-info importlib.metadata's version of vllm (survey, verify)
 #   whl/*.whl                  third-party wheels the device image lacks, cp312
 #                              manylinux x86_64 (found by importing the module here
@@ -64,7 +68,7 @@ with zipfile.ZipFile(whl) as z:
     names = [
         n for n in z.namelist()
         if (n.startswith("vllm/") and n.endswith(keep_ext) and not n.startswith("vllm/third_party/"))
-        or n == "vllm/_C_stable_libtorch.abi3.so"
+        or n in ("vllm/_C_stable_libtorch.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so")
         or (n.startswith("vllm-0.24.0.dist-info/") and not n.endswith("RECORD"))
     ]
     z.extractall(dest, names)
