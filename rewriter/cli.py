@@ -233,6 +233,10 @@ def verify(
     require_gpu: Annotated[
         bool, typer.Option("--require-gpu", help="Fail, rather than skip, when the kernel level cannot run.")
     ] = False,
+    require_import: Annotated[
+        bool,
+        typer.Option("--require-import", help="Fail, rather than skip, when the import level cannot run."),
+    ] = False,
     timing: Annotated[bool, typer.Option("--timing/--no-timing", help="Time the kernels (GPU only).")] = True,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show every check.")] = False,
     json: Json = False,
@@ -259,6 +263,7 @@ def verify(
                 kernels=str(kernels) if kernels else None,
                 require_gpu=require_gpu,
                 timing=timing,
+                require_import=require_import,
             )
     print_verify(report, _stderr(), verbose=verbose)
     if json:

@@ -117,7 +117,9 @@ def test_native_and_siteless_files_are_skipped_with_a_reason() -> None:
     assert report.exit_code == 0
 
 
-@pytest.mark.parametrize("name", ["half_native", "half_native_plain", "wrapper_native", "native_stale_bypass"])
+@pytest.mark.parametrize(
+    "name", ["half_native", "half_native_plain", "wrapper_native", "native_stale_bypass"]
+)
 def test_a_bypass_taken_out_of_a_native_call_is_proven_by_running_it(name: str) -> None:
     before, _ = semantic(FIXTURES / name / "model.py")
     assert before.status is Status.FAILED
@@ -152,9 +154,9 @@ def test_unreadable_target_is_exit_2_with_one_line(tmp_path: Path) -> None:
     bad.write_bytes((FIXTURES / "patched" / "model.py").read_bytes() + b"\ndef broken(:\n")
     proc = cli("verify", str(bad))
     assert proc.returncode == 2
-    assert any(str(bad) in line and "not valid Python" in line for line in proc.stderr.splitlines()), (
-        proc.stderr
-    )
+    assert any(
+        str(bad) in line and "not valid Python" in line for line in proc.stderr.splitlines()
+    ), proc.stderr
 
 
 def _verify_without_torch(path: Path) -> subprocess.CompletedProcess[str]:
@@ -207,7 +209,10 @@ MUTANTS = {
     # fp8 values scaled on the way in
     "scale": ("scale = self._fp8_kv_scale", "scale = 2 * self._fp8_kv_scale"),
     # the scale never made in __init__ (AttributeError on the fp8 path)
-    "scale never set": ("        self._fp8_kv_scale = torch.ones((), dtype=torch.float32)  # identity: x / 1\n", ""),
+    "scale never set": (
+        "        self._fp8_kv_scale = torch.ones((), dtype=torch.float32)  # identity: x / 1\n",
+        "",
+    ),
     # the older raw index scatter: padded tokens write the last index slot
     "raw index scatter": (
         "        idx_cache = self.indexer.index_cache.kv_cache.view(-1, 1, 1, self.idx_head_dim)\n",
@@ -426,3 +431,272 @@ def test_timing_plan_runs_the_files_own_insert_kv_at_every_size() -> None:
     assert written == [16, 16, 16, 16, 32, 32, 32, 32]
     per = t["kv_bytes_per_token"]
     assert per["bf16"] - per["fp8"] == 2 * 4 * 128  # k and v, 4 kv heads x 128, one byte saved each
+
+
+# --- the import level: the file's failure, or the environment's skip ----------------------
+
+from rewriter.verify.importcheck import HOW_TO_RUN, judge  # noqa: E402
+
+FILE = "/t/vllm/models/minimax_m3/nvidia/model.py"
+IN_VLLM = "/site/vllm/compilation/passes/fusion/matcher_utils.py"
+IMPORTS = frozenset({3, 4, 5})  # the file's import-statement lines
+
+
+@pytest.mark.parametrize(
+    "exc_type, message, frames, name, syntax_file, expect",
+    [
+        # the file's own syntax
+        ("SyntaxError", "invalid syntax", [], None, FILE, "the file's own syntax"),
+        # raised at one of the file's lines: an undefined name
+        ("NameError", "name 'insert_via_fused' is not defined", [(FILE, 40)], None, None, "model.py:40"),
+        # a name the file imports from vLLM that this vLLM lacks
+        (
+            "ImportError",
+            "cannot import name 'MiniMaxM3IndexerMetadata' from 'vllm.models.minimax_m3.common.sparse_attention'",
+            [(FILE, 4)],
+            "vllm.models.minimax_m3.common.sparse_attention",
+            None,
+            "this vLLM lacks what the file imports",
+        ),
+        # a vllm submodule the file imports directly that this vLLM lacks
+        (
+            "ModuleNotFoundError",
+            "No module named 'vllm.models.minimax_m3.gone'",
+            [(FILE, 5)],
+            "vllm.models.minimax_m3.gone",
+            None,
+            "this vLLM lacks what the file imports",
+        ),
+        # the file's module-level code called into vLLM, which raised
+        (
+            "RuntimeError",
+            "bad argument",
+            [(FILE, 90), (IN_VLLM, 12)],
+            None,
+            None,
+            "called from the file's line",
+        ),
+    ],
+)
+def test_judge_fails_what_the_file_causes(exc_type, message, frames, name, syntax_file, expect) -> None:
+    status, why = judge(exc_type, message, frames, FILE, name, IMPORTS, syntax_file)
+    assert status == "failed" and expect in why, why
+    assert HOW_TO_RUN not in why
+
+
+@pytest.mark.parametrize(
+    "exc_type, message, frames, name, syntax_file, expect",
+    [
+        # a third-party dependency missing, from vLLM's code or the file's own import
+        (
+            "ModuleNotFoundError",
+            "No module named 'transformers'",
+            [(FILE, 3), (IN_VLLM, 2)],
+            "transformers",
+            None,
+            "a dependency is not installed",
+        ),
+        (
+            "ModuleNotFoundError",
+            "No module named 'transformers'",
+            [(FILE, 3)],
+            "transformers",
+            None,
+            "dependency",
+        ),
+        # vLLM's own code raising while the file's import runs (no kernel library: no GPU)
+        (
+            "AttributeError",
+            "'_OpNamespace' '_C' object has no attribute 'rotary_embedding'",
+            [(FILE, 4), (IN_VLLM, 44)],
+            None,
+            None,
+            "while the file's import at",
+        ),
+        # a vllm module lacking one of vLLM's own submodules, reached through the file's import
+        (
+            "ModuleNotFoundError",
+            "No module named 'vllm._C'",
+            [(FILE, 5), (IN_VLLM, 3)],
+            "vllm._C",
+            None,
+            "vLLM",
+        ),
+        # raised before the file's code ran (a parent package's __init__)
+        (
+            "ImportError",
+            "libcuda.so.1: cannot open",
+            [("/site/vllm/__init__.py", 9)],
+            None,
+            None,
+            "before the file",
+        ),
+        # a syntax error in vLLM, not in the file
+        ("SyntaxError", "invalid syntax", [], None, IN_VLLM, "vLLM itself does not compile"),
+        # a third-party package that lacks a name the file imports from it
+        (
+            "ImportError",
+            "cannot import name 'X' from 'transformers'",
+            [(FILE, 3)],
+            "transformers",
+            None,
+            "lacks",
+        ),
+    ],
+)
+def test_judge_skips_what_the_environment_causes(
+    exc_type, message, frames, name, syntax_file, expect
+) -> None:
+    status, why = judge(exc_type, message, frames, FILE, name, IMPORTS, syntax_file)
+    assert status == "skipped" and expect in why, why
+    assert why.endswith(HOW_TO_RUN)
+
+
+def _import_level(proc: subprocess.CompletedProcess[str]) -> dict:
+    (entry,) = json.loads(proc.stdout)["files"]
+    return {lv["level"]: lv for lv in entry["levels"]}["import"]
+
+
+def _stub_tree(tmp_path: Path, tail: str = "", init: str = STUB_VLLM, **modules: str) -> Path:
+    """The rewritten fork-era file in a stand-in vLLM, with ``tail`` appended to it and
+    real ``vllm/<name>.py`` modules beside the stubs."""
+    source = (FIXTURES / "fork_era" / "expected.py").read_text() + tail
+    nvidia = make_vllm_tree(tmp_path, {"model.py": source.encode()}, init=init)
+    for name, code in modules.items():
+        (tmp_path / "vllm" / f"{name}.py").write_text(code)
+    return nvidia / "model.py"
+
+
+def test_a_lone_file_in_a_bare_tree_skips_the_import_with_the_reason(tmp_path: Path) -> None:
+    nvidia = tmp_path / "vllm" / "models" / "minimax_m3" / "nvidia"
+    nvidia.mkdir(parents=True)
+    path = nvidia / "model.py"
+    shutil.copyfile(FIXTURES / "fork_era" / "expected.py", path)
+    proc = cli("verify", str(path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    level = _import_level(proc)
+    assert level["status"] == "skipped"
+    assert "namespace package" in level["reason"] and HOW_TO_RUN in level["reason"]
+    assert f"{path}: import skipped: no vLLM in" in proc.stderr  # one unwrapped line, for logs
+    required = cli("verify", str(path), "--json", "--require-import")
+    assert required.returncode == 1
+    level = _import_level(required)
+    assert level["status"] == "failed" and level["reason"].endswith("(--require-import)")
+    assert f"{path}: import failed: no vLLM in" in required.stderr
+
+
+def test_an_import_of_vllm_that_needs_a_missing_dependency_is_skipped(tmp_path: Path) -> None:
+    path = _stub_tree(tmp_path, init="import mm3_no_such_dependency\n" + STUB_VLLM)
+    proc = cli("verify", str(path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    level = _import_level(proc)
+    assert level["status"] == "skipped", level
+    assert level["reason"].startswith("import vllm: a dependency is not installed")
+    assert "mm3_no_such_dependency" in level["reason"]
+    assert cli("verify", str(path), "--require-import").returncode == 1
+
+
+def test_a_vllm_module_the_file_imports_that_needs_a_missing_dependency_is_skipped(tmp_path: Path) -> None:
+    path = _stub_tree(
+        tmp_path, "\nfrom vllm.needsdep import thing\n", needsdep="import mm3_no_such_dependency\nthing = 1\n"
+    )
+    proc = cli("verify", str(path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    level = _import_level(proc)
+    assert level["status"] == "skipped" and "No module named 'mm3_no_such_dependency'" in level["reason"]
+
+
+def test_vllms_own_code_raising_during_the_files_import_is_skipped(tmp_path: Path) -> None:
+    """What a CPU machine with a real vLLM sees: vLLM's compilation passes read a
+    kernel-library op at import time."""
+    raising = "raise AttributeError(\"'_OpNamespace' '_C' object has no attribute 'rotary_embedding'\")\n"
+    path = _stub_tree(tmp_path, "\nfrom vllm.needsgpu import thing\n", needsgpu=raising)
+    proc = cli("verify", str(path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    level = _import_level(proc)
+    assert level["status"] == "skipped" and "rotary_embedding" in level["reason"], level
+    assert "vllm/needsgpu.py:1" in level["reason"]
+
+
+def test_a_file_that_raises_at_its_own_line_fails_with_the_traceback(tmp_path: Path) -> None:
+    path = _stub_tree(tmp_path, "\nUNDEFINED_AT_IMPORT + 1\n")
+    proc = cli("verify", str(path), "--json")
+    assert proc.returncode == 1, proc.stderr
+    level = _import_level(proc)
+    assert level["status"] == "failed"
+    assert "NameError: name 'UNDEFINED_AT_IMPORT' is not defined" in level["reason"]
+    assert "the file's own line" in level["reason"]
+    assert any("model.py" in line for line in level["details"])  # the traceback tail
+    assert "UNDEFINED_AT_IMPORT" in level["details"][-1]
+    assert "import failed" in proc.stderr and "UNDEFINED_AT_IMPORT" in proc.stderr
+
+
+def test_a_name_this_vllm_lacks_fails_the_import(tmp_path: Path) -> None:
+    path = _stub_tree(tmp_path, "\nfrom vllm.lacking import absent_name\n", lacking="present = 1\n")
+    proc = cli("verify", str(path), "--json")
+    assert proc.returncode == 1, proc.stderr
+    level = _import_level(proc)
+    assert level["status"] == "failed", level
+    assert "this vLLM lacks what the file imports" in level["reason"]
+    assert "cannot import name 'absent_name' from 'vllm.lacking'" in level["reason"]
+    assert any("absent_name" in line for line in level["details"])
+
+
+def test_a_native_file_gets_the_import_level_alone(tmp_path: Path) -> None:
+    path = make_vllm_tree(
+        tmp_path, {"model.py": (FIXTURES / "native" / "model.py").read_bytes()}, init=STUB_VLLM
+    )
+    proc = cli("verify", str(path / "model.py"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    level = _import_level(proc)
+    assert level["status"] == "passed", level
+    assert "native call, no bypass to inspect" in level["reason"]
+
+
+# The fused op's schema in the kernel libraries: vLLM 0.24.0's (read from its
+# _C_stable_libtorch.abi3.so) and 0.33.0's (five more, defaulted).
+_FORK19 = (
+    "Tensor! qkv, Tensor q_norm_weight, Tensor k_norm_weight, Tensor cos_sin_cache, Tensor positions, "
+    "int num_heads, int num_kv_heads, int rotary_dim, float eps, Tensor? index_q_norm_weight, "
+    "Tensor? index_k_norm_weight, int num_index_heads, Tensor? slot_mapping, Tensor? index_slot_mapping, "
+    "Tensor!? kv_cache, Tensor!? index_cache, int block_size, Tensor!? q_out, Tensor!? index_q_out"
+)
+SCHEMAS = {
+    "0.24.0": f"_C::fused_minimax_m3_qknorm_rope_kv_insert({_FORK19}, str kv_cache_dtype) -> ()",
+    "0.33.0": f"_C::fused_minimax_m3_qknorm_rope_kv_insert({_FORK19}, str kv_cache_dtype, "
+    "bool skip_index_branch=False, Tensor!? q_fp8_out=None, float q_fp8_scale=1., "
+    "Tensor? kv_k_scale=None, Tensor? kv_v_scale=None) -> ()",
+}
+
+
+@pytest.mark.parametrize(
+    "version, extras", [("0.24.0", ["kv_cache_dtype"]), ("0.33.0", list(kernels.EXTRA_DEFAULTS))]
+)
+def test_adapter_reads_each_librarys_schema(version: str, extras: list[str]) -> None:
+    arguments = torch._C.parse_schema(SCHEMAS[version]).arguments
+    extra = kernels.schema_extras(version, arguments)
+    assert [name for name, _ in extra] == extras
+    assert dict(extra)["kv_cache_dtype"] == "auto"  # the fork's bf16 insert, unless the call passes one
+
+
+def test_adapter_passes_a_native_calls_dtype_through_a_20_argument_library() -> None:
+    """vLLM 0.24's op: the fork's 19 arguments + kv_cache_dtype. A fork-era call gets "auto";
+    a native call's own dtype reaches the library."""
+    seen: list[tuple[int, str]] = []
+    extra = kernels.schema_extras("0.24.0", torch._C.parse_schema(SCHEMAS["0.24.0"]).arguments)
+
+    def raw(*args):
+        seen.append((len(args), args[19]))
+
+    ops = kernels.KernelOps("0.24.0", raw, refops.reshape_and_cache_flash, extra)
+    inputs = harness.Inputs.random(harness.Shape(tokens=4))
+    args = kernels._op_args(inputs, inputs.qkv.clone(), *kernels._outs(inputs))
+    ops.fused(**args)
+    ops.fused(**args, kv_cache_dtype="fp8_e4m3")
+    assert seen == [(20, "auto"), (20, "fp8_e4m3")]
+
+
+def test_adapter_refuses_an_unknown_parameter_without_a_default() -> None:
+    schema = SCHEMAS["0.24.0"].replace("str kv_cache_dtype)", "str kv_cache_dtype, int mystery)")
+    with pytest.raises(kernels.KernelUnavailable, match="'mystery' has no known fork value"):
+        kernels.schema_extras("x", torch._C.parse_schema(schema).arguments)

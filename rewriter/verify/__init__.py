@@ -3,7 +3,9 @@
 Three levels per file, each passed / failed / skipped with a reason:
 
 1. **import** - the module imports in the target interpreter and its layer
-   class has the bypass's shape (:mod:`rewriter.verify.importcheck`).
+   class has the bypass's shape (:mod:`rewriter.verify.importcheck`); skipped
+   when that interpreter cannot import vLLM itself, failed when the file is
+   the cause.
 2. **semantic** - the class's own ``forward``/``_insert_kv`` run on a stand-in
    with plain-PyTorch reference ops, bf16 cache vs fp8 cache
    (:mod:`rewriter.verify.harness`, CPU).
@@ -236,7 +238,11 @@ def _semantic(
 
 
 def verify_file(
-    target: Target, python: str | None = None, kernel: KernelContext | None = None, require_gpu: bool = False
+    target: Target,
+    python: str | None = None,
+    kernel: KernelContext | None = None,
+    require_gpu: bool = False,
+    require_import: bool = False,
 ) -> FileVerification:
     path = target.path
     out = FileVerification(path, target.origin)
@@ -259,9 +265,13 @@ def verify_file(
     if pending:
         out.note = f"{pending[0].state.value} at line {pending[0].line}: run `mm3-codemod run` first"
 
+    # A native class is imported only: it has no bypass whose shape could be inspected.
     bypassed = sorted({s.class_name for s in inserts if s.class_name and s.state is not SiteState.NATIVE})
     imp = import_check(path, bypassed, python)
-    out.levels.append(LevelResult("import", Status(imp["status"]), imp["reason"], imp.get("traceback", [])))
+    status, reason = Status(imp["status"]), imp["reason"]
+    if status is Status.SKIPPED and require_import:
+        status, reason = Status.FAILED, reason + " (--require-import)"
+    out.levels.append(LevelResult("import", status, reason, imp.get("traceback", [])))
 
     if not torch_available():
         reason = "torch is not installed (pip install 'mm3-codemod[verify]')"
@@ -285,6 +295,7 @@ def verify(
     kernels: str | None = None,
     require_gpu: bool = False,
     timing: bool = True,
+    require_import: bool = False,
 ) -> VerifyReport:
     ctx = load_kernels(kernels, timing=timing)
-    return VerifyReport([verify_file(t, python, ctx, require_gpu) for t in targets], ctx)
+    return VerifyReport([verify_file(t, python, ctx, require_gpu, require_import) for t in targets], ctx)

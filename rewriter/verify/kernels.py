@@ -6,7 +6,7 @@ loaded with ``torch.ops.load_library``). Two explicit adaptations turn the
 fork-era Python call the model file makes into a call of the library's op:
 
 - **schema**: the fork passes the op's first 19 arguments; newer libraries
-  take more (vLLM 0.33: 25). Each extra parameter must be in ``EXTRA_DEFAULTS``
+  take more (vLLM 0.24: 20, ``kv_cache_dtype``; 0.33: 25). Each extra parameter must be in ``EXTRA_DEFAULTS``
   (or carry a default in the schema), else the library is refused.
 - **cache layout**: the fork file hands the fused insert a
   ``[blocks, 2, block_size, kv_heads, head_dim]`` cache; newer kernels write
@@ -16,7 +16,9 @@ fork-era Python call the model file makes into a call of the library's op:
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,7 +133,9 @@ def load_ops(kernels: str | None) -> KernelOps:
         source = kernels
     else:
         try:
-            import vllm._custom_ops  # noqa: F401  (registers torch.ops._C*)
+            # vLLM's logger writes to stdout, which carries verify's --json report
+            with contextlib.redirect_stdout(sys.stderr):
+                import vllm._custom_ops  # noqa: F401  (registers torch.ops._C*)
         except Exception as exc:  # an absent or broken vLLM: the level is skipped
             raise KernelUnavailable(
                 f"vllm._custom_ops is not importable ({type(exc).__name__}: {exc})"
@@ -146,18 +150,25 @@ def load_ops(kernels: str | None) -> KernelOps:
         raise KernelUnavailable(
             f"{source}: the fused MiniMax-M3 op or reshape_and_cache_flash is missing"
         ) from exc
-    names = [arg.name for arg in fused._schema.arguments]
+    return KernelOps(source, fused, reshape, schema_extras(source, fused._schema.arguments))
+
+
+def schema_extras(source: str, arguments: list[Any]) -> list[tuple[str, Any]]:
+    """The parameters after the fork's 19 and the value that keeps the fork's meaning,
+    read from the library's schema: vLLM 0.24 adds ``kv_cache_dtype`` alone (20),
+    0.33 five more (25). A parameter neither known nor defaulted refuses the library."""
+    names = [arg.name for arg in arguments]
     if names[:19] != FORK_PARAMS:
         raise KernelUnavailable(f"{source}: fused op's first 19 parameters are not the fork's: {names[:19]}")
     extra = []
-    for arg in fused._schema.arguments[19:]:
+    for arg in arguments[19:]:
         if arg.name in EXTRA_DEFAULTS:
             extra.append((arg.name, EXTRA_DEFAULTS[arg.name]))
-        elif getattr(arg, "default_value", None) is not None:
+        elif arg.has_default_value():
             extra.append((arg.name, arg.default_value))
         else:
             raise KernelUnavailable(f"{source}: fused op parameter {arg.name!r} has no known fork value")
-    return KernelOps(source, fused, reshape, extra)
+    return extra
 
 
 # --- probes and checks ---------------------------------------------------------
@@ -368,7 +379,9 @@ class Timing:
 
 def timing_shape(tokens: int) -> harness.Shape:
     """A MiniMax-M3 sparse layer on one GPU of a TP group: 16 q heads, 4 kv heads x 128."""
-    return harness.Shape(tokens=tokens, num_heads=16, num_kv_heads=4, num_blocks=2 * tokens // 16 + 1, padded=0)
+    return harness.Shape(
+        tokens=tokens, num_heads=16, num_kv_heads=4, num_blocks=2 * tokens // 16 + 1, padded=0
+    )
 
 
 def timings(
@@ -393,8 +406,12 @@ def timings(
         s = inputs.shape
         qkv = inputs.qkv
         q, iq = _outs(inputs)
-        bf16_cache = ops.layout.alloc(s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim, torch.bfloat16, device)
-        bf16_index = torch.zeros(s.num_blocks, s.block_size, s.idx_head_dim, dtype=torch.bfloat16, device=device)
+        bf16_cache = ops.layout.alloc(
+            s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim, torch.bfloat16, device
+        )
+        bf16_index = torch.zeros(
+            s.num_blocks, s.block_size, s.idx_head_dim, dtype=torch.bfloat16, device=device
+        )
         insert = _insert_args(inputs, qkv, q, iq, bf16_index)
         rope_only = _op_args(inputs, qkv, q, iq)
         layer, _, _ = harness._standin(code, ops.backend, inputs, "fp8")

@@ -50,6 +50,9 @@ def print_verify(report: VerifyReport, err: Console, verbose: bool = False) -> N
                 err.print(
                     Text(f"{f.path}: {level.level} failed: {level.reason}", style="red"), soft_wrap=True
                 )
+            elif level.level == "import" and level.status is Status.SKIPPED:
+                # why the import could not say anything, whole (the table folds it)
+                err.print(Text(f"{f.path}: import skipped: {level.reason}", style="yellow"), soft_wrap=True)
     ctx = report.kernel
     if ctx is not None and ctx.ops is not None:
         extra = ", ".join(n for n, _ in ctx.ops.extra)
