@@ -132,7 +132,11 @@ timeout "$T" "${MM[@]}" verify --require-gpu --require-import --json "$V" >"$W/e
 echo "verify exit $?"
 cp "$H/model.orig.py" "$V"
 
-FIX=(fork_era reformatted no_insert_kv half_applied patch_fuzz patched)
+# fork-era files that end patched; the older bypass forms (outdated -> upgrade); and
+# native calls carrying a stale bypass (half-applied -> strip: the native kernel)
+FIX=(fork_era reformatted no_insert_kv half_applied patch_fuzz patched
+     old_form seed_form seed_split half_native half_native_plain native_stale_bypass wrapper_native)
+export V24_FIXTURES="${FIX[*]}"
 step "2. fixtures that end patched, beside it as nvidia/v24fx_<name>.py: ${FIX[*]}"
 files=()
 for f in "${FIX[@]}"; do cp "fixtures/$f/model.py" "$NV/v24fx_$f.py" && files+=("$NV/v24fx_$f.py"); done
@@ -191,7 +195,7 @@ b, _ = levels(reports.get("example_before", {}), "nvidia/model.py")
 bs, _ = levels(reports.get("example_before_shim", {}), "nvidia/model.py")
 a, _ = levels(reports.get("example_after", {}), "nvidia/model.py")
 rows.append(("bundled example", first_failure(bs), run_state(reports.get("example_run", {}), "model.py"), a))
-for fx in ("fork_era", "reformatted", "no_insert_kv", "half_applied", "patch_fuzz", "patched"):
+for fx in os.environ["V24_FIXTURES"].split():
     end = f"v24fx_{fx}.py"
     b, _ = levels(reports.get("fixtures_before", {}), end)
     a, _ = levels(reports.get("fixtures_after", {}), end)
@@ -223,4 +227,9 @@ for f in reports.get("survey", {}).get("files", []):
         states = ", ".join(f"{s['class']}.{s['method']}: {s['state']}" for s in f["sites"] if s["state"] != "not-a-site")
         print(f"survey: {f['path']}: vllm {f.get('vllm_version')}, {f['status']}, {states} ({f.get('origin')})")
 PYEOF
+
+step "4. bench/kv_forms.py with this vLLM's kernel library (the fork-era ops' floor)"
+timeout "${KV_FORMS_TIMEOUT:-150}" $PY bench/kv_forms.py "$SITE/vllm/_C_stable_libtorch.abi3.so" --json "$OUT/kv_forms.json" 2>&1 |
+  grep -v "^WARNING\|^INFO"
+echo "kv_forms exit ${PIPESTATUS[0]}"
 echo "device run: $((SECONDS - start)) s"
