@@ -74,9 +74,15 @@ rm -f "$NV"/v24fx_*.py
 MM=($PY -m mm3_codemod)
 T=${STEP_TIMEOUT:-240}
 
+# V24_STEPS picks steps (default all): probe native example fixtures survey kv_forms;
+# V24_FIXTURES the fixtures; V24_BEFORE=0 skips their verify before run.
+want() { [[ " ${V24_STEPS:-probe native example fixtures survey kv_forms} " == *" $1 "* ]]; }
+shim() { printf '\n# mm3-codemod device run: fork-era model files import it from here\nfrom vllm.models.minimax_m3.common.indexer import MiniMaxM3IndexerMetadata  # noqa: E402,F401\n' >>"$SA"; }
+
 step "python, torch, GPU"
 $PY -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA")'
 
+if want probe; then
 step "import vllm.models.minimax_m3.nvidia.model (0.24.0's own)"
 timeout "$T" $PY -c '
 import time, traceback
@@ -87,6 +93,7 @@ try:
 except BaseException:
     print("\n".join(traceback.format_exc().splitlines()[-12:]))
 ' 2>&1 | grep -v "^WARNING\|^INFO"
+
 
 step "the fork-era files' vllm imports against this vLLM"
 $PY - rewriter/data/example_model.py fixtures/{fork_era,reformatted,no_insert_kv,half_applied,patch_fuzz,patched}/model.py <<'PYEOF' 2>&1 | grep -v "^WARNING\|^INFO"
@@ -110,19 +117,23 @@ print(f"{len(sys.argv) - 1} files checked;", "every name resolves" if not missin
 for name, files in sorted(missing.items()):
     print(f"  {name}: {len(files)} file(s)")
 PYEOF
+fi
 
+if want native; then
 step "1. check + verify, 0.24.0's own nvidia/model.py in place"
 "${MM[@]}" check "$V"; echo "check exit $?"
 timeout "$T" "${MM[@]}" verify --no-timing --require-import --require-gpu --json "$V" >"$W/native.json"
 echo "verify exit $?"
+fi
 
+if want example; then
 step "2. the bundled example over nvidia/model.py: verify before run"
 cp rewriter/data/example_model.py "$V"
 timeout "$T" "${MM[@]}" verify --no-timing --require-gpu --require-import --json "$V" >"$W/example_before.json"
 echo "verify exit $?"
 
 step "shim: fork-era files import MiniMaxM3IndexerMetadata from common.sparse_attention; 0.24.0 defines it in common.indexer - re-exported there (the installed copy only)"
-printf '\n# mm3-codemod device run: fork-era model files import it from here\nfrom vllm.models.minimax_m3.common.indexer import MiniMaxM3IndexerMetadata  # noqa: E402,F401\n' >>"$SA"
+shim
 timeout "$T" "${MM[@]}" verify --no-timing --require-gpu --require-import --json "$V" >"$W/example_before_shim.json"
 echo "verify (with the shim) exit $?"
 
@@ -131,25 +142,33 @@ step "2. run, then verify after (timed)"
 timeout "$T" "${MM[@]}" verify --require-gpu --require-import --json "$V" >"$W/example_after.json"
 echo "verify exit $?"
 cp "$H/model.orig.py" "$V"
+fi
 
 # fork-era files that end patched; the older bypass forms (outdated -> upgrade); and
 # native calls carrying a stale bypass (half-applied -> strip: the native kernel)
-FIX=(fork_era reformatted no_insert_kv half_applied patch_fuzz patched
-     old_form seed_form seed_split half_native half_native_plain native_stale_bypass wrapper_native)
+FIX=(${V24_FIXTURES:-fork_era reformatted no_insert_kv half_applied patch_fuzz patched
+     old_form seed_form seed_split half_native half_native_plain native_stale_bypass wrapper_native})
 export V24_FIXTURES="${FIX[*]}"
+if want fixtures; then
+  grep -q MiniMaxM3IndexerMetadata "$SA" || shim
 step "2. fixtures that end patched, beside it as nvidia/v24fx_<name>.py: ${FIX[*]}"
 files=()
 for f in "${FIX[@]}"; do cp "fixtures/$f/model.py" "$NV/v24fx_$f.py" && files+=("$NV/v24fx_$f.py"); done
-timeout "$T" "${MM[@]}" verify --no-timing --require-gpu --require-import --json "${files[@]}" >"$W/fixtures_before.json"
-echo "verify before exit $?"
+if [ "${V24_BEFORE:-1}" = 1 ]; then
+  timeout "$T" "${MM[@]}" verify --no-timing --require-gpu --require-import --json "${files[@]}" >"$W/fixtures_before.json"
+  echo "verify before exit $?"
+fi
 "${MM[@]}" run --json "${files[@]}" >"$W/fixtures_run.json"; echo "run exit $?"
 timeout "$T" "${MM[@]}" verify --no-timing --require-gpu --require-import --json "${files[@]}" >"$W/fixtures_after.json"
 echo "verify after exit $?"
 rm -f "${files[@]}"
+fi
 
+if want survey; then
 step "3. survey --python $PY"
 "${MM[@]}" survey --python "$PY" --json >"$W/survey.json"; echo "survey exit $?"
 "${MM[@]}" survey --python "$PY" 2>&1 | tail -8
+fi
 
 cp "$H/sparse_attention.orig.py" "$SA"
 step "summary"
@@ -228,8 +247,10 @@ for f in reports.get("survey", {}).get("files", []):
         print(f"survey: {f['path']}: vllm {f.get('vllm_version')}, {f['status']}, {states} ({f.get('origin')})")
 PYEOF
 
+if want kv_forms; then
 step "4. bench/kv_forms.py with this vLLM's kernel library (the fork-era ops' floor)"
 timeout "${KV_FORMS_TIMEOUT:-150}" $PY bench/kv_forms.py "$SITE/vllm/_C_stable_libtorch.abi3.so" --json "$OUT/kv_forms.json" 2>&1 |
   grep -v "^WARNING\|^INFO"
 echo "kv_forms exit ${PIPESTATUS[0]}"
+fi
 echo "device run: $((SECONDS - start)) s"

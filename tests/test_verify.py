@@ -467,6 +467,16 @@ IMPORTS = frozenset({3, 4, 5})  # the file's import-statement lines
             None,
             "this vLLM lacks what the file imports",
         ),
+        # the file ran whole, but this vLLM's package imports a class from it that it
+        # does not define (a fork-era file over 0.24.0's nvidia/model.py, seen on the H200)
+        (
+            "ImportError",
+            "cannot import name 'MiniMaxM3SparseForCausalLM' from 'vllm.models.minimax_m3.nvidia.model'",
+            [("/t/vllm/models/minimax_m3/__init__.py", 17)],
+            "vllm.models.minimax_m3.nvidia.model",
+            None,
+            "this vLLM imports a name the file does not define",
+        ),
         # the file's module-level code called into vLLM, which raised
         (
             "RuntimeError",

@@ -168,6 +168,13 @@ def judge(
     if exc_type == "ModuleNotFoundError" and not _is_vllm(name):
         where = f", imported at {at(frames[-1])}" if frames else ""
         return "skipped", f"a dependency is not installed: {error}{where}{env}"
+    mod = module_of(Path(file))
+    if exc_type == "ImportError" and mod and name == mod[1]:
+        where = f" (at {at(frames[-1])})" if frames else ""
+        return "failed", (
+            f"this vLLM imports a name the file does not define: {error}{where}; "
+            "a model file from another vLLM version or fork, whose classes this vLLM's package does not find"
+        )
     own = [f for f in frames if mine(f[0])]
     if not own:
         where = f" (at {at(frames[-1])})" if frames else ""
