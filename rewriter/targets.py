@@ -162,14 +162,13 @@ def source_tree_around(folder: Path) -> Path | None:
 
 
 def shown_path(path: Path) -> str:
-    """A path as the user would type it from the working folder: relative when that
-    is shorter than the absolute path, else absolute."""
-    absolute = os.path.abspath(path)
-    try:
-        relative = os.path.relpath(absolute)
-    except ValueError:  # another drive (Windows)
-        return absolute
-    return relative if len(relative) < len(absolute) else absolute
+    """A path as the user would type it from the working folder: relative when it is
+    in that folder or one of the folders it is in (``..``), else absolute — a
+    ``../sibling`` path would read differently depending on where the checkout lives."""
+    absolute, cwd = Path(os.path.abspath(path)), Path.cwd()
+    if absolute == cwd or cwd in absolute.parents or absolute in cwd.parents:
+        return Path(os.path.relpath(absolute, cwd)).as_posix()
+    return str(absolute)
 
 
 def default_targets() -> list[Target]:

@@ -164,3 +164,19 @@ def test_no_vllm_anywhere_says_how_to_name_the_files(tmp_path: Path) -> None:
     (line,) = proc.stderr.strip().splitlines()
     assert "vLLM is not installed" in line and f"{tmp_path} is not inside a vLLM source tree" in line
     assert "PATH" in line and "--vllm-root DIR" in line and "--python EXE" in line
+
+
+def test_paths_are_shown_relative_only_under_the_working_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rewriter.targets import shown_path
+
+    inside = tmp_path / "fork" / "model.py"
+    inside.parent.mkdir()
+    outside = tmp_path / "elsewhere.py"
+    monkeypatch.chdir(tmp_path / "fork")
+    assert shown_path(inside) == "model.py"
+    # A short ``../`` path would depend on where the checkout lives; an absolute one does not.
+    assert shown_path(outside) == str(outside)
+    # The source tree the user stands in is reached upward.
+    assert shown_path(tmp_path) == ".."
