@@ -94,7 +94,6 @@ except BaseException:
     print("\n".join(traceback.format_exc().splitlines()[-12:]))
 ' 2>&1 | grep -v "^WARNING\|^INFO"
 
-
 step "the fork-era files' vllm imports against this vLLM"
 $PY - rewriter/data/example_model.py fixtures/{fork_era,reformatted,no_insert_kv,half_applied,patch_fuzz,patched}/model.py <<'PYEOF' 2>&1 | grep -v "^WARNING\|^INFO"
 import ast, importlib, sys
@@ -151,7 +150,7 @@ FIX=(${V24_FIXTURES:-fork_era reformatted no_insert_kv half_applied patch_fuzz p
 export V24_FIXTURES="${FIX[*]}"
 if want fixtures; then
   grep -q MiniMaxM3IndexerMetadata "$SA" || shim
-step "2. fixtures that end patched, beside it as nvidia/v24fx_<name>.py: ${FIX[*]}"
+step "2. fixtures (fork-era, older bypass forms, stale bypasses on native calls), beside it as nvidia/v24fx_<name>.py: ${FIX[*]}"
 files=()
 for f in "${FIX[@]}"; do cp "fixtures/$f/model.py" "$NV/v24fx_$f.py" && files+=("$NV/v24fx_$f.py"); done
 if [ "${V24_BEFORE:-1}" = 1 ]; then

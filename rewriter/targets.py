@@ -166,7 +166,7 @@ def shown_path(path: Path) -> str:
     in that folder or one of the folders it is in (``..``), else absolute — a
     ``../sibling`` path would read differently depending on where the checkout lives."""
     absolute, cwd = Path(os.path.abspath(path)), Path.cwd()
-    if absolute == cwd or cwd in absolute.parents or absolute in cwd.parents:
+    if absolute.is_relative_to(cwd) or cwd.is_relative_to(absolute):
         return Path(os.path.relpath(absolute, cwd)).as_posix()
     return str(absolute)
 
