@@ -47,11 +47,13 @@ class StandInGap(Exception):
 
 @dataclass(frozen=True)
 class Shape:
-    """Sizes of the stand-in layer; head dims 128 as the real kernels require."""
+    """Sizes of the stand-in layer. The default is the kernel level's: head dims 128 as
+    the real kernels require, one index-q head per kv head as in the fork's layout."""
 
     tokens: int = 24
     num_heads: int = 4
     num_kv_heads: int = 2
+    num_idx_heads: int = 2
     head_dim: int = 128
     idx_head_dim: int = 128
     rotary_dim: int = 64
@@ -61,10 +63,6 @@ class Shape:
     hidden_size: int = 256
     eps: float = 1e-6
     padded: int = 3  # the batch's last tokens are CUDA-graph padding: slot -1 in both mappings
-
-    @property
-    def num_idx_heads(self) -> int:
-        return self.num_kv_heads  # fork layout: one index-q head per kv head
 
     @property
     def width(self) -> int:

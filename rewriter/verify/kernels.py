@@ -380,7 +380,12 @@ class Timing:
 def timing_shape(tokens: int) -> harness.Shape:
     """A MiniMax-M3 sparse layer on one GPU of a TP group: 16 q heads, 4 kv heads x 128."""
     return harness.Shape(
-        tokens=tokens, num_heads=16, num_kv_heads=4, num_blocks=2 * tokens // 16 + 1, padded=0
+        tokens=tokens,
+        num_heads=16,
+        num_kv_heads=4,
+        num_idx_heads=4,
+        num_blocks=2 * tokens // 16 + 1,
+        padded=0,
     )
 
 
