@@ -202,7 +202,7 @@ def _semantic(
         backend, device = ctx.ops.backend, "cuda"
         shape = harness.Shape(tokens=257, num_blocks=64)
     else:
-        backend, device, shape = harness.REFERENCE, "cpu", harness.Shape()
+        backend, device, shape = harness.REFERENCE, "cpu", harness.DISTINCT
     details: list[str] = []
     failures: list[str] = []
     gaps: list[str] = []
@@ -211,8 +211,9 @@ def _semantic(
             code = harness.load_layer(path, name)
         except (harness.HarnessError, SyntaxError) as exc:
             return LevelResult(level, Status.FAILED, str(exc))
-        inputs = harness.Inputs.random(shape, device)
+        inputs = harness.Inputs.random(code.fit(shape), device)
         result, bf16, fp8 = harness.check_layer(code, backend, inputs)
+        details.append(f"{name}: sizes: {inputs.shape}")
         details += [f"{name}: {check}: {'yes' if ok else 'NO'}" for check, ok in result.checks.items()]
         for run in (bf16, fp8):
             if run.error:

@@ -21,7 +21,7 @@ import inspect
 import traceback
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,23 @@ class Shape:
     def width(self) -> int:
         kv = self.num_kv_heads * self.head_dim
         return self.num_heads * self.head_dim + 2 * kv + (self.num_idx_heads + 1) * self.idx_head_dim
+
+    def __str__(self) -> str:
+        return (
+            f"{self.num_heads} q / {self.num_kv_heads} kv / {self.num_idx_heads} index heads, "
+            f"head dims {self.head_dim} / index {self.idx_head_dim}, rotary {self.rotary_dim}"
+        )
+
+
+# The sizes a file's attributes can hold. Where one attribute holds several (the
+# file ties them), they take the value of the first in this order (LayerCode.fit).
+SIZES = ("num_heads", "num_kv_heads", "num_idx_heads", "head_dim", "idx_head_dim", "rotary_dim")
+
+# The semantic level's sizes: all different, so that no width, head count or head
+# size can stand in for another. head_dim < idx_head_dim: an index key sliced with
+# head_dim comes out short (a slice too wide clips at the end of qkv, harmlessly -
+# the index key is its last part in vLLM too).
+DISTINCT = Shape(num_heads=6, num_kv_heads=2, num_idx_heads=3, head_dim=64, idx_head_dim=128, rotary_dim=32)
 
 
 # --- the layer's code, out of the file -----------------------------------------
@@ -129,10 +146,27 @@ class LayerCode:
     init_assignments: list[tuple[str, types.CodeType]]
     ops_aliases: set[str]
     imported: dict[str, str]
-    bindings: dict[tuple[str, ...], str] = field(default_factory=dict)
+    bindings: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)  # see _bindings
     called_attrs: set[str] = field(default_factory=set)
     functions: dict[str, types.CodeType] = field(default_factory=dict)  # the module's own defs
     native: bool = False  # the insert call passes kv_cache_dtype: the kernel quantizes itself
+
+    def fit(self, shape: Shape) -> Shape:
+        """``shape`` with the sizes that one attribute of the file holds made equal: the
+        file says they are (``self.num_kv_heads`` passed as num_index_heads, say)."""
+        root = {size: size for size in SIZES}
+
+        def find(size: str) -> str:
+            while root[size] != size:
+                size = root[size]
+            return size
+
+        for held in self.bindings.values():
+            sizes = [size for size in held if size in SIZES]
+            for size in sizes[1:]:
+                first, other = sorted((find(sizes[0]), find(size)), key=SIZES.index)
+                root[other] = first
+        return replace(shape, **{size: getattr(shape, find(size)) for size in SIZES})
 
 
 def _imports(tree: ast.Module) -> tuple[dict[str, str], set[str]]:
@@ -188,12 +222,8 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
     imported, ops = _imports(tree)
     methods: dict[str, types.CodeType] = {}
     decorators: dict[str, list[str]] = {}
-    init_assignments: list[tuple[str, types.CodeType]] = []
     for fn in cls.body:
         if not isinstance(fn, ast.FunctionDef):
-            continue
-        if fn.name == "__init__":
-            init_assignments = _init_assignments(fn, path)
             continue
         if fn.name.startswith("__"):
             continue
@@ -202,6 +232,7 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
         decorators[fn.name] = kept
     if "forward" not in methods:
         raise HarnessError(f"{path}: {class_name} has no forward()")
+    init_assignments = _init_assignments(cls, path)
     wrappers = _wrappers(text)
     bindings = _bindings(cls, wrappers)
     native = any(
@@ -220,22 +251,31 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
     )
 
 
-# The fused op's parameters whose argument, when it is a `self.` chain, tells the
-# stand-in which attribute holds which input (names differ between files).
+# What the fused op's parameters hold, where a call passes them a `self.` chain:
+# an input of the stand-in, or a size of the Shape (names differ between files).
 _BOUND_PARAMS = [
-    a.OpParam(1, "q_norm_weight"),
-    a.OpParam(2, "k_norm_weight"),
-    a.OpParam(3, "cos_sin_cache"),
-    a.NUM_HEADS,
-    a.NUM_KV_HEADS,
-    a.OpParam(7, "rotary_dim"),
-    a.OpParam(8, "eps"),
-    a.OpParam(9, "index_q_norm_weight"),
-    a.OpParam(10, "index_k_norm_weight"),
-    a.NUM_INDEX_HEADS,
-    a.KV_CACHE,
-    a.INDEX_CACHE,
+    (a.OpParam(1, "q_norm_weight"), "q_norm_weight"),
+    (a.OpParam(2, "k_norm_weight"), "k_norm_weight"),
+    (a.OpParam(3, "cos_sin_cache"), "cos_sin_cache"),
+    (a.NUM_HEADS, "num_heads"),
+    (a.NUM_KV_HEADS, "num_kv_heads"),
+    (a.OpParam(7, "rotary_dim"), "rotary_dim"),
+    (a.OpParam(8, "eps"), "eps"),
+    (a.OpParam(9, "index_q_norm_weight"), "index_q_norm_weight"),
+    (a.OpParam(10, "index_k_norm_weight"), "index_k_norm_weight"),
+    (a.NUM_INDEX_HEADS, "num_idx_heads"),
+    (a.KV_CACHE, "kv_cache"),
+    (a.INDEX_CACHE, "index_cache"),
 ]
+# The head size that goes with each norm weight (the op reads it off the weight) and
+# with each head count.
+_NORM_DIMS = {
+    "q_norm_weight": "head_dim",
+    "k_norm_weight": "head_dim",
+    "index_q_norm_weight": "idx_head_dim",
+    "index_k_norm_weight": "idx_head_dim",
+}
+_COUNT_DIMS = {"num_heads": "head_dim", "num_kv_heads": "head_dim", "num_idx_heads": "idx_head_dim"}
 
 
 def _self_chain(node: ast.AST) -> tuple[str, ...] | None:
@@ -248,39 +288,76 @@ def _self_chain(node: ast.AST) -> tuple[str, ...] | None:
     return None
 
 
-def _bindings(cls: ast.ClassDef, wrappers: dict[str, dict[int, a.OpParam]]) -> dict[tuple[str, ...], str]:
-    """``self.`` chains -> the op parameter they feed, plus head sizes from ``__init__``."""
-    bound: dict[tuple[str, ...], str] = {}
+def _bindings(
+    cls: ast.ClassDef, wrappers: dict[str, dict[int, a.OpParam]]
+) -> dict[tuple[str, ...], tuple[str, ...]]:
+    """What each ``self.`` chain holds (sizes first, in ``SIZES`` order), told by the
+    file's own code - never by the widths a rewrite slices with:
+
+    1. what the insert call passes it;
+    2. a size it is named for (``self.head_dim``, ``self.num_idx_heads``);
+    3. the head size of a norm whose weight the call passes, where ``__init__``
+       builds the norm from it (``self.q_norm = RMSNorm(self.hd, ...)``: ``hd`` is head_dim);
+    4. for a chain none of those name, ``self.W = <count> * self.D`` in ``__init__``
+       with a count that holds one head count: ``D`` is that count's head size
+       (not where products disagree, nor with a count that is two head counts).
+
+    A chain that holds two sizes ties them: ``LayerCode.fit`` keeps them equal.
+    """
+    held: dict[tuple[str, ...], set[str]] = {}
     for call in ast.walk(cls):
         if not (isinstance(call, ast.Call) and _calls_fused_with_cache(call, wrappers)):
             continue
-        for param in _BOUND_PARAMS:
+        for param, what in _BOUND_PARAMS:
             arg = _op_arg(call, param, wrappers)
             chain = _self_chain(arg) if arg is not None else None
             if chain is not None:
-                bound[chain] = param.keyword
-    counts = {chain[0]: name for chain, name in bound.items() if len(chain) == 1}
-    dims = {"num_heads": "head_dim", "num_kv_heads": "head_dim", "num_index_heads": "idx_head_dim"}
+                held.setdefault(chain, set()).add(what)
     for node in ast.walk(cls):
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
-            for this, other in ((node.left, node.right), (node.right, node.left)):
-                count, dim = _self_chain(this), _self_chain(other)
-                if count and dim and len(count) == 1 and count[0] in counts and len(dim) == 1:
-                    bound.setdefault(dim, dims.get(counts[count[0]], ""))
-    return {chain: name for chain, name in bound.items() if name}
+        if isinstance(node, ast.Attribute) and _self_chain(node) == (node.attr,) and node.attr in SIZES:
+            held.setdefault((node.attr,), set()).add(node.attr)
+    init = _init_values(cls)
+    built = {name: value for name, value in init if isinstance(value, ast.Call) and value.args}
+    for chain, what in list(held.items()):
+        dims = {_NORM_DIMS[w] for w in what if w in _NORM_DIMS}
+        norm = built.get(chain[0]) if len(chain) == 2 and chain[1] == "weight" else None
+        size = _self_chain(norm.args[0]) if norm is not None else None
+        if dims and size is not None and len(size) == 1:
+            held.setdefault(size, set()).update(dims)
+    products: dict[tuple[str, ...], set[str]] = {}
+    for _, value in init:
+        if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult)):
+            continue
+        for count, size in ((value.left, value.right), (value.right, value.left)):
+            counts = held.get(_self_chain(count) or (), set()) & set(_COUNT_DIMS)
+            size_chain = _self_chain(size)
+            if len(counts) == 1 and size_chain is not None and len(size_chain) == 1:
+                if size_chain not in held:
+                    products.setdefault(size_chain, set()).add(_COUNT_DIMS[counts.pop()])
+    held |= {size: dims for size, dims in products.items() if len(dims) == 1}
+    return {
+        chain: (*[size for size in SIZES if size in what], *sorted(what - set(SIZES)))
+        for chain, what in held.items()
+    }
 
 
-def _init_assignments(init: ast.FunctionDef, path: str) -> list[tuple[str, types.CodeType]]:
+def _init_values(cls: ast.ClassDef) -> list[tuple[str, ast.expr]]:
+    """``self.X = <value>`` statements of the class's ``__init__``: (X, value)."""
+    inits = [f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"]
+    return [
+        (target.attr, stmt.value)
+        for stmt in (ast.walk(inits[-1]) if inits else ())
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+        for target in stmt.targets
+        if isinstance(target, ast.Attribute) and _self_chain(target) == (target.attr,)
+    ]
+
+
+def _init_assignments(cls: ast.ClassDef, path: str) -> list[tuple[str, types.CodeType]]:
     """``self.X = <expr>`` statements of ``__init__``, in order, whose expression reads
     only ``self`` and ``torch``."""
     found = []
-    for stmt in ast.walk(init):
-        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
-            continue
-        target, value = stmt.targets[0], stmt.value
-        if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"):
-            continue
-        name = target.attr
+    for name, value in _init_values(cls):
         names = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
         if names - {"self", "torch"} - set(dir(builtins)):
             continue
@@ -514,11 +591,6 @@ def _standin(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> tu
     norm = types.SimpleNamespace
     values: dict[str, Any] = {
         "hidden_size": s.hidden_size,
-        "num_heads": s.num_heads,
-        "num_kv_heads": s.num_kv_heads,
-        "head_dim": s.head_dim,
-        "num_idx_heads": s.num_idx_heads,
-        "idx_head_dim": s.idx_head_dim,
         "scaling": s.head_dim**-0.5,
         "layer_name": LAYER_NAME,
         "kv_cache_dtype": cache_dtype_name,
@@ -541,29 +613,24 @@ def _standin(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> tu
         values[f"{scale}_float"] = 1.0
     for name, value in values.items():
         setattr(layer, name, value)
-    by_param = {
+    value_of = {
         "q_norm_weight": weights["q_norm"],
         "k_norm_weight": weights["k_norm"],
         "cos_sin_cache": inputs.cos_sin_cache,
-        "num_heads": s.num_heads,
-        "num_kv_heads": s.num_kv_heads,
-        "rotary_dim": s.rotary_dim,
         "eps": s.eps,
         "index_q_norm_weight": weights["index_q_norm"],
         "index_k_norm_weight": weights["index_k_norm"],
-        "num_index_heads": s.num_idx_heads,
         "kv_cache": kv_cache,
         "index_cache": index_cache,
-        "head_dim": s.head_dim,
-        "idx_head_dim": s.idx_head_dim,
+        **{size: getattr(s, size) for size in SIZES},
     }
-    for chain, param in code.bindings.items():
+    for chain, what in code.bindings.items():
         owner = layer
         for part in chain[:-1]:
             if not hasattr(owner, part):
                 setattr(owner, part, types.SimpleNamespace())
             owner = getattr(owner, part)
-        setattr(owner, chain[-1], by_param[param])
+        setattr(owner, chain[-1], value_of[what[0]])  # a tie's first size: its value (LayerCode.fit)
         values.setdefault(chain[0], None)
     for name in code.called_attrs - set(code.methods):
         if not hasattr(layer, name):
