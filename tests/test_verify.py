@@ -12,6 +12,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -236,6 +237,137 @@ def test_semantic_catches_a_broken_rewrite(tmp_path: Path, mutant: str) -> None:
     path.write_text(EXPECTED.replace(old, new))
     level, _ = semantic(path)
     assert level.status is Status.FAILED, f"{mutant}: {level.reason}"
+
+
+# --- no size stands in for another: rewrites that take a width from the wrong product -------
+
+# The generated lines that hold the index key's head size, in fork_era's rewrite.
+_INDEX_KEY_DIM = [
+    ("index_k = qkv[:, ik0 : ik0 + self.idx_head_dim]", "index_k = qkv[:, ik0 : ik0 + self.head_dim]"),
+    ("idx_key = index_key.view(-1, 1, self.idx_head_dim)", "idx_key = index_key.view(-1, 1, self.head_dim)"),
+    ("kv_cache.view(-1, 1, 1, self.idx_head_dim)", "kv_cache.view(-1, 1, 1, self.head_dim)"),
+]
+# The sparse layer's q_size line (the dense layer has one too) and a rotary product to go before it.
+_SPARSE_Q_SIZE = (
+    "        self.q_size = self.num_heads * self.head_dim\n"
+    "        self.kv_size = self.num_kv_heads * self.head_dim\n"
+    "        self.scaling"
+)
+_ROPE_Q_SIZE = (
+    "        self.rotary_dim = config.rotary_dim\n"
+    "        self.rope_q_size = self.num_heads * self.rotary_dim\n"
+)
+# case -> (fixture, edits of the file itself, the rewrite's wrong widths on top of them)
+WRONG_WIDTHS = {
+    # index_q's width taken as the kv width (`kv_size`): index_k read from the wrong offset
+    "index_q width = kv width": ("fork_era", [], [("2 * kv + self.index_q_size", "2 * kv + self.kv_size")]),
+    # the call passes `self.num_kv_heads` as num_index_heads; the first product of that
+    # count in __init__ is `kv_size = num_kv_heads * head_dim`, so the index widths come
+    # out as kv_size and head_dim (what the product-matching rewrite emits)
+    "kv heads passed as index heads": (
+        "fork_era",
+        [("            self.num_idx_heads,\n            main_slot_mapping,",
+          "            self.num_kv_heads,\n            main_slot_mapping,")],
+        [("2 * kv + self.index_q_size", "2 * kv + self.kv_size"), *_INDEX_KEY_DIM],
+    ),
+    # the index key's head size taken as head_dim
+    "head_dim for the index key": ("fork_era", [], _INDEX_KEY_DIM),
+    # an extra `rope_q_size = num_heads * rotary_dim` before q_size: k's offset taken from it
+    "q width from a rotary_dim product": (
+        "fork_era",
+        [(_SPARSE_Q_SIZE, _ROPE_Q_SIZE + _SPARSE_Q_SIZE)],
+        [("k0 = self.q_size\n", "k0 = self.rope_q_size\n")],
+    ),
+    # index_q's width from the kv head count (the fixture sets one index head per kv head;
+    # the op is passed `self.num_idx_heads`, and that is what the slices must follow)
+    "index_q width from the kv head count": (
+        "fork_era",
+        [],
+        [("2 * kv + self.index_q_size", "2 * kv + self.num_kv_heads * self.idx_head_dim")],
+    ),
+    # renamed attributes (`self.dim`, `self.index_dim`): the index key sliced with `dim`
+    "renamed: dim for the index key": (
+        "no_insert_kv",
+        [],
+        [
+            ("index_k = qkv[:, ik0 : ik0 + self.index_dim]", "index_k = qkv[:, ik0 : ik0 + self.dim]"),
+            ("view(-1, 1, self.index_dim)", "view(-1, 1, self.dim)"),
+            ("view(-1, 1, 1, self.index_dim)", "view(-1, 1, 1, self.dim)"),
+        ],
+    ),
+}
+
+
+def _edited(source: str, edits: list[tuple[str, str]]) -> str:
+    for old, new in edits:
+        assert source.count(old) == 1, f"{old!r} no longer applies"
+        source = source.replace(old, new)
+    return source
+
+
+def _wrong_widths_file(tmp_path: Path, case: str, wrong: bool) -> Path:
+    fixture, file_edits, rewrite_edits = WRONG_WIDTHS[case]
+    source = _edited((FIXTURES / fixture / "expected.py").read_text(), file_edits)
+    path = tmp_path / "model.py"
+    path.write_text(_edited(source, rewrite_edits) if wrong else source)
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_WIDTHS))
+def test_semantic_fails_a_rewrite_that_takes_a_width_from_the_wrong_product(
+    tmp_path: Path, case: str
+) -> None:
+    """Every one of these passed the semantic level before it ran at sizes that all
+    differ (checked against 1260541, where num_idx_heads was num_kv_heads, head_dim
+    and idx_head_dim were both 128, and head sizes were bound by any product with a
+    head count - the rewrite's own assumption)."""
+    level, _ = semantic(_wrong_widths_file(tmp_path, case, wrong=True))
+    assert level.status is Status.FAILED, f"{case}: {level.reason}\n" + "\n".join(level.details)
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_WIDTHS))
+def test_the_same_file_with_the_right_widths_passes(tmp_path: Path, case: str) -> None:
+    """The control: the file edits alone (the rewrite's widths right) pass - the wrong
+    width is what fails above, not the stand-in."""
+    level, _ = semantic(_wrong_widths_file(tmp_path, case, wrong=False))
+    assert level.status is Status.PASSED, f"{case}: {level.reason}\n" + "\n".join(level.details)
+
+
+def test_the_stand_in_tells_each_size_from_the_file_and_keeps_its_ties(tmp_path: Path) -> None:
+    """Head sizes renamed (`self.hd`, `self.ihd`), `self.num_kv_heads` used as the index
+    head count too (passed to the op, and in `index_q_size`), an extra rotary product
+    before q_size. Each attribute still gets its own size - `hd` and `ihd` from the norms
+    built with them (every product with the kv count is ambiguous: it is two counts),
+    `rotary_dim` by its name - and the two head counts that one attribute holds stay
+    equal, the other sizes distinct."""
+    _, file_edits, _ = WRONG_WIDTHS["q width from a rotary_dim product"]
+    source = _edited(EXPECTED, [*file_edits, ("        self.num_idx_heads = self.num_kv_heads\n", "")])
+    source = source.replace("self.num_idx_heads", "self.num_kv_heads")
+    source = source.replace("self.idx_head_dim", "self.ihd").replace("self.head_dim", "self.hd")
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    code = harness.load_layer(path, "MiniMaxM3SparseAttention")
+    sizes = {chain: held for chain, held in code.bindings.items() if set(held) & set(harness.SIZES)}
+    assert sizes == {
+        ("num_heads",): ("num_heads",),
+        ("num_kv_heads",): ("num_kv_heads", "num_idx_heads"),
+        ("rotary_emb", "rotary_dim"): ("rotary_dim",),
+        ("rotary_dim",): ("rotary_dim",),
+        ("hd",): ("head_dim",),
+        ("ihd",): ("idx_head_dim",),
+    }
+    distinct = harness.DISTINCT
+    assert code.fit(distinct) == replace(distinct, num_idx_heads=distinct.num_kv_heads)
+    level, _ = semantic(path)
+    assert level.status is Status.PASSED, level.reason + "\n" + "\n".join(level.details)
+    ran = "6 q / 2 kv / 2 index heads, head dims 64 / index 128, rotary 32"
+    assert f"MiniMaxM3SparseAttention: sizes: {ran}" in level.details
+    # the index norms built with head_dim: the op's index head size is head_dim, so the two stay equal
+    tied = EXPECTED.replace("GemmaRMSNorm(self.idx_head_dim", "GemmaRMSNorm(self.head_dim")
+    path.write_text(tied)
+    code = harness.load_layer(path, "MiniMaxM3SparseAttention")
+    assert code.fit(distinct) == replace(distinct, idx_head_dim=distinct.head_dim)
+    assert semantic(path)[0].status is Status.PASSED
 
 
 # --- the import level -----------------------------------------------------------------
