@@ -49,6 +49,11 @@ def callee_name(call: cst.Call) -> str | None:
     return None
 
 
+def callee_node(call: cst.Call) -> cst.CSTNode:
+    """The node that names the callee: ``f`` of ``f(…)``, ``f`` of ``a.b.f(…)``."""
+    return call.func.attr if isinstance(call.func, cst.Attribute) else call.func
+
+
 def is_fused_call(node: cst.CSTNode) -> bool:
     """``ops.fused_…(…)``, ``torch.ops._C.fused_…(…)`` or a bare ``fused_…(…)``."""
     return isinstance(node, cst.Call) and callee_name(node) == FUSED_OP
@@ -300,9 +305,7 @@ def _sub_blocks(stmt: cst.CSTNode) -> Iterator[cst.IndentedBlock]:
     for child in stmt.children:
         if isinstance(child, cst.IndentedBlock):
             yield child
-        elif isinstance(child, (cst.Else, cst.If, cst.ExceptHandler, cst.Finally)):
-            yield from _sub_blocks(child)
-        elif isinstance(child, cst.ExceptStarHandler):
+        elif isinstance(child, (cst.Else, cst.If, cst.ExceptHandler, cst.ExceptStarHandler, cst.Finally, cst.MatchCase)):
             yield from _sub_blocks(child)
 
 
@@ -366,28 +369,116 @@ def param_names(func: cst.FunctionDef) -> list[str]:
     return [p.name.value for p in _all_params(func.params)]
 
 
+def _target_names(node: cst.CSTNode) -> Iterator[str]:
+    """Names an assignment target binds (``a``, ``a, (b, *c)``); not attributes or subscripts."""
+    if isinstance(node, cst.Name):
+        yield node.value
+    elif isinstance(node, (cst.Tuple, cst.List)):
+        for element in node.elements:
+            yield from _target_names(element.value)
+    elif isinstance(node, cst.StarredElement):
+        yield from _target_names(node.value)
+
+
+def _bound_by(node: cst.CSTNode) -> Iterator[str]:
+    """The names one node binds in the scope it sits in."""
+    if isinstance(node, (cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.For, cst.CompFor, cst.NamedExpr)):
+        yield from _target_names(node.target)
+    elif isinstance(node, cst.Del):
+        yield from _target_names(node.target)
+    elif isinstance(node, cst.AsName):  # with ... as x, except ... as x, import ... as x
+        yield from _target_names(node.name)
+    elif isinstance(node, cst.ImportAlias) and node.asname is None:
+        yield code(node.name).split(".")[0]
+    elif isinstance(node, (cst.Global, cst.Nonlocal)):
+        yield from (item.name.value for item in node.names)
+    elif isinstance(node, (cst.FunctionDef, cst.ClassDef)):
+        yield node.name.value
+    elif isinstance(node, (cst.MatchAs, cst.MatchStar)) and node.name is not None:
+        yield node.name.value
+    elif isinstance(node, cst.MatchMapping) and node.rest is not None:
+        yield node.rest.value
+
+
+def bindings(func: cst.FunctionDef) -> dict[str, list[cst.CSTNode]]:
+    """Every way a name is bound in a function's own scope: parameters, assignments
+    of any form (unpacking, augmented, ``for``, ``with … as``, ``:=``, ``except … as``,
+    imports, nested defs, ``match`` captures, ``del``) and ``global``/``nonlocal``."""
+    found: dict[str, list[cst.CSTNode]] = {p.name.value: [p] for p in _all_params(func.params)}
+    for name, nodes in scope_bindings(func.body).items():
+        found.setdefault(name, []).extend(nodes)
+    return found
+
+
+def scope_bindings(body: cst.CSTNode) -> dict[str, list[cst.CSTNode]]:
+    """``bindings`` of the statements of one scope (a class body: its attributes and methods)."""
+    found: dict[str, list[cst.CSTNode]] = {}
+    for node in nodes_in(body, scope_only=True):
+        for name in _bound_by(node):
+            found.setdefault(name, []).append(node)
+    return found
+
+
+def slot_chain(func: cst.FunctionDef, target: StatementSlot) -> list[StatementSlot]:
+    """The statements of ``func`` that hold ``target``, outermost first, ending with it."""
+
+    def visit(block: cst.IndentedBlock, chain: list[StatementSlot]) -> list[StatementSlot] | None:
+        for i, stmt in enumerate(block.body):
+            here = [*chain, StatementSlot(block, i)]
+            if block is target.block and i == target.index:
+                return here
+            if not isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+                for sub in _sub_blocks(stmt):
+                    found = visit(sub, here)
+                    if found is not None:
+                        return found
+        return None
+
+    found = visit(func.body, []) if isinstance(func.body, cst.IndentedBlock) else None
+    return found or []
+
+
 def local_value(func: cst.FunctionDef, name: str, before: StatementSlot) -> cst.BaseExpression | None:
-    """The value of a local assigned exactly once in ``func``, before ``before``."""
-    values: list[cst.BaseExpression] = []
-    seen_target = False
-    for slot in statement_slots(func):
-        if slot.block is before.block and slot.index == before.index:
-            seen_target = True
-        pair = simple_assignment(slot.statement)
-        if pair and isinstance(pair[0], cst.Name) and pair[0].value == name:
-            if seen_target:
-                return None  # reassigned after the call: not a stable alias
-            values.append(pair[1])
-    return values[0] if len(values) == 1 else None
+    """The value ``name`` surely holds at ``before``: the local is bound once in ``func``
+    (no parameter, unpacking, loop, ``with``, ``:=`` or other binding besides), by a plain
+    ``name = value`` statement that runs on every path to ``before``; else None."""
+    bound = bindings(func).get(name, [])
+    if len(bound) != 1 or not isinstance(bound[0], cst.AssignTarget):
+        return None
+    for level in slot_chain(func, before):
+        for stmt in level.block.body[: level.index]:
+            pair = simple_assignment(stmt)
+            if pair is not None and pair[0] is bound[0].target:
+                return pair[1]
+    return None
+
+
+def _assigns_within(func: cst.FunctionDef, chain: cst.Attribute) -> bool:
+    """``func`` may rebind ``self.a.b`` (or ``self.a``) of a ``self.a.b.c`` chain:
+    assigns or deletes a prefix of it, or calls ``setattr``."""
+    wanted = code(chain).replace(" ", "")
+    for node in nodes_in(func.body, scope_only=True):
+        if isinstance(node, (cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.Del)):
+            target = node.target
+            if isinstance(target, cst.Attribute) and is_self_rooted(target):
+                prefix = code(target).replace(" ", "")
+                if wanted == prefix or wanted.startswith(prefix + "."):
+                    return True
+        elif isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "setattr":
+            return True
+    return False
 
 
 def resolve_self_expr(
     func: cst.FunctionDef, expr: cst.BaseExpression, before: StatementSlot
 ) -> cst.BaseExpression | None:
-    """``self.x`` as is, or a local that holds ``self.x``; else None."""
+    """``self.x`` as is, or a local proven to hold ``self.x`` at ``before`` (and
+    ``self.x`` not rebound in ``func``, so the two stay one tensor); else None."""
+    if len(bindings(func).get("self", [])) != 1:
+        return None  # `self` rebound: `self.x` is not the layer's attribute
     if isinstance(expr, cst.Name):
         value = local_value(func, expr.value, before)
-        if value is not None and is_self_rooted(value) and isinstance(value, cst.Attribute):
+        if isinstance(value, cst.Attribute) and is_self_rooted(value) and not _assigns_within(func, value):
             return value
         return None
     if isinstance(expr, cst.Attribute) and is_self_rooted(expr):

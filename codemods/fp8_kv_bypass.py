@@ -29,11 +29,13 @@ from codemods import anchors as a
 from codemods.schema import (
     AUTO_DTYPE,
     CHANGING,
+    DTYPE_ATTR,
     METADATA_ATTR,
     CallFacts,
     Pieces,
     Verdict,
     insert_kv_form,
+    is_flag_value,
     is_guard_value,
     note_guard_assignment,
     post_block_guard,
@@ -105,11 +107,28 @@ class _CallFinder(cst.CSTVisitor):
         self.found: list[_FoundCall] = []
         self.skip = {id(n): n for n in skip or ()}
         self.wrappers = wrappers
+        # Where the op is named other than as the callee of a call (an alias, a local, getattr):
+        # (the node, the innermost statement holding it).
+        self.named: list[tuple[cst.CSTNode, cst.CSTNode | None]] = []
+        self.statement: cst.CSTNode | None = None
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         if self.skip.get(id(node)) is node:
             return False  # a statement that holds no call of the op
+        if isinstance(node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+            self.statement = node
         return super().on_visit(node)
+
+    def _named(self, node: cst.CSTNode, name: str | None) -> None:
+        if name == a.FUSED_OP:
+            self.named.append((node, self.statement))
+
+    def visit_Name(self, node: cst.Name) -> None:  # the attribute of `ops.fused_…` too
+        self._named(node, node.value)
+
+    def visit_SimpleString(self, node: cst.SimpleString) -> None:
+        if a.FUSED_OP in node.value:
+            self._named(node, str(node.evaluated_value).rpartition(".")[2])
 
     def on_leave(self, original_node: cst.CSTNode) -> None:
         if self.skip.get(id(original_node)) is not original_node:
@@ -154,13 +173,23 @@ class _CallFinder(cst.CSTVisitor):
         return False  # nothing to find in an import
 
     def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+        if not isinstance(node.names, cst.ImportStar):
+            for alias in node.names:  # `import fused_… as other`: its calls go by the other name
+                if alias.asname is not None and a.code(alias.name) == a.FUSED_OP:
+                    self._named(alias, a.FUSED_OP)
         return False
+
+    def strays(self) -> list[tuple[cst.CSTNode, cst.CSTNode | None]]:
+        """Where the op is named but not called by that name (nor imported plainly)."""
+        callees = {id(a.callee_node(f.call)) for f in self.found if f.op.wrapper is None}
+        return [(node, stmt) for node, stmt in self.named if id(node) not in callees]
 
 
 def _find_calls(
     module: cst.Module, source_map: a.SourceMap | None, wrappers: dict[str, a.Wrapper]
-) -> list[_FoundCall]:
-    """Every call of the op, in source order, with the line it starts on.
+) -> _CallFinder:
+    """Every call of the op, in source order, with the line it starts on (``found``), and
+    where the op is named without being called (``strays``).
 
     The lines are those ``PositionProvider`` gives (the callee's first line; a
     call's own parentheses are not part of it), read from Python's parser of
@@ -187,13 +216,13 @@ def _find_calls(
         ):
             for f, c in zip(finder.found, calls, strict=True):
                 f.line = c.lineno
-            return finder.found
+            return finder
     finder = _CallFinder(wrappers)
     module.visit(finder)
     positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
     for f in finder.found:
         f.line = positions[f.call].start.line
-    return finder.found
+    return finder
 
 
 def _ast_calls(tree: ast.Module, op_lines: list[int], names: set[str]) -> list[ast.Call]:
@@ -296,23 +325,49 @@ def _collect_pieces(
     ``mentions_flag``: the file's text holds the flag's name at all (else no walk for it)."""
     p = _Pieces()
     init = a.find_method(cls, "__init__")
+    p.taken = _taken_names(cls, init, mentions_flag)
     if init is not None and mentions_flag:
-        p.flag_set = a.FP8_FLAG in a.self_assignments(init)
-        p.scale_set = a.FP8_SCALE in a.self_assignments(init)
+        assigned = a.self_assignments(init)
+        flag = assigned.get(a.FP8_FLAG, [])
+        p.flag_set = len(flag) == 1 and _is_flag_value(flag[0][1])
+        p.scale_set = a.FP8_SCALE in assigned
     if mentions_flag:
         attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
         # Once set, whether the flag is also read decides nothing (Pieces.any_bypass).
         p.flag_read = not p.flag_set and a.FP8_FLAG in attrs
         p.scale_read = a.FP8_SCALE in attrs
-    p.guard_args = [g for g in (_guard_of(op.arg(a.KV_CACHE)), _guard_of(op.arg(a.INDEX_CACHE))) if g]
+    conditions = [(arg, _guard_of(arg)) for arg in (op.arg(a.KV_CACHE), op.arg(a.INDEX_CACHE))]
+    p.guard_args = [g for _, g in conditions if g]
     p.insert_kv = _insert_kv_form(a.find_method(cls, a.INSERT_KV), cls, functions)
+    if slot is not None:
+        guard_names = set(p.guard_args) | {GUARD_NAME}
+        for stmt in slot.before():
+            pair = a.simple_assignment(stmt)
+            if pair and isinstance(pair[0], cst.Name) and pair[0].value in guard_names:
+                note_guard_assignment(p, pair[0].value, _is_guard_value(pair[1]))
+    # A condition is the bypass's guard only if the bypass could have written it: the
+    # name is assigned `not self._fp8_kv` in the call's block before the call (and bound
+    # nowhere else but there and as a parameter), or it is the bypass's own name, read
+    # but never bound (a half-applied merge). Any other condition is the caller's.
+    bound = a.bindings(method)
+    own = {
+        g
+        for g in p.guard_args
+        if (g == p.guard_assigned and slot is not None and _bound_only_in(bound.get(g, []), slot.block))
+        or (g.startswith(GUARD_NAME) and g not in bound)
+    }
+    # (and a condition of the caller's under the bypass's own guard: `(X if C else None) if G else None`)
+    p.user_conditions = [
+        a.code(arg.value)
+        for arg, g in conditions
+        if g and (g not in own or isinstance(_unguarded(arg), cst.IfExp))  # type: ignore[arg-type]
+    ]
+    p.guard_args = [g for g in p.guard_args if g in own]
+    if p.guard_assigned is not None and p.guard_assigned not in own and p.guard_assigned in bound:
+        if not _bound_only_in(bound[p.guard_assigned], slot.block):  # type: ignore[union-attr]
+            p.guard_assigned = None
     if slot is None:
         return p
-    guard_names = set(p.guard_args) | {GUARD_NAME}
-    for stmt in slot.before():
-        pair = a.simple_assignment(stmt)
-        if pair and isinstance(pair[0], cst.Name) and pair[0].value in guard_names:
-            note_guard_assignment(p, pair[0].value, _is_guard_value(pair[1]))
     for stmt in slot.after():
         node = a.first_in(stmt, _is_insert_kv_call)
         if isinstance(node, cst.Call):
@@ -320,6 +375,69 @@ def _collect_pieces(
             p.post_insert_wired = _insert_is_wired(node, op) and _is_guarded_block(stmt, p)
             break
     return p
+
+
+def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Module) -> bool:
+    """Every binding is a parameter or a plain assignment statement of ``block``."""
+    plain = set()
+    for stmt in block.body:
+        pair = a.simple_assignment(stmt)
+        if pair is not None:
+            small = stmt.body[0]  # type: ignore[attr-defined]
+            plain.add(id(small.targets[0]) if isinstance(small, cst.Assign) else id(small))
+    return all(isinstance(n, cst.Param) or id(n) in plain for n in nodes)
+
+
+def _is_flag_value(expr: cst.BaseExpression) -> bool:
+    tree = schema_expression(a.code(expr))
+    return tree is not None and is_flag_value(tree)
+
+
+# What the bypass sets its names to (anything else there is the file's own use of them).
+_OWN_VALUES = {a.FP8_FLAG: _is_flag_value, a.FP8_SCALE: lambda v: a.code(v).replace(" ", "").startswith("torch.ones(")}
+
+
+def _taken_names(cls: cst.ClassDef, init: cst.FunctionDef | None, mentions_flag: bool) -> list[str]:
+    """How the class uses the bypass's names for something else, in words (none: free)."""
+    taken = []
+    at_class = a.scope_bindings(cls.body)
+    for name in (a.FP8_FLAG, a.FP8_SCALE):
+        if name in at_class:
+            taken.append(f"`{name}` is defined in the class body (a property, method or class attribute)")
+    if "__slots__" in at_class:
+        taken.append("the class declares `__slots__`, which leaves no room for `self._fp8_kv`")
+    insert_kv = at_class.get(a.INSERT_KV, [])
+    if len(insert_kv) > 1 or any(not isinstance(n, cst.FunctionDef) or n.decorators for n in insert_kv):
+        taken.append(f"`{a.INSERT_KV}` is bound in the class body other than by one plain `def`")
+    init_attrs = a.self_assignments(init) if init is not None and mentions_flag else {}
+    own = set()  # the values of the first flag and scale assignments in __init__, if they are the bypass's
+    for name, is_own in _OWN_VALUES.items():
+        first = init_attrs.get(name, [])[:1]
+        if first and is_own(first[0][1]):
+            own.add(id(first[0][1]))
+    for method in a.methods(cls):
+        for node in a.nodes_in(method.body):
+            stored = {a.self_attr(t) for t in _store_targets(node)}
+            if a.INSERT_KV in stored:
+                taken.append(f"`self.{a.INSERT_KV}` is assigned in {method.name.value}, hiding the method")
+            names = stored & set(_OWN_VALUES)
+            if names and id(getattr(node, "value", None)) not in own:
+                shown = " ".join(a.code(node).split())
+                taken.append(
+                    f"`{shown}` in {method.name.value} (the bypass sets `self.{min(names)}` once, in __init__, "
+                    f"to its own value)"
+                )
+    return taken
+
+
+def _store_targets(small: cst.CSTNode) -> list[cst.BaseExpression]:
+    if isinstance(small, cst.Assign):
+        return [t.target for t in small.targets]
+    if isinstance(small, (cst.AnnAssign, cst.AugAssign)):
+        return [small.target]
+    if isinstance(small, cst.Del):
+        return [small.target]
+    return []
 
 
 def _is_guarded_block(stmt: cst.BaseStatement, p: Pieces) -> bool:
@@ -380,36 +498,43 @@ def _fresh(name: str, taken: set[str]) -> str:
     return candidate
 
 
-def _size_attrs(init_attrs: _Assignments, count: cst.BaseExpression) -> tuple[str | None, str | None]:
-    """For ``self.W = <count> * self.D`` in __init__: (``"self.W"``, ``"self.D"``)."""
-    for attr, defs in init_attrs.items():
-        factors = a.product_of(defs[0][1])
-        if factors is None:
-            continue
-        left, right = factors
-        for this, other in ((left, right), (right, left)):
-            if a.same_expr(this, count) and a.self_attr(other) is not None:
-                return f"self.{attr}", a.code(other)
-    return None, None
-
-
-def _wrapper_namespace(imports: list[a.ImportedName]) -> str | None:
-    """Behind a wrapper: the module's ``vllm._custom_ops`` alias, where ``reshape_and_cache_flash`` is."""
+def _custom_ops(imports: list[a.ImportedName]) -> str | None:
+    """The code that names ``vllm._custom_ops`` in this module (``ops`` of ``from vllm import
+    _custom_ops as ops``), where ``reshape_and_cache_flash`` is; None if it is not imported."""
     for imp in imports:
-        if a.code(imp.alias.name) == "_custom_ops" or a.code(imp.alias.name).endswith("._custom_ops"):
+        statement = imp.statement.body[0] if len(imp.statement.body) == 1 else None
+        name = a.code(imp.alias.name).replace(" ", "")
+        if isinstance(statement, cst.ImportFrom) and statement.module is not None:
+            module = a.code(statement.module).replace(" ", "")
+            if statement.relative or f"{module}.{name}" != "vllm._custom_ops":
+                continue
             return imp.bound
-    raise Unsupported("the op is called through a wrapper and the module does not import `vllm._custom_ops`")
-
-
-def _op_namespace(call: cst.Call) -> str | None:
-    """Where ``reshape_and_cache_flash`` lives, by the fused op's callee."""
-    func = call.func
-    if isinstance(func, cst.Attribute):
-        owner = a.code(func.value)
-        if owner.replace(" ", "") == "torch.ops._C":
-            return "torch.ops._C_cache_ops"
-        return owner
+        if isinstance(statement, cst.Import) and name == "vllm._custom_ops":
+            return imp.bound if imp.alias.asname is not None else name
     return None
+
+
+def _op_namespace(op: a.OpCall, imports: list[a.ImportedName]) -> str | None:
+    """Where ``reshape_and_cache_flash`` is, proven from how the module reaches the fused op:
+    ``torch.ops._C`` -> ``torch.ops._C_cache_ops``; ``vllm._custom_ops`` under any name -> that
+    name; a bare name -> None (imported beside it, ``_bare_import``). Any other namespace
+    (``torch.ops.vllm``, a fork's own module) is not known to hold it: the module's
+    ``vllm._custom_ops``, else ``Unsupported``."""
+    func = op.call.func
+    if op.wrapper is None and isinstance(func, cst.Attribute):
+        owner = a.code(func.value).replace(" ", "")
+        if owner == "torch.ops._C":
+            return "torch.ops._C_cache_ops"
+    elif op.wrapper is None and isinstance(func, cst.Name):
+        return None
+    namespace = _custom_ops(imports)
+    if namespace is None:
+        shown = a.code(func) if op.wrapper is None else f"wrapper `{op.wrapper.name}`"
+        raise Unsupported(
+            f"the op is called through {shown}, and the module does not import `vllm._custom_ops`, "
+            f"where `{a.RESHAPE_OP}` is: add `from vllm import _custom_ops as ops`, then run again"
+        )
+    return namespace
 
 
 def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p: _Pieces) -> BypassPlan:
@@ -440,7 +565,7 @@ def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p:
     flag_slot, dtype_attr = _dtype_anchor(init, init_attrs)
     if dtype_attr is None or flag_slot is None:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
-    namespace = _op_namespace(op.call) if op.wrapper is None else _wrapper_namespace(imports)
+    namespace = _op_namespace(op, imports)
     reshape_import = _bare_import(module, imports) if namespace is None else None
     reshape_call = a.RESHAPE_OP if namespace is None else f"{namespace}.{a.RESHAPE_OP}"
 
@@ -692,7 +817,7 @@ def _cache_args(
         if resolved is None:
             raise Unsupported(
                 f"`{param.keyword}` argument `{a.code(value)}` is not a `self.` attribute "
-                "(or a local holding one) that _insert_kv can reach"
+                "(or a local proven to hold one on every path to the call) that _insert_kv can reach"
             )
         caches[param.keyword] = a.code(resolved)
     return caches, wrap
@@ -727,75 +852,157 @@ class _Widths:
     num_kv_heads: str
 
 
+_NORM_WEIGHTS = {  # the norms whose weights the call passes, by the head size they are built with
+    "head_dim": (a.OP_PARAMS[1], a.OP_PARAMS[2]),  # q_norm_weight, k_norm_weight
+    "idx_head_dim": (a.OP_PARAMS[9], a.OP_PARAMS[10]),  # index_q_norm_weight, index_k_norm_weight
+}
+
+
 def _widths(
     op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: _Assignments
 ) -> _Widths:
-    """The head counts the call passes, and their products with a head size in __init__."""
+    """Each size by what it is in the fused buffer's layout, never by the first product that fits.
+
+    The head counts are what the call passes. A head size is what the norms of that part
+    are built with (``self.q_norm = Norm(self.head_dim, …)``, whose ``.weight`` the call
+    passes); without that, the one size that multiplies both the q and the kv head count
+    in ``__init__`` (for the index part: the index head count). A width is a
+    ``self.W = <count> * <size>`` of ``__init__`` assigned once, else that product itself.
+    """
     counts: dict[str, cst.BaseExpression] = {}
     for param in (a.NUM_HEADS, a.NUM_KV_HEADS, a.NUM_INDEX_HEADS):
         arg = op.arg(param)
         resolved = a.resolve_self_expr(method, arg.value, slot) if arg is not None else None
         if resolved is None:
-            raise Unsupported(f"`{param.keyword}` is not a `self.` attribute (or a local holding one)")
+            raise Unsupported(f"`{param.keyword}` is not a `self.` attribute (or a local proven to hold one)")
         counts[param.keyword] = resolved
-    q_width, head_dim = _size_attrs(init_attrs, counts["num_heads"])
-    kv_width, kv_head_dim = _size_attrs(init_attrs, counts["num_kv_heads"])
-    index_q_width, idx_head_dim = _size_attrs(init_attrs, counts["num_index_heads"])
-    head_dim = head_dim or kv_head_dim
-    if head_dim is None:
-        raise Unsupported(
-            "cannot find the head size: no `self.<width> = <num_heads> * self.<head_dim>` in __init__"
-        )
-    if idx_head_dim is None:
-        raise Unsupported(
-            "cannot find the index head size: no `self.<width> = <num_index_heads> * self.<idx_head_dim>` in __init__"
-        )
-    nkv = a.code(counts["num_kv_heads"])
+    products = _products(init_attrs)
+
+    def size(what: str, label: str, *count_names: str) -> str:
+        built = _norm_sizes(op, method, slot, init_attrs, _NORM_WEIGHTS[what])
+        if len(built) > 1:
+            raise Unsupported(f"the norms of one part are built with different sizes: {sorted(built)}")
+        if built:
+            return built.pop()
+        # The sizes each count multiplies; the first count's narrowed by the next ones'.
+        found = [f for n in count_names if (f := {d for w, c, d in products if a.same_expr(c, counts[n])})]
+        candidates = found[0] if found else set()
+        for more in found[1:]:
+            if len(candidates) > 1 and candidates & more:
+                candidates &= more
+        if len(candidates) != 1:
+            could = sorted(candidates)
+            raise Unsupported(
+                f"cannot tell the {label} ({what}): "
+                + (f"{', '.join(could)} could each be it" if could else "no norm is built with it and no "
+                   f"`self.<width> = <{count_names[0]}> * self.<size>` is in __init__")
+                + f"; build the norms with it (`self.q_norm = RMSNorm(self.{what}, …)`), then run again"
+            )
+        return candidates.pop()
+
+    head_dim = size("head_dim", "head size", "num_heads", "num_kv_heads")
+    idx_head_dim = size("idx_head_dim", "index head size", "num_index_heads")
+
+    def width(count: cst.BaseExpression, dim: str) -> str:
+        for attr, c, d in products:
+            if a.same_expr(c, count) and d == dim:
+                return f"self.{attr}"
+        return f"{a.code(count)} * {dim}"
+
     return _Widths(
-        q=q_width or f"{a.code(counts['num_heads'])} * {head_dim}",
-        kv=kv_width or f"{nkv} * {head_dim}",
-        index_q=index_q_width or f"{a.code(counts['num_index_heads'])} * {idx_head_dim}",
+        q=width(counts["num_heads"], head_dim),
+        kv=width(counts["num_kv_heads"], head_dim),
+        index_q=width(counts["num_index_heads"], idx_head_dim),
         head_dim=head_dim,
         idx_head_dim=idx_head_dim,
-        num_kv_heads=nkv,
+        num_kv_heads=a.code(counts["num_kv_heads"]),
     )
 
 
+def _products(init_attrs: _Assignments) -> list[tuple[str, cst.BaseExpression, str]]:
+    """``self.W = <count> * self.D`` assigned once in __init__ (either order): (W, count, "self.D")."""
+    found = []
+    for attr, defs in init_attrs.items():
+        factors = a.product_of(defs[0][1]) if len(defs) == 1 else None
+        if factors is None:
+            continue
+        left, right = factors
+        for count, dim in ((left, right), (right, left)):
+            if a.self_attr(dim) is not None:
+                found.append((attr, count, a.code(dim)))
+    return found
+
+
+def _norm_sizes(
+    op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: _Assignments, params
+) -> set[str]:
+    """The ``self.D`` that the norms passed as ``params`` are built with: ``self.N = Norm(self.D, …)``
+    in __init__ (assigned once), ``self.N.weight`` passed."""
+    sizes = set()
+    for param in params:
+        arg = op.arg(param)
+        weight = a.resolve_self_expr(method, arg.value, slot) if arg is not None else None
+        if not (isinstance(weight, cst.Attribute) and weight.attr.value == "weight"):
+            continue
+        owner = a.self_attr(weight.value)
+        defs = init_attrs.get(owner, []) if owner is not None else []
+        ctor = defs[0][1] if len(defs) == 1 else None
+        if isinstance(ctor, cst.Call):
+            first = next((x for x in ctor.args if x.keyword is None and not x.star), None)
+            if first is not None and a.self_attr(first.value) is not None:
+                sizes.add(a.code(first.value))
+    return sizes
+
+
 def _dtype_anchor(init: cst.FunctionDef, attrs: _Assignments) -> tuple[a.StatementSlot | None, str | None]:
-    """The statement after which the flag goes, and the dtype attribute's code."""
-    for slot in a.statement_slots(init):
-        node = a.first_in(slot.statement, _is_dtype_conversion)
-        if isinstance(node, cst.Call):
-            return slot, a.code(node.args[0].value)
-    if "kv_cache_dtype" in attrs:
-        return attrs["kv_cache_dtype"][-1][0], "self.kv_cache_dtype"
-    return None, None
+    """The statement after which the flag goes, and the dtype attribute's code.
+
+    The flag is made from the main cache's dtype, ``self.kv_cache_dtype`` (what vLLM's
+    backends read; the indexer's own dtype is another attribute), after the last statement
+    of __init__'s body that assigns it - and after the torch dtype made from it, if one
+    follows (that statement, not one in a lambda or nested def)."""
+    defs = attrs.get(DTYPE_ATTR)
+    if not defs:
+        return None, None
+    top = a.slot_chain(init, defs[-1][0])[0]
+    for i in range(top.index + 1, len(top.block.body)):
+        if any(_is_dtype_conversion(n) for n in a.nodes_in(top.block.body[i], scope_only=True)):
+            return a.StatementSlot(top.block, i), f"self.{DTYPE_ATTR}"
+    return top, f"self.{DTYPE_ATTR}"
 
 
 def _is_dtype_conversion(node: cst.CSTNode) -> bool:
-    """``kv_cache_dtype_str_to_dtype(self.<dtype>, …)``."""
+    """``kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, …)``."""
     return (
         isinstance(node, cst.Call)
-        and (a.callee_name(node) or "").endswith("kv_cache_dtype_str_to_dtype")  # cheap test first
-        and isinstance(node.func, (cst.Name, cst.Attribute))
-        and a.code(node.func).endswith("kv_cache_dtype_str_to_dtype")
+        and a.callee_name(node) == "kv_cache_dtype_str_to_dtype"
         and bool(node.args)
-        and a.self_attr(node.args[0].value) is not None
+        and a.self_attr(node.args[0].value) == DTYPE_ATTR
     )
 
 
 def _bare_import(
     module: cst.Module, imports: list[a.ImportedName]
 ) -> tuple[cst.SimpleStatementLine, cst.ImportFrom] | None:
-    """For a bare ``fused_…(…)`` callee: the from-import that brings it in."""
+    """For a bare ``fused_…(…)`` callee: ``from vllm._custom_ops import fused_…``, beside which
+    ``reshape_and_cache_flash`` is imported."""
     if any(i.bound == a.RESHAPE_OP for i in imports):
         return None
     for imp in imports:
         if imp.bound == a.FUSED_OP and imp.alias.asname is None:
             for small in imp.statement.body:
-                if isinstance(small, cst.ImportFrom) and imp.alias in small.names:
+                if (
+                    isinstance(small, cst.ImportFrom)
+                    and imp.alias in small.names
+                    and not small.relative
+                    and small.module is not None
+                    and a.code(small.module).replace(" ", "") == "vllm._custom_ops"
+                ):
                     return imp.statement, small
-    raise Unsupported(f"`{a.FUSED_OP}` is called by a bare name that no `from … import` brings in")
+    raise Unsupported(
+        f"`{a.FUSED_OP}` is called by a bare name that `from vllm._custom_ops import …` does not bring in: "
+        f"where `{a.RESHAPE_OP}` is cannot be told; import both from `vllm._custom_ops`, then run again"
+    )
 
 
 # --- generated code ---------------------------------------------------------------
@@ -914,11 +1121,13 @@ def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalys
     if source is None:
         source = module.code
     source_map = a.SourceMap.of(module, source)
-    found_calls = _find_calls(module, source_map, a.pass_through_wrappers(module))
+    finder = _find_calls(module, source_map, a.pass_through_wrappers(module))
+    found_calls = finder.found
     flag = a.FP8_FLAG if isinstance(source, str) else a.FP8_FLAG.encode()
     mentions_flag = flag in source  # type: ignore[operator]
     functions = a.module_functions(module)
     sites = [_classify(module, f, functions, mentions_flag) for f in found_calls]
+    sites += [_stray_site(node, stmt, source_map) for node, stmt in finder.strays()]
 
     # Fork-era insert sites the bypass could own, and sites to change; more than one
     # cannot be proven (plans are made on one tree and applied one at a time).
@@ -931,6 +1140,20 @@ def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalys
                 f"{len(candidates)} candidate insert sites ({where}); the bypass can be proven for one only"
             )
     return FileAnalysis(module, sites, source_map)
+
+
+def _stray_site(node: cst.CSTNode, stmt: cst.CSTNode | None, source_map: a.SourceMap | None) -> InsertSite:
+    """The op named where its calls cannot be followed: the file cannot be called safe."""
+    span = source_map.span(stmt) if source_map is not None and stmt is not None else None
+    shown = " ".join(a.code(stmt).split()) if stmt is not None else a.code(node)
+    if len(shown) > 100:
+        shown = shown[:97] + "..."
+    reason = (
+        f"the op is named without being called by that name (`{shown}`): calls through an "
+        f"import alias, a local or getattr cannot be followed, so whether this file needs the bypass "
+        f"cannot be told. Call it as `ops.{a.FUSED_OP}(…)` (or import it without `as`), then run again"
+    )
+    return InsertSite(None, "<module>", span[0] if span else 0, SiteState.UNSUPPORTED, Action.REFUSE, reason)
 
 
 def _classify(

@@ -492,7 +492,7 @@ def _plan_insert_kv(
     _, dtype_attr = bp._dtype_anchor(init, init_attrs)
     if dtype_attr is None:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
-    namespace = bp._op_namespace(op.call)
+    namespace = bp._op_namespace(op, imports)
     if namespace is None and not any(i.bound == a.RESHAPE_OP for i in imports):
         raise Unsupported(f"`{a.RESHAPE_OP}` is not imported: cannot restore the attn_metadata _insert_kv")
     reshape = a.RESHAPE_OP if namespace is None else f"{namespace}.{a.RESHAPE_OP}"

@@ -30,6 +30,7 @@ FP8_FLAG = "_fp8_kv"
 FP8_SCALE = "_fp8_kv_scale"  # the identity scale `_insert_kv` passes, made once (no fill kernel per call)
 INSERT_KV = "_insert_kv"
 GUARD_NAME = "insert_via_fused"
+DTYPE_ATTR = "kv_cache_dtype"  # `self.kv_cache_dtype`: the main cache's dtype, what vLLM's backends read
 AUTO_DTYPE = "auto"  # kv_cache_dtype="auto" with a cache: neither fork-era nor native
 METADATA_ATTR = "attn_metadata"  # what the fork-era `_insert_kv` reads its slot mappings from
 
@@ -180,6 +181,10 @@ class Pieces:
     post_insert: bool = False  # `self._insert_kv(...)` after the call
     post_insert_wired: bool = False
     insert_kv: str = "absent"  # absent | metadata | slots | scatter | other
+    # cache arguments `X if C else None` whose condition the bypass did not write (the caller's own)
+    user_conditions: list[str] = field(default_factory=list)
+    # the bypass's names (`_fp8_kv`, `_fp8_kv_scale`, `_insert_kv`) used by the file for something else
+    taken: list[str] = field(default_factory=list)
 
     def present(self) -> dict[str, bool]:
         return {
@@ -206,7 +211,7 @@ class Pieces:
 # --- the expressions of the guard, on Python's own tree (both readers hand theirs here) ---
 
 
-def _dotted(node: ast.expr) -> str | None:
+def dotted(node: ast.expr) -> str | None:
     parts = []
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)
@@ -222,7 +227,7 @@ def is_compiling(node: ast.expr) -> bool:
         isinstance(node, ast.Call)
         and not node.args
         and not node.keywords
-        and _dotted(node.func) in ("torch.compiler.is_compiling", "torch._dynamo.is_compiling")
+        and dotted(node.func) in ("torch.compiler.is_compiling", "torch._dynamo.is_compiling")
     )
 
 
@@ -231,7 +236,19 @@ def _negated(node: ast.expr) -> ast.expr | None:
 
 
 def _is_flag(node: ast.expr | None) -> bool:
-    return _dotted(node) == f"self.{FP8_FLAG}" if node is not None else False
+    return dotted(node) == f"self.{FP8_FLAG}" if node is not None else False
+
+
+def is_flag_value(node: ast.expr) -> bool:
+    """``"fp8" in self.kv_cache_dtype``: the flag as the bypass sets it, from the main cache's dtype."""
+    return (
+        isinstance(node, ast.Compare)
+        and len(node.ops) == 1
+        and isinstance(node.ops[0], ast.In)
+        and isinstance(node.left, ast.Constant)
+        and node.left.value == "fp8"
+        and dotted(node.comparators[0]) == f"self.{DTYPE_ATTR}"
+    )
 
 
 def is_guard_value(node: ast.expr) -> bool:
@@ -353,6 +370,14 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
 
     p = pieces()
     present = p.present()
+    taken = Verdict(
+        SiteState.UNSUPPORTED,
+        Action.REFUSE,
+        "names the bypass uses are taken: "
+        + "; ".join(p.taken)
+        + ". Rename the file's own use (or delete a stale bypass line), then run again",
+        present,
+    )
     if f.dtype is not None:
         if f.dtype_is_auto:
             return Verdict(
@@ -362,6 +387,8 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
                 "neither a fork-era nor a native call",
                 present,
             )
+        if p.any_bypass() and p.taken:
+            return taken  # which pieces are the bypass's cannot be told
         if p.any_bypass():
             have = ", ".join(k for k, v in present.items() if v) or f"a read of self.{FP8_FLAG}"
             return Verdict(
@@ -384,6 +411,17 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
             SiteState.UNSUPPORTED,
             Action.REFUSE,
             "the call is not a statement of its own in a block (assigned, returned or on one line with `if`)",
+            present,
+        )
+    if p.taken:
+        return taken
+    if p.user_conditions:
+        return Verdict(
+            SiteState.UNSUPPORTED,
+            Action.REFUSE,
+            f"cache argument `{p.user_conditions[0]}` has a condition the bypass did not write: "
+            "the fp8 write after the call cannot honour it. Pass the cache unconditionally (or write "
+            "the fp8 path by hand), then run again",
             present,
         )
     if all(present.values()):

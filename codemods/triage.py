@@ -170,22 +170,44 @@ def _find_calls(source: _Source) -> list[_FoundCall]:
     """Every call of the fused op, in source order (as LibCST visits them)."""
     found: list[_FoundCall] = []
 
+    named: list[ast.AST] = []  # nodes that name the op
+
     def visit(node: ast.AST, scopes: list[ast.AST]) -> None:
         if not source.may_hold_op(node):
             return
         if isinstance(node, ast.Call) and _callee_name(node) == s.FUSED_OP:
             found.append(_FoundCall(node, scopes))
+        if _names_op(node):
+            named.append(node)
         inner = scopes + [node] if isinstance(node, _SCOPES) else scopes
         for child in ast.iter_child_nodes(node):
             visit(child, inner)
 
     visit(source.tree, [])
+    callees = {id(f.call.func) for f in found}
+    if any(id(node) not in callees for node in named):
+        raise Undecided("the op is named other than as a callee (an alias, a local, getattr)")
     # ast keeps fields, not source order (decorators after the body, dict keys
     # before values); outer calls first where two start at one place.
     found.sort(
         key=lambda f: (f.call.lineno, f.call.col_offset, -f.call.end_lineno, -f.call.end_col_offset)  # type: ignore[operator]
     )
     return found
+
+
+def _names_op(node: ast.AST) -> bool:
+    """``fused_…`` as a name, an attribute, a string (``getattr``), an ``import … as`` or a def."""
+    if isinstance(node, ast.Name):
+        return node.id == s.FUSED_OP
+    if isinstance(node, ast.Attribute):
+        return node.attr == s.FUSED_OP
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value.rpartition(".")[2] == s.FUSED_OP
+    if isinstance(node, ast.alias):
+        return node.name == s.FUSED_OP and node.asname is not None
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name == s.FUSED_OP
+    return False
 
 
 # --- statements as LibCST's statement slots see them -----------------------------------
@@ -203,13 +225,15 @@ class _Slot:
 
 
 def _blocks_of(stmt: ast.stmt) -> list[list[ast.stmt]]:
-    """The blocks ``anchors.statement_slots`` descends into (not ``match``, not defs)."""
+    """The blocks ``anchors.statement_slots`` descends into (not defs)."""
     if isinstance(stmt, (ast.If, ast.For, ast.AsyncFor, ast.While)):
         return [stmt.body, stmt.orelse]
     if isinstance(stmt, (ast.With, ast.AsyncWith)):
         return [stmt.body]
     if isinstance(stmt, (ast.Try, ast.TryStar)):
         return [stmt.body, *(h.body for h in stmt.handlers), stmt.orelse, stmt.finalbody]
+    if isinstance(stmt, ast.Match):
+        return [case.body for case in stmt.cases]
     return []
 
 
@@ -304,7 +328,7 @@ def _classify(source: _Source, found: _FoundCall) -> s.InsertSite:
 
     def collect() -> s.Pieces:
         assert isinstance(cls, ast.ClassDef) and method is not None
-        return _collect_pieces(source, cls, call, slot)
+        return _collect_pieces(source, cls, method, call, slot)
 
     return s.verdict(facts, collect).site(facts)
 
@@ -333,10 +357,13 @@ def _call_slot(
     return None
 
 
-def _collect_pieces(source: _Source, cls: ast.ClassDef, call: ast.Call, slot: _Slot | None) -> s.Pieces:
+def _collect_pieces(
+    source: _Source, cls: ast.ClassDef, method: ast.FunctionDef | ast.AsyncFunctionDef, call: ast.Call, slot: _Slot | None
+) -> s.Pieces:
     """``fp8_kv_bypass._collect_pieces``, read from ``ast``."""
     p = s.Pieces()
     init = _methods(cls, "__init__")
+    _names_are_free_or_the_bypass(source, cls, init)
     if init is not None and source.mentions_flag:
         p.flag_set = _sets_flag(source, init)
         p.scale_set = _sets_flag(source, init, s.FP8_SCALE)
@@ -363,6 +390,17 @@ def _collect_pieces(source: _Source, cls: ast.ClassDef, call: ast.Call, slot: _S
         pair = _simple_assignment(before.statement)
         if pair and isinstance(pair[0], ast.Name) and pair[0].id in guard_names and _single(source, before):
             s.note_guard_assignment(p, pair[0].id, s.is_guard_value(pair[1]))
+    for name in {*p.guard_args, *([p.guard_assigned] if p.guard_assigned else [])}:
+        binders = [n for n in ast.walk(method) if n is not method and _binds(n, name)]
+        plain = {
+            id(stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target)
+            for stmt in slot.body
+            if _simple_assignment(stmt) is not None
+        }
+        if any(not isinstance(n, ast.arg) and id(n) not in plain for n in binders) or (
+            not binders and not name.startswith(s.GUARD_NAME)
+        ):
+            raise Undecided("whose condition guards the caches (the codemod's rule on bindings)")
     for i in range(slot.index + 1, len(slot.body)):
         stmt = slot.body[i]
         inserts = [n for n in ast.walk(stmt) if _is_insert_kv_call(n)]
@@ -376,6 +414,57 @@ def _collect_pieces(source: _Source, cls: ast.ClassDef, call: ast.Call, slot: _S
         p.post_insert_wired = _insert_is_wired(source, inserts[0], call) and _is_guarded_block(stmt, p)
         break
     return p
+
+
+def _binds(node: ast.AST, name: str) -> bool:
+    """``node`` binds ``name`` (``anchors.bindings``; nested scopes counted too: more doubt, not less)."""
+    if isinstance(node, ast.Name):
+        return node.id == name and isinstance(node.ctx, (ast.Store, ast.Del))
+    if isinstance(node, ast.arg):
+        return node.arg == name
+    if isinstance(node, ast.alias):
+        return (node.asname or node.name.split(".")[0]) == name
+    if isinstance(node, (ast.Global, ast.Nonlocal)):
+        return name in node.names
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.ExceptHandler)):
+        return node.name == name
+    if isinstance(node, (ast.MatchAs, ast.MatchStar)):
+        return node.name == name
+    if isinstance(node, ast.MatchMapping):
+        return node.rest == name
+    return False
+
+
+def _names_are_free_or_the_bypass(
+    source: _Source, cls: ast.ClassDef, init: ast.FunctionDef | ast.AsyncFunctionDef | None
+) -> None:
+    """``fp8_kv_bypass._taken_names`` finds nothing: else Undecided (the codemod says what is taken)."""
+    insert_kv = 0
+    for stmt in cls.body:
+        if isinstance(stmt, _FUNCTIONS) and stmt.name == s.INSERT_KV and not stmt.decorator_list:
+            insert_kv += 1
+        elif any(_binds(n, name) for n in ast.walk(stmt) for name in (s.FP8_FLAG, s.FP8_SCALE, s.INSERT_KV, "__slots__")):
+            if not isinstance(stmt, _FUNCTIONS) or stmt.name in (s.FP8_FLAG, s.FP8_SCALE, s.INSERT_KV):
+                raise Undecided("a name of the bypass bound in the class body")
+    if insert_kv > 1:
+        raise Undecided("two `_insert_kv` defs")
+    if not source.mentions_flag:
+        return
+    own_values = {s.FP8_FLAG: s.is_flag_value, s.FP8_SCALE: lambda v: _dotted_call(v) == "torch.ones"}
+    first = {}
+    for slot in _slots(source, init) if init is not None else ():
+        pair = _simple_assignment(slot.statement)
+        for name in own_values:
+            if pair and _is_self_attr(pair[0], name) and name not in first:
+                first[name] = pair[0] if own_values[name](pair[1]) else None
+    for node in ast.walk(cls):
+        for name in (*own_values, s.INSERT_KV):
+            if _is_self_attr(node, name) and isinstance(node.ctx, (ast.Store, ast.Del)) and node is not first.get(name):
+                raise Undecided("a name of the bypass assigned other than as the bypass does")
+
+
+def _dotted_call(node: ast.expr) -> str | None:
+    return s.dotted(node.func) if isinstance(node, ast.Call) else None
 
 
 def _param_names(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
@@ -444,6 +533,8 @@ def _sets_flag(source: _Source, init: ast.FunctionDef | ast.AsyncFunctionDef, at
 def _guard_of(arg: ast.expr | None) -> str | None:
     """``X if G else None`` -> ``"G"``."""
     if isinstance(arg, ast.IfExp) and isinstance(arg.test, ast.Name) and _is_none(arg.orelse):
+        if isinstance(arg.body, ast.IfExp):
+            raise Undecided("a condition inside the guard (the caller's: the codemod says so)")
         return arg.test.id
     return None
 

@@ -283,7 +283,7 @@ def _flag_and_insert_kv(cls: ast.ClassDef, where: str) -> list[str]:
     init = _method(cls, "__init__")
     if init is None:
         return [f"{where}: class {cls.name} has no __init__"]
-    dtype = _dtype_attr(init)
+    dtype = "kv_cache_dtype"  # the main cache's dtype, what vLLM's attention backends read
     flags = [n for n in ast.walk(cls) if isinstance(n, ast.Assign) and _self_attr(n.targets[0]) == FLAG]
     problems = []
     if len(flags) != 1 or flags[0] not in list(ast.walk(init)):
@@ -299,8 +299,8 @@ def _flag_and_insert_kv(cls: ast.ClassDef, where: str) -> list[str]:
         ):
             problems.append(f'{where}: the flag is not `"fp8" in self.{dtype}`')
         sets = [n for n in ast.walk(init) if isinstance(n, ast.Assign) and _self_attr(n.targets[0]) == dtype]
-        if not any(s.lineno < flags[0].lineno for s in sets):
-            problems.append(f"{where}: the flag reads self.{dtype} before __init__ sets it")
+        if not sets or not all(s.lineno < flags[0].lineno for s in sets):
+            problems.append(f"{where}: the flag reads self.{dtype} before __init__ last sets it")
     callers = [
         n
         for s in cls.body
@@ -345,18 +345,6 @@ def _flag_and_insert_kv(cls: ast.ClassDef, where: str) -> list[str]:
     if scatters:
         problems.append(f"{where}: `_insert_kv` still scatters by slot ({ast.unparse(scatters[0])})")
     return problems
-
-
-def _dtype_attr(init: ast.FunctionDef) -> str:
-    for node in ast.walk(init):
-        if (
-            isinstance(node, ast.Call)
-            and ast.unparse(node.func).endswith("kv_cache_dtype_str_to_dtype")
-            and node.args
-            and _self_attr(node.args[0])
-        ):
-            return _self_attr(node.args[0])  # type: ignore[return-value]
-    return "kv_cache_dtype"
 
 
 # --- 5. the same pieces as the reference rewrite -------------------------------------------------------

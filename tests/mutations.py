@@ -616,6 +616,193 @@ def inline_slot_locals(module: cst.Module) -> cst.Module:
     return swap(module, _call_path(found), found.call, call)  # type: ignore[return-value]
 
 
+# --- what the rewrite must prove, not assume --------------------------------------------------------
+# Each keeps what the program does, and gives the rewrite something it could take on
+# trust: a cache bound another way than one plain assignment, a condition of the
+# caller's, another product of a head count, the indexer's dtype converted first, a
+# bypass name already in use, the op reached by another name.
+
+
+def _code(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node).strip()
+
+
+def _fresh(name: str, used: set[str]) -> str:
+    while name in used:
+        name += "_"
+    return name
+
+
+def _with_call(found: InsertCall, call: cst.Call) -> cst.SimpleStatementLine:
+    return found.statement.with_changes(body=[found.statement.body[0].with_changes(value=call)])
+
+
+def _replace_args(call: cst.Call, new: dict[int, cst.Arg]) -> cst.Call:
+    return call.with_changes(args=[new.get(id(a), a) for a in call.args])
+
+
+def _self_value(found: InsertCall, expr: cst.BaseExpression) -> cst.BaseExpression:
+    """``self.x`` as is, or what a local alias of it holds."""
+    if isinstance(expr, cst.Name):
+        expr = _self_aliases(found.method).get(expr.value, expr)
+    assert isinstance(expr, cst.Attribute) and _is_self_chain(expr), "not a self. attribute"
+    return expr
+
+
+def _add_parameter(module: cst.Module, name: str, default: str) -> cst.Module:
+    """A last positional parameter of the method holding the call, with a default."""
+    found = insert_call(module)
+    params = found.method.params
+    param = cst.Param(cst.Name(name), default=cst.parse_expression(default), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+    method = found.method.with_changes(params=params.with_changes(params=[*params.params, param]))
+    return swap(module, found.path[: found.path.index(found.method)], found.method, method)  # type: ignore[return-value]
+
+
+def rebind_cache(module: cst.Module, form: str) -> cst.Module:
+    """Pass the main cache through a local bound by unpacking, a loop, ``:=`` or a parameter's
+    default - the same tensor, but not by one plain assignment."""
+    found = insert_call(module)
+    arg = bind(found.call)[KV_CACHE]
+    guarded = isinstance(arg.value, cst.IfExp)
+    cache = _self_value(found, arg.value.body if guarded else arg.value)  # type: ignore[attr-defined]
+    name = _fresh("main_cache", local_names(found.method)[1])
+    code = _code(cache)
+    text = {
+        "unpacking": f"{name}, {name}_spare = {code}, None\n",
+        "for": f"for {name} in ({code},):\n    pass\n",
+        "walrus": f"if ({name} := {code}) is None:\n    raise RuntimeError('no cache')\n",
+        "parameter-default": f"if {name} is None:\n    {name} = {code}\n",
+    }[form]
+    lines = list(cst.parse_module(text).body)
+    lines[0] = lines[0].with_changes(leading_lines=found.statement.leading_lines)
+    value = arg.value.with_changes(body=cst.Name(name)) if guarded else cst.Name(name)  # type: ignore[attr-defined]
+    statement = _with_call(found, _replace_args(found.call, {id(arg): arg.with_changes(value=value)}))
+    module = swap(module, found.path, found.statement, [*lines, statement.with_changes(leading_lines=[])])  # type: ignore[assignment]
+    return _add_parameter(module, name, "None") if form == "parameter-default" else module
+
+
+def caller_condition(module: cst.Module) -> cst.Module:
+    """Both caches passed under a flag of the caller's (a parameter that defaults to True)."""
+    found = insert_call(module)
+    name = _fresh("write_cache", local_names(found.method)[1])
+    bound = bind(found.call)
+    new = {}
+    for index in (KV_CACHE, INDEX_CACHE):
+        arg = bound[index]
+        guarded = isinstance(arg.value, cst.IfExp)
+        cache = arg.value.body if guarded else arg.value  # type: ignore[attr-defined]
+        wrapped = cst.parse_expression(f"({_code(cache)} if {name} else None)")
+        value = arg.value.with_changes(body=wrapped) if guarded else wrapped.with_changes(lpar=[], rpar=[])  # type: ignore[attr-defined]
+        new[id(arg)] = arg.with_changes(value=value)
+    module = swap(module, _call_path(found)[:-1], found.statement, _with_call(found, _replace_args(found.call, new)))  # type: ignore[assignment]
+    return _add_parameter(module, name, "True")
+
+
+def _init_statements(found: InsertCall) -> cst.FunctionDef:
+    return _method(found.cls, "__init__")
+
+
+def _insert_in_init(module: cst.Module, before: Callable[[cst.BaseStatement], bool], text: str) -> cst.Module:
+    """``text``'s statements into the class's ``__init__``, before its first top-level
+    statement that is ``before`` (or at its end when ``before`` matches none)."""
+    found = insert_call(module)
+    init = _init_statements(found)
+    body = list(init.body.body)
+    index = next((i for i, stmt in enumerate(body) if before(stmt)), len(body))
+    body[index:index] = list(cst.parse_module(text).body)
+    new = init.with_changes(body=init.body.with_changes(body=body))
+    return swap(module, found.path[: found.path.index(found.method)], init, new)  # type: ignore[return-value]
+
+
+def _assigns(stmt: cst.BaseStatement, test: Callable[[str, cst.BaseExpression], bool]) -> bool:
+    """``self.<attr> = value`` for which ``test(attr, value)``."""
+    if not (isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Assign)):
+        return False
+    assign = stmt.body[0]
+    target = assign.targets[0].target
+    return isinstance(target, cst.Attribute) and _is_self_chain(target) and test(target.attr.value, assign.value)
+
+
+def _product_of(value: cst.BaseExpression, count: str) -> bool:
+    return isinstance(value, cst.BinaryOperation) and count in (_code(value.left), _code(value.right))
+
+
+def extra_head_product(module: cst.Module) -> cst.Module:
+    """``self.rope_q_size = <q head count> * self.rope_dim`` before the first product of that count."""
+    found = insert_call(module)
+    count = _code(_self_value(found, bind(found.call)[SCHEMA.index("num_heads")].value))
+    text = f"self.rope_dim = 64\nself.rope_q_size = {count} * self.rope_dim\n"
+    return _insert_in_init(module, lambda s: _assigns(s, lambda _, v: _product_of(v, count)), text)
+
+
+def index_heads_by_kv_count(module: cst.Module) -> cst.Module:
+    """The index head count is ``self.X = self.<kv count>`` in __init__: pass the kv count
+    itself, and make every product of the index count one of the kv count (equal values)."""
+    found = insert_call(module)
+    bound = bind(found.call)
+    index_arg = bound[SCHEMA.index("num_index_heads")]
+    index_count = _code(_self_value(found, index_arg.value))
+    kv_count = _code(_self_value(found, bound[SCHEMA.index("num_kv_heads")].value))
+    init = _init_statements(found)
+    aliased = [s for s in init.body.body if _assigns(s, lambda attr, v: f"self.{attr}" == index_count and _code(v) == kv_count)]
+    assert aliased, "the index head count is not the kv head count"
+    statement = _with_call(found, _replace_args(found.call, {id(index_arg): index_arg.with_changes(value=cst.parse_expression(kv_count))}))
+    module = swap(module, found.path, found.statement, statement)  # type: ignore[assignment]
+
+    class Recount(cst.CSTTransformer):
+        def leave_BinaryOperation(self, original, updated):  # type: ignore[no-untyped-def]
+            sides = {}
+            for side in ("left", "right"):
+                if _code(getattr(updated, side)) == index_count:
+                    sides[side] = cst.parse_expression(kv_count)
+            return updated.with_changes(**sides)
+
+    found = insert_call(module)
+    init = _init_statements(found)
+    return swap(module, found.path[: found.path.index(found.method)], init, init.visit(Recount()))  # type: ignore[return-value]
+
+
+def indexer_dtype_first(module: cst.Module) -> cst.Module:
+    """Another cache dtype converted in __init__ before the main one is assigned."""
+    text = 'self.index_dtype_str = "auto"\nself.index_torch_dtype = kv_cache_dtype_str_to_dtype(self.index_dtype_str, None)\n'
+    return _insert_in_init(module, lambda s: _assigns(s, lambda attr, _: attr == "kv_cache_dtype"), text)
+
+
+def dtype_lambda_first(module: cst.Module) -> cst.Module:
+    """A lambda that converts the main dtype, defined before the dtype is assigned (never called)."""
+    text = "self.torch_dtype_of = lambda: kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, None)\n"
+    return _insert_in_init(module, lambda s: _assigns(s, lambda attr, _: attr == "kv_cache_dtype"), text)
+
+
+def flag_name_taken(module: cst.Module) -> cst.Module:
+    """``self._fp8_kv = False`` at the end of __init__ (the file has no bypass: unused)."""
+    return _insert_in_init(module, lambda s: False, "self._fp8_kv = False\n")
+
+
+def insert_kv_name_taken(module: cst.Module) -> cst.Module:
+    """A class attribute ``_insert_kv = None`` at the end of the class (nothing calls it)."""
+    found = insert_call(module)
+    body = [*found.cls.body.body, cst.parse_statement("_insert_kv = None").with_changes(leading_lines=[_blank()])]
+    new = found.cls.with_changes(body=found.cls.body.with_changes(body=body))
+    return swap(module, found.path[: found.path.index(found.cls)], found.cls, new)  # type: ignore[return-value]
+
+
+def op_by_another_name(module: cst.Module, form: str) -> cst.Module:
+    """The op called through an import alias or a local bound to it (the same function)."""
+    found = insert_call(module)
+    if form == "import-alias":
+        name = "fused_insert_op"
+        line = cst.parse_statement(f"from vllm._custom_ops import {FUSED_OP} as {name}")
+        last = max(i for i, s in enumerate(module.body) if m.matches(s, m.SimpleStatementLine([m.Import() | m.ImportFrom()])))
+        module = module.with_changes(body=[*module.body[: last + 1], line, *module.body[last + 1 :]])
+        found = insert_call(module)
+        return swap(module, found.path, found.statement, _with_call(found, found.call.with_changes(func=cst.Name(name))))  # type: ignore[return-value]
+    name = _fresh("insert_op", local_names(found.method)[1])
+    bind_line = cst.parse_statement(f"{name} = {_code(found.call.func)}").with_changes(leading_lines=found.statement.leading_lines)
+    statement = _with_call(found, found.call.with_changes(func=cst.Name(name))).with_changes(leading_lines=[])
+    return swap(module, found.path, found.statement, [bind_line, statement])  # type: ignore[return-value]
+
+
 # --- the catalogue ----------------------------------------------------------------------------------
 
 
@@ -635,6 +822,7 @@ class Shape:
     keyword_call: bool  # the insert call already passes keywords
     methods: tuple[str, ...]  # of the class holding the call, in order
     call_method: str
+    bypass_names: bool = False  # the file already uses `_fp8_kv` or calls `self._insert_kv`
 
 
 def shape(source: str) -> Shape:
@@ -645,6 +833,7 @@ def shape(source: str) -> Shape:
         positional < len(found.call.args),
         tuple(f.name.value for f in _methods(found.cls)),
         found.method.name.value,
+        "_fp8_kv" in source or "self._insert_kv(" in source,
     )
 
 
@@ -693,7 +882,25 @@ def catalogue(fixture: Shape) -> list[Mutation]:
         Mutation("helper-method", "rebind-aliases", lambda s: move_call_to_helper(s, rebind_aliases=True)),
         Mutation("cache-alias", "cache-locals", alias_caches),
         Mutation("inline-slots", "slot-expressions", inline_slot_locals),
+        *(
+            Mutation("cache-rebound", form, lambda s, f=form: rebind_cache(s, f))
+            for form in ("unpacking", "for", "walrus", "parameter-default")
+        ),
+        Mutation("caller-condition", "caller-flag", caller_condition),
+        Mutation("head-sizes", "rope-product", extra_head_product),
+        Mutation("head-sizes", "index-heads-by-kv", index_heads_by_kv_count),
+        Mutation("dtype-anchor", "indexer-dtype-first", indexer_dtype_first),
+        Mutation("dtype-anchor", "dtype-lambda-first", dtype_lambda_first),
+        *(
+            Mutation("op-renamed", form, lambda s, f=form: op_by_another_name(s, f))
+            for form in ("import-alias", "local")
+        ),
     ]
+    if not fixture.bypass_names:  # elsewhere these names are the bypass's own
+        muts += [
+            Mutation("names-taken", "flag-assigned", flag_name_taken),
+            Mutation("names-taken", "insert-kv-attribute", insert_kv_name_taken),
+        ]
     return muts
 
 

@@ -37,7 +37,7 @@ def sources() -> list[tuple[str, bytes]]:
 
 def found(module: cst.Module, source_map: a.SourceMap | None) -> list[tuple[int, int]]:
     wrappers = a.pass_through_wrappers(module)
-    return [(id(f.call), f.line) for f in _find_calls(module, source_map, wrappers)]
+    return [(id(f.call), f.line) for f in _find_calls(module, source_map, wrappers).found]
 
 
 @pytest.mark.parametrize(("name", "source"), sources(), ids=[n for n, _ in sources()])

@@ -441,12 +441,13 @@ def _ops_namespace(backend: Backend) -> types.SimpleNamespace:
 
 
 class _TorchProxy(types.ModuleType):
-    """``torch`` with ``torch.ops._C.<fused>`` / ``torch.ops._C_cache_ops.<reshape>`` redirected."""
+    """``torch`` with ``torch.ops._C.<fused>`` / ``torch.ops._C_cache_ops.<reshape>`` redirected;
+    ``torch.ops.vllm`` (where forks register custom ops) holds the fused op only, as in vLLM."""
 
     def __init__(self, backend: Backend) -> None:
         super().__init__("torch")
         ns = _ops_namespace(backend)
-        self.ops = types.SimpleNamespace(_C=ns, _C_cache_ops=ns)
+        self.ops = types.SimpleNamespace(_C=ns, _C_cache_ops=ns, vllm=types.SimpleNamespace(**{FUSED_OP: backend.fused}))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)

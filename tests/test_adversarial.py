@@ -1,0 +1,389 @@
+"""Valid variants of a fork-era file that a naive rewrite would get wrong.
+
+Each variant must end as a correct rewrite (judged like every other: compiles,
+second pass patched, nothing else changed, the pieces wired, and the layer run
+bf16 against fp8 on the stand-in) or as a refusal that names what could not be
+proven - never as a wrong rewrite, and never as "unchanged" on a file that
+crashes with an fp8 cache. ``check`` (the fast ast triage first) must agree.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES
+from judge import judge_rewrite
+
+from rewriter import commands
+from rewriter.apply import FileStatus
+from rewriter.targets import Target
+
+FORK_ERA = (FIXTURES / "fork_era" / "model.py").read_text()
+PATCHED = (FIXTURES / "patched" / "model.py").read_text()
+CALL = "        ops.fused_minimax_m3_qknorm_rope_kv_insert(\n"
+FORWARD = "    def forward(\n        self,\n        positions: torch.Tensor,\n        hidden_states: torch.Tensor,\n    ) -> torch.Tensor:\n"
+KV_ARG = "            self.kv_cache,\n            self.indexer.index_cache.kv_cache,\n"
+DTYPE = "        self.kv_cache_dtype = (\n"
+
+
+def edit(source: str, *pairs: tuple[str, str], count: int = 1) -> str:
+    """Replace each text, which must be there (in the sparse layer: the last occurrence)."""
+    for old, new in pairs:
+        assert old in source, old
+        head, _, tail = source.rpartition(old)
+        source = head + new + tail
+    return source
+
+
+def outcome(tmp_path: Path, source: str) -> tuple[str, str, str]:
+    """(what `check` says, what `run` did, the reason or the rewritten text)."""
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    checked = commands.analyze_targets("check", [Target(path, "t")])
+    report = commands.run([Target(path, "t")])
+    result = report.files[0]
+    after = path.read_text()
+    if result.status is FileStatus.REWRITTEN:
+        return checked.files[0].status.value, "rewritten", after
+    assert after == source, "refused or unchanged, but the file changed"
+    reason = "; ".join([s.reason for s in result.sites if s.action.value == "refuse"] + [result.error or ""])
+    return checked.files[0].status.value, result.status.value, reason
+
+
+def assert_refused(tmp_path: Path, source: str, why: str) -> None:
+    compile(source, "<variant>", "exec")
+    checked, ran, reason = outcome(tmp_path, source)
+    assert (checked, ran) == ("refused", "refused"), reason
+    assert why in reason, reason
+
+
+def assert_rewritten_right(tmp_path: Path, source: str) -> str:
+    compile(source, "<variant>", "exec")
+    checked, ran, after = outcome(tmp_path, source)
+    assert (checked, ran) == ("needs-rewrite", "rewritten"), after
+    assert judge_rewrite(source, after) == []
+    return after
+
+
+def sparse_init(after: str) -> str:
+    return after.split("class MiniMaxM3SparseAttention")[1].split("def __init__(")[1].split("    def ")[0]
+
+
+def post_insert(after: str) -> str:
+    """The generated block after the call, as source."""
+    tree = ast.parse(after)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "self._insert_kv" in ast.unparse(node):
+            return ast.unparse(node)
+    raise AssertionError("no post-call insert")
+
+
+# --- 1. the cache a call passes is proven to be the one `_insert_kv` writes -----------------------
+
+ALIAS = "        main_cache = self.kv_cache\n"
+ALIASED_ARG = "            main_cache,\n            self.indexer.index_cache.kv_cache,\n"
+
+
+@pytest.mark.parametrize(
+    "rebinding",
+    [
+        "        main_cache, spare = self.indexer.index_cache.kv_cache, None\n",
+        "        for main_cache in (self.indexer.index_cache.kv_cache,):\n            pass\n",
+        "        with torch.no_grad() as main_cache:\n            pass\n",
+        "        if (main_cache := self.indexer.index_cache.kv_cache) is None:\n            pass\n",
+        "        main_cache += 0\n",
+        "        self.kv_cache = self.indexer.index_cache.kv_cache\n",
+        "        setattr(self, 'kv_cache', self.indexer.index_cache.kv_cache)\n",
+        "        del main_cache\n        main_cache = self.indexer.index_cache.kv_cache\n",
+    ],
+    ids=["unpacking", "for", "with", "walrus", "augmented", "attribute-rebound", "setattr", "del"],
+)
+def test_an_alias_rebound_on_the_way_is_refused(tmp_path: Path, rebinding: str) -> None:
+    source = edit(FORK_ERA, (CALL, ALIAS + rebinding + CALL), (KV_ARG, ALIASED_ARG))
+    assert_refused(tmp_path, source, "is not a `self.` attribute (or a local proven to hold one")
+
+
+def test_an_alias_bound_on_one_path_only_is_refused(tmp_path: Path) -> None:
+    source = edit(
+        FORK_ERA,
+        (CALL, "        if positions.numel():\n    " + ALIAS + "        else:\n            main_cache = None\n" + CALL),
+        (KV_ARG, ALIASED_ARG),
+    )
+    assert_refused(tmp_path, source, "is not a `self.` attribute (or a local proven to hold one")
+
+
+def test_a_parameter_defaulting_to_the_cache_is_refused(tmp_path: Path) -> None:
+    source = edit(
+        FORK_ERA,
+        (FORWARD, FORWARD.replace("hidden_states: torch.Tensor,\n", "hidden_states: torch.Tensor,\n        main_cache=None,\n")),
+        (CALL, "        if main_cache is None:\n    " + ALIAS + CALL),
+        (KV_ARG, ALIASED_ARG),
+    )
+    assert_refused(tmp_path, source, "is not a `self.` attribute (or a local proven to hold one")
+
+
+def test_a_plain_alias_is_rewritten(tmp_path: Path) -> None:
+    after = assert_rewritten_right(tmp_path, edit(FORK_ERA, (CALL, ALIAS + CALL), (KV_ARG, ALIASED_ARG)))
+    assert "main_cache if insert_via_fused else None" in after
+    assert "key_cache, value_cache = self.kv_cache.unbind(1)" in after
+
+
+# --- 2. a condition the tool did not write is the caller's -----------------------------------------
+
+USER_ARGS = (
+    "            self.kv_cache if write_cache else None,\n"
+    "            self.indexer.index_cache.kv_cache if write_cache else None,\n"
+)
+
+
+@pytest.mark.parametrize(
+    "binding",
+    [
+        ("forward-parameter", (FORWARD, FORWARD.replace("hidden_states: torch.Tensor,\n", "hidden_states: torch.Tensor,\n        write_cache: bool = True,\n"))),
+        ("local", (CALL, "        write_cache = positions.numel() > 0\n" + CALL)),
+        ("module-global", ("\n\nclass MiniMaxM3SparseAttention", "\n\nwrite_cache = True\n\n\nclass MiniMaxM3SparseAttention")),
+        ("tool-name-assigned-otherwise", (CALL, "        write_cache = True\n" + CALL)),
+    ],
+    ids=lambda b: b[0] if isinstance(b, tuple) else b,
+)
+def test_the_callers_condition_is_not_taken_for_the_guard(tmp_path: Path, binding) -> None:
+    _, pair = binding
+    source = edit(FORK_ERA, pair, (KV_ARG, USER_ARGS))
+    assert_refused(tmp_path, source, "has a condition the bypass did not write")
+    # and `revert` finds no bypass of the tool's to take out: the conditions stay
+    path = tmp_path / "model.py"
+    report = commands.revert([Target(path, "t")])
+    assert report.files[0].status is not FileStatus.REWRITTEN
+    assert path.read_text() == source
+
+
+def test_a_native_call_with_the_callers_condition_is_native(tmp_path: Path) -> None:
+    native = edit(
+        FORK_ERA,
+        (FORWARD, FORWARD.replace("hidden_states: torch.Tensor,\n", "hidden_states: torch.Tensor,\n        write_cache: bool = True,\n")),
+        (KV_ARG, USER_ARGS),
+        ("            index_q,\n        )\n\n        output", "            index_q,\n            self.kv_cache_dtype,\n        )\n\n        output"),
+    )
+    path = tmp_path / "model.py"
+    path.write_text(native)
+    report = commands.run([Target(path, "t")])
+    assert [s.state.value for s in report.files[0].sites if s.class_name == "MiniMaxM3SparseAttention"] == ["native"]
+    assert path.read_text() == native
+
+
+# --- 3. each size by what it is --------------------------------------------------------------------
+
+
+def test_index_heads_counted_by_the_kv_head_count(tmp_path: Path) -> None:
+    """The call passes `self.num_kv_heads` as num_index_heads: its product with the head
+    size (kv_size) is not the index width, and head_dim is not the index head size."""
+    source = edit(
+        FORK_ERA,
+        ("        self.num_idx_heads = self.num_kv_heads\n", ""),
+        ("self.index_q_size = self.num_idx_heads * self.idx_head_dim", "self.index_q_size = self.num_kv_heads * self.idx_head_dim"),
+        ("            self.num_idx_heads,\n            main_slot_mapping,", "            self.num_kv_heads,\n            main_slot_mapping,"),
+        ("num_index_heads=self.num_idx_heads,", "num_index_heads=self.num_kv_heads,"),
+    )
+    block = post_insert(assert_rewritten_right(tmp_path, source))
+    assert "+ self.index_q_size" in block and "+ self.idx_head_dim]" in block, block
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "        self.rope_q_size = self.num_heads * self.rotary_dim\n",
+        "        self.rope_q_size = self.rotary_dim * self.num_heads\n        self.rope_k_size = self.num_kv_heads * self.rotary_dim\n",
+    ],
+    ids=["rope-q", "rope-q-and-k"],
+)
+def test_another_product_of_the_head_count_is_not_the_head_size(tmp_path: Path, extra: str) -> None:
+    source = edit(
+        FORK_ERA,
+        ("        self.q_size = self.num_heads * self.head_dim\n        self.kv_size", "        self.rotary_dim = 64\n" + extra + "        self.q_size = self.num_heads * self.head_dim\n        self.kv_size"),
+    )
+    after = assert_rewritten_right(tmp_path, source)
+    block = post_insert(after)
+    assert "= self.q_size" in block and "rope" not in block, block
+    assert "key.view(-1, self.num_kv_heads, self.head_dim)" in after
+
+
+def test_without_norms_the_head_size_is_the_one_both_counts_share(tmp_path: Path) -> None:
+    source = edit(
+        FORK_ERA,
+        ("        self.q_size = self.num_heads * self.head_dim\n        self.kv_size", "        self.rotary_dim = 64\n        self.rope_q_size = self.num_heads * self.rotary_dim\n        self.q_size = self.num_heads * self.head_dim\n        self.kv_size"),
+        ("self.q_norm = GemmaRMSNorm(self.head_dim,", "self.q_norm = GemmaRMSNorm(config.head_dim,"),
+        ("self.k_norm = GemmaRMSNorm(self.head_dim,", "self.k_norm = GemmaRMSNorm(config.head_dim,"),
+    )
+    block = post_insert(assert_rewritten_right(tmp_path, source))
+    assert "= self.q_size" in block, block
+
+
+def test_an_index_size_that_cannot_be_told_is_refused(tmp_path: Path) -> None:
+    source = edit(
+        FORK_ERA,
+        ("        self.num_idx_heads = self.num_kv_heads\n", ""),
+        ("self.index_q_size = self.num_idx_heads * self.idx_head_dim", "self.index_q_size = self.num_kv_heads * self.idx_head_dim"),
+        ("            self.num_idx_heads,\n            main_slot_mapping,", "            self.num_kv_heads,\n            main_slot_mapping,"),
+        ("num_index_heads=self.num_idx_heads,", "num_index_heads=self.num_kv_heads,"),
+        ("self.index_q_norm = GemmaRMSNorm(self.idx_head_dim,", "self.index_q_norm = GemmaRMSNorm(config.idx,"),
+        ("self.index_k_norm = GemmaRMSNorm(self.idx_head_dim,", "self.index_k_norm = GemmaRMSNorm(config.idx,"),
+    )
+    assert_refused(tmp_path, source, "cannot tell the index head size (idx_head_dim): self.head_dim, self.idx_head_dim could each be it")
+
+
+# --- 4. the flag comes from the main cache's dtype ------------------------------------------------
+
+INDEXER_FIRST = (
+    "        self.indexer_kv_dtype = vllm_config.attention_config.indexer_kv_dtype\n"
+    "        self.indexer_torch_dtype = kv_cache_dtype_str_to_dtype(\n"
+    "            self.indexer_kv_dtype, vllm_config.model_config\n"
+    "        )\n"
+)
+
+
+def test_the_indexer_dtype_converted_first_is_not_the_anchor(tmp_path: Path) -> None:
+    after = assert_rewritten_right(tmp_path, edit(FORK_ERA, (DTYPE, INDEXER_FIRST + DTYPE)))
+    assert 'self._fp8_kv = "fp8" in self.kv_cache_dtype' in after
+    assert "indexer_kv_dtype," not in after.split("def _insert_kv(")[1].split("def forward(")[0]
+    init = sparse_init(after)
+    assert init.index("self._fp8_kv =") > init.index("self.kv_cache_torch_dtype =")
+
+
+def test_a_lambda_converting_the_dtype_early_is_not_the_anchor(tmp_path: Path) -> None:
+    lam = "        self.torch_dtype_of = lambda: kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, None)\n"
+    after = assert_rewritten_right(tmp_path, edit(FORK_ERA, ("        self.layer_name = f\"{prefix}.attn\"\n", lam + "        self.layer_name = f\"{prefix}.attn\"\n")))
+    init = sparse_init(after)
+    assert init.index("self._fp8_kv =") > init.index("self.kv_cache_dtype =") > init.index("self.torch_dtype_of =")
+
+
+def test_the_dtype_assigned_in_both_branches_gets_the_flag_after_them(tmp_path: Path) -> None:
+    source = edit(
+        FORK_ERA,
+        (DTYPE + "            cache_config.cache_dtype if cache_config is not None else \"auto\"\n        )\n",
+         "        if cache_config is not None:\n            self.kv_cache_dtype = cache_config.cache_dtype\n        else:\n            self.kv_cache_dtype = \"auto\"\n"),
+    )
+    after = assert_rewritten_right(tmp_path, source)
+    assert '\n        self._fp8_kv = "fp8" in self.kv_cache_dtype\n' in after
+
+
+# --- 5. names the file already uses ----------------------------------------------------------------
+
+END_OF_INIT = "        self.kv_cache = torch.tensor([])  # replaced by bind_kv_cache\n"
+
+
+@pytest.mark.parametrize(
+    "source, why",
+    [
+        (edit(FORK_ERA, (END_OF_INIT, END_OF_INIT + "        self._fp8_kv = False\n")), "`self._fp8_kv = False` in __init__"),
+        (edit(PATCHED, (END_OF_INIT, END_OF_INIT + "        self._fp8_kv = False\n")), "`self._fp8_kv = False` in __init__"),
+        (edit(PATCHED, ('self._fp8_kv = "fp8" in self.kv_cache_dtype', 'self._fp8_kv = "fp8" in self.indexer_kv_dtype')), "indexer_kv_dtype` in __init__"),
+        (edit(FORK_ERA, (FORWARD, "    @property\n    def _fp8_kv(self) -> bool:\n        return False\n\n" + FORWARD)), "`_fp8_kv` is defined in the class body"),
+        (edit(FORK_ERA, ("    def _run_attention(", "    _insert_kv = None\n\n    def _run_attention(")), "`_insert_kv` is bound in the class body"),
+        (edit(PATCHED, ("    def _run_attention(", "    _insert_kv = staticmethod(lambda *args: None)\n\n    def _run_attention(")), "`_insert_kv` is bound in the class body"),
+        (edit(FORK_ERA, ("    def _run_attention(", "    def warm(self):\n        self._fp8_kv_scale = 2.0\n\n    def _run_attention(")), "`self._fp8_kv_scale = 2.0` in warm"),
+    ],
+    ids=["flag-later-in-init", "patched-flag-later", "flag-from-indexer-dtype", "property", "class-attr", "patched-class-attr", "scale-elsewhere"],
+)
+def test_names_the_file_already_uses_are_refused(tmp_path: Path, source: str, why: str) -> None:
+    assert_refused(tmp_path, source, why)
+
+
+# --- 6. where reshape_and_cache_flash is ------------------------------------------------------------
+
+
+def test_an_op_namespace_without_reshape_uses_custom_ops(tmp_path: Path) -> None:
+    source = edit(FORK_ERA, (CALL, CALL.replace("ops.fused", "torch.ops.vllm.fused")))
+    after = assert_rewritten_right(tmp_path, source)
+    assert "torch.ops.vllm.reshape_and_cache_flash" not in after
+    assert "ops.reshape_and_cache_flash(" in after.split("def _insert_kv(")[1]
+
+
+def test_an_op_namespace_with_no_custom_ops_import_is_refused(tmp_path: Path) -> None:
+    source = edit(
+        FORK_ERA,
+        (CALL, CALL.replace("ops.fused", "torch.ops.vllm.fused")),
+        ("from vllm import _custom_ops as ops\n", ""),
+        ("    ops.fused_minimax_m3_qknorm_rope_kv_insert(\n        qkv,", "    torch.ops.vllm.fused_minimax_m3_qknorm_rope_kv_insert(\n        qkv,"),
+        ("        ops.reshape_and_cache_flash(", "        torch.ops._C_cache_ops.reshape_and_cache_flash("),
+    )
+    assert_refused(tmp_path, source, "does not import `vllm._custom_ops`")
+
+
+def test_a_bare_name_from_another_module_is_refused(tmp_path: Path) -> None:
+    source = edit(
+        FORK_ERA,
+        ("from vllm import _custom_ops as ops\n", "from vllm import _custom_ops as ops\nfrom my_fork.kernels import fused_minimax_m3_qknorm_rope_kv_insert\n"),
+        (CALL, CALL.replace("ops.fused", "fused")),
+    )
+    assert_refused(tmp_path, source, "that `from vllm._custom_ops import …` does not bring in")
+
+
+# --- 7. the op reached by another name is never "unchanged" -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "pairs",
+    [
+        (("from vllm import _custom_ops as ops\n", "from vllm import _custom_ops as ops\nfrom vllm._custom_ops import fused_minimax_m3_qknorm_rope_kv_insert as fused_insert\n"), (CALL, CALL.replace("ops.fused_minimax_m3_qknorm_rope_kv_insert", "fused_insert"))),
+        ((CALL, "        op = ops.fused_minimax_m3_qknorm_rope_kv_insert\n" + CALL.replace("ops.fused_minimax_m3_qknorm_rope_kv_insert", "op")),),
+        ((CALL, CALL.replace("ops.fused_minimax_m3_qknorm_rope_kv_insert", 'getattr(ops, "fused_minimax_m3_qknorm_rope_kv_insert")')),),
+        (("\n\nclass MiniMaxM3SparseAttention", "\n\n_insert_op = ops.fused_minimax_m3_qknorm_rope_kv_insert\n\n\nclass MiniMaxM3SparseAttention"), (CALL, CALL.replace("ops.fused_minimax_m3_qknorm_rope_kv_insert", "_insert_op"))),
+    ],
+    ids=["import-alias", "local", "getattr", "module-binding"],
+)
+def test_the_op_under_another_name_is_not_unchanged(tmp_path: Path, pairs) -> None:
+    source = edit(FORK_ERA, *pairs)
+    assert_refused(tmp_path, source, "the op is named without being called by that name")
+
+
+# --- calls in a `match` case are sites like any other -------------------------------------------------
+
+
+def test_a_call_in_a_match_case_is_rewritten(tmp_path: Path) -> None:
+    body = FORK_ERA.split(CALL)[-1].split("        )\n", 1)[0]
+    indented = "".join("        " + line if line.strip() else line for line in (CALL + body + "        )\n").splitlines(True))
+    source = edit(FORK_ERA, (CALL + body + "        )\n", "        match positions.dim():\n            case _:\n" + indented))
+    after = assert_rewritten_right(tmp_path, source)
+    assert "                insert_via_fused = not self._fp8_kv\n" in after
+
+
+# --- and more of each kind -------------------------------------------------------------------------------
+
+
+def test_self_rebound_in_the_method_is_refused(tmp_path: Path) -> None:
+    source = edit(FORK_ERA, (CALL, "        self = self.impl.layer\n" + CALL))
+    assert_refused(tmp_path, source, "is not a `self.` attribute")
+
+
+@pytest.mark.parametrize(
+    "source, why",
+    [
+        (edit(FORK_ERA, ("    def _run_attention(", "    __slots__ = ()\n\n    def _run_attention(")), "`__slots__`"),
+        (edit(FORK_ERA, (END_OF_INIT, END_OF_INIT + "        self._insert_kv = None\n")), "`self._insert_kv` is assigned in __init__"),
+        (edit(PATCHED, (END_OF_INIT, END_OF_INIT + "        self._insert_kv = None\n")), "`self._insert_kv` is assigned in __init__"),
+    ],
+    ids=["slots", "instance-insert-kv", "patched-instance-insert-kv"],
+)
+def test_more_names_the_bypass_needs_are_refused(tmp_path: Path, source: str, why: str) -> None:
+    assert_refused(tmp_path, source, why)
+
+
+def test_a_callers_condition_inside_the_guard_is_not_patched(tmp_path: Path) -> None:
+    """A patched file whose cache argument a fork wrapped in its own flag: the fp8 write
+    after the call would ignore that flag, so this is not `patched`."""
+    source = edit(
+        PATCHED,
+        (FORWARD, FORWARD.replace("hidden_states: torch.Tensor,\n", "hidden_states: torch.Tensor,\n        write_cache: bool = True,\n")),
+        ("            self.kv_cache if insert_via_fused else None,\n", "            (self.kv_cache if write_cache else None) if insert_via_fused else None,\n"),
+    )
+    assert_refused(tmp_path, source, "has a condition the bypass did not write")
+
+
+def test_a_guard_rebound_between_its_assignment_and_the_call_is_not_the_guard(tmp_path: Path) -> None:
+    source = edit(
+        PATCHED,
+        ("        ops.fused_minimax_m3_qknorm_rope_kv_insert(\n", "        if positions.numel() == 0:\n            insert_via_fused = True\n        ops.fused_minimax_m3_qknorm_rope_kv_insert(\n"),
+    )
+    assert_refused(tmp_path, source, "has a condition the bypass did not write")
