@@ -300,7 +300,8 @@ def _bindings(
        builds the norm from it (``self.q_norm = RMSNorm(self.hd, ...)``: ``hd`` is head_dim);
     4. for a chain none of those name, ``self.W = <count> * self.D`` in ``__init__``
        with a count that holds one head count: ``D`` is that count's head size
-       (not where products disagree, nor with a count that is two head counts).
+       (not where products disagree); with a count that is both the kv and the index
+       head count, a size other than the one known kv head size is the index head size.
 
     A chain that holds two sizes ties them: ``LayerCode.fit`` keeps them equal.
     """
@@ -325,16 +326,25 @@ def _bindings(
         if dims and size is not None and len(size) == 1:
             held.setdefault(size, set()).update(dims)
     products: dict[tuple[str, ...], set[str]] = {}
+    tied: list[tuple[str, ...]] = []  # sizes multiplied by a count that is both the kv and the index count
     for _, value in init:
         if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult)):
             continue
         for count, size in ((value.left, value.right), (value.right, value.left)):
             counts = held.get(_self_chain(count) or (), set()) & set(_COUNT_DIMS)
             size_chain = _self_chain(size)
-            if len(counts) == 1 and size_chain is not None and len(size_chain) == 1:
-                if size_chain not in held:
-                    products.setdefault(size_chain, set()).add(_COUNT_DIMS[counts.pop()])
+            if size_chain is None or len(size_chain) != 1 or size_chain in held:
+                continue
+            if len(counts) == 1:
+                products.setdefault(size_chain, set()).add(_COUNT_DIMS[counts.pop()])
+            elif counts == {"num_kv_heads", "num_idx_heads"}:
+                tied.append(size_chain)
     held |= {size: dims for size, dims in products.items() if len(dims) == 1}
+    # With the kv head size known, the tied count's other size is the index head size.
+    heads = [chain for chain, what in held.items() if "head_dim" in what and len(chain) == 1]
+    others = {size for size in tied if size not in held and size not in heads}
+    if len(heads) == 1 and len(others) == 1:
+        held[others.pop()] = {"idx_head_dim"}
     return {
         chain: (*[size for size in SIZES if size in what], *sorted(what - set(SIZES)))
         for chain, what in held.items()
