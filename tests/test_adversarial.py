@@ -28,7 +28,12 @@ KV_ARG = "            self.kv_cache,\n            self.indexer.index_cache.kv_ca
 DTYPE = "        self.kv_cache_dtype = (\n"
 
 
-def edit(source: str, *pairs: tuple[str, str], count: int = 1) -> str:
+def forward_param(param: str) -> tuple[str, str]:
+    """An edit that gives the sparse layer's forward one more parameter."""
+    return FORWARD, FORWARD.replace("hidden_states: torch.Tensor,\n", f"hidden_states: torch.Tensor,\n        {param},\n")
+
+
+def edit(source: str, *pairs: tuple[str, str]) -> str:
     """Replace each text, which must be there (in the sparse layer: the last occurrence)."""
     for old, new in pairs:
         assert old in source, old
@@ -117,7 +122,7 @@ def test_an_alias_bound_on_one_path_only_is_refused(tmp_path: Path) -> None:
 def test_a_parameter_defaulting_to_the_cache_is_refused(tmp_path: Path) -> None:
     source = edit(
         FORK_ERA,
-        (FORWARD, FORWARD.replace("hidden_states: torch.Tensor,\n", "hidden_states: torch.Tensor,\n        main_cache=None,\n")),
+        forward_param("main_cache=None"),
         (CALL, "        if main_cache is None:\n    " + ALIAS + CALL),
         (KV_ARG, ALIASED_ARG),
     )
@@ -141,7 +146,7 @@ USER_ARGS = (
 @pytest.mark.parametrize(
     "binding",
     [
-        ("forward-parameter", (FORWARD, FORWARD.replace("hidden_states: torch.Tensor,\n", "hidden_states: torch.Tensor,\n        write_cache: bool = True,\n"))),
+        ("forward-parameter", forward_param("write_cache: bool = True")),
         ("local", (CALL, "        write_cache = positions.numel() > 0\n" + CALL)),
         ("module-global", ("\n\nclass MiniMaxM3SparseAttention", "\n\nwrite_cache = True\n\n\nclass MiniMaxM3SparseAttention")),
         ("tool-name-assigned-otherwise", (CALL, "        write_cache = True\n" + CALL)),
@@ -162,7 +167,7 @@ def test_the_callers_condition_is_not_taken_for_the_guard(tmp_path: Path, bindin
 def test_a_native_call_with_the_callers_condition_is_native(tmp_path: Path) -> None:
     native = edit(
         FORK_ERA,
-        (FORWARD, FORWARD.replace("hidden_states: torch.Tensor,\n", "hidden_states: torch.Tensor,\n        write_cache: bool = True,\n")),
+        forward_param("write_cache: bool = True"),
         (KV_ARG, USER_ARGS),
         ("            index_q,\n        )\n\n        output", "            index_q,\n            self.kv_cache_dtype,\n        )\n\n        output"),
     )
@@ -375,7 +380,7 @@ def test_a_callers_condition_inside_the_guard_is_not_patched(tmp_path: Path) -> 
     after the call would ignore that flag, so this is not `patched`."""
     source = edit(
         PATCHED,
-        (FORWARD, FORWARD.replace("hidden_states: torch.Tensor,\n", "hidden_states: torch.Tensor,\n        write_cache: bool = True,\n")),
+        forward_param("write_cache: bool = True"),
         ("            self.kv_cache if insert_via_fused else None,\n", "            (self.kv_cache if write_cache else None) if insert_via_fused else None,\n"),
     )
     assert_refused(tmp_path, source, "has a condition the bypass did not write")
