@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -260,6 +261,26 @@ def nodes_in(node: cst.CSTNode, scope_only: bool = False) -> list[cst.CSTNode]:
     return out
 
 
+_STATEMENT_PARTS = (
+    cst.IndentedBlock, cst.SimpleStatementSuite, cst.SimpleStatementLine, cst.BaseCompoundStatement,
+    cst.Else, cst.ExceptHandler, cst.ExceptStarHandler, cst.Finally, cst.MatchCase,
+)
+
+
+def all_statements(node: cst.CSTNode) -> list[cst.CSTNode]:
+    """Every statement under ``node``, small ones (``x = 1`` of ``a; x = 1`` or of ``if a: x = 1``)
+    and compound ones, nested defs included; expressions are not entered."""
+    out: list[cst.CSTNode] = []
+    stack = [node]
+    while stack:
+        for child in _child_nodes(stack.pop()):
+            if isinstance(child, cst.BaseSmallStatement) or isinstance(child, cst.BaseCompoundStatement):
+                out.append(child)
+            if isinstance(child, _STATEMENT_PARTS):
+                stack.append(child)
+    return out
+
+
 def first_in(node: cst.CSTNode, wanted: Callable[[cst.CSTNode], bool]) -> cst.CSTNode | None:
     """The first node under ``node`` (source order) that is ``wanted``."""
     hits = [n for n in nodes_in(node) if wanted(n)]
@@ -380,8 +401,20 @@ def _target_names(node: cst.CSTNode) -> Iterator[str]:
         yield from _target_names(node.value)
 
 
+# The node types that bind names (a set test first: LibCST's classes make isinstance slow).
+_BINDERS = frozenset(
+    (
+        cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.For, cst.CompFor, cst.NamedExpr, cst.Del,
+        cst.AsName, cst.ImportAlias, cst.Global, cst.Nonlocal, cst.FunctionDef, cst.ClassDef,
+        cst.MatchAs, cst.MatchStar, cst.MatchMapping,
+    )
+)
+
+
 def _bound_by(node: cst.CSTNode) -> Iterator[str]:
     """The names one node binds in the scope it sits in."""
+    if type(node) not in _BINDERS:
+        return
     if isinstance(node, (cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.For, cst.CompFor, cst.NamedExpr)):
         yield from _target_names(node.target)
     elif isinstance(node, cst.Del):
@@ -400,6 +433,7 @@ def _bound_by(node: cst.CSTNode) -> Iterator[str]:
         yield node.rest.value
 
 
+@functools.lru_cache(maxsize=16)  # asked again for each argument of one call; nodes hash by identity
 def bindings(func: cst.FunctionDef) -> dict[str, list[cst.CSTNode]]:
     """Every way a name is bound in a function's own scope: parameters, assignments
     of any form (unpacking, augmented, ``for``, ``with … as``, ``:=``, ``except … as``,

@@ -416,7 +416,7 @@ def _taken_names(cls: cst.ClassDef, init: cst.FunctionDef | None, mentions_flag:
         if first and is_own(first[0][1]):
             own.add(id(first[0][1]))
     for method in a.methods(cls):
-        for node in a.nodes_in(method.body):
+        for node in a.all_statements(method.body):
             stored = {a.self_attr(t) for t in _store_targets(node)}
             if a.INSERT_KV in stored:
                 taken.append(f"`self.{a.INSERT_KV}` is assigned in {method.name.value}, hiding the method")
@@ -430,13 +430,14 @@ def _taken_names(cls: cst.ClassDef, init: cst.FunctionDef | None, mentions_flag:
     return taken
 
 
-def _store_targets(small: cst.CSTNode) -> list[cst.BaseExpression]:
-    if isinstance(small, cst.Assign):
-        return [t.target for t in small.targets]
-    if isinstance(small, (cst.AnnAssign, cst.AugAssign)):
-        return [small.target]
-    if isinstance(small, cst.Del):
-        return [small.target]
+def _store_targets(stmt: cst.CSTNode) -> list[cst.BaseExpression]:
+    """What a statement stores to (``self.x`` of ``self.x = …``, ``for self.x in …``, ``with … as self.x``)."""
+    if isinstance(stmt, cst.Assign):
+        return [t.target for t in stmt.targets]
+    if isinstance(stmt, (cst.AnnAssign, cst.AugAssign, cst.Del, cst.For)):
+        return [stmt.target]
+    if isinstance(stmt, cst.With):
+        return [item.asname.name for item in stmt.items if item.asname is not None]
     return []
 
 
