@@ -56,6 +56,7 @@ class FileResult:
     sites: list[InsertSite] = field(default_factory=list)
     error: str | None = None
     diff: str = ""
+    encoding: str = "utf-8"  # the file's: the diff is printed in it, byte for byte
     backup: Path | None = None
     original: bytes = field(default=b"", repr=False)
     new: bytes | None = field(default=None, repr=False)
@@ -222,6 +223,7 @@ def _plan(
     result.status = FileStatus.NEEDS_REWRITE
     result.new = new
     result.diff = unified_diff(name or path.name, raw, new, module.encoding)
+    result.encoding = module.encoding
     return result
 
 
@@ -265,8 +267,12 @@ def validate_revert(new: bytes, path: Path) -> None:
 
 
 def _lines(raw: bytes, encoding: str) -> list[str]:
+    """The file's lines as ``patch`` and ``git apply`` read them: ended by ``\n`` only, each
+    with its ending (``\r\n`` stays; ``str.splitlines`` would also split at ``\r``, ``\x0c``,
+    ``\x1c``, ``\u2028``... and make a diff no tool applies)."""
     body = raw[len(BOM) :] if raw.startswith(BOM) else raw
-    return body.decode(encoding).splitlines(keepends=True)
+    lines = body.decode(encoding).split("\n")
+    return [line + "\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
 
 
 def unified_diff(name: str, old: bytes, new: bytes, encoding: str) -> str:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from rewriter.apply import FileStatus
 from rewriter.commands import Report, analyze_targets, example_copy
 from rewriter.commands import run as run_targets
-from rewriter.console import COLOR_MODES, console, set_color
+from rewriter.console import COLOR_MODES, console, say, set_color
 from rewriter.locking import DEFAULT_TIMEOUT
 from rewriter.targets import Target, TargetError, resolve, shown_path
 
@@ -39,12 +39,10 @@ def stderr(wide: bool = False) -> Console:
 
 
 def say_waiting(timeout: float) -> Callable[[Path], None]:
-    def say(path: Path) -> None:
-        stderr().print(
-            f"waiting for {path}: another mm3-codemod run holds it (up to {timeout:g} s)", soft_wrap=True
-        )
+    def waiting(path: Path) -> None:
+        say(stderr(), f"waiting for {path}: another mm3-codemod run holds it (up to {timeout:g} s)")
 
-    return say
+    return waiting
 
 
 def targets_of(
@@ -59,22 +57,36 @@ def targets_of(
 def print_diffs(report: Report, only: FileStatus | None = None) -> None:
     """Each file's unified diff on stdout (coloured only on a terminal); on stderr,
     the folder to apply it from when that is not the working folder."""
-    from rewriter.report import render_diff
-
-    out = console(sys.stdout)
     roots = []
     for index, result in enumerate(report.files):
         if result.diff and (only is None or result.status is only):
-            out.print(render_diff(result.diff), end="", soft_wrap=True)
+            write_diff(result.diff, result.encoding)
             target = report.targets[index] if index < len(report.targets) else None
             root = target.root if target and target.origin != "--example" else None
             if root is not None and os.path.abspath(root) != os.getcwd() and root not in roots:
                 roots.append(root)
     for root in roots:
-        stderr().print(
+        say(
+            stderr(),
             f"diff paths are relative to {shown_path(root)}: apply it there (git apply, or patch -p1)",
-            soft_wrap=True,
         )
+
+
+def write_diff(diff: str, encoding: str) -> None:
+    """The diff on stdout as the file's own bytes (its encoding, its line endings, its tabs),
+    so that ``patch`` and ``git apply`` take it; coloured only where the console would colour."""
+    out = console(sys.stdout)
+    if out.color_system is not None and not out.no_color:
+        from rewriter.report import colour_diff
+
+        diff = colour_diff(diff)
+    try:
+        data = diff.encode(encoding, errors="surrogateescape")
+    except UnicodeEncodeError:  # a file name the file's own encoding cannot spell
+        data = diff.encode(encoding, errors="replace")
+    sys.stdout.flush()
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
 
 
 def finish(report: Report, as_json: bool, show_all: bool) -> int:
@@ -144,9 +156,7 @@ def run(
             dry_run=dry,
         )
         if copy is not None and not failed:
-            stderr().print(
-                f"the bundled example, copied to {copy} for this run (removed afterwards)", soft_wrap=True
-            )
+            say(stderr(), f"the bundled example, copied to {copy} for this run (removed afterwards)")
         if (diff or show_diff) and not as_json:
             print_diffs(report, only=None if dry else FileStatus.REWRITTEN)
         return finish(report, as_json, show_all)

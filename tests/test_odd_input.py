@@ -1,0 +1,149 @@
+"""Odd input (issue 13): one line naming the file and what is wrong, the right exit code, no
+traceback, nothing lost; ``--json`` still prints its one document where the command got that far.
+"""
+
+from __future__ import annotations
+
+import ast
+import fcntl
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, ROOT, cli
+
+FORK_ERA = (FIXTURES / "fork_era" / "model.py").read_bytes()
+EXPECTED = (FIXTURES / "fork_era" / "expected.py").read_bytes()
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def assert_clean(proc: subprocess.CompletedProcess[str], code: int) -> None:
+    """The exit code, and no Python traceback anywhere."""
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+
+
+def put(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+# --- 2. text is printed as it is, never read as rich markup -----------------------------------
+
+
+def test_brackets_in_a_path_are_printed_as_they_are(tmp_path: Path) -> None:
+    target = put(tmp_path / "[/x]" / "[bold]model.py", FORK_ERA)
+    proc = cli("run", "--json", str(target), "--color", "always")
+    assert_clean(proc, 0)
+    assert json.loads(proc.stdout)["files"][0]["status"] == "rewritten"
+    assert f"{target}:276:" in re.sub(r"\x1b\[[0-9;]*m", "", proc.stderr)
+    assert target.read_bytes() == EXPECTED
+
+
+def test_waiting_message_names_a_bracketed_path(tmp_path: Path) -> None:
+    target = put(tmp_path / "[/x]" / "model.py", FORK_ERA)
+    with open(target, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as another run would
+        proc = cli("run", "--lock-timeout", "0.2", str(target))
+    assert_clean(proc, 2)
+    assert f"waiting for {target}: another mm3-codemod run holds it" in proc.stderr
+    assert target.read_bytes() == FORK_ERA
+
+
+@pytest.mark.parametrize("argument", ["self.kv_caches[layer_idx]", 'self.kv_caches["[/x]"]'])
+def test_reasons_that_quote_source_keep_their_brackets(tmp_path: Path, argument: str) -> None:
+    source = FORK_ERA.replace(b"            self.kv_cache,\n", f"            {argument},\n".encode(), 1)
+    target = put(tmp_path / "model.py", source)
+    proc = cli("check", str(target))
+    assert_clean(proc, 2)
+    assert f"`kv_cache` argument `{argument}` is not a `self.` attribute" in proc.stderr
+    assert len(error_lines(proc.stderr)) == 1
+
+
+def test_human_output_is_never_a_markup_string() -> None:
+    """``console.print`` of a str reads markup; every line goes through ``say`` (a Text)."""
+    for path in sorted((ROOT / "rewriter").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "print" and node.args:
+                first = node.args[0]
+                is_text = isinstance(first, ast.JoinedStr) or (
+                    isinstance(first, ast.Constant) and isinstance(first.value, str)
+                )
+                assert not is_text, f"{path.name}:{node.lineno}: print a Text (console.say), not a str"
+
+
+# --- 3. the printed diff is the file's diff, byte for byte --------------------------------------
+
+
+def _crlf(data: bytes) -> bytes:
+    return data.replace(b"\n", b"\r\n")
+
+
+def _tabs(data: bytes) -> bytes:
+    return re.sub(rb"(?m)^(?:    )+", lambda m: b"\t" * (len(m.group(0)) // 4), data)
+
+
+def _form_feed(data: bytes) -> bytes:
+    # A form-feed line, and characters str.splitlines splits at, in a comment the diff shows.
+    at = data.index(b"        # Gemma QK-norm")
+    odd = "\x0c\n        # a file\x1cseparator, a line\u2028separator, a next line\x85too\n".encode()
+    return data[:at] + odd + data[at:]
+
+
+VARIANTS = {"crlf": _crlf, "tabs": _tabs, "form-feed": _form_feed}
+DIFF_COMMANDS = {
+    "preview": ["preview"],
+    "check --diff": ["check", "--diff"],
+    "run --diff": ["run", "--diff"],
+    "run --show-diff": ["run", "--show-diff"],
+}
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="patch(1) is not installed")
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("command", sorted(DIFF_COMMANDS))
+def test_printed_diff_applies_and_gives_the_rewrite(tmp_path: Path, variant: str, command: str) -> None:
+    original = VARIANTS[variant](FORK_ERA)
+    expected_dir = tmp_path / "expected"
+    rewritten = put(expected_dir / "model.py", original)
+    assert_clean(cli("run", str(rewritten), cwd=expected_dir), 0)
+    assert rewritten.read_bytes() != original
+    work = tmp_path / "work"
+    target = put(work / "model.py", original)
+    proc = subprocess.run(
+        [*cli_argv(), *DIFF_COMMANDS[command], "model.py"], capture_output=True, cwd=work, timeout=300
+    )
+    assert proc.returncode in (0, 1), proc.stderr
+    assert proc.stdout.startswith(b"--- a/model.py\n+++ b/model.py\n@@ ")
+    assert (b"\r\n" in proc.stdout) == (variant == "crlf")
+    if command == "preview":  # the JSON report's diff is the same text
+        report = json.loads(cli("preview", "--json", "model.py", cwd=work).stdout)
+        assert report["files"][0]["diff"].encode() == proc.stdout
+    target.write_bytes(original)  # run --show-diff wrote it: apply its diff to the original
+    subprocess.run(["patch", "-p1", "-s"], input=proc.stdout, cwd=work, check=True)
+    assert target.read_bytes() == rewritten.read_bytes()
+    target.write_bytes(original)
+    subprocess.run(["git", "apply", "-"], input=proc.stdout, cwd=work, check=True)
+    assert target.read_bytes() == rewritten.read_bytes()
+
+
+def cli_argv() -> list[str]:
+    return [sys.executable, "-m", "rewriter"]
+
+
+def test_coloured_diff_is_the_plain_diff_plus_escape_codes(tmp_path: Path) -> None:
+    target = put(tmp_path / "model.py", _tabs(_crlf(FORK_ERA)))
+    plain = subprocess.run([*cli_argv(), "check", "--diff", str(target)], capture_output=True, timeout=300)
+    coloured = subprocess.run(
+        [*cli_argv(), "check", "--diff", "--color", "always", str(target)], capture_output=True, timeout=300
+    )
+    assert b"\x1b[" in coloured.stdout and b"\t" in plain.stdout
+    assert re.sub(rb"\x1b\[[0-9;]*m", b"", coloured.stdout) == plain.stdout
