@@ -14,10 +14,13 @@ import difflib
 import enum
 import glob
 import hashlib
+import io
 import os
 import shutil
 import stat
+import sys
 import tempfile
+import tokenize
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,10 +126,49 @@ def load_codemod() -> None:
     import codemods.fp8_kv_bypass  # noqa: F401
 
 
+# What LibCST cannot take: brackets nested deeper than Python's own limit (its native
+# parser crashes on a few thousand), and a statement of thousands of operators (its parser
+# slows down with their square: 20,000 terms take minutes). Python's tokenizer measures both
+# in milliseconds, for any file; nesting below these that still overflows Python's stack
+# (a sum of 500 terms) raises RecursionError, which planning reports the same way.
+MAX_BRACKETS = 200
+MAX_OPERATORS = 2000  # per statement: every token but literals, brackets, commas and colons
+SPLIT_IT = "split it (mm3-codemod reads the file with LibCST, which recurses once per level of nesting)"
+_NOT_OPERATORS = {tokenize.NUMBER, tokenize.STRING, tokenize.NL, tokenize.COMMENT, tokenize.INDENT}
+_NOT_OPERATORS |= {tokenize.DEDENT, tokenize.ENCODING}
+
+
+def _check_nesting(body: bytes) -> None:
+    """Refuse, before LibCST sees it, a file nested deeper or chained longer than it can take.
+    What the tokenizer cannot read is left to LibCST, which says what is wrong with it."""
+    depth = operators = 0
+    try:
+        for token in tokenize.tokenize(io.BytesIO(body).readline):
+            if token.type == tokenize.NEWLINE:
+                operators = 0
+            elif token.type == tokenize.OP and token.string in ("(", "[", "{"):
+                depth += 1
+                if depth > MAX_BRACKETS:
+                    raise FileError(
+                        f"line {token.start[0]}: brackets nest more than {MAX_BRACKETS} deep; {SPLIT_IT}"
+                    )
+            elif token.type == tokenize.OP and token.string in (")", "]", "}"):
+                depth -= 1
+            elif token.type not in _NOT_OPERATORS and token.string not in (",", ":"):
+                operators += 1
+                if operators > MAX_OPERATORS:
+                    raise FileError(
+                        f"line {token.start[0]}: a statement of more than {MAX_OPERATORS} operators; {SPLIT_IT}"
+                    )
+    except (tokenize.TokenError, SyntaxError):
+        return
+
+
 def _parse(raw: bytes) -> cst.Module:
     import libcst as cst
 
     body = raw[len(BOM) :] if raw.startswith(BOM) else raw
+    _check_nesting(body)
     try:
         module = cst.parse_module(body)
     except cst.ParserSyntaxError as exc:
@@ -138,8 +180,19 @@ def _parse(raw: bytes) -> cst.Module:
     return module
 
 
-def _encode(module: cst.Module, bom: bool) -> bytes:
-    return (BOM if bom else b"") + module.bytes
+def _lost_tail(module: cst.Module, raw: bytes) -> bytes:
+    """What LibCST's round trip drops at the end of ``raw`` (the last ``\\r`` of a file whose
+    lines end in a lone ``\\r``), to put back after the rewrite. Anything else it would not
+    give back byte for byte is refused: everything but the rewrite must stay as it was."""
+    body = raw[len(BOM) :] if raw.startswith(BOM) else raw
+    again = module.bytes
+    if not body.startswith(again):
+        raise FileError("LibCST does not give this file back byte for byte; nothing written")
+    return body[len(again) :]
+
+
+def _encode(module: cst.Module, bom: bool, tail: bytes = b"") -> bytes:
+    return (BOM if bom else b"") + module.bytes + tail
 
 
 def plan_file(path: Path, triage_first: bool = True, name: str | None = None) -> FileResult:
@@ -194,6 +247,16 @@ def _plan(
             path, FileStatus.UNCHANGED if sites else FileStatus.NO_SITES, sites=sites, original=raw
         )
     try:
+        return _plan_with_libcst(path, raw, analyze_module, transform, check, name)
+    except RecursionError:  # deeper than LibCST can go, below the limits: never a traceback
+        error = f"an expression is nested too deeply; {SPLIT_IT}"
+        return FileResult(path, FileStatus.ERROR, error=error, original=raw)
+
+
+def _plan_with_libcst(
+    path: Path, raw: bytes, analyze_module, transform, check, name: str | None
+) -> FileResult:
+    try:
         module = _parse(raw)
         analysis = analyze_module(module, raw)
     except FileError as exc:
@@ -213,8 +276,18 @@ def _plan(
         result.status = FileStatus.NEEDS_REWRITE
         return result
     try:
+        _compile(raw, path)
+        tail = _lost_tail(module, raw)
+    except SyntaxError as exc:
+        result.status = FileStatus.ERROR
+        result.error = _not_this_python(exc)
+        return result
+    except FileError as exc:
+        result.status, result.error = FileStatus.ERROR, str(exc)
+        return result
+    try:
         new_module = transform(analysis)
-        new = _encode(new_module, raw.startswith(BOM))
+        new = _encode(new_module, raw.startswith(BOM), tail)
         check(new, analysis)
     except FileError as exc:
         result.status = FileStatus.ERROR
@@ -227,13 +300,29 @@ def _plan(
     return result
 
 
+def _compile(source: bytes, path: Path) -> None:
+    """Compile ``source`` with this Python; raises ``SyntaxError``."""
+    with warnings.catch_warnings():
+        # The file's own warnings (`x is 1`, "\d") are not ours to print.
+        warnings.simplefilter("ignore")
+        compile(
+            source[len(BOM) :] if source.startswith(BOM) else source, str(path), "exec", dont_inherit=True
+        )
+
+
+def _not_this_python(exc: SyntaxError) -> str:
+    """The input does not compile here (LibCST read it: its grammar knows newer Python)."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return (
+        f"does not compile under Python {version} (line {exc.lineno}: {exc.msg}), so a rewrite cannot be"
+        f" checked here; if the file is written for a newer Python, run mm3-codemod under that Python"
+    )
+
+
 def _parse_and_compile(new: bytes, path: Path) -> cst.Module:
     module = _parse(new)
     try:
-        with warnings.catch_warnings():
-            # The file's own warnings (`x is 1`, "\d") are not ours to print.
-            warnings.simplefilter("ignore")
-            compile(new[len(BOM) :] if new.startswith(BOM) else new, str(path), "exec", dont_inherit=True)
+        _compile(new, path)
     except SyntaxError as exc:
         raise FileError(f"output does not compile: {exc.msg} (line {exc.lineno})") from exc
     return module

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,95 @@ def test_coloured_diff_is_the_plain_diff_plus_escape_codes(tmp_path: Path) -> No
     )
     assert b"\x1b[" in coloured.stdout and b"\t" in plain.stdout
     assert re.sub(rb"\x1b\[[0-9;]*m", b"", coloured.stdout) == plain.stdout
+
+
+# --- 1. deep nesting: one line, exit 2, in seconds ---------------------------------------------
+
+
+def _sum(terms: int) -> bytes:
+    return b"x = " + b" + ".join([b"1"] * terms) + b"\n"
+
+
+DEEP = {
+    "sum-500": _sum(500),
+    "sum-20000": _sum(20_000),
+    "parens-20000": b"x = " + b"(" * 20_000 + b"1" + b")" * 20_000 + b"\n",
+    "calls-240": b"x = " + b"f(" * 240 + b"1" + b")" * 240 + b"\n",
+    "and-20000": b"x = " + b" and ".join([b"a"] * 20_000) + b"\n",
+}
+
+
+@pytest.mark.parametrize("command", ["check", "run"])
+@pytest.mark.parametrize("shape", sorted(DEEP))
+def test_deep_nesting_is_one_line_exit_2_in_seconds(tmp_path: Path, shape: str, command: str) -> None:
+    source = FORK_ERA + DEEP[shape]
+    target = put(tmp_path / "model.py", source)
+    started = time.monotonic()
+    proc = cli(command, "--json", str(target))
+    assert time.monotonic() - started < 20  # minutes before; a few seconds on a busy machine
+    assert_clean(proc, 2)
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith(f"error: {target}: ") and "split it" in line, line
+    report = json.loads(proc.stdout)
+    assert report["exit_code"] == 2 and report["files"][0]["status"] == "error"
+    assert target.read_bytes() == source
+
+
+def test_recursion_anywhere_in_libcst_is_reported_not_raised(tmp_path: Path, monkeypatch) -> None:
+    from rewriter import apply
+
+    def too_deep(*args, **kwargs):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(apply, "rewrite", too_deep)
+    result = apply.plan_file(put(tmp_path / "model.py", FORK_ERA))
+    assert result.status is apply.FileStatus.ERROR
+    assert result.error.startswith("an expression is nested too deeply; split it"), result.error
+
+
+def test_deep_nesting_in_a_native_file_needs_no_libcst(tmp_path: Path) -> None:
+    """The ast triage answers a native file: its depth is no concern."""
+    target = put(tmp_path / "model.py", (FIXTURES / "native" / "model.py").read_bytes() + _sum(500))
+    assert_clean(cli("check", str(target)), 0)
+
+
+# --- 10. newer Python than this one: the input's fault, named, exit 2 ---------------------------
+
+NEWER = {
+    "type-alias": (b"type Cache = dict[str, int]\n", (3, 12)),
+    "pep701": (b's = f"{ {"a": 1}["a"] }"\n', (3, 12)),
+}
+
+
+@pytest.mark.parametrize("syntax", sorted(NEWER))
+def test_newer_syntax_is_the_input_not_the_output(tmp_path: Path, syntax: str) -> None:
+    code, since = NEWER[syntax]
+    if sys.version_info >= since:
+        pytest.skip(f"Python {sys.version_info.major}.{sys.version_info.minor} compiles it")
+    source = FORK_ERA + code
+    target = put(tmp_path / "model.py", source)
+    proc = cli("run", "--json", str(target))
+    assert_clean(proc, 2)
+    (line,) = error_lines(proc.stderr)
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert line.startswith(f"error: {target}: does not compile under Python {version} (line 375: "), line
+    assert "run mm3-codemod under that Python" in line and "output" not in line
+    assert json.loads(proc.stdout)["files"][0]["status"] == "error"
+    assert target.read_bytes() == source and sorted(p.name for p in tmp_path.iterdir()) == ["model.py"]
+
+
+def test_newer_syntax_in_a_native_file_is_still_native(tmp_path: Path) -> None:
+    if sys.version_info >= (3, 12):
+        pytest.skip("this Python compiles type aliases")
+    native = (FIXTURES / "native" / "model.py").read_bytes()
+    assert_clean(cli("check", str(put(tmp_path / "model.py", native + NEWER["type-alias"][0]))), 0)
+
+
+# --- 11. line endings are kept exactly, the last one of a \r-only file included -----------------
+
+
+@pytest.mark.parametrize("ending", [b"\r", b"\r\n"], ids=["cr", "crlf"])
+def test_line_endings_are_kept_exactly(tmp_path: Path, ending: bytes) -> None:
+    target = put(tmp_path / "model.py", FORK_ERA.replace(b"\n", ending))
+    assert_clean(cli("run", str(target)), 0)
+    assert target.read_bytes() == EXPECTED.replace(b"\n", ending)
