@@ -425,15 +425,16 @@ def stage_write(result: FileResult, backup: bool = False) -> StagedWrite:
     real = Path(os.path.realpath(result.path))
     _check_unchanged(real, result.original)
     try:
-        mode = stat.S_IMODE(real.stat().st_mode)
+        st = real.stat()
     except OSError as exc:
         raise FileError(f"cannot stat before writing: {exc.strerror or exc}") from exc
+    mode, owner = stat.S_IMODE(st.st_mode), (st.st_uid, st.st_gid)
     if not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
         raise FileError("file is read-only; nothing written")
-    staged = StagedWrite(result, real, _write_temp(real, result.new, mode))
+    staged = StagedWrite(result, real, _write_temp(real, result.new, mode, owner))
     if backup:
         try:
-            staged.backup = _write_backup(real, result.original, mode)
+            staged.backup = _write_backup(real, result.original, mode, owner)
         except FileError:
             discard(staged)
             raise
@@ -503,9 +504,9 @@ def _backup_path(real: Path) -> Path:
     return candidate
 
 
-def _write_backup(real: Path, data: bytes, mode: int) -> Path:
+def _write_backup(real: Path, data: bytes, mode: int, owner: tuple[int, int]) -> Path:
     """``<file>.orig`` (or ``.orig.N``), written whole or not at all, never over another."""
-    temp = _write_temp(real, data, mode)
+    temp = _write_temp(real, data, mode, owner)
     try:
         shutil.copystat(real, temp)
         while True:
@@ -535,8 +536,9 @@ def atomic_write(path: Path, data: bytes, mode: int) -> None:
     _fsync_dir(path.parent)
 
 
-def _write_temp(path: Path, data: bytes, mode: int) -> Path:
-    """``data`` in a new fsynced file beside ``path`` with ``mode``; removed again on failure."""
+def _write_temp(path: Path, data: bytes, mode: int, owner: tuple[int, int] | None = None) -> Path:
+    """``data`` in a new fsynced file beside ``path`` with ``mode`` and, as far as this user
+    may give it, ``owner`` (uid, gid); removed again on failure."""
     try:
         fd, name = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=TEMP_SUFFIX)
     except OSError as exc:
@@ -554,7 +556,9 @@ def _write_temp(path: Path, data: bytes, mode: int) -> Path:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.chmod(temp, mode)
+        if owner is not None:
+            _chown(temp, *owner)
+        os.chmod(temp, mode)  # after chown, which may clear set-id bits
         testhook.at("temp-synced")
     except OSError as exc:
         _unlink(temp)
@@ -563,6 +567,17 @@ def _write_temp(path: Path, data: bytes, mode: int) -> Path:
         _unlink(temp)
         raise
     return temp
+
+
+def _chown(path: Path, uid: int, gid: int) -> None:
+    """Give ``path`` this owner and group, or as much of it as this user may (root: both;
+    anyone: a group they are in); what is not permitted stays theirs, as with ``cp``."""
+    for want in ((uid, gid), (-1, gid)):
+        try:
+            os.chown(path, *want)
+            return
+        except PermissionError:
+            continue
 
 
 def _unlink(path: Path) -> None:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import ast
 import fcntl
 import json
+import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -240,3 +242,18 @@ def test_line_endings_are_kept_exactly(tmp_path: Path, ending: bytes) -> None:
     target = put(tmp_path / "model.py", FORK_ERA.replace(b"\n", ending))
     assert_clean(cli("run", str(target)), 0)
     assert target.read_bytes() == EXPECTED.replace(b"\n", ending)
+
+
+# --- 12. owner and group are kept ----------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="only root may give a file away")
+def test_owner_and_group_are_kept_on_rewrite_and_backup(tmp_path: Path) -> None:
+    target = put(tmp_path / "model.py", FORK_ERA)
+    os.chown(target, 12345, 23456)
+    os.chmod(target, 0o640)
+    assert_clean(cli("run", "--backup", str(target)), 0)
+    assert target.read_bytes() == EXPECTED
+    for path in (target, tmp_path / "model.py.orig"):
+        st = path.stat()
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (12345, 23456, 0o640), path
