@@ -80,10 +80,16 @@ class FileResult:
 
 
 def read_bytes(path: Path) -> bytes:
+    """The bytes of a regular file, reached by its path; else ``FileError`` saying why."""
     if not path.exists() and not path.is_symlink():
         raise FileError("no such file")
     if path.is_dir():
         raise FileError("is a directory, not a file")
+    if _through_proc(path):
+        raise FileError(
+            "not a regular file: the path leads through /proc, to whatever a process has open"
+            " (/dev/stdin, /dev/fd/N, /proc/self/fd/N); name the file itself"
+        )
     try:
         if not stat.S_ISREG(path.stat().st_mode):
             raise FileError("not a regular file")  # a FIFO or a device would block or never end
@@ -93,6 +99,40 @@ def read_bytes(path: Path) -> bytes:
     if b"\0" in raw:
         raise FileError("binary file (NUL bytes), not Python source")
     return raw
+
+
+def _through_proc(path: Path) -> bool:
+    """Whether a symlink on the way to ``path`` lives in /proc (``/dev/stdin`` ->
+    ``/proc/self/fd/0``): what such a link names is whatever a process has open (``run
+    /dev/stdin < other.py`` would rewrite other.py), not the file the path spells."""
+    try:
+        proc = os.stat("/proc").st_dev
+    except OSError:
+        return False  # no /proc here
+    # Not abspath: a ".." after a link goes up from where the link leads, as in the kernel.
+    current, pending, links = Path("/"), list((Path.cwd() / path).parts[1:]), 0
+    while pending:
+        part = pending.pop(0)
+        if part == "..":
+            current = current.parent
+            continue
+        step = current / part
+        try:
+            st = os.lstat(step)
+        except OSError:
+            return False  # reading it says what is wrong
+        if not stat.S_ISLNK(st.st_mode):
+            current = step
+            continue
+        if st.st_dev == proc:
+            return True
+        links += 1
+        if links > 40:  # the kernel's own limit: a loop, which reading it reports
+            return False
+        target = Path(os.readlink(step))
+        pending[:0] = target.parts[1:] if target.is_absolute() else target.parts
+        current = Path("/") if target.is_absolute() else current
+    return False
 
 
 def analyze(module: cst.Module, source: bytes | None = None) -> FileAnalysis:

@@ -257,3 +257,43 @@ def test_owner_and_group_are_kept_on_rewrite_and_backup(tmp_path: Path) -> None:
     for path in (target, tmp_path / "model.py.orig"):
         st = path.stat()
         assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (12345, 23456, 0o640), path
+
+
+# --- 4. what is not a regular file reached by its own path is refused ------------------------------
+
+NOT_A_PATH = "not a regular file: the path leads through /proc"
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="no /proc")
+@pytest.mark.parametrize("spelling", ["/dev/stdin", "/dev/fd/0", "/proc/self/fd/0", "link-to-stdin"])
+def test_a_path_through_proc_is_refused_and_its_file_untouched(tmp_path: Path, spelling: str) -> None:
+    other = put(tmp_path / "other.py", FORK_ERA)
+    (tmp_path / "link-to-stdin").symlink_to("/dev/stdin")
+    with open(other, "rb") as stdin:
+        proc = subprocess.run(
+            [*cli_argv(), "run", "--json", spelling],
+            stdin=stdin,
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
+    assert_clean(proc, 2)
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith(f"error: {spelling}: {NOT_A_PATH}"), line
+    assert json.loads(proc.stdout)["files"][0]["status"] == "error"
+    assert other.read_bytes() == FORK_ERA
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link-to-stdin", "other.py"]
+
+
+def test_a_device_is_refused(tmp_path: Path) -> None:
+    proc = cli("run", "/dev/null")
+    assert_clean(proc, 2)
+    assert error_lines(proc.stderr) == ["error: /dev/null: not a regular file"]
+
+
+def test_a_folder_link_that_goes_up_is_followed_as_the_kernel_does(tmp_path: Path) -> None:
+    """``link/..`` is the folder above where the link leads, not the link's own folder."""
+    put(tmp_path / "deep" / "sub" / "model.py", FORK_ERA)
+    (tmp_path / "link").symlink_to(tmp_path / "deep" / "sub")
+    proc = cli("check", "link/../sub/model.py", cwd=tmp_path)
+    assert_clean(proc, 1)
