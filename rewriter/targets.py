@@ -265,7 +265,7 @@ def resolve(
     vllm_roots: list[Path] | None = None,
     example: bool = False,
 ) -> list[Target]:
-    """All files to process, de-duplicated, in a stable order.
+    """All files to process, each file once (the first name it is given by), in a stable order.
 
     With nothing given, the vLLM source tree around the working folder, or the
     vLLM of the current interpreter (``default_targets``).
@@ -296,11 +296,21 @@ def resolve(
     if not (paths or pythons or vllm_roots or example):
         targets += default_targets()
 
-    seen: set[str] = set()
+    seen: set[object] = set()
     unique = []
     for target in targets:
-        key = os.path.realpath(target.path)
+        key = _same_file_key(target.path)
         if key not in seen:
             seen.add(key)
             unique.append(target)
     return unique
+
+
+def _same_file_key(path: Path) -> object:
+    """One key for every name of one file: a symlink, a hard link (whose second lock the
+    first would wait on), ``a/../a``; the real path of what cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return os.path.realpath(path)
+    return (st.st_dev, st.st_ino)

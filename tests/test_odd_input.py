@@ -297,3 +297,18 @@ def test_a_folder_link_that_goes_up_is_followed_as_the_kernel_does(tmp_path: Pat
     (tmp_path / "link").symlink_to(tmp_path / "deep" / "sub")
     proc = cli("check", "link/../sub/model.py", cwd=tmp_path)
     assert_clean(proc, 1)
+
+
+# --- 5. one file given twice (hard links) is one target ---------------------------------------
+
+
+def test_hard_links_to_one_file_are_one_target(tmp_path: Path) -> None:
+    first = put(tmp_path / "model.py", FORK_ERA)
+    second = tmp_path / "again.py"
+    os.link(first, second)
+    started = time.monotonic()
+    proc = cli("run", "--json", str(first), str(second))  # the second lock would wait 30 s
+    assert time.monotonic() - started < 20
+    assert_clean(proc, 0)
+    assert [f["path"] for f in json.loads(proc.stdout)["files"]] == [str(first)]
+    assert "1 file rewritten." in proc.stderr and first.read_bytes() == EXPECTED
