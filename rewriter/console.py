@@ -13,6 +13,7 @@ folder named ``[/x]``) that markup would eat or choke on.
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
@@ -46,3 +47,21 @@ def say(out: Console, text: str, style: str = "") -> None:
     from rich.text import Text
 
     out.print(Text(text, style=style), soft_wrap=True)
+
+
+class OutputError(Exception):
+    """stdout cannot be written (a full disk, a closed pipe): the report is lost, not the files."""
+
+
+def write_stdout(data: str | bytes) -> None:
+    """Write ``data`` (bytes: exactly those) to stdout now; ``OutputError`` when it cannot be."""
+    try:
+        if isinstance(data, str):
+            sys.stdout.write(data)
+            sys.stdout.flush()
+        else:
+            sys.stdout.flush()
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+    except OSError as exc:
+        raise OutputError(exc.strerror or str(exc)) from exc

@@ -7,7 +7,6 @@ import os
 import re
 import shlex
 from collections.abc import Iterable
-from typing import TextIO
 
 from rich import box
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
@@ -19,7 +18,7 @@ from codemods.schema import CHANGING, FUSED_OP, Action, InsertSite, SiteState
 from rewriter import __version__
 from rewriter.apply import FileResult, FileStatus
 from rewriter.commands import Report
-from rewriter.console import say
+from rewriter.console import say, write_stdout
 from rewriter.targets import shown_path
 
 STATE_STYLE = {
@@ -84,8 +83,9 @@ def _target_fields(report: Report, index: int) -> dict[str, object]:
     return fields
 
 
-def print_json(report: Report, out: TextIO) -> None:
-    out.write(json.dumps(to_json(report), indent=2) + "\n")
+def print_json(report: Report) -> None:
+    """The JSON report on stdout."""
+    write_stdout(json.dumps(to_json(report), indent=2) + "\n")
 
 
 # ANSI colours of a diff's lines: bold headers, cyan hunk headers, green/red lines.

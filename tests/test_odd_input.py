@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -30,7 +31,7 @@ def error_lines(stderr: str) -> list[str]:
 def assert_clean(proc: subprocess.CompletedProcess[str], code: int) -> None:
     """The exit code, and no Python traceback anywhere."""
     assert proc.returncode == code, proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    assert "Traceback" not in f"{proc.stderr}{proc.stdout or ''}", proc.stderr
 
 
 def put(path: Path, data: bytes) -> Path:
@@ -312,3 +313,87 @@ def test_hard_links_to_one_file_are_one_target(tmp_path: Path) -> None:
     assert_clean(proc, 0)
     assert [f["path"] for f in json.loads(proc.stdout)["files"]] == [str(first)]
     assert "1 file rewritten." in proc.stderr and first.read_bytes() == EXPECTED
+
+
+# --- 6. Ctrl-C: "interrupted", exit 130, files whole ---------------------------------------------
+
+
+def _wait_stopped(proc: subprocess.Popen) -> bool:
+    """True once ``proc`` stops itself (the test hook's ``stop``); False if it ended instead."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state == "T":
+            return True
+        time.sleep(0.02)
+    raise AssertionError("the CLI neither stopped nor ended")
+
+
+def _interrupt_at(point: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run the CLI, press Ctrl-C when it reaches ``point`` the first time, let it finish."""
+    proc = subprocess.Popen(
+        [*cli_argv(), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "MM3_CODEMOD_TEST_HOOK": f"{point}=stop"},
+    )
+    interrupted = False
+    while _wait_stopped(proc):
+        if not interrupted:
+            os.kill(proc.pid, signal.SIGINT)  # delivered when it runs again
+            interrupted = True
+        os.kill(proc.pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=120)
+    assert interrupted, err
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+@pytest.mark.parametrize("command", ["run", "revert"])
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path, command: str) -> None:
+    """``revert`` goes through typer (click would say "Aborted!" and exit 1)."""
+    source = FORK_ERA if command == "run" else EXPECTED
+    target = put(tmp_path / "model.py", source)
+    proc = _interrupt_at("planned", command, "--json", str(target))
+    assert (proc.returncode, proc.stderr, proc.stdout) == (130, "interrupted\n", "")
+    assert target.read_bytes() == source and sorted(p.name for p in tmp_path.iterdir()) == ["model.py"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_ctrl_c_between_two_renames_waits_for_the_second(tmp_path: Path) -> None:
+    """All or nothing across files: Ctrl-C after the first file is moved into place
+    arrives once the second one is too."""
+    first, second = put(tmp_path / "a" / "model.py", FORK_ERA), put(tmp_path / "b" / "model.py", FORK_ERA)
+    proc = _interrupt_at("replaced", "run", str(tmp_path))
+    assert (proc.returncode, proc.stderr) == (130, "interrupted\n")
+    assert first.read_bytes() == second.read_bytes() == EXPECTED
+
+
+# --- 7. stdout that cannot be written: one line, exit 2 -----------------------------------------
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["check", "--json"],
+        ["check", "--diff"],
+        ["preview"],
+        ["run", "--diff"],
+        ["survey", "--json"],
+        ["-h"],
+        ["-V"],
+    ],
+    ids=" ".join,
+)
+def test_a_full_stdout_is_one_line_exit_2(tmp_path: Path, args: list[str]) -> None:
+    target = put(tmp_path / "model.py", FORK_ERA)
+    files = [] if args[0].startswith("-") else [str(target)]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([*cli_argv(), *args, *files], stdout=full, stderr=subprocess.PIPE, text=True)
+    assert_clean(proc, 2)
+    assert proc.stderr.splitlines()[-1] == "error: cannot write to stdout: No space left on device"
+    assert target.read_bytes() == FORK_ERA
