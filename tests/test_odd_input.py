@@ -397,3 +397,59 @@ def test_a_full_stdout_is_one_line_exit_2(tmp_path: Path, args: list[str]) -> No
     assert_clean(proc, 2)
     assert proc.stderr.splitlines()[-1] == "error: cannot write to stdout: No space left on device"
     assert target.read_bytes() == FORK_ERA
+
+
+# --- 7, 8. --python: an interpreter that answers garbage, or never -------------------------------
+
+
+def fake_python(folder: Path, body: str) -> Path:
+    script = folder / "python"
+    script.write_text("#!/bin/sh\n" + body + "\n")
+    script.chmod(0o755)
+    return script
+
+
+GARBAGE = {
+    "bytes": r"printf '\377\376 not json\n'",
+    "a list": "echo '[1, 2]'",
+    "wrong types": """echo '{"locations": 5, "version": null}'""",
+    "not paths": """echo '{"locations": [1], "version": "0.24.0"}'""",
+    "deep json": "python3 -c 'print(\"[\" * 100000)'",
+}
+
+
+@pytest.mark.parametrize("answer", sorted(GARBAGE))
+def test_a_python_that_answers_garbage_is_one_line_exit_2(tmp_path: Path, answer: str) -> None:
+    python = fake_python(tmp_path, GARBAGE[answer])
+    proc = cli("check", "--json", "--python", str(python))
+    assert_clean(proc, 2)
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith(f"error: {python}: --python: unexpected output "), line
+    assert line.endswith("is it a Python interpreter?"), line
+    assert json.loads(proc.stdout)["exit_code"] == 2
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has ended; only its parent (init here) has not reaped it
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_a_python_that_never_answers_is_killed_with_its_children(tmp_path: Path, monkeypatch) -> None:
+    from rewriter import targets
+
+    pids = tmp_path / "pids"
+    python = fake_python(tmp_path, f"sleep 60 &\necho $$ $! > {pids}\nwait")
+    monkeypatch.setattr(targets, "PYTHON_TIMEOUT", 1.0)
+    started = time.monotonic()
+    with pytest.raises(targets.TargetError, match=r"--python: did not answer within 1 s$"):
+        targets.vllm_install_of_interpreter(str(python))
+    assert time.monotonic() - started < 20  # its child kept the pipe open: no wait for it either
+    shell, child = (int(pid) for pid in pids.read_text().split())
+    deadline = time.monotonic() + 10
+    while (_alive(shell) or _alive(child)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(shell) and not _alive(child)
