@@ -84,6 +84,12 @@ def read_bytes(path: Path) -> bytes:
     if not path.exists() and not path.is_symlink():
         raise FileError("no such file")
     if path.is_dir():
+        try:
+            os.scandir(path).close()
+        except OSError as exc:  # python_files names such a folder as a target
+            raise FileError(
+                f"cannot read this folder: {exc.strerror or exc}; the .py files in it were not checked"
+            ) from exc
         raise FileError("is a directory, not a file")
     if _through_proc(path):
         raise FileError(

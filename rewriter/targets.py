@@ -98,13 +98,19 @@ def nvidia_dir(root: Path, origin: str) -> Path:
 
 
 def python_files(folder: Path) -> list[Path]:
-    """Every ``*.py`` under ``folder`` that is not a folder itself (hidden and cache folders skipped)."""
-    return sorted(
-        p
-        for p in folder.rglob("*.py")
-        if not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(folder).parts)
-        and not p.is_dir()
-    )
+    """Every ``*.py`` under ``folder`` that is not a folder itself (hidden files and folders,
+    and cache folders, skipped) - and every folder that cannot be listed: never skipped in
+    silence, it is a target whose planning says why (an error that does not stop the others,
+    as in ruff)."""
+    found: list[Path] = []
+
+    def unreadable(exc: OSError) -> None:
+        found.append(Path(exc.filename))
+
+    for where, folders, files in os.walk(folder, onerror=unreadable):  # symlinked folders: not entered
+        folders[:] = [name for name in folders if not name.startswith(".") and name != "__pycache__"]
+        found += [Path(where, name) for name in files if name.endswith(".py") and not name.startswith(".")]
+    return sorted(found)
 
 
 # Runs inside the target interpreter: locate vllm (and read its distribution

@@ -453,3 +453,59 @@ def test_a_python_that_never_answers_is_killed_with_its_children(tmp_path: Path,
     while (_alive(shell) or _alive(child)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(shell) and not _alive(child)
+
+
+# --- 9. a folder that cannot be read is reported, not skipped ------------------------------------
+
+
+def without_read_override() -> list[str]:
+    """The command prefix under which a mode-000 folder cannot be read: none for a user;
+    for root, setpriv without the capabilities that read anything."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("root reads any folder, and setpriv is not installed to drop that")
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+
+
+@pytest.mark.parametrize("command", ["check", "run"])
+def test_an_unreadable_subfolder_is_an_error_that_does_not_stop_the_others(
+    tmp_path: Path, command: str
+) -> None:
+    tree = tmp_path / "tree"
+    readable = put(tree / "ok" / "model.py", FORK_ERA)
+    hidden = put(tree / "locked" / "model.py", FORK_ERA)
+    os.chmod(hidden.parent, 0)
+    try:
+        proc = subprocess.run(
+            [*without_read_override(), *cli_argv(), command, "--json", "tree"],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=300,
+        )
+    finally:
+        os.chmod(hidden.parent, 0o755)
+    assert_clean(proc, 2)
+    assert error_lines(proc.stderr) == [
+        "error: tree/locked: cannot read this folder: Permission denied; the .py files in it were not checked"
+    ]
+    files = {f["path"]: f["status"] for f in json.loads(proc.stdout)["files"]}
+    assert files == {str(Path("tree/locked")): "error", str(Path("tree/ok/model.py")): "needs-rewrite"}
+    assert readable.read_bytes() == hidden.read_bytes() == FORK_ERA  # run: all or nothing
+
+
+def test_an_unreadable_target_folder_is_named(tmp_path: Path) -> None:
+    folder = tmp_path / "locked"
+    put(folder / "model.py", FORK_ERA)
+    os.chmod(folder, 0)
+    try:
+        proc = subprocess.run(
+            [*without_read_override(), *cli_argv(), "check", str(folder)], capture_output=True, text=True
+        )
+    finally:
+        os.chmod(folder, 0o755)
+    assert_clean(proc, 2)
+    assert error_lines(proc.stderr) == [
+        f"error: {folder}: cannot read this folder: Permission denied; the .py files in it were not checked"
+    ]
