@@ -14,10 +14,13 @@ import difflib
 import enum
 import glob
 import hashlib
+import io
 import os
 import shutil
 import stat
+import sys
 import tempfile
+import tokenize
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +59,7 @@ class FileResult:
     sites: list[InsertSite] = field(default_factory=list)
     error: str | None = None
     diff: str = ""
+    encoding: str = "utf-8"  # the file's: the diff is printed in it, byte for byte
     backup: Path | None = None
     original: bytes = field(default=b"", repr=False)
     new: bytes | None = field(default=None, repr=False)
@@ -76,10 +80,22 @@ class FileResult:
 
 
 def read_bytes(path: Path) -> bytes:
+    """The bytes of a regular file, reached by its path; else ``FileError`` saying why."""
     if not path.exists() and not path.is_symlink():
         raise FileError("no such file")
     if path.is_dir():
+        try:
+            os.scandir(path).close()
+        except OSError as exc:  # python_files names such a folder as a target
+            raise FileError(
+                f"cannot read this folder: {exc.strerror or exc}; the .py files in it were not checked"
+            ) from exc
         raise FileError("is a directory, not a file")
+    if _through_proc(path):
+        raise FileError(
+            "not a regular file: the path leads through /proc, to whatever a process has open"
+            " (/dev/stdin, /dev/fd/N, /proc/self/fd/N); name the file itself"
+        )
     try:
         if not stat.S_ISREG(path.stat().st_mode):
             raise FileError("not a regular file")  # a FIFO or a device would block or never end
@@ -89,6 +105,40 @@ def read_bytes(path: Path) -> bytes:
     if b"\0" in raw:
         raise FileError("binary file (NUL bytes), not Python source")
     return raw
+
+
+def _through_proc(path: Path) -> bool:
+    """Whether a symlink on the way to ``path`` lives in /proc (``/dev/stdin`` ->
+    ``/proc/self/fd/0``): what such a link names is whatever a process has open (``run
+    /dev/stdin < other.py`` would rewrite other.py), not the file the path spells."""
+    try:
+        proc = os.stat("/proc").st_dev
+    except OSError:
+        return False  # no /proc here
+    # Not abspath: a ".." after a link goes up from where the link leads, as in the kernel.
+    current, pending, links = Path("/"), list((Path.cwd() / path).parts[1:]), 0
+    while pending:
+        part = pending.pop(0)
+        if part == "..":
+            current = current.parent
+            continue
+        step = current / part
+        try:
+            st = os.lstat(step)
+        except OSError:
+            return False  # reading it says what is wrong
+        if not stat.S_ISLNK(st.st_mode):
+            current = step
+            continue
+        if st.st_dev == proc:
+            return True
+        links += 1
+        if links > 40:  # the kernel's own limit: a loop, which reading it reports
+            return False
+        target = Path(os.readlink(step))
+        pending[:0] = target.parts[1:] if target.is_absolute() else target.parts
+        current = Path("/") if target.is_absolute() else current
+    return False
 
 
 def analyze(module: cst.Module, source: bytes | None = None) -> FileAnalysis:
@@ -122,10 +172,49 @@ def load_codemod() -> None:
     import codemods.fp8_kv_bypass  # noqa: F401
 
 
+# What LibCST cannot take: brackets nested deeper than Python's own limit (its native
+# parser crashes on a few thousand), and a statement of thousands of operators (its parser
+# slows down with their square: 20,000 terms take minutes). Python's tokenizer measures both
+# in milliseconds, for any file; nesting below these that still overflows Python's stack
+# (a sum of 500 terms) raises RecursionError, which planning reports the same way.
+MAX_BRACKETS = 200
+MAX_OPERATORS = 2000  # per statement: every token but literals, brackets, commas and colons
+SPLIT_IT = "split it (mm3-codemod reads the file with LibCST, which recurses once per level of nesting)"
+_NOT_OPERATORS = {tokenize.NUMBER, tokenize.STRING, tokenize.NL, tokenize.COMMENT, tokenize.INDENT}
+_NOT_OPERATORS |= {tokenize.DEDENT, tokenize.ENCODING}
+
+
+def _check_nesting(body: bytes) -> None:
+    """Refuse, before LibCST sees it, a file nested deeper or chained longer than it can take.
+    What the tokenizer cannot read is left to LibCST, which says what is wrong with it."""
+    depth = operators = 0
+    try:
+        for token in tokenize.tokenize(io.BytesIO(body).readline):
+            if token.type == tokenize.NEWLINE:
+                operators = 0
+            elif token.type == tokenize.OP and token.string in ("(", "[", "{"):
+                depth += 1
+                if depth > MAX_BRACKETS:
+                    raise FileError(
+                        f"line {token.start[0]}: brackets nest more than {MAX_BRACKETS} deep; {SPLIT_IT}"
+                    )
+            elif token.type == tokenize.OP and token.string in (")", "]", "}"):
+                depth -= 1
+            elif token.type not in _NOT_OPERATORS and token.string not in (",", ":"):
+                operators += 1
+                if operators > MAX_OPERATORS:
+                    raise FileError(
+                        f"line {token.start[0]}: a statement of more than {MAX_OPERATORS} operators; {SPLIT_IT}"
+                    )
+    except (tokenize.TokenError, SyntaxError):
+        return
+
+
 def _parse(raw: bytes) -> cst.Module:
     import libcst as cst
 
     body = raw[len(BOM) :] if raw.startswith(BOM) else raw
+    _check_nesting(body)
     try:
         module = cst.parse_module(body)
     except cst.ParserSyntaxError as exc:
@@ -137,8 +226,19 @@ def _parse(raw: bytes) -> cst.Module:
     return module
 
 
-def _encode(module: cst.Module, bom: bool) -> bytes:
-    return (BOM if bom else b"") + module.bytes
+def _lost_tail(module: cst.Module, raw: bytes) -> bytes:
+    """What LibCST's round trip drops at the end of ``raw`` (the last ``\\r`` of a file whose
+    lines end in a lone ``\\r``), to put back after the rewrite. Anything else it would not
+    give back byte for byte is refused: everything but the rewrite must stay as it was."""
+    body = raw[len(BOM) :] if raw.startswith(BOM) else raw
+    again = module.bytes
+    if not body.startswith(again):
+        raise FileError("LibCST does not give this file back byte for byte; nothing written")
+    return body[len(again) :]
+
+
+def _encode(module: cst.Module, bom: bool, tail: bytes = b"") -> bytes:
+    return (BOM if bom else b"") + module.bytes + tail
 
 
 def plan_file(path: Path, triage_first: bool = True, name: str | None = None) -> FileResult:
@@ -193,6 +293,16 @@ def _plan(
             path, FileStatus.UNCHANGED if sites else FileStatus.NO_SITES, sites=sites, original=raw
         )
     try:
+        return _plan_with_libcst(path, raw, analyze_module, transform, check, name)
+    except RecursionError:  # deeper than LibCST can go, below the limits: never a traceback
+        error = f"an expression is nested too deeply; {SPLIT_IT}"
+        return FileResult(path, FileStatus.ERROR, error=error, original=raw)
+
+
+def _plan_with_libcst(
+    path: Path, raw: bytes, analyze_module, transform, check, name: str | None
+) -> FileResult:
+    try:
         module = _parse(raw)
         analysis = analyze_module(module, raw)
     except FileError as exc:
@@ -212,8 +322,18 @@ def _plan(
         result.status = FileStatus.NEEDS_REWRITE
         return result
     try:
+        _compile(raw, path)
+        tail = _lost_tail(module, raw)
+    except SyntaxError as exc:
+        result.status = FileStatus.ERROR
+        result.error = _not_this_python(exc)
+        return result
+    except FileError as exc:
+        result.status, result.error = FileStatus.ERROR, str(exc)
+        return result
+    try:
         new_module = transform(analysis)
-        new = _encode(new_module, raw.startswith(BOM))
+        new = _encode(new_module, raw.startswith(BOM), tail)
         check(new, analysis)
     except FileError as exc:
         result.status = FileStatus.ERROR
@@ -222,16 +342,33 @@ def _plan(
     result.status = FileStatus.NEEDS_REWRITE
     result.new = new
     result.diff = unified_diff(name or path.name, raw, new, module.encoding)
+    result.encoding = module.encoding
     return result
+
+
+def _compile(source: bytes, path: Path) -> None:
+    """Compile ``source`` with this Python; raises ``SyntaxError``."""
+    with warnings.catch_warnings():
+        # The file's own warnings (`x is 1`, "\d") are not ours to print.
+        warnings.simplefilter("ignore")
+        compile(
+            source[len(BOM) :] if source.startswith(BOM) else source, str(path), "exec", dont_inherit=True
+        )
+
+
+def _not_this_python(exc: SyntaxError) -> str:
+    """The input does not compile here (LibCST read it: its grammar knows newer Python)."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return (
+        f"does not compile under Python {version} (line {exc.lineno}: {exc.msg}), so a rewrite cannot be"
+        f" checked here; if the file is written for a newer Python, run mm3-codemod under that Python"
+    )
 
 
 def _parse_and_compile(new: bytes, path: Path) -> cst.Module:
     module = _parse(new)
     try:
-        with warnings.catch_warnings():
-            # The file's own warnings (`x is 1`, "\d") are not ours to print.
-            warnings.simplefilter("ignore")
-            compile(new[len(BOM) :] if new.startswith(BOM) else new, str(path), "exec", dont_inherit=True)
+        _compile(new, path)
     except SyntaxError as exc:
         raise FileError(f"output does not compile: {exc.msg} (line {exc.lineno})") from exc
     return module
@@ -265,8 +402,12 @@ def validate_revert(new: bytes, path: Path) -> None:
 
 
 def _lines(raw: bytes, encoding: str) -> list[str]:
+    """The file's lines as ``patch`` and ``git apply`` read them: ended by ``\n`` only, each
+    with its ending (``\r\n`` stays; ``str.splitlines`` would also split at ``\r``, ``\x0c``,
+    ``\x1c``, ``\u2028``... and make a diff no tool applies)."""
     body = raw[len(BOM) :] if raw.startswith(BOM) else raw
-    return body.decode(encoding).splitlines(keepends=True)
+    lines = body.decode(encoding).split("\n")
+    return [line + "\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
 
 
 def unified_diff(name: str, old: bytes, new: bytes, encoding: str) -> str:
@@ -330,15 +471,16 @@ def stage_write(result: FileResult, backup: bool = False) -> StagedWrite:
     real = Path(os.path.realpath(result.path))
     _check_unchanged(real, result.original)
     try:
-        mode = stat.S_IMODE(real.stat().st_mode)
+        st = real.stat()
     except OSError as exc:
         raise FileError(f"cannot stat before writing: {exc.strerror or exc}") from exc
+    mode, owner = stat.S_IMODE(st.st_mode), (st.st_uid, st.st_gid)
     if not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
         raise FileError("file is read-only; nothing written")
-    staged = StagedWrite(result, real, _write_temp(real, result.new, mode))
+    staged = StagedWrite(result, real, _write_temp(real, result.new, mode, owner))
     if backup:
         try:
-            staged.backup = _write_backup(real, result.original, mode)
+            staged.backup = _write_backup(real, result.original, mode, owner)
         except FileError:
             discard(staged)
             raise
@@ -408,9 +550,9 @@ def _backup_path(real: Path) -> Path:
     return candidate
 
 
-def _write_backup(real: Path, data: bytes, mode: int) -> Path:
+def _write_backup(real: Path, data: bytes, mode: int, owner: tuple[int, int]) -> Path:
     """``<file>.orig`` (or ``.orig.N``), written whole or not at all, never over another."""
-    temp = _write_temp(real, data, mode)
+    temp = _write_temp(real, data, mode, owner)
     try:
         shutil.copystat(real, temp)
         while True:
@@ -440,8 +582,9 @@ def atomic_write(path: Path, data: bytes, mode: int) -> None:
     _fsync_dir(path.parent)
 
 
-def _write_temp(path: Path, data: bytes, mode: int) -> Path:
-    """``data`` in a new fsynced file beside ``path`` with ``mode``; removed again on failure."""
+def _write_temp(path: Path, data: bytes, mode: int, owner: tuple[int, int] | None = None) -> Path:
+    """``data`` in a new fsynced file beside ``path`` with ``mode`` and, as far as this user
+    may give it, ``owner`` (uid, gid); removed again on failure."""
     try:
         fd, name = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=TEMP_SUFFIX)
     except OSError as exc:
@@ -459,7 +602,9 @@ def _write_temp(path: Path, data: bytes, mode: int) -> Path:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.chmod(temp, mode)
+        if owner is not None:
+            _chown(temp, *owner)
+        os.chmod(temp, mode)  # after chown, which may clear set-id bits
         testhook.at("temp-synced")
     except OSError as exc:
         _unlink(temp)
@@ -468,6 +613,17 @@ def _write_temp(path: Path, data: bytes, mode: int) -> Path:
         _unlink(temp)
         raise
     return temp
+
+
+def _chown(path: Path, uid: int, gid: int) -> None:
+    """Give ``path`` this owner and group, or as much of it as this user may (root: both;
+    anyone: a group they are in); what is not permitted stays theirs, as with ``cp``."""
+    for want in ((uid, gid), (-1, gid)):
+        try:
+            os.chown(path, *want)
+            return
+        except PermissionError:
+            continue
 
 
 def _unlink(path: Path) -> None:

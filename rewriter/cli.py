@@ -14,7 +14,7 @@ from rewriter import __version__, entry
 from rewriter.apply import FileStatus
 from rewriter.commands import Report
 from rewriter.commands import revert as revert_targets
-from rewriter.console import COLOR_MODES, set_color
+from rewriter.console import COLOR_MODES, set_color, write_stdout
 from rewriter.locking import DEFAULT_TIMEOUT
 from rewriter.targets import Target
 
@@ -269,7 +269,7 @@ def verify(
     if json:
         import json as json_module
 
-        print(json_module.dumps(report.to_json(), indent=2))
+        write_stdout(json_module.dumps(report.to_json(), indent=2) + "\n")
     raise typer.Exit(report.exit_code)
 
 
@@ -341,7 +341,7 @@ def survey(
 
 def _version(value: bool) -> None:
     if value:
-        print(f"mm3-codemod {__version__}")
+        write_stdout(f"mm3-codemod {__version__}\n")
         raise typer.Exit()
 
 

@@ -6,6 +6,7 @@ import contextlib
 import enum
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -169,19 +170,34 @@ def _write_all(report: Report, backup: bool) -> None:
                 result.error = str(exc)
                 report.note = "nothing written: a target could not be written"
                 return
-    for i, stage in enumerate(staged):
-        try:
-            commit_write(stage)
-        except FileError as exc:
-            for rest in staged[i:]:
-                discard(rest)
-            stage.result.status = FileStatus.ERROR
-            stage.result.error = str(exc)
-            if i:
-                report.note = f"{i} file(s) were rewritten before this failure"
-            else:
-                report.note = "nothing written: a target could not be written"
-            return
+    with _no_interrupt():
+        for i, stage in enumerate(staged):
+            try:
+                commit_write(stage)
+            except FileError as exc:
+                for rest in staged[i:]:
+                    discard(rest)
+                stage.result.status = FileStatus.ERROR
+                stage.result.error = str(exc)
+                if i:
+                    report.note = f"{i} file(s) were rewritten before this failure"
+                else:
+                    report.note = "nothing written: a target could not be written"
+                return
+
+
+@contextlib.contextmanager
+def _no_interrupt() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) back until every staged file is in place: all or nothing, across
+    files too. It arrives once they are (the renames take milliseconds)."""
+    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - not POSIX
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 @contextlib.contextmanager

@@ -4,11 +4,16 @@
 anything but the empty string (no-color.org); ``always`` and ``never`` override
 both. "No colour" means no escape codes at all, bold included. rich is
 imported only when a console is made.
+
+Text is printed with ``say``, never as a rich markup string: paths and the
+source that reasons quote hold brackets (``self.kv_caches[layer_idx]``, a
+folder named ``[/x]``) that markup would eat or choke on.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
@@ -35,3 +40,28 @@ def console(file: TextIO, width: int | None = None) -> Console:
     if _mode == "always":
         return Console(file=file, width=width, highlight=False, force_terminal=True, no_color=False)
     return Console(file=file, width=width, highlight=False)
+
+
+def say(out: Console, text: str, style: str = "") -> None:
+    """Print ``text`` exactly, on a line of its own: no markup, no emoji codes, no wrapping."""
+    from rich.text import Text
+
+    out.print(Text(text, style=style), soft_wrap=True)
+
+
+class OutputError(Exception):
+    """stdout cannot be written (a full disk, a closed pipe): the report is lost, not the files."""
+
+
+def write_stdout(data: str | bytes) -> None:
+    """Write ``data`` (bytes: exactly those) to stdout now; ``OutputError`` when it cannot be."""
+    try:
+        if isinstance(data, str):
+            sys.stdout.write(data)
+            sys.stdout.flush()
+        else:
+            sys.stdout.flush()
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+    except OSError as exc:
+        raise OutputError(exc.strerror or str(exc)) from exc

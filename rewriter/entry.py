@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING
 from rewriter.apply import FileStatus
 from rewriter.commands import Report, analyze_targets, example_copy
 from rewriter.commands import run as run_targets
-from rewriter.console import COLOR_MODES, console, set_color
+from rewriter.console import COLOR_MODES, OutputError, console, say, set_color, write_stdout
 from rewriter.locking import DEFAULT_TIMEOUT
 from rewriter.targets import Target, TargetError, resolve, shown_path
 
@@ -39,12 +41,10 @@ def stderr(wide: bool = False) -> Console:
 
 
 def say_waiting(timeout: float) -> Callable[[Path], None]:
-    def say(path: Path) -> None:
-        stderr().print(
-            f"waiting for {path}: another mm3-codemod run holds it (up to {timeout:g} s)", soft_wrap=True
-        )
+    def waiting(path: Path) -> None:
+        say(stderr(), f"waiting for {path}: another mm3-codemod run holds it (up to {timeout:g} s)")
 
-    return say
+    return waiting
 
 
 def targets_of(
@@ -59,22 +59,34 @@ def targets_of(
 def print_diffs(report: Report, only: FileStatus | None = None) -> None:
     """Each file's unified diff on stdout (coloured only on a terminal); on stderr,
     the folder to apply it from when that is not the working folder."""
-    from rewriter.report import render_diff
-
-    out = console(sys.stdout)
     roots = []
     for index, result in enumerate(report.files):
         if result.diff and (only is None or result.status is only):
-            out.print(render_diff(result.diff), end="", soft_wrap=True)
+            write_diff(result.diff, result.encoding)
             target = report.targets[index] if index < len(report.targets) else None
             root = target.root if target and target.origin != "--example" else None
             if root is not None and os.path.abspath(root) != os.getcwd() and root not in roots:
                 roots.append(root)
     for root in roots:
-        stderr().print(
+        say(
+            stderr(),
             f"diff paths are relative to {shown_path(root)}: apply it there (git apply, or patch -p1)",
-            soft_wrap=True,
         )
+
+
+def write_diff(diff: str, encoding: str) -> None:
+    """The diff on stdout as the file's own bytes (its encoding, its line endings, its tabs),
+    so that ``patch`` and ``git apply`` take it; coloured only where the console would colour."""
+    out = console(sys.stdout)
+    if out.color_system is not None and not out.no_color:
+        from rewriter.report import colour_diff
+
+        diff = colour_diff(diff)
+    try:
+        data = diff.encode(encoding, errors="surrogateescape")
+    except UnicodeEncodeError:  # a file name the file's own encoding cannot spell
+        data = diff.encode(encoding, errors="replace")
+    write_stdout(data)
 
 
 def finish(report: Report, as_json: bool, show_all: bool) -> int:
@@ -83,7 +95,7 @@ def finish(report: Report, as_json: bool, show_all: bool) -> int:
 
     print_human(report, stderr(), show_all=show_all)
     if as_json:
-        print_json(report, sys.stdout)
+        print_json(report)
     return int(report.exit_code)
 
 
@@ -144,9 +156,7 @@ def run(
             dry_run=dry,
         )
         if copy is not None and not failed:
-            stderr().print(
-                f"the bundled example, copied to {copy} for this run (removed afterwards)", soft_wrap=True
-            )
+            say(stderr(), f"the bundled example, copied to {copy} for this run (removed afterwards)")
         if (diff or show_diff) and not as_json:
             print_diffs(report, only=None if dry else FileStatus.REWRITTEN)
         return finish(report, as_json, show_all)
@@ -179,7 +189,7 @@ def survey(
         report = survey_targets(targets, jobs)
     print_survey(report, err, show_all=show_all)
     if as_json:
-        print_json(report, sys.stdout)
+        print_json(report)
     return int(report.exit_code)
 
 
@@ -254,13 +264,49 @@ def read_plain(argv: list[str]) -> tuple[str, dict[str, object]] | None:
     return command, options
 
 
+class Interrupted(BaseException):
+    """Ctrl-C. Not KeyboardInterrupt: click would print "Aborted!" and exit 1."""
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise Interrupted
+
+
+def _quit(line: str, code: int) -> None:
+    """End with one line on stderr; what is still buffered for stdout goes nowhere."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
+    """The console script: the command's exit code; Ctrl-C: "interrupted", 130 (files are
+    written whole or not at all); a stdout that cannot be written: one line, 2."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored (nohup, &)
+        signal.signal(signal.SIGINT, _interrupted)
+    try:
+        _main(sys.argv[1:] if argv is None else argv)
+    except Interrupted:
+        _quit("interrupted", 130)
+    except OutputError as exc:
+        _quit(f"error: cannot write to stdout: {exc}", 2)
+
+
+def _main(args: list[str]) -> None:
     plain = read_plain(args)
     if plain is None:
         from rewriter.cli import app
 
-        app(args=args, prog_name="mm3-codemod")
+        try:
+            app(args=args, prog_name="mm3-codemod")
+        except OSError as exc:  # click and rich print help and usage themselves
+            if exc.errno not in (errno.EPIPE, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):
+                raise
+            raise OutputError(exc.strerror or str(exc)) from exc
         return
     command, o = plain
     set_color(o["color"])  # type: ignore[arg-type]

@@ -7,7 +7,6 @@ import os
 import re
 import shlex
 from collections.abc import Iterable
-from typing import TextIO
 
 from rich import box
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
@@ -19,6 +18,7 @@ from codemods.schema import CHANGING, FUSED_OP, Action, InsertSite, SiteState
 from rewriter import __version__
 from rewriter.apply import FileResult, FileStatus
 from rewriter.commands import Report
+from rewriter.console import say, write_stdout
 from rewriter.targets import shown_path
 
 STATE_STYLE = {
@@ -83,26 +83,24 @@ def _target_fields(report: Report, index: int) -> dict[str, object]:
     return fields
 
 
-def print_json(report: Report, out: TextIO) -> None:
-    out.write(json.dumps(to_json(report), indent=2) + "\n")
+def print_json(report: Report) -> None:
+    """The JSON report on stdout."""
+    write_stdout(json.dumps(to_json(report), indent=2) + "\n")
 
 
-def render_diff(diff: str) -> Text:
-    """Colour a difflib unified diff line by line."""
-    text = Text()
-    for line in diff.splitlines(keepends=True):
-        if line.startswith(("+++", "---")):
-            style = "bold"
-        elif line.startswith("@@"):
-            style = "cyan"
-        elif line.startswith("+"):
-            style = "green"
-        elif line.startswith("-"):
-            style = "red"
-        else:
-            style = ""
-        text.append(line, style=style)
-    return text
+# ANSI colours of a diff's lines: bold headers, cyan hunk headers, green/red lines.
+_DIFF_COLOURS = (("+++", "1"), ("---", "1"), ("@@", "36"), ("+", "32"), ("-", "31"))
+
+
+def colour_diff(diff: str) -> str:
+    """``diff`` with each line coloured; taking the escape codes out gives ``diff`` back
+    exactly (rich would turn tabs into spaces and eat carriage returns)."""
+    lines = diff.split("\n")
+    for i, line in enumerate(lines):
+        code = next((c for prefix, c in _DIFF_COLOURS if line.startswith(prefix)), None)
+        if code:
+            lines[i] = f"\x1b[{code}m{line}\x1b[0m"
+    return "\n".join(lines)
 
 
 def shown_sites(result: FileResult, show_all: bool = False) -> list[InsertSite]:
@@ -119,7 +117,7 @@ def _where(site: InsertSite) -> str:
 def print_human(report: Report, err: Console, show_all: bool = False) -> None:
     """Per-site lines, per-file errors, one summary line, what to do next (all on stderr)."""
     if report.error:
-        err.print(Text(f"error: {report.error}", style="red"), soft_wrap=True)
+        say(err, f"error: {report.error}", style="red")
         return
     for result in report.files:
         for site in shown_sites(result, show_all):
@@ -128,17 +126,17 @@ def print_human(report: Report, err: Console, show_all: bool = False) -> None:
             if site.action.value != "none":
                 line.append(f" -> {site.action.value}")
             err.print(line, soft_wrap=True)
-            err.print(f"    {site.reason}", soft_wrap=True)
+            say(err, f"    {site.reason}")
     for result in report.files:
         if result.error:
-            err.print(Text(f"error: {result.path}: {result.error}", style="red"), soft_wrap=True)
+            say(err, f"error: {result.path}: {result.error}", style="red")
         if result.backup:
-            err.print(f"backup: {result.backup}", soft_wrap=True, highlight=False)
+            say(err, f"backup: {result.backup}")
     if report.note:
-        err.print(Text(report.note, style="red"), soft_wrap=True)
-    err.print(summary_line(report), soft_wrap=True, highlight=False)
+        say(err, report.note, style="red")
+    say(err, summary_line(report))
     for step in next_steps(report):
-        err.print(step, soft_wrap=True, highlight=False)
+        say(err, step)
 
 
 # --- what to do next -------------------------------------------------------------------
@@ -346,7 +344,7 @@ def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
         parts.append(Folded(path, "/", style="bold"))
         table = columns(header=False)
         for version, site, state, why in rows:
-            table.add_row(version, site, state, Folded(why, " =."))
+            table.add_row(Text(version), site, state, Folded(why, " =."))
         parts.append(table)
     return Group(*parts)
 
@@ -354,10 +352,10 @@ def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
 def print_survey(report: Report, err: Console, show_all: bool = False) -> None:
     """The table, each file's error, and the summary line (all on stderr)."""
     if report.error:
-        err.print(Text(f"error: {report.error}", style="red"), soft_wrap=True)
+        say(err, f"error: {report.error}", style="red")
         return
     err.print(survey_table(report, err.width, show_all))
     for result in report.files:
         if result.error:
-            err.print(Text(f"error: {result.path}: {result.error}", style="red"), soft_wrap=True)
-    err.print(summary_line(report), soft_wrap=True, highlight=False)
+            say(err, f"error: {result.path}: {result.error}", style="red")
+    say(err, summary_line(report))

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import multiprocessing
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -61,11 +62,16 @@ def survey(
     else:
         chunksize = max(1, math.ceil(len(paths) / (jobs * CHUNKS_PER_JOB)))
         load_codemod()  # before the fork, not once per worker
-        with _context().Pool(jobs) as pool:
+        with _context().Pool(jobs, initializer=_leave_interrupt_to_parent) as pool:
             for result in pool.imap(survey_file, paths, chunksize):
                 files.append(result)
                 tick()
     return Report("survey", targets, files)
+
+
+def _leave_interrupt_to_parent() -> None:
+    """Ctrl-C reaches the workers too: the parent alone answers it (and ends the pool)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _context():

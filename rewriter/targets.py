@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -97,13 +98,19 @@ def nvidia_dir(root: Path, origin: str) -> Path:
 
 
 def python_files(folder: Path) -> list[Path]:
-    """Every ``*.py`` under ``folder`` that is not a folder itself (hidden and cache folders skipped)."""
-    return sorted(
-        p
-        for p in folder.rglob("*.py")
-        if not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(folder).parts)
-        and not p.is_dir()
-    )
+    """Every ``*.py`` under ``folder`` that is not a folder itself (hidden files and folders,
+    and cache folders, skipped) - and every folder that cannot be listed: never skipped in
+    silence, it is a target whose planning says why (an error that does not stop the others,
+    as in ruff)."""
+    found: list[Path] = []
+
+    def unreadable(exc: OSError) -> None:
+        found.append(Path(exc.filename))
+
+    for where, folders, files in os.walk(folder, onerror=unreadable):  # symlinked folders: not entered
+        folders[:] = [name for name in folders if not name.startswith(".") and name != "__pycache__"]
+        found += [Path(where, name) for name in files if name.endswith(".py") and not name.startswith(".")]
+    return sorted(found)
 
 
 # Runs inside the target interpreter: locate vllm (and read its distribution
@@ -136,6 +143,58 @@ def _vllm_from_report(report: dict[str, object], who: str) -> Path:
     if not locations:
         raise VllmNotInstalled(f"{who}: vLLM is not installed in this environment")
     return Path(str(locations[0]))  # type: ignore[index]
+
+
+def _is_answer(report: object) -> bool:
+    """Whether another interpreter's last line is what ``_FIND_VLLM`` prints."""
+    if not isinstance(report, dict):
+        return False
+    if "error" in report:
+        return isinstance(report["error"], str)
+    locations, version = report.get("locations"), report.get("version")
+    return (
+        isinstance(locations, list)
+        and all(isinstance(p, str) and p for p in locations)
+        and (version is None or isinstance(version, str))
+    )
+
+
+# How long another interpreter may take to answer (it imports nothing heavy).
+PYTHON_TIMEOUT = 120.0
+
+
+def run_python(
+    argv: list[str], timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run another interpreter (``argv[0]``) in a session of its own; its output as text
+    (undecodable bytes replaced). On a timeout (``subprocess.TimeoutExpired``) or Ctrl-C it
+    is killed with everything it started, not only the interpreter: a wrapper script's
+    children would keep running, and keep its pipes open."""
+    with subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,  # its own process group; Ctrl-C reaches only this process
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            _kill_group(proc)
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, _text(out), _text(err))
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (AttributeError, OSError):  # not POSIX, or already gone
+        proc.kill()
 
 
 def vllm_of_current_interpreter() -> Path:
@@ -223,27 +282,29 @@ def installed_version(package: Path) -> str | None:
 def vllm_install_of_interpreter(python: str) -> tuple[Path, str | None]:
     """The vLLM package folder of another interpreter and its version, found by running it."""
     try:
-        proc = subprocess.run(
-            [python, "-c", _FIND_VLLM],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        proc = run_python(
+            [python, "-c", _FIND_VLLM], PYTHON_TIMEOUT, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
         )
     except FileNotFoundError as exc:
         raise TargetError(f"{python}: --python: no such interpreter") from exc
     except PermissionError as exc:
         raise TargetError(f"{python}: --python: not executable") from exc
+    except OSError as exc:
+        raise TargetError(f"{python}: --python: cannot run it: {exc.strerror or exc}") from exc
     except subprocess.TimeoutExpired as exc:
-        raise TargetError(f"{python}: --python: did not answer within 120 s") from exc
+        raise TargetError(f"{python}: --python: did not answer within {PYTHON_TIMEOUT:g} s") from exc
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         detail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise TargetError(f"{python}: --python: interpreter failed: {detail}")
     try:
         report = json.loads(lines[-1])
-    except json.JSONDecodeError as exc:
-        raise TargetError(f"{python}: --python: unexpected output: {lines[-1][:80]}") from exc
+    except (json.JSONDecodeError, RecursionError):
+        report = None
+    if not _is_answer(report):
+        raise TargetError(
+            f"{python}: --python: unexpected output {lines[-1][:80]!r}; is it a Python interpreter?"
+        )
     folder = _vllm_from_report(report, f"{python} (--python)")
     version = report.get("version")
     return folder, dist_version_beside(folder) or (str(version) if version else None)
@@ -265,7 +326,7 @@ def resolve(
     vllm_roots: list[Path] | None = None,
     example: bool = False,
 ) -> list[Target]:
-    """All files to process, de-duplicated, in a stable order.
+    """All files to process, each file once (the first name it is given by), in a stable order.
 
     With nothing given, the vLLM source tree around the working folder, or the
     vLLM of the current interpreter (``default_targets``).
@@ -296,11 +357,21 @@ def resolve(
     if not (paths or pythons or vllm_roots or example):
         targets += default_targets()
 
-    seen: set[str] = set()
+    seen: set[object] = set()
     unique = []
     for target in targets:
-        key = os.path.realpath(target.path)
+        key = _same_file_key(target.path)
         if key not in seen:
             seen.add(key)
             unique.append(target)
     return unique
+
+
+def _same_file_key(path: Path) -> object:
+    """One key for every name of one file: a symlink, a hard link (whose second lock the
+    first would wait on), ``a/../a``; the real path of what cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return os.path.realpath(path)
+    return (st.st_dev, st.st_ino)

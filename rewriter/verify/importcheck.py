@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from codemods.anchors import FUSED_OP, KV_CACHE
+from rewriter.targets import run_python
 
 NVIDIA_PARTS = ("vllm", "models", "minimax_m3", "nvidia")
 HOW_TO_RUN = "run verify with the interpreter of an installed vLLM: --python PATH"
@@ -217,7 +218,7 @@ def import_check(path: Path, classes: list[str], python: str | None = None, time
     argv = [exe, "-c", _SCRIPT, str(root), module, os.path.realpath(path), ",".join(classes)]
     argv += [FUSED_OP, str(KV_CACHE.index), KV_CACHE.keyword]
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        proc = run_python(argv, timeout)  # on a timeout, killed with what it started
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"status": "failed", "reason": f"{exe}: {exc}", "traceback": []}
     try:
