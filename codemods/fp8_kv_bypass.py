@@ -1146,7 +1146,11 @@ def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalys
 def _stray_site(node: cst.CSTNode, stmt: cst.CSTNode | None, source_map: a.SourceMap | None) -> InsertSite:
     """The op named where its calls cannot be followed: the file cannot be called safe."""
     span = source_map.span(stmt) if source_map is not None and stmt is not None else None
-    shown = " ".join(a.code(stmt).split()) if stmt is not None else a.code(node)
+    if stmt is not None:  # the statement itself (not the comments above it; a block's header line)
+        text = a.code(stmt.with_changes(leading_lines=[]))
+        shown = " ".join((text if isinstance(stmt, cst.SimpleStatementLine) else text.splitlines()[0]).split())
+    else:
+        shown = a.code(node)
     if len(shown) > 100:
         shown = shown[:97] + "..."
     reason = (

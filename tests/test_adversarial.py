@@ -340,7 +340,9 @@ def test_a_bare_name_from_another_module_is_refused(tmp_path: Path) -> None:
 )
 def test_the_op_under_another_name_is_not_unchanged(tmp_path: Path, pairs) -> None:
     source = edit(FORK_ERA, *pairs)
-    assert_refused(tmp_path, source, "the op is named without being called by that name")
+    assert_refused(tmp_path, source, "the op is named without being called by that name (`")
+    reason = outcome(tmp_path, source)[2]
+    assert "#" not in reason.split("(`")[1].split("`)")[0], "the comments above the statement are not it"
 
 
 # --- calls in a `match` case are sites like any other -------------------------------------------------
