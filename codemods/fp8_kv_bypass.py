@@ -37,6 +37,7 @@ from codemods.schema import (
     insert_kv_form,
     is_flag_value,
     is_guard_value,
+    is_scale_value,
     note_guard_assignment,
     post_block_guard,
     verdict,
@@ -325,12 +326,11 @@ def _collect_pieces(
     ``mentions_flag``: the file's text holds the flag's name at all (else no walk for it)."""
     p = _Pieces()
     init = a.find_method(cls, "__init__")
-    p.taken = _taken_names(cls, init, mentions_flag)
-    if init is not None and mentions_flag:
-        assigned = a.self_assignments(init)
-        flag = assigned.get(a.FP8_FLAG, [])
-        p.flag_set = len(flag) == 1 and _is_flag_value(flag[0][1])
-        p.scale_set = a.FP8_SCALE in assigned
+    assigned = a.self_assignments(init) if init is not None and mentions_flag else {}
+    p.taken = _taken_names(cls, assigned)
+    flag = assigned.get(a.FP8_FLAG, [])
+    p.flag_set = len(flag) == 1 and _is_flag_value(flag[0][1])
+    p.scale_set = a.FP8_SCALE in assigned
     if mentions_flag:
         attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
         # Once set, whether the flag is also read decides nothing (Pieces.any_bypass).
@@ -350,12 +350,9 @@ def _collect_pieces(
     # nowhere else but there and as a parameter), or it is the bypass's own name, read
     # but never bound (a half-applied merge). Any other condition is the caller's.
     bound = a.bindings(method)
-    own = {
-        g
-        for g in p.guard_args
-        if (g == p.guard_assigned and slot is not None and _bound_only_in(bound.get(g, []), slot.block))
-        or (g.startswith(GUARD_NAME) and g not in bound)
-    }
+    if p.guard_assigned is not None and not _bound_only_in(bound[p.guard_assigned], slot.block):  # type: ignore[union-attr]
+        p.guard_assigned = None  # also bound elsewhere: what it holds at the call is not proven
+    own = {g for g in p.guard_args if g == p.guard_assigned or (g.startswith(GUARD_NAME) and g not in bound)}
     # (and a condition of the caller's under the bypass's own guard: `(X if C else None) if G else None`)
     p.user_conditions = [
         a.code(arg.value)
@@ -363,9 +360,6 @@ def _collect_pieces(
         if g and (g not in own or isinstance(_unguarded(arg), cst.IfExp))  # type: ignore[arg-type]
     ]
     p.guard_args = [g for g in p.guard_args if g in own]
-    if p.guard_assigned is not None and p.guard_assigned not in own and p.guard_assigned in bound:
-        if not _bound_only_in(bound[p.guard_assigned], slot.block):  # type: ignore[union-attr]
-            p.guard_assigned = None
     if slot is None:
         return p
     for stmt in slot.after():
@@ -378,14 +372,9 @@ def _collect_pieces(
 
 
 def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Module) -> bool:
-    """Every binding is a parameter or a plain assignment statement of ``block``."""
-    plain = set()
-    for stmt in block.body:
-        pair = a.simple_assignment(stmt)
-        if pair is not None:
-            small = stmt.body[0]  # type: ignore[attr-defined]
-            plain.add(id(small.targets[0]) if isinstance(small, cst.Assign) else id(small))
-    return all(isinstance(n, cst.Param) or id(n) in plain for n in nodes)
+    """Every binding (``anchors.bindings``) is a parameter or a plain assignment statement of ``block``."""
+    plain = {id(pair[0]) for stmt in block.body if (pair := a.simple_assignment(stmt)) is not None}
+    return all(isinstance(n, cst.Param) or id(getattr(n, "target", None)) in plain for n in nodes)
 
 
 def _is_flag_value(expr: cst.BaseExpression) -> bool:
@@ -393,12 +382,18 @@ def _is_flag_value(expr: cst.BaseExpression) -> bool:
     return tree is not None and is_flag_value(tree)
 
 
+def _is_scale_value(expr: cst.BaseExpression) -> bool:
+    tree = schema_expression(a.code(expr))
+    return tree is not None and is_scale_value(tree)
+
+
 # What the bypass sets its names to (anything else there is the file's own use of them).
-_OWN_VALUES = {a.FP8_FLAG: _is_flag_value, a.FP8_SCALE: lambda v: a.code(v).replace(" ", "").startswith("torch.ones(")}
+_OWN_VALUES = {a.FP8_FLAG: _is_flag_value, a.FP8_SCALE: _is_scale_value}
 
 
-def _taken_names(cls: cst.ClassDef, init: cst.FunctionDef | None, mentions_flag: bool) -> list[str]:
-    """How the class uses the bypass's names for something else, in words (none: free)."""
+def _taken_names(cls: cst.ClassDef, init_attrs: _Assignments) -> list[str]:
+    """How the class uses the bypass's names for something else, in words (none: free).
+    ``init_attrs``: ``__init__``'s ``self.`` assignments (none where the file never names the flag)."""
     taken = []
     at_class = a.scope_bindings(cls.body)
     for name in (a.FP8_FLAG, a.FP8_SCALE):
@@ -409,7 +404,6 @@ def _taken_names(cls: cst.ClassDef, init: cst.FunctionDef | None, mentions_flag:
     insert_kv = at_class.get(a.INSERT_KV, [])
     if len(insert_kv) > 1 or any(not isinstance(n, cst.FunctionDef) or n.decorators for n in insert_kv):
         taken.append(f"`{a.INSERT_KV}` is bound in the class body other than by one plain `def`")
-    init_attrs = a.self_assignments(init) if init is not None and mentions_flag else {}
     own = set()  # the values of the first flag and scale assignments in __init__, if they are the bypass's
     for name, is_own in _OWN_VALUES.items():
         first = init_attrs.get(name, [])[:1]
@@ -563,8 +557,9 @@ def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p:
     qkv, main_slots, index_slots = _qkv_and_slots(op)
     init_attrs = a.self_assignments(init)
     w = _widths(op, method, slot, init_attrs)
-    flag_slot, dtype_attr = _dtype_anchor(init, init_attrs)
-    if dtype_attr is None or flag_slot is None:
+    flag_slot = _dtype_anchor(init, init_attrs)
+    dtype_attr = f"self.{DTYPE_ATTR}"
+    if flag_slot is None:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
     namespace = _op_namespace(op, imports)
     reshape_import = _bare_import(module, imports) if namespace is None else None
@@ -955,8 +950,8 @@ def _norm_sizes(
     return sizes
 
 
-def _dtype_anchor(init: cst.FunctionDef, attrs: _Assignments) -> tuple[a.StatementSlot | None, str | None]:
-    """The statement after which the flag goes, and the dtype attribute's code.
+def _dtype_anchor(init: cst.FunctionDef, attrs: _Assignments) -> a.StatementSlot | None:
+    """The statement after which the flag goes; None where __init__ does not set the dtype.
 
     The flag is made from the main cache's dtype, ``self.kv_cache_dtype`` (what vLLM's
     backends read; the indexer's own dtype is another attribute), after the last statement
@@ -964,12 +959,12 @@ def _dtype_anchor(init: cst.FunctionDef, attrs: _Assignments) -> tuple[a.Stateme
     follows (that statement, not one in a lambda or nested def)."""
     defs = attrs.get(DTYPE_ATTR)
     if not defs:
-        return None, None
+        return None
     top = a.slot_chain(init, defs[-1][0])[0]
     for i in range(top.index + 1, len(top.block.body)):
         if any(_is_dtype_conversion(n) for n in a.nodes_in(top.block.body[i], scope_only=True)):
-            return a.StatementSlot(top.block, i), f"self.{DTYPE_ATTR}"
-    return top, f"self.{DTYPE_ATTR}"
+            return a.StatementSlot(top.block, i)
+    return top
 
 
 def _is_dtype_conversion(node: cst.CSTNode) -> bool:

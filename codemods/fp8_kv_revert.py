@@ -30,7 +30,7 @@ from codemods import anchors as a
 from codemods import fp8_kv_bypass as bp
 from codemods.fp8_kv_bypass import Action, InsertSite, Unsupported
 from codemods import schema
-from codemods.schema import SLOTS_FORMS
+from codemods.schema import DTYPE_ATTR, SLOTS_FORMS
 
 DESCRIPTION = "Take the fp8 KV-cache bypass out of MiniMax-M3 sparse attention again."
 
@@ -489,8 +489,8 @@ def _plan_insert_kv(
     caches, _ = bp._cache_args(op, method, slot)
     init_attrs = a.self_assignments(init)
     w = bp._widths(op, method, slot, init_attrs)
-    _, dtype_attr = bp._dtype_anchor(init, init_attrs)
-    if dtype_attr is None:
+    dtype_attr = f"self.{DTYPE_ATTR}"
+    if DTYPE_ATTR not in init_attrs:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
     namespace = bp._op_namespace(op, imports)
     if namespace is None and not any(i.bound == a.RESHAPE_OP for i in imports):

@@ -251,6 +251,11 @@ def is_flag_value(node: ast.expr) -> bool:
     )
 
 
+def is_scale_value(node: ast.expr) -> bool:
+    """``torch.ones(…)``: the identity scale as the bypass makes it."""
+    return isinstance(node, ast.Call) and dotted(node.func) == "torch.ones"
+
+
 def is_guard_value(node: ast.expr) -> bool:
     """``not self._fp8_kv``, alone or ``and``-ed with ``not torch.compiler.is_compiling()``."""
     if _is_flag(_negated(node)):

@@ -439,18 +439,21 @@ def _names_are_free_or_the_bypass(
     source: _Source, cls: ast.ClassDef, init: ast.FunctionDef | ast.AsyncFunctionDef | None
 ) -> None:
     """``fp8_kv_bypass._taken_names`` finds nothing: else Undecided (the codemod says what is taken)."""
+    names = (s.FP8_FLAG, s.FP8_SCALE, s.INSERT_KV)
     insert_kv = 0
     for stmt in cls.body:
-        if isinstance(stmt, _FUNCTIONS) and stmt.name == s.INSERT_KV and not stmt.decorator_list:
-            insert_kv += 1
-        elif any(_binds(n, name) for n in ast.walk(stmt) for name in (s.FP8_FLAG, s.FP8_SCALE, s.INSERT_KV, "__slots__")):
-            if not isinstance(stmt, _FUNCTIONS) or stmt.name in (s.FP8_FLAG, s.FP8_SCALE, s.INSERT_KV):
+        if isinstance(stmt, _FUNCTIONS):  # at class level, a def binds its own name only
+            if stmt.name == s.INSERT_KV and not stmt.decorator_list:
+                insert_kv += 1
+            elif stmt.name in names:
                 raise Undecided("a name of the bypass bound in the class body")
+        elif any(_binds(n, name) for n in ast.walk(stmt) for name in (*names, "__slots__")):
+            raise Undecided("a name of the bypass bound in the class body")
     if insert_kv > 1:
         raise Undecided("two `_insert_kv` defs")
     if not source.mentions_flag:
         return
-    own_values = {s.FP8_FLAG: s.is_flag_value, s.FP8_SCALE: lambda v: _dotted_call(v) == "torch.ones"}
+    own_values = {s.FP8_FLAG: s.is_flag_value, s.FP8_SCALE: s.is_scale_value}
     first = {}
     for slot in _slots(source, init) if init is not None else ():
         pair = _simple_assignment(slot.statement)
@@ -458,13 +461,14 @@ def _names_are_free_or_the_bypass(
             if pair and _is_self_attr(pair[0], name) and name not in first:
                 first[name] = pair[0] if own_values[name](pair[1]) else None
     for node in ast.walk(cls):
-        for name in (*own_values, s.INSERT_KV):
-            if _is_self_attr(node, name) and isinstance(node.ctx, (ast.Store, ast.Del)) and node is not first.get(name):
-                raise Undecided("a name of the bypass assigned other than as the bypass does")
-
-
-def _dotted_call(node: ast.expr) -> str | None:
-    return s.dotted(node.func) if isinstance(node, ast.Call) else None
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in names
+            and isinstance(node.ctx, (ast.Store, ast.Del))
+            and _is_self_attr(node, node.attr)
+            and node is not first.get(node.attr)
+        ):
+            raise Undecided("a name of the bypass assigned other than as the bypass does")
 
 
 def _param_names(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
