@@ -4,8 +4,8 @@ Nothing is written unless the new source parses, compiles, and a second pass
 of the codemod finds every rewritten site ``patched`` (black's discipline);
 for ``revert``, a second pass finds no bypass left.
 
-LibCST is imported only for a file that the ast triage cannot answer: a
-native or patched file is checked without it (``codemods/triage.py``).
+LibCST is imported only for a file that the pre-filter cannot answer: a
+native file is checked without it (``codemods/prefilter.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from codemods.schema import FUSED_OP, Action, InsertSite, SiteState
-from codemods.triage import triage
+from codemods.prefilter import prefilter
 from rewriter import testhook
 
 if TYPE_CHECKING:
@@ -246,26 +246,23 @@ def _encode(module: cst.Module, bom: bool, tail: bytes = b"") -> bytes:
     return (BOM if bom else b"") + module.bytes + tail
 
 
-def plan_file(path: Path, triage_first: bool = True, name: str | None = None) -> FileResult:
+def plan_file(path: Path, name: str | None = None) -> FileResult:
     """Analyze one file and, where a rewrite is needed, prepare the validated new bytes.
-
-    ``triage_first=False`` skips the ast triage: LibCST decides every file
-    (what the tests compare the triage against). ``name``: the path the diff
-    names (relative to the folder the user targeted; default: the file's name).
-    """
+    ``name``: the path the diff names (relative to the folder the user targeted; default:
+    the file's name)."""
     return _plan(
         path,
         lambda module, raw: analyze(module, raw),
         lambda analysis: rewrite(analysis),
         lambda new, analysis: validate(new, path, expected_patched=analysis.patched_after),
-        triage_first=triage_first,
+        quick=True,
         name=name,
     )
 
 
 def classify_file(path: Path) -> FileResult:
     """Each site's state only: nothing is rewritten or validated (``verify``)."""
-    return _plan(path, lambda module, raw: analyze(module, raw), None, None, triage_first=True)
+    return _plan(path, lambda module, raw: analyze(module, raw), None, None, quick=True)
 
 
 def plan_revert_file(path: Path, name: str | None = None) -> FileResult:
@@ -275,24 +272,20 @@ def plan_revert_file(path: Path, name: str | None = None) -> FileResult:
         lambda module, raw: analyze_revert(module),
         lambda analysis: revert(analysis),
         lambda new, analysis: validate_revert(new, path),
-        triage_first=False,
+        quick=False,
         name=name,
     )
 
 
-def _plan(
-    path: Path, analyze_module, transform, check, triage_first: bool, name: str | None = None
-) -> FileResult:
-    """Read, pre-filter, (triage,) parse, analyze; then transform and ``check`` the new bytes."""
+def _plan(path: Path, analyze_module, transform, check, quick: bool, name: str | None = None) -> FileResult:
+    """Read, pre-filter, parse, analyze; then transform and ``check`` the new bytes."""
     try:
         raw = read_bytes(path)
     except FileError as exc:
         return FileResult(path, FileStatus.ERROR, error=str(exc))
-    # Cheap pre-filter: no mention of the op, no parse at all.
-    if FUSED_OP.encode() not in raw:
+    if FUSED_OP.encode() not in raw:  # no mention of the op: no parse at all
         return FileResult(path, FileStatus.NO_SITES, original=raw)
-    # Native or patched: the ast answers, LibCST is never imported.
-    sites = triage(raw) if triage_first else None
+    sites = prefilter(raw) if quick else None  # native files: LibCST is never imported
     if sites is not None:
         return FileResult(
             path, FileStatus.UNCHANGED if sites else FileStatus.NO_SITES, sites=sites, original=raw

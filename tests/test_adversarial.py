@@ -4,7 +4,7 @@ Each variant must end as a correct rewrite (judged like every other: compiles,
 second pass patched, nothing else changed, the pieces wired, and the layer run
 bf16 against fp8 on the stand-in) or as a refusal that names what could not be
 proven - never as a wrong rewrite, and never as "unchanged" on a file that
-crashes with an fp8 cache. ``check`` (the fast ast triage first) must agree.
+crashes with an fp8 cache. ``check`` (the ast pre-filter first) must agree.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import black
 import libcst as cst
 import pytest
 from conftest import FIXTURES, ROOT
-from test_triage import NATIVE_LAYOUTS, PATCHED_LAYOUTS, wheel_files  # noqa: F401 (fixture)
+from test_prefilter import NATIVE_LAYOUTS, PATCHED_LAYOUTS, wheel_files  # noqa: F401 (fixture)
 
 from codemods import anchors as a
 from codemods.fp8_kv_bypass import _find_calls, analyze

@@ -198,7 +198,7 @@ def test_recursion_anywhere_in_libcst_is_reported_not_raised(tmp_path: Path, mon
 
 
 def test_deep_nesting_in_a_native_file_needs_no_libcst(tmp_path: Path) -> None:
-    """The ast triage answers a native file: its depth is no concern."""
+    """The ast pre-filter answers a native file: its depth is no concern."""
     target = put(tmp_path / "model.py", (FIXTURES / "native" / "model.py").read_bytes() + _sum(500))
     assert_clean(cli("check", str(target)), 0)
 

@@ -1,0 +1,99 @@
+"""Answer, without LibCST, the files whose every call of the op is native or no site.
+
+``check`` runs on every commit that touches a model file, and most such files
+are vLLM's own (native) ones. Here Python's ``ast`` reads only the facts it can
+read exactly - where each call sits and what it passes - and ``schema.verdict``
+decides, as for every other file. Anything else (a bypass name in the text, a
+fork-era call, the op named other than as a callee, a dtype not written as a
+plain ``self.…``) returns None and the LibCST analysis answers.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+
+from codemods import schema
+
+_BYPASS_NAMES = (schema.FP8_FLAG, schema.INSERT_KV, schema.GUARD_NAME)
+_DEFS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+
+def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
+    """Every call's site when all are native or not a site, else None (ask LibCST)."""
+    if schema.FUSED_OP.encode() not in raw:
+        return []
+    if any(name.encode() in raw for name in _BYPASS_NAMES):
+        return None
+    try:
+        tree = ast.parse(raw)
+        text = importlib.util.decode_source(raw)
+    except (SyntaxError, ValueError, RecursionError, MemoryError, UnicodeDecodeError):
+        return None
+    lines = text.split("\n")
+    sites: list[schema.InsertSite] = []
+    named = 0  # every place the op is named: each must be the callee of a call read below
+
+    def visit(node: ast.AST, stack: tuple[ast.AST, ...]) -> None:
+        nonlocal named
+        named += sum(
+            1 for value in ast.iter_fields(node) if isinstance(value[1], str) and schema.FUSED_OP in value[1]
+        )
+        if isinstance(node, ast.Call) and schema.FUSED_OP == getattr(node.func, "attr", getattr(node.func, "id", None)):
+            sites.append(_site(node, stack, lines))
+        inner = (*stack, node) if isinstance(node, _DEFS) else stack
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    try:
+        visit(tree, ())
+    except (_Defer, RecursionError):
+        return None
+    if named != len(sites) or any(s.state not in (schema.SiteState.NATIVE, schema.SiteState.NOT_A_SITE) for s in sites):
+        return None
+    return sites
+
+
+class _Defer(Exception):
+    """A fact ``ast`` cannot read exactly as LibCST does."""
+
+
+def _site(call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str]) -> schema.InsertSite:
+    if len(stack) < 2 or not isinstance(stack[-2], ast.ClassDef) or not isinstance(stack[-1], ast.FunctionDef):
+        raise _Defer  # not directly in a method (a wrapper, a nested def): LibCST follows these
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        raise _Defer
+    args = list(call.args)
+    keywords = [(k.arg, k.value) for k in call.keywords if k.arg is not None]
+    kv = schema.bind_arg(schema.KV_CACHE, args, keywords)
+    dtype = schema.bind_arg(schema.KV_CACHE_DTYPE, args, keywords)
+    has_cache = kv is not None and not (isinstance(kv, ast.Constant) and kv.value is None)
+    if has_cache and (dtype is None or not _plain(dtype, lines)):
+        raise _Defer  # a fork-era call, or a dtype whose text LibCST may give differently
+    facts = schema.CallFacts(
+        line=call.lineno,
+        class_name=stack[-2].name,
+        method=stack[-1].name,
+        module_function=None,
+        nested_in=None,
+        star_args=False,
+        has_cache=has_cache,
+        dtype=schema.dotted(dtype) if has_cache else None,
+        dtype_is_auto=False,
+        in_block=False,  # not asked of a call that passes a dtype
+    )
+    return schema.verdict(facts, schema.Pieces).site(facts)
+
+
+def _plain(node: ast.expr, lines: list[str]) -> bool:
+    """``self.kv_cache_dtype``-like, written plainly between ``=``/``,`` and ``,``/``)``."""
+    if schema.dotted(node) is None or node.end_lineno != node.lineno:
+        return False
+    line = lines[node.lineno - 1].encode()
+    start, end = node.col_offset, node.end_col_offset or 0
+    before = b"\n".join(s.encode() for s in lines[: node.lineno - 1]) + b"\n" + line[:start]
+    return (
+        line[start:end].decode() == schema.dotted(node)
+        and before.rstrip()[-1:] in (b"=", b",")
+        and line[end:].lstrip()[:1] in (b",", b")", b"")
+    )
