@@ -17,11 +17,15 @@ from __future__ import annotations
 import ast
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
+
+if TYPE_CHECKING:
+    from codemods.fp8_kv_revert import RevertPlan
 
 # The states, the pieces and how a state is decided are in `schema`, shared
 # with the ast triage that answers `check` on native and patched files without
@@ -39,6 +43,8 @@ from codemods.schema import (
     is_guard_value,
     is_scale_value,
     note_guard_assignment,
+    one_candidate,
+    planned,
     post_block_guard,
     verdict,
 )
@@ -60,12 +66,8 @@ class Unsupported(Exception):
 class FileAnalysis:
     module: cst.Module
     sites: list[InsertSite]
+    plans: list[BypassPlan | RevertPlan]  # a RevertPlan strips a bypass from a native call
     source_map: a.SourceMap | None = None
-
-    @property
-    def plans(self) -> list:
-        """``BypassPlan``s, and the ``RevertPlan`` of a bypass to strip from a native call."""
-        return [s.plan for s in self.sites if s.plan is not None]
 
     @property
     def patched_after(self) -> int:
@@ -1122,20 +1124,11 @@ def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalys
     flag = a.FP8_FLAG if isinstance(source, str) else a.FP8_FLAG.encode()
     mentions_flag = flag in source  # type: ignore[operator]
     functions = a.module_functions(module)
-    sites = [_classify(module, f, functions, mentions_flag) for f in found_calls]
-    sites += [_stray_site(node, stmt, source_map) for node, stmt in finder.strays()]
-
-    # Fork-era insert sites the bypass could own, and sites to change; more than one
-    # cannot be proven (plans are made on one tree and applied one at a time).
-    candidates = [s for s in sites if s.plan is not None or s.state in (SiteState.PATCHED, SiteState.OUTDATED)]
-    if len(candidates) > 1 and any(s.plan is not None for s in candidates):
-        where = ", ".join(f"{s.class_name}.{s.method} (line {s.line})" for s in candidates)
-        for s in candidates:
-            s.state, s.action, s.plan = SiteState.UNSUPPORTED, Action.REFUSE, None
-            s.reason = (
-                f"{len(candidates)} candidate insert sites ({where}); the bypass can be proven for one only"
-            )
-    return FileAnalysis(module, sites, source_map)
+    classified = [_classify(module, f, functions, mentions_flag) for f in found_calls]
+    strays = [_stray_site(node, stmt, source_map) for node, stmt in finder.strays()]
+    sites = one_candidate([site for site, _ in classified] + strays)
+    plans = [plan for (_, plan), site in zip(classified, sites) if plan is not None and site.action in CHANGING]
+    return FileAnalysis(module, sites, plans, source_map)
 
 
 def _stray_site(node: cst.CSTNode, stmt: cst.CSTNode | None, source_map: a.SourceMap | None) -> InsertSite:
@@ -1161,7 +1154,7 @@ def _classify(
     found: _FoundCall,
     functions: dict[str, cst.FunctionDef] | None = None,
     mentions_flag: bool = True,
-) -> InsertSite:
+) -> tuple[InsertSite, BypassPlan | RevertPlan | None]:
     call = found.call
     kv = found.op.arg(a.KV_CACHE)
     dtype = found.op.arg(a.KV_CACHE_DTYPE)
@@ -1192,27 +1185,19 @@ def _classify(
         return found_pieces[-1]
 
     decided = verdict(facts, collect)
-    if decided.action is Action.STRIP:
-        from codemods import fp8_kv_revert  # the strip is the revert of that one site
-
-        try:
-            return decided.site(facts, fp8_kv_revert.plan_strip(module, found))
-        except Unsupported as exc:
-            reason = (
-                f"{decided.reason.split('; `run` takes')[0]}; `run` cannot take the bypass out: {exc}. "
-                f"By hand: in the call at line {facts.line} pass each `X if <guard> else ...` argument "
-                "as `X`, delete the post-call block that calls `self._insert_kv` and the `_insert_kv` "
-                "method, then run `mm3-codemod check` on the file"
-            )
-            return Verdict(SiteState.HALF_APPLIED, Action.REFUSE, reason, decided.pieces).site(facts)
-    if decided.action not in CHANGING:
-        return decided.site(facts)
-    assert slot is not None
+    plan: BypassPlan | RevertPlan | None = None
+    failure = None
     try:
-        plan = _build_plan(module, found, slot, found_pieces[-1])
+        if decided.action is Action.STRIP:
+            from codemods import fp8_kv_revert  # the strip is the revert of that one site
+
+            plan = fp8_kv_revert.plan_strip(module, found)
+        elif decided.action in CHANGING:
+            assert slot is not None
+            plan = _build_plan(module, found, slot, found_pieces[-1])
     except Unsupported as exc:
-        return Verdict(SiteState.UNSUPPORTED, Action.REFUSE, str(exc), decided.pieces).site(facts)
-    return decided.site(facts, plan)
+        failure = str(exc)
+    return planned(decided, facts.line, failure).site(facts), plan
 
 
 # --- the transformer --------------------------------------------------------------------

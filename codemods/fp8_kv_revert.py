@@ -181,31 +181,19 @@ def analyze_revert(module: cst.Module) -> RevertAnalysis:
         found.line = positions[found.call].start.line
 
     sites: list[InsertSite] = []
-    plans: list[tuple[InsertSite, RevertPlan]] = []
+    plans: list[RevertPlan | None] = []
     for found in finder.found:
-        site = bp._classify(module, found)
-        site.plan = None
+        site, _ = bp._classify(module, found)
+        plan = failure = None
         try:
             plan = _plan_site(module, found, positions)
         except Unsupported as exc:
-            site.action, site.reason = Action.REFUSE, f"cannot revert: {exc}"
-        else:
-            if plan is None:
-                site.action = Action.NONE
-                if site.state is not bp.SiteState.NOT_A_SITE:
-                    site.reason = "no fp8 bypass here: nothing to revert"
-            else:
-                site.action, site.reason = Action.REVERT, _revert_reason(plan)
-                plans.append((site, plan))
-        sites.append(site)
-
-    if len(plans) > 1:
-        where = ", ".join(f"{s.class_name}.{s.method} (line {s.line})" for s, _ in plans)
-        for site, _ in plans:
-            site.action = Action.REFUSE
-            site.reason = f"cannot revert: {len(plans)} sites carry an fp8 bypass ({where})"
-        plans = []
-    return RevertAnalysis(module, sites, [p for _, p in plans])
+            failure = str(exc)
+        sites.append(schema.reverted(site, _revert_reason(plan) if plan else None, failure))
+        plans.append(plan)
+    sites = schema.one_revert(sites)
+    kept = [plan for plan, site in zip(plans, sites) if plan is not None and site.action is Action.REVERT]
+    return RevertAnalysis(module, sites, kept)
 
 
 def plan_strip(module: cst.Module, found: bp._FoundCall) -> RevertPlan:

@@ -1,15 +1,13 @@
-"""What the fp8 bypass codemod knows, with no parser attached.
+"""The decision: how a call of the fused op reaches each state and action.
 
-The fused op's argument schema, the names the bypass uses, the states a call
-can be in and how a state follows from what was found at the call. Two
-readers share it: the LibCST codemod (``fp8_kv_bypass``, the authority, which
-also rewrites) and the stdlib-``ast`` triage (``triage``, which only answers
-the cases that need no rewrite, quickly). Each reader gathers ``CallFacts``
-and ``Pieces`` with its own parser; ``verdict`` turns them into a state, so
-the two cannot disagree on what a state means.
-
-This module imports nothing heavy: ``check`` on a native or patched file must
-not pay for importing LibCST.
+The op's argument schema, the names the bypass uses, the states and actions,
+and the rules, in the order they apply: ``verdict`` (the state from what was
+found at the call), ``planned`` (a change whose plan cannot be proven safe is
+refused), ``one_candidate`` (a change is planned for one insert site only) and,
+for ``revert``, ``reverted`` and ``one_revert``. The LibCST analysis
+(``sites``) gathers the facts; the pre-filter (``prefilter``) gathers them for
+native files with ``ast``. This module imports nothing heavy: ``check`` on a
+native file must not pay for importing LibCST.
 """
 
 from __future__ import annotations
@@ -17,12 +15,8 @@ from __future__ import annotations
 import ast
 import enum
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
-
-if TYPE_CHECKING:
-    from codemods.fp8_kv_bypass import BypassPlan
-    from codemods.fp8_kv_revert import RevertPlan
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 FUSED_OP = "fused_minimax_m3_qknorm_rope_kv_insert"
 RESHAPE_OP = "reshape_and_cache_flash"
@@ -134,7 +128,6 @@ class InsertSite:
     action: Action
     reason: str
     pieces: dict[str, bool] = field(default_factory=dict)
-    plan: BypassPlan | RevertPlan | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -331,7 +324,7 @@ class Verdict:
     reason: str
     pieces: dict[str, bool] = field(default_factory=dict)
 
-    def site(self, f: CallFacts, plan: BypassPlan | RevertPlan | None = None) -> InsertSite:
+    def site(self, f: CallFacts) -> InsertSite:
         return InsertSite(
             class_name=f.class_name,
             method=f.method if f.class_name is not None else f.module_function,
@@ -340,16 +333,12 @@ class Verdict:
             action=self.action,
             reason=self.reason,
             pieces=dict(self.pieces),
-            plan=plan,
         )
 
 
 def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
     """The state of one call. ``pieces`` is asked only for a call in a method.
-
-    A ``REWRITE`` or ``COMPLETE`` verdict still needs a plan; the codemod turns
-    it into ``UNSUPPORTED`` if the plan cannot be proven safe.
-    """
+    A changing verdict still needs a plan (``planned``)."""
     if f.star_args:
         return Verdict(
             SiteState.UNSUPPORTED,
@@ -475,3 +464,63 @@ def _half_applied_reason(p: Pieces, present: dict[str, bool]) -> str:
         problems.append(f"the post-call `{INSERT_KV}` is not guarded or not passed the call's slot mappings")
     text = "partial fp8 bypass; missing: " + "; ".join(missing)
     return text + (" - " + "; ".join(problems) if problems else "")
+
+
+# --- once the changes are planned --------------------------------------------------------
+
+
+def planned(v: Verdict, line: int, failure: str | None) -> Verdict:
+    """A changing verdict whose plan could not be proven safe (``failure`` says why) is refused."""
+    if failure is None or v.action not in CHANGING:
+        return v
+    if v.action is Action.STRIP:
+        reason = (
+            f"{v.reason.split('; `run` takes')[0]}; `run` cannot take the bypass out: {failure}. "
+            f"By hand: in the call at line {line} pass each `X if <guard> else ...` argument "
+            "as `X`, delete the post-call block that calls `self._insert_kv` and the `_insert_kv` "
+            "method, then run `mm3-codemod check` on the file"
+        )
+        return Verdict(SiteState.HALF_APPLIED, Action.REFUSE, reason, v.pieces)
+    return Verdict(SiteState.UNSUPPORTED, Action.REFUSE, failure, v.pieces)
+
+
+def _where(sites: list[InsertSite]) -> str:
+    return ", ".join(f"{s.class_name}.{s.method} (line {s.line})" for s in sites)
+
+
+def one_candidate(sites: list[InsertSite]) -> list[InsertSite]:
+    """Plans are made on one tree and applied one at a time: when a change is planned, it must
+    be at the file's only insert site the bypass could own (sites to change, patched ones)."""
+    candidates = [s for s in sites if s.action in CHANGING or s.state is SiteState.PATCHED]
+    if len(candidates) < 2 or not any(s.action in CHANGING for s in candidates):
+        return sites
+    reason = (
+        f"{len(candidates)} candidate insert sites ({_where(candidates)}); "
+        "the bypass can be proven for one only"
+    )
+    refused = {id(s) for s in candidates}
+    return [
+        replace(s, state=SiteState.UNSUPPORTED, action=Action.REFUSE, reason=reason) if id(s) in refused else s
+        for s in sites
+    ]
+
+
+def reverted(site: InsertSite, revert_reason: str | None, failure: str | None) -> InsertSite:
+    """``revert`` at one site: the bypass found there is taken out (``revert_reason`` says what),
+    cannot be taken out (``failure``), or there is none."""
+    if failure is not None:
+        return replace(site, action=Action.REFUSE, reason=f"cannot revert: {failure}")
+    if revert_reason is not None:
+        return replace(site, action=Action.REVERT, reason=revert_reason)
+    if site.state is SiteState.NOT_A_SITE:
+        return replace(site, action=Action.NONE)
+    return replace(site, action=Action.NONE, reason="no fp8 bypass here: nothing to revert")
+
+
+def one_revert(sites: list[InsertSite]) -> list[InsertSite]:
+    """A revert is planned on one tree too: more than one site with a bypass is refused."""
+    reverts = [s for s in sites if s.action is Action.REVERT]
+    if len(reverts) < 2:
+        return sites
+    reason = f"cannot revert: {len(reverts)} sites carry an fp8 bypass ({_where(reverts)})"
+    return [replace(s, action=Action.REFUSE, reason=reason) if s.action is Action.REVERT else s for s in sites]
