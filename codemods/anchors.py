@@ -16,24 +16,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-# The op schema and the bypass's names live in `schema` (no parser attached),
-# shared with the ast triage; they are re-exported here for the finders' users.
-from codemods.schema import FP8_FLAG as FP8_FLAG
-from codemods.schema import FP8_SCALE as FP8_SCALE
-from codemods.schema import FUSED_OP as FUSED_OP
-from codemods.schema import INDEX_CACHE as INDEX_CACHE
-from codemods.schema import INDEX_SLOT_MAPPING as INDEX_SLOT_MAPPING
-from codemods.schema import INSERT_KV as INSERT_KV
-from codemods.schema import KV_CACHE as KV_CACHE
-from codemods.schema import KV_CACHE_DTYPE as KV_CACHE_DTYPE
-from codemods.schema import NUM_HEADS as NUM_HEADS
-from codemods.schema import NUM_INDEX_HEADS as NUM_INDEX_HEADS
-from codemods.schema import NUM_KV_HEADS as NUM_KV_HEADS
-from codemods.schema import OP_PARAMS as OP_PARAMS
-from codemods.schema import QKV as QKV
-from codemods.schema import RESHAPE_OP as RESHAPE_OP
-from codemods.schema import SLOT_MAPPING as SLOT_MAPPING
-from codemods.schema import OpParam as OpParam
+from codemods import schema
 from codemods.schema import bind_arg
 
 # Plain isinstance tests rather than libcst.matchers: importing the matchers
@@ -57,7 +40,7 @@ def callee_node(call: cst.Call) -> cst.CSTNode:
 
 def is_fused_call(node: cst.CSTNode) -> bool:
     """``ops.fused_…(…)``, ``torch.ops._C.fused_…(…)`` or a bare ``fused_…(…)``."""
-    return isinstance(node, cst.Call) and callee_name(node) == FUSED_OP
+    return isinstance(node, cst.Call) and callee_name(node) == schema.FUSED_OP
 
 
 @dataclass(frozen=True)
@@ -66,7 +49,7 @@ class Wrapper:
     another such function): ``params`` maps an op parameter's index to its own."""
 
     name: str
-    params: dict[int, OpParam]
+    params: dict[int, schema.OpParam]
 
 
 @dataclass(frozen=True)
@@ -76,7 +59,7 @@ class OpCall:
     call: cst.Call
     wrapper: Wrapper | None = None
 
-    def arg(self, param: OpParam) -> cst.Arg | None:
+    def arg(self, param: schema.OpParam) -> cst.Arg | None:
         """The argument the op's ``param`` receives from this call."""
         if self.wrapper is None:
             return get_arg(self.call, param)
@@ -106,7 +89,7 @@ def _as_wrapper(fn: cst.FunctionDef, known: dict[str, Wrapper]) -> Wrapper | Non
         if not isinstance(node, cst.Call):
             continue
         name = callee_name(node)
-        if name == FUSED_OP:
+        if name == schema.FUSED_OP:
             inner = None
         elif name in known:
             inner = known[name]
@@ -114,8 +97,8 @@ def _as_wrapper(fn: cst.FunctionDef, known: dict[str, Wrapper]) -> Wrapper | Non
             continue
         if has_star_args(node):
             return None
-        mapping: dict[int, OpParam] = {}
-        for param in OP_PARAMS:
+        mapping: dict[int, schema.OpParam] = {}
+        for param in schema.OP_PARAMS:
             arg = OpCall(node, inner).arg(param)
             if arg is None:
                 continue
@@ -128,12 +111,12 @@ def _as_wrapper(fn: cst.FunctionDef, known: dict[str, Wrapper]) -> Wrapper | Non
     return Wrapper(fn.name.value, mappings[0])
 
 
-def _positional_params(fn: cst.FunctionDef) -> dict[str, OpParam]:
-    """A function's parameters as ``OpParam``s (keyword-only ones bind by keyword alone)."""
+def _positional_params(fn: cst.FunctionDef) -> dict[str, schema.OpParam]:
+    """A function's parameters as ``schema.OpParam``s (keyword-only ones bind by keyword alone)."""
     params = fn.params
     positional = list(params.posonly_params) + list(params.params)
-    out = {p.name.value: OpParam(i, p.name.value) for i, p in enumerate(positional)}
-    out |= {p.name.value: OpParam(10_000, p.name.value) for p in params.kwonly_params}
+    out = {p.name.value: schema.OpParam(i, p.name.value) for i, p in enumerate(positional)}
+    out |= {p.name.value: schema.OpParam(10_000, p.name.value) for p in params.kwonly_params}
     return out
 
 
@@ -141,7 +124,7 @@ def has_star_args(call: cst.Call) -> bool:
     return any(arg.star for arg in call.args)
 
 
-def get_arg(call: cst.Call, param: OpParam) -> cst.Arg | None:
+def get_arg(call: cst.Call, param: schema.OpParam) -> cst.Arg | None:
     """The argument bound to ``param``, positional or keyword."""
     positional = [a for a in call.args if a.keyword is None and not a.star]
     keywords = [(a.keyword.value, a) for a in call.args if a.keyword is not None]

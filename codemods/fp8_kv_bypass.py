@@ -23,6 +23,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
+from codemods import schema
 
 if TYPE_CHECKING:
     from codemods.fp8_kv_revert import RevertPlan
@@ -48,14 +49,9 @@ from codemods.schema import (
     post_block_guard,
     verdict,
 )
+from codemods.schema import GUARD_NAME, Action, InsertSite, SiteState
 from codemods.schema import expression as schema_expression
-from codemods.schema import GUARD_NAME as GUARD_NAME
-from codemods.schema import PIECES as PIECES
-from codemods.schema import Action as Action
-from codemods.schema import InsertSite as InsertSite
-from codemods.schema import SiteState as SiteState
 
-DESCRIPTION = "Route fp8 KV-cache writes of MiniMax-M3 sparse attention around the bf16-only fused insert op."
 
 
 class Unsupported(Exception):
@@ -87,9 +83,9 @@ class FileAnalysis:
 
 
 @dataclass
-class _FoundCall:
+class FoundCall:
     op: a.OpCall
-    line: int  # set once every call is found (see _find_calls)
+    line: int  # set once every call is found (see find_calls)
     cls: cst.ClassDef | None
     method: cst.FunctionDef | None
     nested_in: str | None  # name of a def/lambda between the method and the call
@@ -102,12 +98,12 @@ class _FoundCall:
         return self.op.call
 
 
-class _CallFinder(cst.CSTVisitor):
+class CallFinder(cst.CSTVisitor):
     """Calls of the op, and of its pass-through wrappers (``wrappers``)."""
 
     def __init__(self, wrappers: dict[str, a.Wrapper], skip: list[cst.CSTNode] | None = None) -> None:
         self.stack: list[cst.CSTNode] = []
-        self.found: list[_FoundCall] = []
+        self.found: list[FoundCall] = []
         self.skip = {id(n): n for n in skip or ()}
         self.wrappers = wrappers
         # Where the op is named other than as the callee of a call (an alias, a local, getattr):
@@ -123,14 +119,14 @@ class _CallFinder(cst.CSTVisitor):
         return super().on_visit(node)
 
     def _named(self, node: cst.CSTNode, name: str | None) -> None:
-        if name == a.FUSED_OP:
+        if name == schema.FUSED_OP:
             self.named.append((node, self.statement))
 
     def visit_Name(self, node: cst.Name) -> None:  # the attribute of `ops.fused_…` too
         self._named(node, node.value)
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
-        if a.FUSED_OP in node.value:
+        if schema.FUSED_OP in node.value:
             self._named(node, str(node.evaluated_value).rpartition(".")[2])
 
     def on_leave(self, original_node: cst.CSTNode) -> None:
@@ -148,18 +144,18 @@ class _CallFinder(cst.CSTVisitor):
 
     def visit_Call(self, node: cst.Call) -> None:
         name = a.callee_name(node)
-        if name == a.FUSED_OP:
+        if name == schema.FUSED_OP:
             op = a.OpCall(node)
         elif name in self.wrappers:
             op = a.OpCall(node, self.wrappers[name])
         else:
             return
-        line = 0  # numbered once every call is found (_find_calls)
+        line = 0  # numbered once every call is found (find_calls)
         classes = [i for i, n in enumerate(self.stack) if isinstance(n, cst.ClassDef)]
         if not classes:
             outer = self.stack[0] if self.stack else None
             fn = outer.name.value if isinstance(outer, cst.FunctionDef) else None
-            self.found.append(_FoundCall(op, line, None, None, None, fn or "<module>"))
+            self.found.append(FoundCall(op, line, None, None, None, fn or "<module>"))
             return
         ci = classes[-1]
         cls = self.stack[ci]
@@ -170,7 +166,7 @@ class _CallFinder(cst.CSTVisitor):
             n = inner[-1]
             nested = n.name.value if isinstance(n, cst.FunctionDef) else "<lambda>"
         assert isinstance(cls, cst.ClassDef)
-        self.found.append(_FoundCall(op, line, cls, method, nested, None, ci, tuple(self.stack[:ci])))
+        self.found.append(FoundCall(op, line, cls, method, nested, None, ci, tuple(self.stack[:ci])))
 
     def visit_Import(self, node: cst.Import) -> bool:
         return False  # nothing to find in an import
@@ -178,8 +174,8 @@ class _CallFinder(cst.CSTVisitor):
     def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
         if not isinstance(node.names, cst.ImportStar):
             for alias in node.names:  # `import fused_… as other`: its calls go by the other name
-                if alias.asname is not None and a.code(alias.name) == a.FUSED_OP:
-                    self._named(alias, a.FUSED_OP)
+                if alias.asname is not None and a.code(alias.name) == schema.FUSED_OP:
+                    self._named(alias, schema.FUSED_OP)
         return False
 
     def strays(self) -> list[tuple[cst.CSTNode, cst.CSTNode | None]]:
@@ -188,9 +184,9 @@ class _CallFinder(cst.CSTVisitor):
         return [(node, stmt) for node, stmt in self.named if id(node) not in callees]
 
 
-def _find_calls(
+def find_calls(
     module: cst.Module, source_map: a.SourceMap | None, wrappers: dict[str, a.Wrapper]
-) -> _CallFinder:
+) -> CallFinder:
     """Every call of the op, in source order, with the line it starts on (``found``), and
     where the op is named without being called (``strays``).
 
@@ -201,7 +197,7 @@ def _find_calls(
     the analysis. If the two parsers do not see the same
     calls, every node is visited and ``PositionProvider`` numbers them.
     """
-    names = {a.FUSED_OP, *wrappers}
+    names = {schema.FUSED_OP, *wrappers}
     if source_map is not None:
         needles = [name.encode() for name in names]
         op_lines = [i for i, text in enumerate(source_map.lines) if any(n in text for n in needles)]
@@ -210,7 +206,7 @@ def _find_calls(
             for stmt, first, last in source_map.spans.values()
             if not any(first <= line <= last for line in op_lines)
         ]
-        finder = _CallFinder(wrappers, skip)
+        finder = CallFinder(wrappers, skip)
         module.visit(finder)
         calls = _ast_calls(source_map.tree, op_lines, names)
         if len(calls) == len(finder.found) and all(
@@ -220,7 +216,7 @@ def _find_calls(
             for f, c in zip(finder.found, calls, strict=True):
                 f.line = c.lineno
             return finder
-    finder = _CallFinder(wrappers)
+    finder = CallFinder(wrappers)
     module.visit(finder)
     positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
     for f in finder.found:
@@ -289,7 +285,7 @@ def _is_guard_value(expr: cst.BaseExpression) -> bool:
     return tree is not None and is_guard_value(tree)
 
 
-def _find_call_slot(method: cst.FunctionDef, call: cst.Call) -> a.StatementSlot | None:
+def find_call_slot(method: cst.FunctionDef, call: cst.Call) -> a.StatementSlot | None:
     for slot in a.statement_slots(method):
         if a.expression_call(slot.statement) is call:
             return slot
@@ -308,15 +304,15 @@ def _insert_kv_form(
     return insert_kv_form(True, reads_metadata, len(a.param_names(fn)) - 1, scatter)
 
 
-def _is_insert_kv_call(node: cst.CSTNode) -> bool:
+def is_insert_kv_call(node: cst.CSTNode) -> bool:
     return (
         isinstance(node, cst.Call)
         and isinstance(node.func, cst.Attribute)
-        and a.self_attr(node.func) == a.INSERT_KV
+        and a.self_attr(node.func) == schema.INSERT_KV
     )
 
 
-def _collect_pieces(
+def collect_pieces(
     cls: cst.ClassDef,
     method: cst.FunctionDef,
     op: a.OpCall,
@@ -330,17 +326,17 @@ def _collect_pieces(
     init = a.find_method(cls, "__init__")
     assigned = a.self_assignments(init) if init is not None and mentions_flag else {}
     p.taken = _taken_names(cls, assigned)
-    flag = assigned.get(a.FP8_FLAG, [])
+    flag = assigned.get(schema.FP8_FLAG, [])
     p.flag_set = len(flag) == 1 and _is_flag_value(flag[0][1])
-    p.scale_set = a.FP8_SCALE in assigned
+    p.scale_set = schema.FP8_SCALE in assigned
     if mentions_flag:
         attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
         # Once set, whether the flag is also read decides nothing (Pieces.any_bypass).
-        p.flag_read = not p.flag_set and a.FP8_FLAG in attrs
-        p.scale_read = a.FP8_SCALE in attrs
-    conditions = [(arg, _guard_of(arg)) for arg in (op.arg(a.KV_CACHE), op.arg(a.INDEX_CACHE))]
+        p.flag_read = not p.flag_set and schema.FP8_FLAG in attrs
+        p.scale_read = schema.FP8_SCALE in attrs
+    conditions = [(arg, _guard_of(arg)) for arg in (op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE))]
     p.guard_args = [g for _, g in conditions if g]
-    p.insert_kv = _insert_kv_form(a.find_method(cls, a.INSERT_KV), cls, functions)
+    p.insert_kv = _insert_kv_form(a.find_method(cls, schema.INSERT_KV), cls, functions)
     if slot is not None:
         guard_names = set(p.guard_args) | {GUARD_NAME}
         for stmt in slot.before():
@@ -365,7 +361,7 @@ def _collect_pieces(
     if slot is None:
         return p
     for stmt in slot.after():
-        node = a.first_in(stmt, _is_insert_kv_call)
+        node = a.first_in(stmt, is_insert_kv_call)
         if isinstance(node, cst.Call):
             p.post_insert, p.post_insert_call = True, node
             p.post_insert_wired = _insert_is_wired(node, op) and _is_guarded_block(stmt, p)
@@ -390,7 +386,7 @@ def _is_scale_value(expr: cst.BaseExpression) -> bool:
 
 
 # What the bypass sets its names to (anything else there is the file's own use of them).
-_OWN_VALUES = {a.FP8_FLAG: _is_flag_value, a.FP8_SCALE: _is_scale_value}
+_OWN_VALUES = {schema.FP8_FLAG: _is_flag_value, schema.FP8_SCALE: _is_scale_value}
 
 
 def _taken_names(cls: cst.ClassDef, init_attrs: _Assignments) -> list[str]:
@@ -398,14 +394,14 @@ def _taken_names(cls: cst.ClassDef, init_attrs: _Assignments) -> list[str]:
     ``init_attrs``: ``__init__``'s ``self.`` assignments (none where the file never names the flag)."""
     taken = []
     at_class = a.scope_bindings(cls.body)
-    for name in (a.FP8_FLAG, a.FP8_SCALE):
+    for name in (schema.FP8_FLAG, schema.FP8_SCALE):
         if name in at_class:
             taken.append(f"`{name}` is defined in the class body (a property, method or class attribute)")
     if "__slots__" in at_class:
         taken.append("the class declares `__slots__`, which leaves no room for `self._fp8_kv`")
-    insert_kv = at_class.get(a.INSERT_KV, [])
+    insert_kv = at_class.get(schema.INSERT_KV, [])
     if len(insert_kv) > 1 or any(not isinstance(n, cst.FunctionDef) or n.decorators for n in insert_kv):
-        taken.append(f"`{a.INSERT_KV}` is bound in the class body other than by one plain `def`")
+        taken.append(f"`{schema.INSERT_KV}` is bound in the class body other than by one plain `def`")
     own = set()  # the values of the first flag and scale assignments in __init__, if they are the bypass's
     for name, is_own in _OWN_VALUES.items():
         first = init_attrs.get(name, [])[:1]
@@ -414,8 +410,8 @@ def _taken_names(cls: cst.ClassDef, init_attrs: _Assignments) -> list[str]:
     for method in a.methods(cls):
         for node in a.all_statements(method.body):
             stored = {a.self_attr(t) for t in _store_targets(node)}
-            if a.INSERT_KV in stored:
-                taken.append(f"`self.{a.INSERT_KV}` is assigned in {method.name.value}, hiding the method")
+            if schema.INSERT_KV in stored:
+                taken.append(f"`self.{schema.INSERT_KV}` is assigned in {method.name.value}, hiding the method")
             names = stored & set(_OWN_VALUES)
             if names and id(getattr(node, "value", None)) not in own:
                 shown = " ".join(a.code(node).split())
@@ -443,13 +439,13 @@ def _is_guarded_block(stmt: cst.BaseStatement, p: Pieces) -> bool:
         return False
     test = schema_expression(a.code(stmt.test))
     guard = post_block_guard(test) if test is not None else None
-    return guard == a.FP8_FLAG or guard in (set(p.guard_args) | {p.guard_assigned or GUARD_NAME})
+    return guard == schema.FP8_FLAG or guard in (set(p.guard_args) | {p.guard_assigned or GUARD_NAME})
 
 
 def _insert_is_wired(insert: cst.Call, fused: a.OpCall) -> bool:
     args = [x for x in insert.args if x.keyword is None]
-    main = fused.arg(a.SLOT_MAPPING)
-    index = fused.arg(a.INDEX_SLOT_MAPPING)
+    main = fused.arg(schema.SLOT_MAPPING)
+    index = fused.arg(schema.INDEX_SLOT_MAPPING)
     if len(insert.args) != 5 or len(args) != 5 or main is None or index is None:
         return False
     return a.same_expr(args[3].value, main.value) and a.same_expr(args[4].value, index.value)
@@ -469,7 +465,7 @@ class BypassPlan:
     guard: str
     add_guard: bool
     guard_code: str
-    wrap_args: list[a.OpParam]
+    wrap_args: list[schema.OpParam]
     add_post_insert: bool
     post_insert_code: str
     flag_slot: a.StatementSlot | None  # insert `self._fp8_kv = ...` (and the scale) after it
@@ -511,7 +507,7 @@ def _custom_ops(imports: list[a.ImportedName]) -> str | None:
     return None
 
 
-def _op_namespace(op: a.OpCall, imports: list[a.ImportedName]) -> str | None:
+def op_namespace(op: a.OpCall, imports: list[a.ImportedName]) -> str | None:
     """Where ``reshape_and_cache_flash`` is, proven from how the module reaches the fused op:
     ``torch.ops._C`` -> ``torch.ops._C_cache_ops``; ``vllm._custom_ops`` under any name -> that
     name; a bare name -> None (imported beside it, ``_bare_import``). Any other namespace
@@ -529,12 +525,12 @@ def _op_namespace(op: a.OpCall, imports: list[a.ImportedName]) -> str | None:
         shown = a.code(func) if op.wrapper is None else f"wrapper `{op.wrapper.name}`"
         raise Unsupported(
             f"the op is called through {shown}, and the module does not import `vllm._custom_ops`, "
-            f"where `{a.RESHAPE_OP}` is: add `from vllm import _custom_ops as ops`, then run again"
+            f"where `{schema.RESHAPE_OP}` is: add `from vllm import _custom_ops as ops`, then run again"
         )
     return namespace
 
 
-def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p: _Pieces) -> BypassPlan:
+def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: _Pieces) -> BypassPlan:
     """Find and check every name the bypass needs; raise ``Unsupported`` if one is missing."""
     cls, method, op = found.cls, found.method, found.op
     assert cls is not None and method is not None
@@ -555,28 +551,28 @@ def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p:
 
     taken = a.bound_names(method)
     guard = _guard_name(p, taken)
-    caches, wrap = _cache_args(op, method, slot)
+    caches, wrap = cache_args(op, method, slot)
     qkv, main_slots, index_slots = _qkv_and_slots(op)
     init_attrs = a.self_assignments(init)
-    w = _widths(op, method, slot, init_attrs)
+    w = widths(op, method, slot, init_attrs)
     flag_slot = _dtype_anchor(init, init_attrs)
     dtype_attr = f"self.{DTYPE_ATTR}"
     if flag_slot is None:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
-    namespace = _op_namespace(op, imports)
+    namespace = op_namespace(op, imports)
     reshape_import = _bare_import(module, imports) if namespace is None else None
-    reshape_call = a.RESHAPE_OP if namespace is None else f"{namespace}.{a.RESHAPE_OP}"
+    reshape_call = schema.RESHAPE_OP if namespace is None else f"{namespace}.{schema.RESHAPE_OP}"
 
     n, indent = module.default_newline, module.default_indent
     edits: list[tuple[cst.BaseStatement, str]] = []
-    old_insert_kv = a.find_method(cls, a.INSERT_KV)
+    old_insert_kv = a.find_method(cls, schema.INSERT_KV)
     if insert_kv == "upgrade":
         assert old_insert_kv is not None
         edits = _upgrade_edits(module, cls, old_insert_kv, n, indent)
     reads_scale = insert_kv in ("add", "replace") or p.scale_read or any(SCALE_READ in code for _, code in edits)
-    scale_code = _render(SCALE, n, indent) if reads_scale and not p.scale_set else ""
+    scale_code = render(SCALE, n, indent) if reads_scale and not p.scale_set else ""
     if p.flag_set and scale_code:
-        flag_slot = init_attrs[a.FP8_FLAG][-1][0]  # the scale goes right after the existing flag
+        flag_slot = init_attrs[schema.FP8_FLAG][-1][0]  # the scale goes right after the existing flag
     local = {f"n_{k}": _fresh(k, taken) for k in ("kv", "k0", "ik0", "k", "v", "index_k")}
     return BypassPlan(
         cls=cls,
@@ -585,10 +581,10 @@ def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p:
         call_slot=slot,
         guard=guard,
         add_guard=p.guard_assigned is None,
-        guard_code=_render(GUARD, n, indent, guard=guard),
+        guard_code=render(GUARD, n, indent, guard=guard),
         wrap_args=wrap,
         add_post_insert=not p.post_insert,
-        post_insert_code=_render(
+        post_insert_code=render(
             POST_INSERT,
             n,
             indent,
@@ -603,27 +599,27 @@ def _build_plan(module: cst.Module, found: _FoundCall, slot: a.StatementSlot, p:
             **local,
         ),
         flag_slot=flag_slot if (not p.flag_set or scale_code) else None,
-        flag_code=("" if p.flag_set else _render(FLAG, n, indent, dtype=dtype_attr)) + scale_code,
+        flag_code=("" if p.flag_set else render(FLAG, n, indent, dtype=dtype_attr)) + scale_code,
         insert_kv=insert_kv,
-        insert_kv_code=_render(
+        insert_kv_code=render(
             INSERT_KV_METHOD,
             n,
             indent,
             found.class_depth + 1,
-            kv_cache=caches[a.KV_CACHE.keyword],
+            kv_cache=caches[schema.KV_CACHE.keyword],
             num_kv_heads=w.num_kv_heads,
             head_dim=w.head_dim,
             dtype=dtype_attr,
             reshape=reshape_call,
             index_write=_indented(
-                _render(
+                render(
                     INDEX_WRITE,
                     "\n",
                     indent,
                     idx_key="idx_key",
                     idx_cache="idx_cache",
                     index_key="index_key",
-                    index_cache=caches[a.INDEX_CACHE.keyword],
+                    index_cache=caches[schema.INDEX_CACHE.keyword],
                     idx_head_dim=w.idx_head_dim,
                     index_slots="index_slot_mapping",
                     reshape=reshape_call,
@@ -687,12 +683,12 @@ def _scatter_edits(
         raise Unsupported(f"cannot upgrade `{shown}`: its cache is not `<index cache>.view(-1, <head dim>)`")
     reshape = _reshape_in(fn)
     if reshape is None:
-        raise Unsupported(f"cannot upgrade `{shown}`: {fn.name.value} holds no `{a.RESHAPE_OP}` call to follow")
-    scale_arg = a.get_arg(reshape, a.OpParam(6, "k_scale"))
+        raise Unsupported(f"cannot upgrade `{shown}`: {fn.name.value} holds no `{schema.RESHAPE_OP}` call to follow")
+    scale_arg = a.get_arg(reshape, schema.OpParam(6, "k_scale"))
     if scale_arg is None or not a.is_pure(scale_arg.value):
-        raise Unsupported(f"cannot upgrade `{shown}`: the scale of `{a.RESHAPE_OP}` is not a plain name")
+        raise Unsupported(f"cannot upgrade `{shown}`: the scale of `{schema.RESHAPE_OP}` is not a plain name")
     taken = a.bound_names(fn)
-    write = _render(
+    write = render(
         INDEX_WRITE,
         newline,
         indent,
@@ -708,7 +704,7 @@ def _scatter_edits(
     edits = [(view_stmt, write), (scatter.statement, "")] if view_stmt is not None else [(scatter.statement, write)]
     scale = _ones_scale(fn, scale_arg.value)
     if scale is not None and a.param_names(fn)[:1] == ["self"]:
-        edits.append((scale.statement, _render(SCALE_LOCAL, newline, indent, scale=a.code(scale_arg.value))))
+        edits.append((scale.statement, render(SCALE_LOCAL, newline, indent, scale=a.code(scale_arg.value))))
     return edits
 
 
@@ -738,7 +734,7 @@ def _single_assignment(fn: cst.FunctionDef, name: str, before: a.StatementSlot) 
 
 def _reshape_in(fn: cst.FunctionDef) -> cst.Call | None:
     return next(
-        (n for n in a.walk_scope(fn.body) if isinstance(n, cst.Call) and a.callee_name(n) == a.RESHAPE_OP),
+        (n for n in a.walk_scope(fn.body) if isinstance(n, cst.Call) and a.callee_name(n) == schema.RESHAPE_OP),
         None,
     )
 
@@ -764,11 +760,11 @@ def _no_other_insert_kv_callers(cls: cst.ClassDef, p: _Pieces) -> None:
     """Only the post-call insert may call `_insert_kv`: the rewrite gives it the
     slot-mapping signature, and a call elsewhere is a caller it would break or a
     stale piece of a bypass whose guard is not in scope there."""
-    own = a.find_method(cls, a.INSERT_KV)
+    own = a.find_method(cls, schema.INSERT_KV)
     inside_own = {id(n) for n in a.nodes_in(own)} if own is not None else set()
 
     def other_caller(node: cst.CSTNode) -> bool:
-        return _is_insert_kv_call(node) and node is not p.post_insert_call and id(node) not in inside_own
+        return is_insert_kv_call(node) and node is not p.post_insert_call and id(node) not in inside_own
 
     call = a.first_in(cls.body, other_caller)
     if call is not None:
@@ -794,13 +790,13 @@ def _guard_name(p: Pieces, taken: set[str]) -> str:
     return p.guard_assigned or _fresh(GUARD_NAME, taken)
 
 
-def _cache_args(
+def cache_args(
     op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot
-) -> tuple[dict[str, str], list[a.OpParam]]:
+) -> tuple[dict[str, str], list[schema.OpParam]]:
     """The cache expressions `_insert_kv` can reach, and which arguments still need the guard."""
     caches: dict[str, str] = {}
-    wrap: list[a.OpParam] = []
-    for param in (a.KV_CACHE, a.INDEX_CACHE):
+    wrap: list[schema.OpParam] = []
+    for param in (schema.KV_CACHE, schema.INDEX_CACHE):
         arg = op.arg(param)
         if arg is None or a.is_none(arg.value):
             raise Unsupported(f"the call passes no `{param.keyword}` argument to guard")
@@ -823,11 +819,11 @@ def _cache_args(
 
 def _qkv_and_slots(op: a.OpCall) -> tuple[str, str, str]:
     """The fused buffer and the two slot-mapping expressions, safe to use again after the call."""
-    qkv = op.arg(a.QKV)
+    qkv = op.arg(schema.QKV)
     if qkv is None or not isinstance(qkv.value, cst.Name):
         raise Unsupported("the fused qkv argument is not a plain local name")
     slots = []
-    for param in (a.SLOT_MAPPING, a.INDEX_SLOT_MAPPING):
+    for param in (schema.SLOT_MAPPING, schema.INDEX_SLOT_MAPPING):
         arg = op.arg(param)
         if arg is None or a.is_none(arg.value) or not a.is_pure(arg.value):
             shown = a.code(arg.value) if arg is not None else "nothing"
@@ -851,12 +847,12 @@ class _Widths:
 
 
 _NORM_WEIGHTS = {  # the norms whose weights the call passes, by the head size they are built with
-    "head_dim": (a.OP_PARAMS[1], a.OP_PARAMS[2]),  # q_norm_weight, k_norm_weight
-    "idx_head_dim": (a.OP_PARAMS[9], a.OP_PARAMS[10]),  # index_q_norm_weight, index_k_norm_weight
+    "head_dim": (schema.OP_PARAMS[1], schema.OP_PARAMS[2]),  # q_norm_weight, k_norm_weight
+    "idx_head_dim": (schema.OP_PARAMS[9], schema.OP_PARAMS[10]),  # index_q_norm_weight, index_k_norm_weight
 }
 
 
-def _widths(
+def widths(
     op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: _Assignments
 ) -> _Widths:
     """Each size by what it is in the fused buffer's layout, never by the first product that fits.
@@ -868,7 +864,7 @@ def _widths(
     ``self.W = <count> * <size>`` of ``__init__`` assigned once, else that product itself.
     """
     counts: dict[str, cst.BaseExpression] = {}
-    for param in (a.NUM_HEADS, a.NUM_KV_HEADS, a.NUM_INDEX_HEADS):
+    for param in (schema.NUM_HEADS, schema.NUM_KV_HEADS, schema.NUM_INDEX_HEADS):
         arg = op.arg(param)
         resolved = a.resolve_self_expr(method, arg.value, slot) if arg is not None else None
         if resolved is None:
@@ -984,10 +980,10 @@ def _bare_import(
 ) -> tuple[cst.SimpleStatementLine, cst.ImportFrom] | None:
     """For a bare ``fused_…(…)`` callee: ``from vllm._custom_ops import fused_…``, beside which
     ``reshape_and_cache_flash`` is imported."""
-    if any(i.bound == a.RESHAPE_OP for i in imports):
+    if any(i.bound == schema.RESHAPE_OP for i in imports):
         return None
     for imp in imports:
-        if imp.bound == a.FUSED_OP and imp.alias.asname is None:
+        if imp.bound == schema.FUSED_OP and imp.alias.asname is None:
             for small in imp.statement.body:
                 if (
                     isinstance(small, cst.ImportFrom)
@@ -998,8 +994,8 @@ def _bare_import(
                 ):
                     return imp.statement, small
     raise Unsupported(
-        f"`{a.FUSED_OP}` is called by a bare name that `from vllm._custom_ops import …` does not bring in: "
-        f"where `{a.RESHAPE_OP}` is cannot be told; import both from `vllm._custom_ops`, then run again"
+        f"`{schema.FUSED_OP}` is called by a bare name that `from vllm._custom_ops import …` does not bring in: "
+        f"where `{schema.RESHAPE_OP}` is cannot be told; import both from `vllm._custom_ops`, then run again"
     )
 
 
@@ -1088,18 +1084,59 @@ def _insert_kv(
 {index_write}'''
 
 
+# What `revert` puts back: the fork-era `_insert_kv`, reading the slot mappings from the
+# forward context's metadata (names filled in from the file like the templates above).
+INSERT_KV_METADATA = '''\
+def _insert_kv(
+{I}self, key: torch.Tensor, value: torch.Tensor, index_key: torch.Tensor
+) -> None:
+{I}"""Write main K/V and index-K into their paged caches.
+
+{D}No-op during the profiling run, where caches are not yet bound and
+{D}``attn_metadata`` is None.
+{D}"""
+{I}attn_metadata = get_forward_context().attn_metadata
+{I}if not isinstance(attn_metadata, dict):
+{I}{I}return
+{I}main_meta = attn_metadata[{main_key}]
+{I}index_meta = attn_metadata[{index_key}]
+{I}assert isinstance(main_meta, {main_metadata})
+{I}assert isinstance(index_meta, {index_metadata})
+
+{I}# Identity scale: unused for the bf16 cache, required arg of the op.
+{I}key_cache, value_cache = {kv_cache}.unbind(1)
+{I}scale = torch.ones((), device=key.device)
+{I}{reshape}(
+{I}{I}key.view(-1, {num_kv_heads}, {head_dim}),
+{I}{I}value.view(-1, {num_kv_heads}, {head_dim}),
+{I}{I}key_cache,
+{I}{I}value_cache,
+{I}{I}main_meta.slot_mapping,
+{I}{I}{dtype},
+{I}{I}scale,
+{I}{I}scale,
+{I})
+
+{I}# Index-key cache: single vector per token, scatter by slot.
+{I}idx_cache = {index_cache}.view(-1, {idx_head_dim})
+{I}idx_cache[index_meta.slot_mapping] = index_key.to(idx_cache.dtype)
+'''
+
+# Comment blocks that belong to the bypass: the rewrite's own, and those of the
+# seed write-up's diff (fixtures/patched). Comments are text, so they can only
+# be recognised as text; any other comment above a removed line is kept.
 def _indented(text: str, indent: str) -> str:
     return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
 
 
-def _render(template: str, newline: str, indent: str, depth: int = 1, **names: str) -> str:
+def render(template: str, newline: str, indent: str, depth: int = 1, **names: str) -> str:
     """Fill a template; ``{I}`` is one indent step, ``{D}`` a docstring line of a
     method in a class ``depth`` blocks deep (its text is not re-indented)."""
     text = template.format(I=indent, D=indent * (depth + 1), **names)
     return text.replace("\n", newline)
 
 
-def _statements(text: str, module: cst.Module) -> list[cst.BaseStatement]:
+def parse_statements(text: str, module: cst.Module) -> list[cst.BaseStatement]:
     """Parse generated code with the file's indent and newline; comments included."""
     # A leading `pass` keeps the first comment lines on the first statement
     # instead of the module header.
@@ -1119,12 +1156,12 @@ def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalys
     if source is None:
         source = module.code
     source_map = a.SourceMap.of(module, source)
-    finder = _find_calls(module, source_map, a.pass_through_wrappers(module))
+    finder = find_calls(module, source_map, a.pass_through_wrappers(module))
     found_calls = finder.found
-    flag = a.FP8_FLAG if isinstance(source, str) else a.FP8_FLAG.encode()
+    flag = schema.FP8_FLAG if isinstance(source, str) else schema.FP8_FLAG.encode()
     mentions_flag = flag in source  # type: ignore[operator]
     functions = a.module_functions(module)
-    classified = [_classify(module, f, functions, mentions_flag) for f in found_calls]
+    classified = [classify(module, f, functions, mentions_flag) for f in found_calls]
     strays = [_stray_site(node, stmt, source_map) for node, stmt in finder.strays()]
     sites = one_candidate([site for site, _ in classified] + strays)
     plans = [plan for (_, plan), site in zip(classified, sites) if plan is not None and site.action in CHANGING]
@@ -1144,22 +1181,22 @@ def _stray_site(node: cst.CSTNode, stmt: cst.CSTNode | None, source_map: a.Sourc
     reason = (
         f"the op is named without being called by that name (`{shown}`): calls through an "
         f"import alias, a local or getattr cannot be followed, so whether this file needs the bypass "
-        f"cannot be told. Call it as `ops.{a.FUSED_OP}(…)` (or import it without `as`), then run again"
+        f"cannot be told. Call it as `ops.{schema.FUSED_OP}(…)` (or import it without `as`), then run again"
     )
     return InsertSite(None, "<module>", span[0] if span else 0, SiteState.UNSUPPORTED, Action.REFUSE, reason)
 
 
-def _classify(
+def classify(
     module: cst.Module,
-    found: _FoundCall,
+    found: FoundCall,
     functions: dict[str, cst.FunctionDef] | None = None,
     mentions_flag: bool = True,
 ) -> tuple[InsertSite, BypassPlan | RevertPlan | None]:
     call = found.call
-    kv = found.op.arg(a.KV_CACHE)
-    dtype = found.op.arg(a.KV_CACHE_DTYPE)
+    kv = found.op.arg(schema.KV_CACHE)
+    dtype = found.op.arg(schema.KV_CACHE_DTYPE)
     in_method = found.method is not None and found.nested_in is None
-    slot = _find_call_slot(found.method, call) if in_method else None
+    slot = find_call_slot(found.method, call) if in_method else None
     facts = CallFacts(
         line=found.line,
         class_name=found.cls.name.value if found.cls else None,
@@ -1181,7 +1218,7 @@ def _classify(
     def collect() -> _Pieces:
         assert found.cls is not None and found.method is not None
         fns = a.module_functions(module) if functions is None else functions
-        found_pieces.append(_collect_pieces(found.cls, found.method, found.op, slot, fns, mentions_flag))
+        found_pieces.append(collect_pieces(found.cls, found.method, found.op, slot, fns, mentions_flag))
         return found_pieces[-1]
 
     decided = verdict(facts, collect)
@@ -1228,7 +1265,7 @@ class Fp8KvBypass(cst.CSTTransformer):
         new_args = []
         for orig_arg, arg in zip(original.args, updated.args, strict=True):
             param = next(
-                (p for p in (a.KV_CACHE, a.INDEX_CACHE) if self.plan.op.arg(p) is orig_arg),
+                (p for p in (schema.KV_CACHE, schema.INDEX_CACHE) if self.plan.op.arg(p) is orig_arg),
                 None,
             )
             if param is not None and param.keyword in wrap:
@@ -1250,12 +1287,12 @@ class Fp8KvBypass(cst.CSTTransformer):
         names = list(updated.names)
         last = names[-1]
         names[-1] = last.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-        names.append(cst.ImportAlias(name=cst.Name(a.RESHAPE_OP), comma=last.comma))
+        names.append(cst.ImportAlias(name=cst.Name(schema.RESHAPE_OP), comma=last.comma))
         return updated.with_changes(names=names)
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         if original is self.plan.old_insert_kv:
-            (new,) = _statements(self.plan.insert_kv_code, self.module)
+            (new,) = parse_statements(self.plan.insert_kv_code, self.module)
             assert isinstance(new, cst.FunctionDef)
             return new.with_changes(leading_lines=original.leading_lines, decorators=original.decorators)
         return updated
@@ -1271,15 +1308,15 @@ class Fp8KvBypass(cst.CSTTransformer):
         body = list(updated.body)
         if original is plan.call_slot.block:
             i = plan.call_slot.index
-            after = _statements(plan.post_insert_code, self.module) if plan.add_post_insert else []
-            before = _statements(plan.guard_code, self.module) if plan.add_guard else []
+            after = parse_statements(plan.post_insert_code, self.module) if plan.add_post_insert else []
+            before = parse_statements(plan.guard_code, self.module) if plan.add_guard else []
             body[i + 1 : i + 1] = after
             body[i:i] = before
         if plan.flag_slot is not None and original is plan.flag_slot.block:
             i = plan.flag_slot.index
-            body[i + 1 : i + 1] = _statements(plan.flag_code, self.module)
+            body[i + 1 : i + 1] = parse_statements(plan.flag_code, self.module)
         if original is plan.cls.body and plan.insert_kv == "add":
-            (new,) = _statements(plan.insert_kv_code, self.module)
+            (new,) = parse_statements(plan.insert_kv_code, self.module)
             assert isinstance(new, cst.FunctionDef)
             new = new.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
             index = next(i for i, s in enumerate(original.body) if s is plan.method)
@@ -1302,7 +1339,7 @@ class Fp8KvBypass(cst.CSTTransformer):
                 body.append(new)
                 continue
             kept = [*carried, *(line for line in new.leading_lines if not _replaced_comment(line))]
-            replacement = _statements(edits[id(orig)], self.module)
+            replacement = parse_statements(edits[id(orig)], self.module)
             if not replacement:
                 carried = kept
                 continue

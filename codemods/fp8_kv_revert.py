@@ -1,6 +1,6 @@
 """Revert the fp8 KV-cache bypass: the structural inverse of ``fp8_kv_bypass``.
 
-It finds the bypass with the same finders as the rewrite (``_collect_pieces``
+It finds the bypass with the same finders as the rewrite (``collect_pieces``
 and the anchors) and takes out what the rewrite put in, so that
 ``revert(run(x)) == x`` byte for byte on every before-state fixture:
 
@@ -9,7 +9,7 @@ and the anchors) and takes out what the rewrite put in, so that
    guarded post-call block (slices + ``self._insert_kv(...)``) go, with the
    comment lines that the rewrite (or the seed write-up's diff) put above them;
 3. ``_insert_kv`` taking the slot mappings is restored to the canonical
-   ``attn_metadata`` form (``INSERT_KV_METADATA`` below, the fork-era method)
+   ``attn_metadata`` form (``bp.INSERT_KV_METADATA`` below, the fork-era method)
    where the file imports the metadata classes that form asserts on, and is
    removed where it does not: such a file never had the attn_metadata form, so
    the rewrite added the method. The metadata class that ``run`` dropped as an
@@ -28,58 +28,17 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
 from codemods import fp8_kv_bypass as bp
-from codemods.fp8_kv_bypass import Action, InsertSite, Unsupported
+from codemods.fp8_kv_bypass import Unsupported
+from codemods.schema import Action, InsertSite
 from codemods import schema
 from codemods.schema import DTYPE_ATTR, SLOTS_FORMS
 
-DESCRIPTION = "Take the fp8 KV-cache bypass out of MiniMax-M3 sparse attention again."
 
 # The metadata classes the attn_metadata ``_insert_kv`` asserts on.
 MAIN_METADATA = "MiniMaxM3SparseMetadata"
 INDEX_METADATA = "MiniMaxM3IndexerMetadata"
 FORWARD_CONTEXT = "get_forward_context"
 
-# The canonical fork-era method (fixtures/fork_era/model.py), names filled in
-# from the file like the rewrite's own templates.
-INSERT_KV_METADATA = '''\
-def _insert_kv(
-{I}self, key: torch.Tensor, value: torch.Tensor, index_key: torch.Tensor
-) -> None:
-{I}"""Write main K/V and index-K into their paged caches.
-
-{D}No-op during the profiling run, where caches are not yet bound and
-{D}``attn_metadata`` is None.
-{D}"""
-{I}attn_metadata = get_forward_context().attn_metadata
-{I}if not isinstance(attn_metadata, dict):
-{I}{I}return
-{I}main_meta = attn_metadata[{main_key}]
-{I}index_meta = attn_metadata[{index_key}]
-{I}assert isinstance(main_meta, {main_metadata})
-{I}assert isinstance(index_meta, {index_metadata})
-
-{I}# Identity scale: unused for the bf16 cache, required arg of the op.
-{I}key_cache, value_cache = {kv_cache}.unbind(1)
-{I}scale = torch.ones((), device=key.device)
-{I}{reshape}(
-{I}{I}key.view(-1, {num_kv_heads}, {head_dim}),
-{I}{I}value.view(-1, {num_kv_heads}, {head_dim}),
-{I}{I}key_cache,
-{I}{I}value_cache,
-{I}{I}main_meta.slot_mapping,
-{I}{I}{dtype},
-{I}{I}scale,
-{I}{I}scale,
-{I})
-
-{I}# Index-key cache: single vector per token, scatter by slot.
-{I}idx_cache = {index_cache}.view(-1, {idx_head_dim})
-{I}idx_cache[index_meta.slot_mapping] = index_key.to(idx_cache.dtype)
-'''
-
-# Comment blocks that belong to the bypass: the rewrite's own, and those of the
-# seed write-up's diff (fixtures/patched). Comments are text, so they can only
-# be recognised as text; any other comment above a removed line is kept.
 SEED_COMMENTS = (
     (
         "fp8 main-K/V cache: the fused qknorm+rope+kv-insert op is bf16-cache-only",
@@ -174,7 +133,7 @@ class RevertAnalysis:
 def analyze_revert(module: cst.Module) -> RevertAnalysis:
     """Find every call of the fused op; plan the removal of a bypass around it."""
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    finder = bp._CallFinder(a.pass_through_wrappers(module))
+    finder = bp.CallFinder(a.pass_through_wrappers(module))
     wrapper.visit(finder)
     positions = wrapper.resolve(PositionProvider)
     for found in finder.found:  # the finder leaves numbering to its caller
@@ -183,7 +142,7 @@ def analyze_revert(module: cst.Module) -> RevertAnalysis:
     sites: list[InsertSite] = []
     plans: list[RevertPlan | None] = []
     for found in finder.found:
-        site, _ = bp._classify(module, found)
+        site, _ = bp.classify(module, found)
         plan = failure = None
         try:
             plan = _plan_site(module, found, positions)
@@ -196,7 +155,7 @@ def analyze_revert(module: cst.Module) -> RevertAnalysis:
     return RevertAnalysis(module, sites, kept)
 
 
-def plan_strip(module: cst.Module, found: bp._FoundCall) -> RevertPlan:
+def plan_strip(module: cst.Module, found: bp.FoundCall) -> RevertPlan:
     """``run`` on a native call that carries bypass pieces: the revert of that site."""
     positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
     plan = _plan_site(module, found, positions)
@@ -217,14 +176,14 @@ def _revert_reason(plan: RevertPlan) -> str:
     return f"fp8 bypass ({have}) taken out: plain cache arguments, {what}"
 
 
-def _plan_site(module: cst.Module, found: bp._FoundCall, positions) -> RevertPlan | None:
+def _plan_site(module: cst.Module, found: bp.FoundCall, positions) -> RevertPlan | None:
     """None when there is no bypass around this call; ``Unsupported`` when one cannot be proven."""
     cls, method, op = found.cls, found.method, found.op
     call = op.call
     if cls is None:
         return None
-    class_reads_flag = any(a.self_attr(n) == a.FP8_FLAG for n in a.walk_all(cls.body))
-    kv = op.arg(a.KV_CACHE)
+    class_reads_flag = any(a.self_attr(n) == schema.FP8_FLAG for n in a.walk_all(cls.body))
+    kv = op.arg(schema.KV_CACHE)
     odd = (
         method is None
         or found.nested_in is not None
@@ -238,8 +197,8 @@ def _plan_site(module: cst.Module, found: bp._FoundCall, positions) -> RevertPla
                 raise Unsupported("the call is not directly in a method: its bypass cannot be delimited")
         return None
     assert method is not None
-    slot = bp._find_call_slot(method, call)
-    pieces = bp._collect_pieces(cls, method, op, slot, a.module_functions(module))
+    slot = bp.find_call_slot(method, call)
+    pieces = bp.collect_pieces(cls, method, op, slot, a.module_functions(module))
     if not pieces.any_bypass():
         return None
     if slot is None:
@@ -253,11 +212,11 @@ def _plan_site(module: cst.Module, found: bp._FoundCall, positions) -> RevertPla
     init = a.find_method(cls, "__init__")
     if init is not None:
         attrs = a.self_assignments(init)
-        for flag_slot, value in attrs.get(a.FP8_FLAG, []):
+        for flag_slot, value in attrs.get(schema.FP8_FLAG, []):
             if any(isinstance(n, cst.Call) for n in a.walk_all(value)):
                 raise Unsupported("`self._fp8_kv` is assigned a call, which removing would skip")
             remove.append(flag_slot.statement)
-        remove += [scale_slot.statement for scale_slot, _ in attrs.get(a.FP8_SCALE, [])]
+        remove += [scale_slot.statement for scale_slot, _ in attrs.get(schema.FP8_SCALE, [])]
     if pieces.guard_assigned is not None:
         remove += [
             s
@@ -270,7 +229,7 @@ def _plan_site(module: cst.Module, found: bp._FoundCall, positions) -> RevertPla
     if post is not None:
         remove.append(post)
         guard = _block_guard(post)
-        if guard is not None and guard != a.FP8_FLAG:
+        if guard is not None and guard != schema.FP8_FLAG:
             guards.add(guard)
 
     # `X if G else None` cache arguments, and any other argument the guard
@@ -283,7 +242,7 @@ def _plan_site(module: cst.Module, found: bp._FoundCall, positions) -> RevertPla
         if all(any(st is r for r in remove) for st in block_slot.block.body):
             raise Unsupported("removing the bypass would leave an empty block")
 
-    insert_kv_fn = a.find_method(cls, a.INSERT_KV)
+    insert_kv_fn = a.find_method(cls, schema.INSERT_KV)
     plan = RevertPlan(
         cls=cls,
         call=call,
@@ -299,7 +258,7 @@ def _plan_site(module: cst.Module, found: bp._FoundCall, positions) -> RevertPla
     )
     if pieces.insert_kv in SLOTS_FORMS:
         assert insert_kv_fn is not None
-        _plan_insert_kv(module, found, slot, insert_kv_fn, post, plan, native=op.arg(a.KV_CACHE_DTYPE) is not None)
+        _plan_insert_kv(module, found, slot, insert_kv_fn, post, plan, native=op.arg(schema.KV_CACHE_DTYPE) is not None)
     elif pieces.insert_kv == "other" and post is not None:
         raise Unsupported(
             "`_insert_kv` is neither the attn_metadata form nor the slot-mapping one: cannot restore it"
@@ -328,12 +287,12 @@ def _post_call_block(method: cst.FunctionDef, slot: a.StatementSlot, guards: set
     not <guard>:``) after the call: slices and asserts, then ``self._insert_kv(...)`` - on
     the compiled path maybe a custom op instead (``if torch.compiler.is_compiling(): ...``)."""
     for index, stmt in enumerate(slot.after()):
-        if not any(bp._is_insert_kv_call(n) for n in a.walk_all(stmt)):
+        if not any(bp.is_insert_kv_call(n) for n in a.walk_all(stmt)):
             continue
         if not isinstance(stmt, cst.If) or stmt.orelse is not None:
             raise Unsupported("the post-call `self._insert_kv(...)` is not in an `if not <guard>:` block")
         guard = _block_guard(stmt)
-        if guard is None or (guard != a.FP8_FLAG and guard not in guards and guard != bp.GUARD_NAME):
+        if guard is None or (guard != schema.FP8_FLAG and guard not in guards and guard != schema.GUARD_NAME):
             raise Unsupported("the post-call `self._insert_kv(...)` is not under `if not <guard>:`")
         assigned: set[str] = set()
         if _block_inserts(stmt.body, assigned) != 1:
@@ -358,7 +317,7 @@ def _block_inserts(suite: cst.BaseSuite, assigned: set[str]) -> int:
         call = a.expression_call(inner)
         if pair is not None and isinstance(pair[0], cst.Name):
             assigned.add(pair[0].value)
-        elif call is not None and bp._is_insert_kv_call(call):
+        elif call is not None and bp.is_insert_kv_call(call):
             inserts += 1
         elif isinstance(inner, cst.SimpleStatementLine) and all(isinstance(x, cst.Assert) for x in inner.body):
             continue
@@ -396,10 +355,6 @@ def _slots_of(cls: cst.ClassDef, statements: list[cst.BaseStatement]) -> list[a.
     return found
 
 
-def _within(node: cst.CSTNode, roots: list[cst.CSTNode]) -> bool:
-    return any(any(n is node for n in a.walk_all(r)) for r in roots)
-
-
 def _check_nothing_left(
     cls: cst.ClassDef,
     method: cst.FunctionDef,
@@ -414,7 +369,7 @@ def _check_nothing_left(
     for node in a.walk_all(cls.body):
         if id(node) in removed_nodes:
             continue
-        if a.self_attr(node) == a.FP8_FLAG:
+        if a.self_attr(node) == schema.FP8_FLAG:
             line = positions[node].start.line if node in positions else "?"
             raise Unsupported(f"`self._fp8_kv` is also used at line {line}, outside the bypass")
     for node in a.walk_scope(method.body):
@@ -427,7 +382,7 @@ def _check_nothing_left(
 
 def _plan_insert_kv(
     module: cst.Module,
-    found: bp._FoundCall,
+    found: bp.FoundCall,
     slot: a.StatementSlot,
     fn: cst.FunctionDef,
     post: cst.If | None,
@@ -440,13 +395,13 @@ def _plan_insert_kv(
     assert cls is not None and method is not None
     post_calls = {id(n) for n in a.walk_all(post)} if post is not None else set()
     for node in a.walk_all(cls.body):
-        if bp._is_insert_kv_call(node) and id(node) not in post_calls:
+        if bp.is_insert_kv_call(node) and id(node) not in post_calls:
             raise Unsupported("`_insert_kv` is also called outside the bypass: its signature must stay")
     if native:
         plan.removed_because = "a native call writes the cache itself"
         plan.insert_kv = "remove"
         plan.old_insert_kv = fn
-        plan.drop_imports = {a.RESHAPE_OP}
+        plan.drop_imports = {schema.RESHAPE_OP}
         plan.also_remove = _exclusive_delegates(module, cls, fn, plan.dead)
         return
 
@@ -465,7 +420,7 @@ def _plan_insert_kv(
         plan.removed_because = "no attn_metadata class is imported, so no fork-era form to restore"
         plan.insert_kv = "remove"
         plan.old_insert_kv = fn
-        plan.drop_imports = {a.RESHAPE_OP}
+        plan.drop_imports = {schema.RESHAPE_OP}
         plan.also_remove = _exclusive_delegates(module, cls, fn)
         return
 
@@ -474,16 +429,16 @@ def _plan_insert_kv(
     init = a.find_method(cls, "__init__")
     if init is None:
         raise Unsupported(f"class {cls.name.value} has no __init__")
-    caches, _ = bp._cache_args(op, method, slot)
+    caches, _ = bp.cache_args(op, method, slot)
     init_attrs = a.self_assignments(init)
-    w = bp._widths(op, method, slot, init_attrs)
+    w = bp.widths(op, method, slot, init_attrs)
     dtype_attr = f"self.{DTYPE_ATTR}"
     if DTYPE_ATTR not in init_attrs:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
-    namespace = bp._op_namespace(op, imports)
-    if namespace is None and not any(i.bound == a.RESHAPE_OP for i in imports):
-        raise Unsupported(f"`{a.RESHAPE_OP}` is not imported: cannot restore the attn_metadata _insert_kv")
-    reshape = a.RESHAPE_OP if namespace is None else f"{namespace}.{a.RESHAPE_OP}"
+    namespace = bp.op_namespace(op, imports)
+    if namespace is None and not any(i.bound == schema.RESHAPE_OP for i in imports):
+        raise Unsupported(f"`{schema.RESHAPE_OP}` is not imported: cannot restore the attn_metadata _insert_kv")
+    reshape = schema.RESHAPE_OP if namespace is None else f"{namespace}.{schema.RESHAPE_OP}"
 
     holder = metadata[0].statement.body
     plan.metadata_import = next(
@@ -494,17 +449,17 @@ def _plan_insert_kv(
     plan.insert_kv = "restore"
     plan.old_insert_kv = fn
     plan.also_remove = _exclusive_delegates(module, cls, fn)
-    plan.insert_kv_code = bp._render(
-        INSERT_KV_METADATA,
+    plan.insert_kv_code = bp.render(
+        bp.INSERT_KV_METADATA,
         module.default_newline,
         module.default_indent,
         found.class_depth + 1,
-        main_key=_metadata_key(method, op, a.SLOT_MAPPING, slot),
-        index_key=_metadata_key(method, op, a.INDEX_SLOT_MAPPING, slot),
+        main_key=_metadata_key(method, op, schema.SLOT_MAPPING, slot),
+        index_key=_metadata_key(method, op, schema.INDEX_SLOT_MAPPING, slot),
         main_metadata=MAIN_METADATA,
         index_metadata=INDEX_METADATA,
-        kv_cache=caches[a.KV_CACHE.keyword],
-        index_cache=caches[a.INDEX_CACHE.keyword],
+        kv_cache=caches[schema.KV_CACHE.keyword],
+        index_cache=caches[schema.INDEX_CACHE.keyword],
         num_kv_heads=w.num_kv_heads,
         head_dim=w.head_dim,
         idx_head_dim=w.idx_head_dim,
@@ -513,7 +468,7 @@ def _plan_insert_kv(
     )
 
 
-def _metadata_key(method: cst.FunctionDef, op: a.OpCall, param: a.OpParam, slot: a.StatementSlot) -> str:
+def _metadata_key(method: cst.FunctionDef, op: a.OpCall, param: schema.OpParam, slot: a.StatementSlot) -> str:
     """``fwd_slot_mapping[<key>]`` (directly or through a local) -> the code of ``<key>``."""
     arg = op.arg(param)
     value = arg.value if arg is not None else None
@@ -616,7 +571,7 @@ class Fp8KvRevert(cst.CSTTransformer):
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         if self.plan.insert_kv == "restore" and original is self.plan.old_insert_kv:
-            (new,) = bp._statements(self.plan.insert_kv_code, self.module)
+            (new,) = bp.parse_statements(self.plan.insert_kv_code, self.module)
             assert isinstance(new, cst.FunctionDef)
             return new.with_changes(leading_lines=original.leading_lines, decorators=original.decorators)
         return updated

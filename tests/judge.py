@@ -40,7 +40,8 @@ import warnings
 import libcst as cst
 from mutations import FUSED_OP, INDEX_CACHE, INDEX_SLOT_MAPPING, KV_CACHE, SCHEMA, SLOT_MAPPING
 
-from codemods.fp8_kv_bypass import SiteState, analyze
+from codemods.fp8_kv_bypass import analyze
+from codemods.schema import SiteState
 
 FLAG = "_fp8_kv"
 SCALE = "_fp8_kv_scale"
@@ -170,7 +171,7 @@ def _is_bypass_statement(stmt: ast.stmt) -> bool:
         if isinstance(stmt.targets[0], ast.Name) and _is_not_flag(stmt.value):
             return True
     if isinstance(stmt, ast.If) and not stmt.orelse and _guard_test(stmt.test) is not None:
-        return any(_is_insert_kv_call(n) for n in ast.walk(stmt))
+        return any(is_insert_kv_call(n) for n in ast.walk(stmt))
     return False
 
 
@@ -252,7 +253,7 @@ def _post_insert(
     follow = block[i + 1] if i + 1 < len(block) else None
     if not (isinstance(follow, ast.If) and not follow.orelse and _guard_test(follow.test) in (guard, FLAG)):
         return [f"{where}: the statement after the call is not `if not {guard}:`"]
-    inserts = [n for n in ast.walk(follow) if _is_insert_kv_call(n)]
+    inserts = [n for n in ast.walk(follow) if is_insert_kv_call(n)]
     if len(inserts) != 1:
         return [f"{where}: {len(inserts)} `self._insert_kv(...)` calls after the call"]
     (insert,) = inserts
@@ -306,7 +307,7 @@ def _flag_and_insert_kv(cls: ast.ClassDef, where: str) -> list[str]:
         for s in cls.body
         if not (isinstance(s, ast.FunctionDef) and s.name == INSERT_KV)
         for n in ast.walk(s)
-        if _is_insert_kv_call(n)
+        if is_insert_kv_call(n)
     ]
     if len(callers) != 1:
         problems.append(
@@ -473,7 +474,7 @@ def _unguard(node: ast.expr) -> ast.expr:
     return node.body if _guard_of(node) is not None else node  # type: ignore[attr-defined]
 
 
-def _is_insert_kv_call(node: ast.AST) -> bool:
+def is_insert_kv_call(node: ast.AST) -> bool:
     return isinstance(node, ast.Call) and _self_attr(node.func) == INSERT_KV
 
 

@@ -7,7 +7,8 @@ import textwrap
 import libcst as cst
 import pytest
 
-from codemods.fp8_kv_bypass import Action, SiteState, analyze, rewrite
+from codemods.fp8_kv_bypass import analyze, rewrite
+from codemods.schema import Action, SiteState
 
 BEFORE = """\
 import torch

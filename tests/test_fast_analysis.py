@@ -17,7 +17,7 @@ from conftest import FIXTURES, ROOT
 from test_prefilter import NATIVE_LAYOUTS, PATCHED_LAYOUTS, wheel_files  # noqa: F401 (fixture)
 
 from codemods import anchors as a
-from codemods.fp8_kv_bypass import _find_calls, analyze
+from codemods.fp8_kv_bypass import find_calls, analyze
 
 CORPUS = sorted({p.resolve() for p in FIXTURES.glob("*/*.py")})
 
@@ -37,7 +37,7 @@ def sources() -> list[tuple[str, bytes]]:
 
 def found(module: cst.Module, source_map: a.SourceMap | None) -> list[tuple[int, int]]:
     wrappers = a.pass_through_wrappers(module)
-    return [(id(f.call), f.line) for f in _find_calls(module, source_map, wrappers).found]
+    return [(id(f.call), f.line) for f in find_calls(module, source_map, wrappers).found]
 
 
 @pytest.mark.parametrize(("name", "source"), sources(), ids=[n for n, _ in sources()])

@@ -9,7 +9,8 @@ import libcst as cst
 import pytest
 from conftest import FIXTURES, cli
 
-from codemods.fp8_kv_bypass import SiteState, analyze
+from codemods.fp8_kv_bypass import analyze
+from codemods.schema import SiteState
 from rewriter.apply import FileStatus, plan_file
 from rewriter.commands import run
 from rewriter.targets import Target

@@ -16,7 +16,8 @@ import libcst as cst
 import pytest
 from conftest import FIXTURES, syntax_tree
 
-from codemods.fp8_kv_bypass import SiteState, analyze, rewrite
+from codemods.fp8_kv_bypass import analyze, rewrite
+from codemods.schema import SiteState
 
 
 def fmt(source: str, line_length: int) -> str:

@@ -11,7 +11,8 @@ import pytest
 from conftest import FIXTURES, cli
 from test_codemod import AFTER, BEFORE, variant
 
-from codemods.fp8_kv_bypass import Action, SiteState, analyze, rewrite
+from codemods.fp8_kv_bypass import analyze, rewrite
+from codemods.schema import Action, SiteState
 from codemods.fp8_kv_revert import add_import_alias, analyze_revert, revert
 from rewriter import commands
 from rewriter.apply import FileStatus, plan_revert_file

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from codemods.fp8_kv_bypass import SiteState
+from codemods.schema import SiteState
 from rewriter.apply import FileStatus, classify_file
 from rewriter.targets import Target
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from codemods import schema as a
+from codemods import schema
 from codemods.schema import FUSED_OP, KV_CACHE, RESHAPE_OP
 
 from . import refops
@@ -90,9 +90,9 @@ DISTINCT = Shape(num_heads=6, num_kv_heads=2, num_idx_heads=3, head_dim=64, idx_
 # --- the layer's code, out of the file -----------------------------------------
 
 
-def _arg(call: ast.Call, param: a.OpParam) -> ast.expr | None:
+def _arg(call: ast.Call, param: schema.OpParam) -> ast.expr | None:
     positional = [arg for arg in call.args if not isinstance(arg, ast.Starred)]
-    return a.bind_arg(param, positional, [(k.arg, k.value) for k in call.keywords if k.arg is not None])
+    return schema.bind_arg(param, positional, [(k.arg, k.value) for k in call.keywords if k.arg is not None])
 
 
 def _callee(call: ast.Call) -> str | None:
@@ -100,7 +100,7 @@ def _callee(call: ast.Call) -> str | None:
     return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
 
 
-def _calls_fused_with_cache(node: ast.AST, wrappers: dict[str, dict[int, a.OpParam]] | None = None) -> bool:
+def _calls_fused_with_cache(node: ast.AST, wrappers: dict[str, dict[int, schema.OpParam]] | None = None) -> bool:
     """A call of the op, or of a pass-through wrapper of it, that passes a main cache."""
     return any(
         cache is not None and not (isinstance(cache, ast.Constant) and cache.value is None)
@@ -109,11 +109,11 @@ def _calls_fused_with_cache(node: ast.AST, wrappers: dict[str, dict[int, a.OpPar
     )
 
 
-def _op_calls(node: ast.AST, wrappers: dict[str, dict[int, a.OpParam]]) -> list[ast.Call]:
+def _op_calls(node: ast.AST, wrappers: dict[str, dict[int, schema.OpParam]]) -> list[ast.Call]:
     return [c for c in ast.walk(node) if isinstance(c, ast.Call) and (_callee(c) == FUSED_OP or _callee(c) in wrappers)]
 
 
-def _op_arg(call: ast.Call, param: a.OpParam, wrappers: dict[str, dict[int, a.OpParam]]) -> ast.expr | None:
+def _op_arg(call: ast.Call, param: schema.OpParam, wrappers: dict[str, dict[int, schema.OpParam]]) -> ast.expr | None:
     """What the op's ``param`` receives from ``call`` (through a wrapper's own parameter)."""
     mapping = wrappers.get(_callee(call) or "")
     if mapping is None:
@@ -122,7 +122,7 @@ def _op_arg(call: ast.Call, param: a.OpParam, wrappers: dict[str, dict[int, a.Op
     return _arg(call, own) if own is not None else None
 
 
-def _wrappers(text: str) -> dict[str, dict[int, a.OpParam]]:
+def _wrappers(text: str) -> dict[str, dict[int, schema.OpParam]]:
     """The file's pass-through wrappers of the op, as the codemod finds them."""
     import libcst
 
@@ -236,7 +236,7 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
     wrappers = _wrappers(text)
     bindings = _bindings(cls, wrappers)
     native = any(
-        _op_arg(call, a.KV_CACHE_DTYPE, wrappers) is not None
+        _op_arg(call, schema.KV_CACHE_DTYPE, wrappers) is not None
         for call in _op_calls(cls, wrappers)
         if _calls_fused_with_cache(call, wrappers)
     )
@@ -254,18 +254,18 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
 # What the fused op's parameters hold, where a call passes them a `self.` chain:
 # an input of the stand-in, or a size of the Shape (names differ between files).
 _BOUND_PARAMS = [
-    (a.OpParam(1, "q_norm_weight"), "q_norm_weight"),
-    (a.OpParam(2, "k_norm_weight"), "k_norm_weight"),
-    (a.OpParam(3, "cos_sin_cache"), "cos_sin_cache"),
-    (a.NUM_HEADS, "num_heads"),
-    (a.NUM_KV_HEADS, "num_kv_heads"),
-    (a.OpParam(7, "rotary_dim"), "rotary_dim"),
-    (a.OpParam(8, "eps"), "eps"),
-    (a.OpParam(9, "index_q_norm_weight"), "index_q_norm_weight"),
-    (a.OpParam(10, "index_k_norm_weight"), "index_k_norm_weight"),
-    (a.NUM_INDEX_HEADS, "num_idx_heads"),
-    (a.KV_CACHE, "kv_cache"),
-    (a.INDEX_CACHE, "index_cache"),
+    (schema.OpParam(1, "q_norm_weight"), "q_norm_weight"),
+    (schema.OpParam(2, "k_norm_weight"), "k_norm_weight"),
+    (schema.OpParam(3, "cos_sin_cache"), "cos_sin_cache"),
+    (schema.NUM_HEADS, "num_heads"),
+    (schema.NUM_KV_HEADS, "num_kv_heads"),
+    (schema.OpParam(7, "rotary_dim"), "rotary_dim"),
+    (schema.OpParam(8, "eps"), "eps"),
+    (schema.OpParam(9, "index_q_norm_weight"), "index_q_norm_weight"),
+    (schema.OpParam(10, "index_k_norm_weight"), "index_k_norm_weight"),
+    (schema.NUM_INDEX_HEADS, "num_idx_heads"),
+    (schema.KV_CACHE, "kv_cache"),
+    (schema.INDEX_CACHE, "index_cache"),
 ]
 # The head size that goes with each norm weight (the op reads it off the weight) and
 # with each head count.
@@ -289,7 +289,7 @@ def _self_chain(node: ast.AST) -> tuple[str, ...] | None:
 
 
 def _bindings(
-    cls: ast.ClassDef, wrappers: dict[str, dict[int, a.OpParam]]
+    cls: ast.ClassDef, wrappers: dict[str, dict[int, schema.OpParam]]
 ) -> dict[tuple[str, ...], tuple[str, ...]]:
     """What each ``self.`` chain holds (sizes first, in ``SIZES`` order), told by the
     file's own code - never by the widths a rewrite slices with:
@@ -540,7 +540,7 @@ class RunResult:
 
 
 # The bypass's own attributes: a missing one is the file's bug, never the stand-in's.
-_BYPASS_ATTRS = (a.FP8_FLAG, a.FP8_SCALE)
+_BYPASS_ATTRS = (schema.FP8_FLAG, schema.FP8_SCALE)
 
 
 def _gap(exc: BaseException, layer: Any) -> str | None:

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from codemods.anchors import FUSED_OP, KV_CACHE
+from codemods.schema import FUSED_OP, KV_CACHE
 from rewriter.targets import run_python
 
 NVIDIA_PARTS = ("vllm", "models", "minimax_m3", "nvidia")
