@@ -1,15 +1,28 @@
-"""fp8 KV-cache bypass for MiniMax-M3's fused qknorm+rope+kv-insert op.
+"""The rewrite: route fp8 KV-cache writes around MiniMax-M3's bf16-only fused insert op.
 
-The fork-era op writes bf16 caches only. The bypass runs it in norm+rope-only
-mode (cache arguments ``None``) when the cache is fp8 and writes the cache with
-``reshape_and_cache_flash``, which quantizes. Reading order of this module:
+What it matches: every call of ``fused_minimax_m3_qknorm_rope_kv_insert`` (and
+of a module function that passes its arguments through), the class and method
+around it, and the bypass pieces there (``collect_pieces``); ``schema`` decides
+each call's state. For a call that needs work it plans, from names it proves in
+the file, what to write (``BypassPlan``), or refuses (``Unsupported``).
 
-1. ``SiteState`` (in ``schema``) - the states a call of the op can be in (one
-   example file per state under ``fixtures/``, each with a one-line README),
-   and ``verdict``, which decides a call's state from what was found there.
-2. ``analyze`` - finds every call, classifies it, and for a site that needs
-   work builds a ``BypassPlan`` whose every name comes from the file.
-3. ``Fp8KvBypass`` - the LibCST transformer that applies one plan.
+What it writes (the templates below, ``FLAG`` to ``INSERT_KV_METHOD``)::
+
+    # before: a fork-era forward              # after
+    ops.fused_…(qkv, …,                        insert_via_fused = not self._fp8_kv
+        self.kv_cache,                         ops.fused_…(qkv, …,
+        self.indexer.kv_cache, …)                  self.kv_cache if insert_via_fused else None,
+                                                   self.indexer.kv_cache if insert_via_fused else None, …)
+                                               if not insert_via_fused:
+                                                   k, v, index_k = <strided views of qkv>
+                                                   self._insert_kv(k, v, index_k, slots, index_slots)
+
+plus ``self._fp8_kv = "fp8" in self.kv_cache_dtype`` in ``__init__`` and an
+``_insert_kv`` that writes with ``reshape_and_cache_flash`` (which quantizes and
+skips padded slot -1). ``INSERT_KV_METADATA`` is the fork-era ``_insert_kv``
+that ``revert`` puts back.
+
+How: ``Fp8KvBypass``, the transformer that applies one plan.
 """
 
 from __future__ import annotations
@@ -201,11 +214,7 @@ def find_calls(
     if source_map is not None:
         needles = [name.encode() for name in names]
         op_lines = [i for i, text in enumerate(source_map.lines) if any(n in text for n in needles)]
-        skip = [
-            stmt
-            for stmt, first, last in source_map.spans.values()
-            if not any(first <= line <= last for line in op_lines)
-        ]
+        skip = [stmt for stmt, first, last in source_map.spans.values() if not _holds(first, last, op_lines)]
         finder = CallFinder(wrappers, skip)
         module.visit(finder)
         calls = _ast_calls(source_map.tree, op_lines, names)
@@ -232,10 +241,9 @@ def _ast_calls(tree: ast.Module, op_lines: list[int], names: set[str]) -> list[a
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.stmt):
             first = min((d.lineno for d in getattr(node, "decorator_list", ())), default=node.lineno)
-            last = node.end_lineno or node.lineno
-            if not any(first <= line <= last for line in op_lines):
+            if not _holds(first, node.end_lineno or node.lineno, op_lines):
                 return
-        if isinstance(node, ast.Call) and _ast_callee(node) in names:
+        if isinstance(node, ast.Call) and schema.callee(node) in names:
             found.append(node)
         for child in ast.iter_child_nodes(node):
             visit(child)
@@ -247,10 +255,9 @@ def _ast_calls(tree: ast.Module, op_lines: list[int], names: set[str]) -> list[a
     return found
 
 
-def _ast_callee(call: ast.Call) -> str | None:
-    if isinstance(call.func, ast.Name):
-        return call.func.id
-    return call.func.attr if isinstance(call.func, ast.Attribute) else None
+def _holds(first: int, last: int, op_lines: list[int]) -> bool:
+    """A statement from ``first`` (its decorators) to ``last`` holds a line naming the op."""
+    return any(first <= line <= last for line in op_lines)
 
 
 # --- the pieces of a bypass ----------------------------------------------------

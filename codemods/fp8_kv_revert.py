@@ -9,7 +9,7 @@ and the anchors) and takes out what the rewrite put in, so that
    guarded post-call block (slices + ``self._insert_kv(...)``) go, with the
    comment lines that the rewrite (or the seed write-up's diff) put above them;
 3. ``_insert_kv`` taking the slot mappings is restored to the canonical
-   ``attn_metadata`` form (``bp.INSERT_KV_METADATA`` below, the fork-era method)
+   ``attn_metadata`` form (``fp8_kv_bypass.INSERT_KV_METADATA``, the fork-era method)
    where the file imports the metadata classes that form asserts on, and is
    removed where it does not: such a file never had the attn_metadata form, so
    the rewrite added the method. The metadata class that ``run`` dropped as an

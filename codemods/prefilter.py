@@ -39,7 +39,7 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
         named += sum(
             1 for value in ast.iter_fields(node) if isinstance(value[1], str) and schema.FUSED_OP in value[1]
         )
-        if isinstance(node, ast.Call) and schema.FUSED_OP == getattr(node.func, "attr", getattr(node.func, "id", None)):
+        if isinstance(node, ast.Call) and schema.callee(node) == schema.FUSED_OP:
             sites.append(_site(node, stack, lines))
         inner = (*stack, node) if isinstance(node, _DEFS) else stack
         for child in ast.iter_child_nodes(node):
@@ -49,7 +49,8 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
         visit(tree, ())
     except (_Defer, RecursionError):
         return None
-    if named != len(sites) or any(s.state not in (schema.SiteState.NATIVE, schema.SiteState.NOT_A_SITE) for s in sites):
+    answered = (schema.SiteState.NATIVE, schema.SiteState.NOT_A_SITE)
+    if named != len(sites) or any(s.state not in answered for s in sites):
         return None
     return sites
 
@@ -59,7 +60,7 @@ class _Defer(Exception):
 
 
 def _site(call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str]) -> schema.InsertSite:
-    if len(stack) < 2 or not isinstance(stack[-2], ast.ClassDef) or not isinstance(stack[-1], ast.FunctionDef):
+    if len(stack) < 2 or not (isinstance(stack[-2], ast.ClassDef) and isinstance(stack[-1], ast.FunctionDef)):
         raise _Defer  # not directly in a method (a wrapper, a nested def): LibCST follows these
     if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
         raise _Defer

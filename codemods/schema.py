@@ -214,6 +214,13 @@ def dotted(node: ast.expr) -> str | None:
     return None
 
 
+def callee(call: ast.Call) -> str | None:
+    """``f`` of ``f(…)`` and of ``x.f(…)``."""
+    if isinstance(call.func, ast.Name):
+        return call.func.id
+    return call.func.attr if isinstance(call.func, ast.Attribute) else None
+
+
 def is_compiling(node: ast.expr) -> bool:
     """``torch.compiler.is_compiling()``: forks that compile write the cache through a custom op."""
     return (
