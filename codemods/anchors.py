@@ -38,11 +38,6 @@ def callee_node(call: cst.Call) -> cst.CSTNode:
     return call.func.attr if isinstance(call.func, cst.Attribute) else call.func
 
 
-def is_fused_call(node: cst.CSTNode) -> bool:
-    """``ops.fused_…(…)``, ``torch.ops._C.fused_…(…)`` or a bare ``fused_…(…)``."""
-    return isinstance(node, cst.Call) and callee_name(node) == schema.FUSED_OP
-
-
 @dataclass(frozen=True)
 class Wrapper:
     """A module-level function that hands its parameters unchanged to the op (or to

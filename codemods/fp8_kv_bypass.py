@@ -92,6 +92,99 @@ class FileAnalysis:
         return [s for s in self.sites if s.action is Action.REFUSE]
 
 
+# --- classification -----------------------------------------------------------------
+
+
+def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalysis:
+    """Classify every call of the fused op in ``module`` (and plan what needs work).
+
+    ``source`` is the text ``module`` was parsed from, if the caller has it at
+    hand (else it is generated again).
+    """
+    if source is None:
+        source = module.code
+    source_map = a.SourceMap.of(module, source)
+    finder = find_calls(module, source_map, a.pass_through_wrappers(module))
+    found_calls = finder.found
+    flag = schema.FP8_FLAG if isinstance(source, str) else schema.FP8_FLAG.encode()
+    mentions_flag = flag in source  # type: ignore[operator]
+    functions = a.module_functions(module)
+    classified = [classify(module, f, functions, mentions_flag) for f in found_calls]
+    strays = [_stray_site(node, stmt, source_map) for node, stmt in finder.strays()]
+    sites = one_candidate([site for site, _ in classified] + strays)
+    plans = [plan for (_, plan), site in zip(classified, sites) if plan is not None and site.action in CHANGING]
+    return FileAnalysis(module, sites, plans, source_map)
+
+
+def _stray_site(node: cst.CSTNode, stmt: cst.CSTNode | None, source_map: a.SourceMap | None) -> InsertSite:
+    """The op named where its calls cannot be followed: the file cannot be called safe."""
+    span = source_map.span(stmt) if source_map is not None and stmt is not None else None
+    if stmt is not None:  # the statement itself (not the comments above it; a block's header line)
+        text = a.code(stmt.with_changes(leading_lines=[]))
+        shown = " ".join((text if isinstance(stmt, cst.SimpleStatementLine) else text.splitlines()[0]).split())
+    else:
+        shown = a.code(node)
+    if len(shown) > 100:
+        shown = shown[:97] + "..."
+    reason = (
+        f"the op is named without being called by that name (`{shown}`): calls through an "
+        f"import alias, a local or getattr cannot be followed, so whether this file needs the bypass "
+        f"cannot be told. Call it as `ops.{schema.FUSED_OP}(…)` (or import it without `as`), then run again"
+    )
+    return InsertSite(None, "<module>", span[0] if span else 0, SiteState.UNSUPPORTED, Action.REFUSE, reason)
+
+
+def classify(
+    module: cst.Module,
+    found: FoundCall,
+    functions: dict[str, cst.FunctionDef] | None = None,
+    mentions_flag: bool = True,
+) -> tuple[InsertSite, BypassPlan | RevertPlan | None]:
+    call = found.call
+    kv = found.op.arg(schema.KV_CACHE)
+    dtype = found.op.arg(schema.KV_CACHE_DTYPE)
+    in_method = found.method is not None and found.nested_in is None
+    slot = find_call_slot(found.method, call) if in_method else None
+    facts = CallFacts(
+        line=found.line,
+        class_name=found.cls.name.value if found.cls else None,
+        method=found.method.name.value if found.method else None,
+        module_function=found.module_function,
+        nested_in=found.nested_in,
+        star_args=a.has_star_args(call),
+        has_cache=kv is not None and not a.is_none(kv.value),
+        dtype=a.code(dtype.value) if dtype is not None else None,
+        dtype_is_auto=(
+            dtype is not None
+            and isinstance(dtype.value, cst.SimpleString)
+            and dtype.value.evaluated_value == AUTO_DTYPE
+        ),
+        in_block=slot is not None,
+    )
+    found_pieces: list[_Pieces] = []
+
+    def collect() -> _Pieces:
+        assert found.cls is not None and found.method is not None
+        fns = a.module_functions(module) if functions is None else functions
+        found_pieces.append(collect_pieces(found.cls, found.method, found.op, slot, fns, mentions_flag))
+        return found_pieces[-1]
+
+    decided = verdict(facts, collect)
+    plan: BypassPlan | RevertPlan | None = None
+    failure = None
+    try:
+        if decided.action is Action.STRIP:
+            from codemods import fp8_kv_revert  # the strip is the revert of that one site
+
+            plan = fp8_kv_revert.plan_strip(module, found)
+        elif decided.action in CHANGING:
+            assert slot is not None
+            plan = _build_plan(module, found, slot, found_pieces[-1])
+    except Unsupported as exc:
+        failure = str(exc)
+    return planned(decided, facts.line, failure).site(facts), plan
+
+
 # --- finding the calls --------------------------------------------------------
 
 
@@ -1149,99 +1242,6 @@ def parse_statements(text: str, module: cst.Module) -> list[cst.BaseStatement]:
     # instead of the module header.
     parsed = cst.parse_module("pass" + module.default_newline + text, config=module.config_for_parsing)
     return list(parsed.body[1:])
-
-
-# --- classification -----------------------------------------------------------------
-
-
-def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalysis:
-    """Classify every call of the fused op in ``module`` (and plan what needs work).
-
-    ``source`` is the text ``module`` was parsed from, if the caller has it at
-    hand (else it is generated again).
-    """
-    if source is None:
-        source = module.code
-    source_map = a.SourceMap.of(module, source)
-    finder = find_calls(module, source_map, a.pass_through_wrappers(module))
-    found_calls = finder.found
-    flag = schema.FP8_FLAG if isinstance(source, str) else schema.FP8_FLAG.encode()
-    mentions_flag = flag in source  # type: ignore[operator]
-    functions = a.module_functions(module)
-    classified = [classify(module, f, functions, mentions_flag) for f in found_calls]
-    strays = [_stray_site(node, stmt, source_map) for node, stmt in finder.strays()]
-    sites = one_candidate([site for site, _ in classified] + strays)
-    plans = [plan for (_, plan), site in zip(classified, sites) if plan is not None and site.action in CHANGING]
-    return FileAnalysis(module, sites, plans, source_map)
-
-
-def _stray_site(node: cst.CSTNode, stmt: cst.CSTNode | None, source_map: a.SourceMap | None) -> InsertSite:
-    """The op named where its calls cannot be followed: the file cannot be called safe."""
-    span = source_map.span(stmt) if source_map is not None and stmt is not None else None
-    if stmt is not None:  # the statement itself (not the comments above it; a block's header line)
-        text = a.code(stmt.with_changes(leading_lines=[]))
-        shown = " ".join((text if isinstance(stmt, cst.SimpleStatementLine) else text.splitlines()[0]).split())
-    else:
-        shown = a.code(node)
-    if len(shown) > 100:
-        shown = shown[:97] + "..."
-    reason = (
-        f"the op is named without being called by that name (`{shown}`): calls through an "
-        f"import alias, a local or getattr cannot be followed, so whether this file needs the bypass "
-        f"cannot be told. Call it as `ops.{schema.FUSED_OP}(…)` (or import it without `as`), then run again"
-    )
-    return InsertSite(None, "<module>", span[0] if span else 0, SiteState.UNSUPPORTED, Action.REFUSE, reason)
-
-
-def classify(
-    module: cst.Module,
-    found: FoundCall,
-    functions: dict[str, cst.FunctionDef] | None = None,
-    mentions_flag: bool = True,
-) -> tuple[InsertSite, BypassPlan | RevertPlan | None]:
-    call = found.call
-    kv = found.op.arg(schema.KV_CACHE)
-    dtype = found.op.arg(schema.KV_CACHE_DTYPE)
-    in_method = found.method is not None and found.nested_in is None
-    slot = find_call_slot(found.method, call) if in_method else None
-    facts = CallFacts(
-        line=found.line,
-        class_name=found.cls.name.value if found.cls else None,
-        method=found.method.name.value if found.method else None,
-        module_function=found.module_function,
-        nested_in=found.nested_in,
-        star_args=a.has_star_args(call),
-        has_cache=kv is not None and not a.is_none(kv.value),
-        dtype=a.code(dtype.value) if dtype is not None else None,
-        dtype_is_auto=(
-            dtype is not None
-            and isinstance(dtype.value, cst.SimpleString)
-            and dtype.value.evaluated_value == AUTO_DTYPE
-        ),
-        in_block=slot is not None,
-    )
-    found_pieces: list[_Pieces] = []
-
-    def collect() -> _Pieces:
-        assert found.cls is not None and found.method is not None
-        fns = a.module_functions(module) if functions is None else functions
-        found_pieces.append(collect_pieces(found.cls, found.method, found.op, slot, fns, mentions_flag))
-        return found_pieces[-1]
-
-    decided = verdict(facts, collect)
-    plan: BypassPlan | RevertPlan | None = None
-    failure = None
-    try:
-        if decided.action is Action.STRIP:
-            from codemods import fp8_kv_revert  # the strip is the revert of that one site
-
-            plan = fp8_kv_revert.plan_strip(module, found)
-        elif decided.action in CHANGING:
-            assert slot is not None
-            plan = _build_plan(module, found, slot, found_pieces[-1])
-    except Unsupported as exc:
-        failure = str(exc)
-    return planned(decided, facts.line, failure).site(facts), plan
 
 
 # --- the transformer --------------------------------------------------------------------

@@ -65,8 +65,6 @@ OP_PARAMS = tuple(
 # bypass form; the post-call insert passes the slot mappings positionally here.
 INSERT_KV_METADATA_PARAMS = 3
 INSERT_KV_SLOTS_PARAMS = 5
-POST_INSERT_MAIN_SLOTS = 3
-POST_INSERT_INDEX_SLOTS = 4
 
 T = TypeVar("T")
 
