@@ -134,17 +134,13 @@ def _stray_site(node: cst.CSTNode, stmt: cst.CSTNode | None, source_map: a.Sourc
     return InsertSite(None, "<module>", span[0] if span else 0, SiteState.UNSUPPORTED, Action.REFUSE, reason)
 
 
-def classify(
-    module: cst.Module,
-    found: FoundCall,
-    functions: dict[str, cst.FunctionDef] | None = None,
-    mentions_flag: bool = True,
-) -> tuple[InsertSite, BypassPlan | RevertPlan | None]:
+def call_facts(found: FoundCall) -> tuple[CallFacts, a.StatementSlot | None]:
+    """Where the call sits and what it passes; the statement slot of a call directly in a method."""
     call = found.call
     kv = found.op.arg(schema.KV_CACHE)
     dtype = found.op.arg(schema.KV_CACHE_DTYPE)
     in_method = found.method is not None and found.nested_in is None
-    slot = find_call_slot(found.method, call) if in_method else None
+    slot = find_call_slot(found.method, call) if in_method else None  # type: ignore[arg-type]
     facts = CallFacts(
         line=found.line,
         class_name=found.cls.name.value if found.cls else None,
@@ -161,6 +157,16 @@ def classify(
         ),
         in_block=slot is not None,
     )
+    return facts, slot
+
+
+def classify(
+    module: cst.Module,
+    found: FoundCall,
+    functions: dict[str, cst.FunctionDef] | None = None,
+    mentions_flag: bool = True,
+) -> tuple[InsertSite, BypassPlan | RevertPlan | None]:
+    facts, slot = call_facts(found)
     found_pieces: list[_Pieces] = []
 
     def collect() -> _Pieces:

@@ -180,24 +180,13 @@ def _plan_site(module: cst.Module, found: bp.FoundCall, positions) -> RevertPlan
     """None when there is no bypass around this call; ``Unsupported`` when one cannot be proven."""
     cls, method, op = found.cls, found.method, found.op
     call = op.call
-    if cls is None:
+    facts, slot = bp.call_facts(found)
+    if cls is None or method is None or facts.star_args or not facts.has_cache:
+        return None  # not a site the bypass is written around (schema.verdict)
+    if facts.nested_in is not None:
+        if any(a.self_attr(n) == schema.FP8_FLAG for n in a.walk_all(cls.body)):
+            raise Unsupported("the call is not directly in a method: its bypass cannot be delimited")
         return None
-    class_reads_flag = any(a.self_attr(n) == schema.FP8_FLAG for n in a.walk_all(cls.body))
-    kv = op.arg(schema.KV_CACHE)
-    odd = (
-        method is None
-        or found.nested_in is not None
-        or a.has_star_args(call)
-        or kv is None
-        or a.is_none(kv.value)
-    )
-    if odd:
-        if class_reads_flag and method is not None and not a.has_star_args(call):
-            if kv is not None and not a.is_none(kv.value):
-                raise Unsupported("the call is not directly in a method: its bypass cannot be delimited")
-        return None
-    assert method is not None
-    slot = bp.find_call_slot(method, call)
     pieces = bp.collect_pieces(cls, method, op, slot, a.module_functions(module))
     if not pieces.any_bypass():
         return None
