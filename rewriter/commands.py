@@ -74,7 +74,7 @@ def analyze_targets(command: str, targets: list[Target], dry_run: bool = False) 
     return Report(command, targets, [plan_file(t.path, name=t.diff_name) for t in targets], dry_run=dry_run)
 
 
-def run(
+def run_targets(
     targets: list[Target],
     backup: bool = False,
     exit_non_zero_on_fix: bool = False,
@@ -102,7 +102,7 @@ def run(
     return _plan_and_write(targets, plan, backup, lock_timeout, on_wait)
 
 
-def revert(
+def revert_targets(
     targets: list[Target],
     backup: bool = False,
     dry_run: bool = False,

@@ -45,7 +45,7 @@ def survey_file(path: Path) -> FileResult:
     )
 
 
-def survey(
+def survey_targets(
     targets: list[Target],
     jobs: int | None = None,
     advance: Callable[[], None] | None = None,
