@@ -42,77 +42,105 @@ class Option:
     flags: tuple[str, ...]
     dest: str
     help: str
-    kind: type = bool  # bool, str, Path, int or float
-    default: Any = False
-    metavar: str | None = None
+    metavar: str | None = None  # None: a flag (bool)
+    kind: type = str  # of a value: str, Path, int or float
+    default: Any = None
     many: bool = False  # repeatable: a list
     minimum: float | None = None
     choices: tuple[str, ...] = ()
     hidden: bool = False
 
+    @property
+    def is_flag(self) -> bool:
+        return self.metavar is None
+
 
 @dataclass(frozen=True)
 class Command:
-    help: str  # the first line is the command list's
     options: tuple[Option, ...]
-    body: Callable[..., int]
+    body: Callable[..., int]  # its docstring is the command's help (the first line: the command list's)
 
 
-PATHS = Option(
-    (),
-    "paths",
+def flag(flags: str, dest: str, help: str, default: bool = False, hidden: bool = False) -> Option:
+    """A switch: ``"--verbose -v"``, or ``"--timing/--no-timing"``."""
+    return Option(tuple(flags.split()), dest, help, kind=bool, default=default, hidden=hidden)
+
+
+def option(flags: str, dest: str, help: str, metavar: str, kind: type = str, **more: Any) -> Option:
+    """An option with a value (``flags`` empty: the positional PATHS)."""
+    return Option(tuple(flags.split()), dest, help, metavar, kind, **more)
+
+
+PATHS_HELP = (
     "Model files or directories. None given: the vLLM source tree around the working folder,"
-    " else the vLLM of this interpreter.",
-    Path,
-    None,
-    "PATHS",
-    many=True,
+    " else the vLLM of this interpreter."
 )
-PYTHONS = Option(
-    ("--python",), "pythons", "Find the vLLM of this interpreter (repeatable).", str, None, "EXE", many=True
-)
-ROOTS = Option(
-    ("--vllm-root",),
-    "roots",
-    "A vLLM source checkout or site-packages folder (repeatable).",
-    Path,
-    None,
-    "DIR",
-    many=True,
-)
-EXAMPLE = Option(("--example",), "example", "Also process the bundled fork-era example model file.")
-JSON = Option(("--json",), "as_json", "Print one JSON report on stdout (human output stays on stderr).")
-ALL = Option(("--all",), "show_all", "List not-a-site calls too.")
-COLOR = Option(
-    ("--color",),
-    "color",
-    "Colour: auto (a terminal, unless NO_COLOR is set), always or never.",
-    str,
-    "auto",
-    "WHEN",
-    choices=COLOR_MODES,
-)
-DRY_RUN = Option(("--dry-run",), "dry_run", "Write nothing; exit 1 when a file would be changed (as check).")
-BACKUP = Option(("--backup",), "backup", "Keep the original as <file>.orig.")
-SHOW_DIFF = Option(("--show-diff",), "show_diff", "Also print the diff of each file written (stdout).")
-FIX_EXIT = Option(
-    ("--exit-non-zero-on-fix",),
-    "exit_non_zero_on_fix",
-    "Exit 1 when a file was written (for pre-commit and other fixers).",
-)
-LOCK_TIMEOUT = Option(
-    ("--lock-timeout",),
-    "lock_timeout",
-    "How long to wait for another mm3-codemod run on the same file.",
-    float,
-    DEFAULT_TIMEOUT,
-    "SECONDS",
-    minimum=0,
+PATHS = option("", "paths", PATHS_HELP, "PATHS", Path, many=True)
+PYTHONS = option("--python", "pythons", "Find the vLLM of this interpreter (repeatable).", "EXE", many=True)
+ROOTS_HELP = "A vLLM source checkout or site-packages folder (repeatable)."
+ROOTS = option("--vllm-root", "roots", ROOTS_HELP, "DIR", Path, many=True)
+EXAMPLE = flag("--example", "example", "Also process the bundled fork-era example model file.")
+JSON = flag("--json", "as_json", "Print one JSON report on stdout (human output stays on stderr).")
+ALL = flag("--all", "show_all", "List not-a-site calls too.")
+COLOR_HELP = "Colour: auto (a terminal, unless NO_COLOR is set), always or never."
+COLOR = option("--color", "color", COLOR_HELP, "WHEN", default="auto", choices=COLOR_MODES)
+DRY_RUN = flag("--dry-run", "dry_run", "Write nothing; exit 1 when a file would be changed (as check).")
+BACKUP = flag("--backup", "backup", "Keep the original as <file>.orig.")
+SHOW_DIFF = flag("--show-diff", "show_diff", "Also print the diff of each file written (stdout).")
+FIX_HELP = "Exit 1 when a file was written (for pre-commit and other fixers)."
+FIX_EXIT = flag("--exit-non-zero-on-fix", "exit_non_zero_on_fix", FIX_HELP)
+LOCK_HELP = "How long to wait for another mm3-codemod run on the same file."
+LOCK_TIMEOUT = option(
+    "--lock-timeout", "lock_timeout", LOCK_HELP, "SECONDS", float, default=DEFAULT_TIMEOUT, minimum=0
 )
 
-
-def _diff(verb: str) -> Option:
-    return Option(("--diff",), "diff", f"Write nothing; print the diff a {verb} would apply (stdout).")
+TARGETS = (PATHS, PYTHONS, ROOTS)
+WRITES = (BACKUP, SHOW_DIFF, FIX_EXIT, LOCK_TIMEOUT)
+REPORT = (JSON, ALL, COLOR)
+CHECK_OPTIONS = (
+    *TARGETS,
+    EXAMPLE,
+    flag("--diff", "diff", "Also print the diff `run` would apply (stdout)."),
+    *REPORT,
+)
+RUN_EXAMPLE_HELP = "Rewrite a temporary copy of the bundled example (never the package's own file)."
+RUN_OPTIONS = (
+    *TARGETS,
+    flag("--example", "example", RUN_EXAMPLE_HELP),
+    DRY_RUN,
+    flag("--diff", "diff", "Write nothing; print the diff a run would apply (stdout)."),
+    *WRITES,
+    *REPORT,
+)
+REVERT_OPTIONS = (
+    *TARGETS,
+    flag("--dry-run", "dry_run", "Write nothing; exit 1 when a file carries a bypass to take out."),
+    flag("--check", "check", "Old spelling of --dry-run.", hidden=True),
+    flag("--diff", "diff", "Write nothing; print the diff a revert would apply (stdout)."),
+    *WRITES,
+    *REPORT,
+)
+KERNELS_HELP = "A vLLM kernel library (_C*.so) to load instead of vllm._custom_ops."
+VERIFY_OPTIONS = (
+    PATHS,
+    option("--python", "python", "Interpreter whose vLLM to verify and import with.", "EXE"),
+    ROOTS,
+    flag("--example", "example", "Also verify the bundled example (it is unpatched: it fails)."),
+    option("--kernels", "kernels", KERNELS_HELP, "SO", Path),
+    flag("--require-gpu", "require_gpu", "Fail, rather than skip, when the kernel level cannot run."),
+    flag("--require-import", "require_import", "Fail, rather than skip, when the import level cannot run."),
+    flag("--timing/--no-timing", "timing", "Time the kernels (GPU only).", default=True),
+    flag("--verbose -v", "verbose", "Show every check."),
+    JSON,
+    COLOR,
+)
+SURVEY_OPTIONS = (
+    *TARGETS,
+    option("--jobs -j", "jobs", "Worker processes (default: the CPU count).", "N", int, minimum=1),
+    JSON,
+    flag("--all", "show_all", "Also list files without the fused op and not-a-site calls."),
+    COLOR,
+)
 
 
 # --- the commands --------------------------------------------------------------------------
@@ -185,6 +213,7 @@ def check(
     as_json: bool,
     show_all: bool,
 ) -> int:
+    """Report each call site's state; write nothing. Exit 1 when a rewrite is needed."""
     targets, failed = _targets("check", paths, pythons, roots, example)
     report = failed or analyze_targets("check", targets)
     if diff and not as_json:
@@ -195,6 +224,7 @@ def check(
 def preview(
     paths: list[Path], pythons: list[str], roots: list[Path], example: bool, as_json: bool, show_all: bool
 ) -> int:
+    """Show the unified diff `run` would apply (stdout); write nothing. Exit 1 when there is one."""
     targets, failed = _targets("preview", paths, pythons, roots, example)
     report = failed or analyze_targets("preview", targets)
     if not as_json:
@@ -223,9 +253,8 @@ def run(
     as_json: bool,
     show_all: bool,
 ) -> int:
-    """``--diff`` writes nothing and prints the diff (as ``check --diff``); ``--show-diff``
-    prints the diff of what was written."""
-    dry = dry_run or diff
+    """Apply the fp8 bypass where needed: validated, atomic, all or nothing."""
+    dry = dry_run or diff  # --diff: print the diff, write nothing; --show-diff: the diff written
     with contextlib.ExitStack() as stack:
         copy = stack.enter_context(example_copy()) if example else None
         targets, failed = _targets("run", paths + ([copy] if copy else []), pythons, roots)
@@ -259,6 +288,7 @@ def revert(
     as_json: bool,
     show_all: bool,
 ) -> int:
+    """Take the fp8 bypass out again (the inverse of run): validated, atomic, all or nothing."""
     targets, failed = _targets("revert", paths, pythons, roots)
     dry = dry_run or check or diff
     report = failed or revert_targets(
@@ -281,6 +311,10 @@ PROGRESS_MIN_TARGETS = 8
 def survey(
     paths: list[Path], pythons: list[str], roots: list[Path], jobs: int | None, as_json: bool, show_all: bool
 ) -> int:
+    """One table of every target: vLLM version, file, each site's state, what run would do and why.
+
+    Exit codes as check: 0 nothing to do, 1 a rewrite is needed, 2 a target could not be handled.
+    """
     from rewriter.report import print_json, print_survey
     from rewriter.survey import survey_targets
 
@@ -317,6 +351,10 @@ def verify(
     verbose: bool,
     as_json: bool,
 ) -> int:
+    """Import the rewritten module and run its code: reference ops (CPU) and vLLM's kernels (GPU).
+
+    Exit 0 when nothing failed, 1 when a level failed, 2 when a target could not be read.
+    """
     import json
 
     from rewriter.verify import VerifyReport
@@ -343,134 +381,23 @@ def verify(
     return report.exit_code
 
 
-# Each command's options, in the order its help lists them.
+# Each command's options are in the order its help lists them; its help is its body's docstring.
 COMMANDS = {
-    "check": Command(
-        "Report each call site's state; write nothing. Exit 1 when a rewrite is needed.",
-        (
-            PATHS,
-            PYTHONS,
-            ROOTS,
-            EXAMPLE,
-            Option(("--diff",), "diff", "Also print the diff `run` would apply (stdout)."),
-            JSON,
-            ALL,
-            COLOR,
-        ),
-        check,
-    ),
-    "preview": Command(
-        "Show the unified diff `run` would apply (stdout); write nothing. Exit 1 when there is one.",
-        (PATHS, PYTHONS, ROOTS, EXAMPLE, JSON, ALL, COLOR),
-        preview,
-    ),
-    "run": Command(
-        "Apply the fp8 bypass where needed: validated, atomic, all or nothing.",
-        (
-            PATHS,
-            PYTHONS,
-            ROOTS,
-            dataclasses.replace(
-                EXAMPLE,
-                help="Rewrite a temporary copy of the bundled example (never the package's own file).",
-            ),
-            DRY_RUN,
-            _diff("run"),
-            BACKUP,
-            SHOW_DIFF,
-            FIX_EXIT,
-            LOCK_TIMEOUT,
-            JSON,
-            ALL,
-            COLOR,
-        ),
-        run,
-    ),
-    "verify": Command(
-        "Import the rewritten module and run its code: reference ops (CPU) and vLLM's kernels (GPU).\n\n"
-        "Exit 0 when nothing failed, 1 when a level failed, 2 when a target could not be read.",
-        (
-            PATHS,
-            Option(
-                ("--python",), "python", "Interpreter whose vLLM to verify and import with.", str, None, "EXE"
-            ),
-            ROOTS,
-            dataclasses.replace(EXAMPLE, help="Also verify the bundled example (it is unpatched: it fails)."),
-            Option(
-                ("--kernels",),
-                "kernels",
-                "A vLLM kernel library (_C*.so) to load instead of vllm._custom_ops.",
-                Path,
-                None,
-                "SO",
-            ),
-            Option(
-                ("--require-gpu",), "require_gpu", "Fail, rather than skip, when the kernel level cannot run."
-            ),
-            Option(
-                ("--require-import",),
-                "require_import",
-                "Fail, rather than skip, when the import level cannot run.",
-            ),
-            Option(("--timing/--no-timing",), "timing", "Time the kernels (GPU only).", default=True),
-            Option(("--verbose", "-v"), "verbose", "Show every check."),
-            JSON,
-            COLOR,
-        ),
-        verify,
-    ),
-    "revert": Command(
-        "Take the fp8 bypass out again (the inverse of run): validated, atomic, all or nothing.",
-        (
-            PATHS,
-            PYTHONS,
-            ROOTS,
-            dataclasses.replace(
-                DRY_RUN, help="Write nothing; exit 1 when a file carries a bypass to take out."
-            ),
-            Option(("--check",), "check", "Old spelling of --dry-run.", hidden=True),
-            _diff("revert"),
-            BACKUP,
-            SHOW_DIFF,
-            FIX_EXIT,
-            LOCK_TIMEOUT,
-            JSON,
-            ALL,
-            COLOR,
-        ),
-        revert,
-    ),
-    "survey": Command(
-        "One table of every target: vLLM version, file, each site's state, what run would do and why.\n\n"
-        "Exit codes as check: 0 nothing to do, 1 a rewrite is needed, 2 a target could not be handled.",
-        (
-            PATHS,
-            PYTHONS,
-            ROOTS,
-            Option(
-                ("--jobs", "-j"),
-                "jobs",
-                "Worker processes (default: the CPU count).",
-                int,
-                None,
-                "N",
-                minimum=1,
-            ),
-            JSON,
-            dataclasses.replace(ALL, help="Also list files without the fused op and not-a-site calls."),
-            COLOR,
-        ),
-        survey,
-    ),
+    "check": Command(CHECK_OPTIONS, check),
+    "preview": Command((*TARGETS, EXAMPLE, *REPORT), preview),
+    "run": Command(RUN_OPTIONS, run),
+    "verify": Command(VERIFY_OPTIONS, verify),
+    "revert": Command(REVERT_OPTIONS, revert),
+    "survey": Command(SURVEY_OPTIONS, survey),
 }
 
 
 def call(name: str, values: dict[str, Any]) -> int:
     """Run command ``name`` with the options read (by either reader)."""
     command = COMMANDS[name]
-    for option in command.options:
-        if option.many and values[option.dest] is None:
-            values[option.dest] = []
+    for declared in command.options:
+        if declared.many and values[declared.dest] is None:
+            values[declared.dest] = []
     set_color(values.pop("color"))
     return command.body(**values)
 
@@ -480,18 +407,18 @@ def call(name: str, values: dict[str, Any]) -> int:
 _NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
 
 
-def _value(option: Option, text: str) -> object:
+def _value(declared: Option, text: str) -> object:
     """``text`` as the option's value; None where typer should read it (and explain)."""
-    if option.choices:
-        return text if text in option.choices else None
-    if option.kind in (int, float):
-        if not (text.isascii() and _NUMBER.fullmatch(text)) or (option.kind is int and not text.isdigit()):
+    if declared.choices:
+        return text if text in declared.choices else None
+    if declared.kind in (int, float):
+        if not (text.isascii() and _NUMBER.fullmatch(text)) or (declared.kind is int and not text.isdigit()):
             return None
-        number = option.kind(text)
-        return number if option.minimum is None or number >= option.minimum else None
+        number = declared.kind(text)
+        return number if declared.minimum is None or number >= declared.minimum else None
     if not text or text.startswith("-"):
         return None
-    return option.kind(text)
+    return declared.kind(text)
 
 
 def read_plain(argv: list[str]) -> tuple[str, dict[str, Any]] | None:
@@ -502,33 +429,33 @@ def read_plain(argv: list[str]) -> tuple[str, dict[str, Any]] | None:
     values = {o.dest: [] if o.many else o.default for o in options}
     switches: dict[str, tuple[Option, bool]] = {}
     valued: dict[str, Option] = {}
-    for option in options:
-        for flag in option.flags:
-            if option.kind is bool:
-                on, _, off = flag.partition("/")
-                switches.update({on: (option, True)} | ({off: (option, False)} if off else {}))
+    for declared in options:
+        for spelling in declared.flags:
+            if declared.is_flag:
+                on, _, off = spelling.partition("/")
+                switches.update({on: (declared, True)} | ({off: (declared, False)} if off else {}))
             else:
-                valued[flag] = option
+                valued[spelling] = declared
     rest = argv[1:]
     while rest:
         arg = rest.pop(0)
         name, eq, text = arg.partition("=")
         if arg in switches:
-            option, state = switches[arg]
-            values[option.dest] = state
+            switch, state = switches[arg]
+            values[switch.dest] = state
         elif name in valued and not (eq and not name.startswith("--")):  # click reads "-j=2" as "=2"
-            option = valued[name]
+            taking = valued[name]
             if not eq:
                 if not rest:
                     return None
                 text = rest.pop(0)
-            value = _value(option, text)
+            value = _value(taking, text)
             if value is None:
                 return None
-            if option.many:
-                values[option.dest].append(value)
+            if taking.many:
+                values[taking.dest].append(value)
             else:
-                values[option.dest] = value
+                values[taking.dest] = value
         elif arg and not arg.startswith("-"):
             values["paths"].append(Path(arg))
         else:
@@ -552,30 +479,30 @@ def typer_app() -> typer.Typer:
     typer.core.TyperArgument.display_type_rich = lambda param, ctx: None
     typer.core.TyperOption.display_type_rich = lambda param, ctx: None if param.is_flag else param.metavar
 
-    def parameter(option: Option) -> inspect.Parameter:
-        kind: Any = types.GenericAlias(list, option.kind) if option.many else option.kind
-        if option.default is None:
+    def parameter(declared: Option) -> inspect.Parameter:
+        kind: Any = types.GenericAlias(list, declared.kind) if declared.many else declared.kind
+        if declared.default is None:
             kind = Optional[kind]
-        if not option.flags:
-            info: Any = typer.Argument(metavar=option.metavar, help=option.help, show_default=False)
+        if not declared.flags:
+            info: Any = typer.Argument(metavar=declared.metavar, help=declared.help, show_default=False)
         else:
             info = typer.Option(
-                *option.flags,
-                metavar=option.metavar,
-                help=option.help,
-                min=option.minimum,
-                hidden=option.hidden,
-                show_default=option.default is not None,
-                callback=_choice(option.choices) if option.choices else None,
+                *declared.flags,
+                metavar=declared.metavar,
+                help=declared.help,
+                min=declared.minimum,
+                hidden=declared.hidden,
+                show_default=declared.default is not None,
+                callback=choice_check(declared.choices) if declared.choices else None,
             )
         return inspect.Parameter(
-            option.dest,
+            declared.dest,
             inspect.Parameter.KEYWORD_ONLY,
-            default=option.default,
+            default=declared.default,
             annotation=Annotated[kind, info],
         )
 
-    def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def choice_check(choices: tuple[str, ...]) -> Callable[[str], str]:
         def check(value: str) -> str:
             if value not in choices:
                 raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}")
@@ -598,7 +525,8 @@ def typer_app() -> typer.Typer:
         help="Rewrite vLLM's MiniMax-M3 NVIDIA model so that an fp8 KV cache works on SM89 GPUs.",
     )
     for name, command in COMMANDS.items():
-        app.command(name)(command_function(name, command.help, [parameter(o) for o in command.options]))
+        parameters = [parameter(o) for o in command.options]
+        app.command(name)(command_function(name, command.body.__doc__ or "", parameters))
 
     def version(value: bool) -> None:
         if value:
