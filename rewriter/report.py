@@ -22,12 +22,12 @@ from rewriter.console import say, write_stdout
 from rewriter.targets import shown_path
 
 STATE_STYLE = {
-    "needs-bypass": "yellow",
-    "half-applied": "yellow",
-    "patched": "green",
-    "native": "green",
-    "not-a-site": "dim",
-    "unsupported": "red",
+    SiteState.NEEDS_BYPASS: "yellow",
+    SiteState.HALF_APPLIED: "yellow",
+    SiteState.PATCHED: "green",
+    SiteState.NATIVE: "green",
+    SiteState.NOT_A_SITE: "dim",
+    SiteState.UNSUPPORTED: "red",
 }
 
 _SUMMARY = {
@@ -122,8 +122,8 @@ def print_human(report: Report, err: Console, show_all: bool = False) -> None:
     for result in report.files:
         for site in shown_sites(result, show_all):
             line = Text(f"{result.path}:{site.line}: {_where(site)}: ")
-            line.append(site.state.value, style=STATE_STYLE.get(site.state.value, ""))
-            if site.action.value != "none":
+            line.append(site.state.value, style=STATE_STYLE.get(site.state, ""))
+            if site.action is not Action.NONE:
                 line.append(f" -> {site.action.value}")
             err.print(line, soft_wrap=True)
             say(err, f"    {site.reason}")
@@ -303,8 +303,8 @@ def survey_rows(report: Report, show_all: bool = False) -> list[tuple[str, list[
             rows.append((version, Folded("-", "."), state, result.error or f"no call of {FUSED_OP}"))
         else:
             for site in shown_sites(result, show_all):
-                state = Text(site.state.value, style=STATE_STYLE.get(site.state.value, ""))
-                if site.action.value != "none":
+                state = Text(site.state.value, style=STATE_STYLE.get(site.state, ""))
+                if site.action is not Action.NONE:
                     state.append(f"\n-> {site.action.value}")
                 rows.append((version, Folded(f"{_where(site)}:{site.line}", "."), state, brief_reason(site)))
         files.append((shown_path(result.path), rows))
