@@ -19,7 +19,6 @@ import re
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,62 +34,58 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 
-@dataclass(frozen=True)
 class Option:
-    """One option (no ``flags``: the positional PATHS); ``dest`` names the body's argument."""
+    """One option, as both readers take it (no ``flags``: the positional PATHS).
 
-    flags: tuple[str, ...]
-    dest: str
-    help: str
-    metavar: str | None = None  # None: a flag (bool)
-    kind: type = str  # of a value: str, Path, int or float
-    default: Any = None
-    many: bool = False  # repeatable: a list
-    minimum: float | None = None
-    choices: tuple[str, ...] = ()
-    hidden: bool = False
+    A plain class: a dataclass or NamedTuple would cost a millisecond or more at every start.
+    """
 
-    @property
-    def is_flag(self) -> bool:
-        return self.metavar is None
+    def __init__(
+        self,
+        flags: str,  # its spellings: "--jobs -j", "--timing/--no-timing"
+        dest: str,  # the body's argument it is
+        help: str,
+        metavar: str | None = None,  # None: a switch (bool)
+        kind: type = str,  # of its value: str, Path, int or float
+        default: Any = None,
+        many: bool = False,  # repeatable: a list
+        minimum: float | None = None,
+        choices: tuple[str, ...] = (),
+        hidden: bool = False,
+    ) -> None:
+        self.flags, self.dest, self.help, self.metavar = tuple(flags.split()), dest, help, metavar
+        self.is_flag = metavar is None
+        self.kind = bool if self.is_flag else kind
+        self.default = False if self.is_flag and default is None else default
+        self.many, self.minimum, self.choices, self.hidden = many, minimum, choices, hidden
 
 
-@dataclass(frozen=True)
 class Command:
-    options: tuple[Option, ...]
-    body: Callable[..., int]  # its docstring is the command's help (the first line: the command list's)
-
-
-def flag(flags: str, dest: str, help: str, default: bool = False, hidden: bool = False) -> Option:
-    """A switch: ``"--verbose -v"``, or ``"--timing/--no-timing"``."""
-    return Option(tuple(flags.split()), dest, help, kind=bool, default=default, hidden=hidden)
-
-
-def option(flags: str, dest: str, help: str, metavar: str, kind: type = str, **more: Any) -> Option:
-    """An option with a value (``flags`` empty: the positional PATHS)."""
-    return Option(tuple(flags.split()), dest, help, metavar, kind, **more)
+    def __init__(self, options: tuple[Option, ...], body: Callable[..., int]) -> None:
+        self.options = options  # in the order its help lists them
+        self.body = body  # its docstring is the command's help (the first line: the command list's)
 
 
 PATHS_HELP = (
     "Model files or directories. None given: the vLLM source tree around the working folder,"
     " else the vLLM of this interpreter."
 )
-PATHS = option("", "paths", PATHS_HELP, "PATHS", Path, many=True)
-PYTHONS = option("--python", "pythons", "Find the vLLM of this interpreter (repeatable).", "EXE", many=True)
+PATHS = Option("", "paths", PATHS_HELP, "PATHS", Path, many=True)
+PYTHONS = Option("--python", "pythons", "Find the vLLM of this interpreter (repeatable).", "EXE", many=True)
 ROOTS_HELP = "A vLLM source checkout or site-packages folder (repeatable)."
-ROOTS = option("--vllm-root", "roots", ROOTS_HELP, "DIR", Path, many=True)
-EXAMPLE = flag("--example", "example", "Also process the bundled fork-era example model file.")
-JSON = flag("--json", "as_json", "Print one JSON report on stdout (human output stays on stderr).")
-ALL = flag("--all", "show_all", "List not-a-site calls too.")
+ROOTS = Option("--vllm-root", "roots", ROOTS_HELP, "DIR", Path, many=True)
+EXAMPLE = Option("--example", "example", "Also process the bundled fork-era example model file.")
+JSON = Option("--json", "as_json", "Print one JSON report on stdout (human output stays on stderr).")
+ALL = Option("--all", "show_all", "List not-a-site calls too.")
 COLOR_HELP = "Colour: auto (a terminal, unless NO_COLOR is set), always or never."
-COLOR = option("--color", "color", COLOR_HELP, "WHEN", default="auto", choices=COLOR_MODES)
-DRY_RUN = flag("--dry-run", "dry_run", "Write nothing; exit 1 when a file would be changed (as check).")
-BACKUP = flag("--backup", "backup", "Keep the original as <file>.orig.")
-SHOW_DIFF = flag("--show-diff", "show_diff", "Also print the diff of each file written (stdout).")
+COLOR = Option("--color", "color", COLOR_HELP, "WHEN", default="auto", choices=COLOR_MODES)
+DRY_RUN = Option("--dry-run", "dry_run", "Write nothing; exit 1 when a file would be changed (as check).")
+BACKUP = Option("--backup", "backup", "Keep the original as <file>.orig.")
+SHOW_DIFF = Option("--show-diff", "show_diff", "Also print the diff of each file written (stdout).")
 FIX_HELP = "Exit 1 when a file was written (for pre-commit and other fixers)."
-FIX_EXIT = flag("--exit-non-zero-on-fix", "exit_non_zero_on_fix", FIX_HELP)
+FIX_EXIT = Option("--exit-non-zero-on-fix", "exit_non_zero_on_fix", FIX_HELP)
 LOCK_HELP = "How long to wait for another mm3-codemod run on the same file."
-LOCK_TIMEOUT = option(
+LOCK_TIMEOUT = Option(
     "--lock-timeout", "lock_timeout", LOCK_HELP, "SECONDS", float, default=DEFAULT_TIMEOUT, minimum=0
 )
 
@@ -100,45 +95,45 @@ REPORT = (JSON, ALL, COLOR)
 CHECK_OPTIONS = (
     *TARGETS,
     EXAMPLE,
-    flag("--diff", "diff", "Also print the diff `run` would apply (stdout)."),
+    Option("--diff", "diff", "Also print the diff `run` would apply (stdout)."),
     *REPORT,
 )
 RUN_EXAMPLE_HELP = "Rewrite a temporary copy of the bundled example (never the package's own file)."
 RUN_OPTIONS = (
     *TARGETS,
-    flag("--example", "example", RUN_EXAMPLE_HELP),
+    Option("--example", "example", RUN_EXAMPLE_HELP),
     DRY_RUN,
-    flag("--diff", "diff", "Write nothing; print the diff a run would apply (stdout)."),
+    Option("--diff", "diff", "Write nothing; print the diff a run would apply (stdout)."),
     *WRITES,
     *REPORT,
 )
 REVERT_OPTIONS = (
     *TARGETS,
-    flag("--dry-run", "dry_run", "Write nothing; exit 1 when a file carries a bypass to take out."),
-    flag("--check", "check", "Old spelling of --dry-run.", hidden=True),
-    flag("--diff", "diff", "Write nothing; print the diff a revert would apply (stdout)."),
+    Option("--dry-run", "dry_run", "Write nothing; exit 1 when a file carries a bypass to take out."),
+    Option("--check", "check", "Old spelling of --dry-run.", hidden=True),
+    Option("--diff", "diff", "Write nothing; print the diff a revert would apply (stdout)."),
     *WRITES,
     *REPORT,
 )
 KERNELS_HELP = "A vLLM kernel library (_C*.so) to load instead of vllm._custom_ops."
 VERIFY_OPTIONS = (
     PATHS,
-    option("--python", "python", "Interpreter whose vLLM to verify and import with.", "EXE"),
+    Option("--python", "python", "Interpreter whose vLLM to verify and import with.", "EXE"),
     ROOTS,
-    flag("--example", "example", "Also verify the bundled example (it is unpatched: it fails)."),
-    option("--kernels", "kernels", KERNELS_HELP, "SO", Path),
-    flag("--require-gpu", "require_gpu", "Fail, rather than skip, when the kernel level cannot run."),
-    flag("--require-import", "require_import", "Fail, rather than skip, when the import level cannot run."),
-    flag("--timing/--no-timing", "timing", "Time the kernels (GPU only).", default=True),
-    flag("--verbose -v", "verbose", "Show every check."),
+    Option("--example", "example", "Also verify the bundled example (it is unpatched: it fails)."),
+    Option("--kernels", "kernels", KERNELS_HELP, "SO", Path),
+    Option("--require-gpu", "require_gpu", "Fail, rather than skip, when the kernel level cannot run."),
+    Option("--require-import", "require_import", "Fail, rather than skip, when the import level cannot run."),
+    Option("--timing/--no-timing", "timing", "Time the kernels (GPU only).", default=True),
+    Option("--verbose -v", "verbose", "Show every check."),
     JSON,
     COLOR,
 )
 SURVEY_OPTIONS = (
     *TARGETS,
-    option("--jobs -j", "jobs", "Worker processes (default: the CPU count).", "N", int, minimum=1),
+    Option("--jobs -j", "jobs", "Worker processes (default: the CPU count).", "N", int, minimum=1),
     JSON,
-    flag("--all", "show_all", "Also list files without the fused op and not-a-site calls."),
+    Option("--all", "show_all", "Also list files without the fused op and not-a-site calls."),
     COLOR,
 )
 
@@ -381,7 +376,6 @@ def verify(
     return report.exit_code
 
 
-# Each command's options are in the order its help lists them; its help is its body's docstring.
 COMMANDS = {
     "check": Command(CHECK_OPTIONS, check),
     "preview": Command((*TARGETS, EXAMPLE, *REPORT), preview),
