@@ -41,9 +41,8 @@ from codemods import schema
 if TYPE_CHECKING:
     from codemods.fp8_kv_revert import RevertPlan
 
-# The states, the pieces and how a state is decided are in `schema`, shared
-# with the ast triage that answers `check` on native and patched files without
-# LibCST; this module gathers what they are decided on, and plans and rewrites.
+# The states, the pieces and how a state is decided are in `schema`; this module
+# gathers what they are decided on, and plans and rewrites.
 from codemods.schema import (
     AUTO_DTYPE,
     CHANGING,

@@ -1,3 +1,3 @@
-from rewriter.entry import main
+from rewriter.cli import main
 
 main()

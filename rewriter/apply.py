@@ -160,10 +160,10 @@ def analyze_revert(module: cst.Module) -> RevertAnalysis:
     return analyze_module(module)
 
 
-def revert(analysis: RevertAnalysis) -> cst.Module:
-    from codemods.fp8_kv_revert import revert as revert_module
+def revert_module(analysis: RevertAnalysis) -> cst.Module:
+    from codemods.fp8_kv_revert import revert
 
-    return revert_module(analysis)
+    return revert(analysis)
 
 
 def load_codemod() -> None:
@@ -270,7 +270,7 @@ def plan_revert_file(path: Path, name: str | None = None) -> FileResult:
     return _plan(
         path,
         lambda module, raw: analyze_revert(module),
-        lambda analysis: revert(analysis),
+        lambda analysis: revert_module(analysis),
         lambda new, analysis: validate_revert(new, path),
         quick=False,
         name=name,
@@ -449,16 +449,6 @@ class StagedWrite:
     backup: Path | None = None
 
 
-def write_result(result: FileResult, backup: bool = False) -> None:
-    """Atomically replace the file with ``result.new``; the link stays a link."""
-    staged = stage_write(result, backup=backup)
-    try:
-        commit_write(staged)
-    except FileError:
-        discard(staged)
-        raise
-
-
 def stage_write(result: FileResult, backup: bool = False) -> StagedWrite:
     """Check the file is still what was analysed and writable; write the temp file.
 
@@ -567,17 +557,6 @@ def _write_backup(real: Path, data: bytes, mode: int, owner: tuple[int, int]) ->
             os.unlink(temp)
         except OSError:
             pass
-
-
-def atomic_write(path: Path, data: bytes, mode: int) -> None:
-    """Temp file in the same folder, fsync, keep the mode, ``os.replace``."""
-    temp = _write_temp(path, data, mode)
-    try:
-        os.replace(temp, path)
-    except OSError as exc:
-        _unlink(temp)
-        raise FileError(f"cannot write: {exc.strerror or exc}") from exc
-    _fsync_dir(path.parent)
 
 
 def _write_temp(path: Path, data: bytes, mode: int, owner: tuple[int, int] | None = None) -> Path:

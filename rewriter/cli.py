@@ -1,301 +1,290 @@
-"""The typer CLI: declares every command and option (the bodies of check, preview, run and survey
-live in ``rewriter.entry``)."""
+"""The ``mm3-codemod`` command line: each option declared once, each command's body.
+
+``check`` sits in pre-commit and ``survey`` walks dozens of environments, and
+importing typer costs a third of a native file's `check`. So a plain command line
+(the command's own options, in their plain forms) is read here, from the
+declarations in ``COMMANDS``, without typer; anything else (``--help``,
+``--version``, an unknown option, a value to explain as wrong, ``--``) goes to
+the typer app that ``typer_app`` builds from the same declarations. Both call
+the same body, so the output is the same whichever read the command line.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import errno
+import os
+import re
+import signal
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Any
 
-import typer
-import typer.core
-from rich.console import Console
-
-from rewriter import __version__, entry
+from rewriter import __version__
 from rewriter.apply import FileStatus
-from rewriter.commands import Report
-from rewriter.commands import revert as revert_targets
-from rewriter.console import COLOR_MODES, set_color, write_stdout
+from rewriter.commands import Report, analyze_targets, example_copy, revert_targets, run_targets
+from rewriter.console import COLOR_MODES, OutputError, console, say, set_color, write_stdout
 from rewriter.locking import DEFAULT_TIMEOUT
-from rewriter.targets import Target
+from rewriter.targets import Target, TargetError, resolve, shown_path
 
-app = typer.Typer(
-    add_completion=False,
-    no_args_is_help=True,
-    context_settings={"help_option_names": ["-h", "--help"]},
-    help="Rewrite vLLM's MiniMax-M3 NVIDIA model so that an fp8 KV cache works on SM89 GPUs.",
+if TYPE_CHECKING:
+    import typer
+    from rich.console import Console
+
+
+class Option:
+    """One option, as both readers take it (no ``flags``: the positional PATHS).
+
+    A plain class: a dataclass or NamedTuple would cost a millisecond or more at every start.
+    """
+
+    def __init__(
+        self,
+        flags: str,  # its spellings: "--jobs -j", "--timing/--no-timing"
+        dest: str,  # the body's argument it is
+        help: str,
+        metavar: str | None = None,  # None: a switch (bool)
+        kind: type = str,  # of its value: str, Path, int or float
+        default: Any = None,
+        many: bool = False,  # repeatable: a list
+        minimum: float | None = None,
+        choices: tuple[str, ...] = (),
+        hidden: bool = False,
+    ) -> None:
+        self.flags, self.dest, self.help, self.metavar = tuple(flags.split()), dest, help, metavar
+        self.is_flag = metavar is None
+        self.kind = bool if self.is_flag else kind
+        self.default = False if self.is_flag and default is None else default
+        self.many, self.minimum, self.choices, self.hidden = many, minimum, choices, hidden
+
+
+class Command:
+    def __init__(self, options: tuple[Option, ...], body: Callable[..., int]) -> None:
+        self.options = options  # in the order its help lists them
+        self.body = body  # its docstring is the command's help (the first line: the command list's)
+
+
+PATHS_HELP = (
+    "Model files or directories. None given: the vLLM source tree around the working folder,"
+    " else the vLLM of this interpreter."
+)
+PATHS = Option("", "paths", PATHS_HELP, "PATHS", Path, many=True)
+PYTHONS = Option("--python", "pythons", "Find the vLLM of this interpreter (repeatable).", "EXE", many=True)
+ROOTS_HELP = "A vLLM source checkout or site-packages folder (repeatable)."
+ROOTS = Option("--vllm-root", "roots", ROOTS_HELP, "DIR", Path, many=True)
+EXAMPLE = Option("--example", "example", "Also process the bundled fork-era example model file.")
+JSON = Option("--json", "as_json", "Print one JSON report on stdout (human output stays on stderr).")
+ALL = Option("--all", "show_all", "List not-a-site calls too.")
+COLOR_HELP = "Colour: auto (a terminal, unless NO_COLOR is set), always or never."
+COLOR = Option("--color", "color", COLOR_HELP, "WHEN", default="auto", choices=COLOR_MODES)
+DRY_RUN = Option("--dry-run", "dry_run", "Write nothing; exit 1 when a file would be changed (as check).")
+BACKUP = Option("--backup", "backup", "Keep the original as <file>.orig.")
+SHOW_DIFF = Option("--show-diff", "show_diff", "Also print the diff of each file written (stdout).")
+FIX_HELP = "Exit 1 when a file was written (for pre-commit and other fixers)."
+FIX_EXIT = Option("--exit-non-zero-on-fix", "exit_non_zero_on_fix", FIX_HELP)
+LOCK_HELP = "How long to wait for another mm3-codemod run on the same file."
+LOCK_TIMEOUT = Option(
+    "--lock-timeout", "lock_timeout", LOCK_HELP, "SECONDS", float, default=DEFAULT_TIMEOUT, minimum=0
+)
+
+TARGETS = (PATHS, PYTHONS, ROOTS)
+WRITES = (BACKUP, SHOW_DIFF, FIX_EXIT, LOCK_TIMEOUT)
+REPORT = (JSON, ALL, COLOR)
+CHECK_OPTIONS = (
+    *TARGETS,
+    EXAMPLE,
+    Option("--diff", "diff", "Also print the diff `run` would apply (stdout)."),
+    *REPORT,
+)
+RUN_EXAMPLE_HELP = "Rewrite a temporary copy of the bundled example (never the package's own file)."
+RUN_OPTIONS = (
+    *TARGETS,
+    Option("--example", "example", RUN_EXAMPLE_HELP),
+    DRY_RUN,
+    Option("--diff", "diff", "Write nothing; print the diff a run would apply (stdout)."),
+    *WRITES,
+    *REPORT,
+)
+REVERT_OPTIONS = (
+    *TARGETS,
+    Option("--dry-run", "dry_run", "Write nothing; exit 1 when a file carries a bypass to take out."),
+    Option("--check", "check", "Old spelling of --dry-run.", hidden=True),
+    Option("--diff", "diff", "Write nothing; print the diff a revert would apply (stdout)."),
+    *WRITES,
+    *REPORT,
+)
+KERNELS_HELP = "A vLLM kernel library (_C*.so) to load instead of vllm._custom_ops."
+VERIFY_OPTIONS = (
+    PATHS,
+    Option("--python", "python", "Interpreter whose vLLM to verify and import with.", "EXE"),
+    ROOTS,
+    Option("--example", "example", "Also verify the bundled example (it is unpatched: it fails)."),
+    Option("--kernels", "kernels", KERNELS_HELP, "SO", Path),
+    Option("--require-gpu", "require_gpu", "Fail, rather than skip, when the kernel level cannot run."),
+    Option("--require-import", "require_import", "Fail, rather than skip, when the import level cannot run."),
+    Option("--timing/--no-timing", "timing", "Time the kernels (GPU only).", default=True),
+    Option("--verbose -v", "verbose", "Show every check."),
+    JSON,
+    COLOR,
+)
+SURVEY_OPTIONS = (
+    *TARGETS,
+    Option("--jobs -j", "jobs", "Worker processes (default: the CPU count).", "N", int, minimum=1),
+    JSON,
+    Option("--all", "show_all", "Also list files without the fused op and not-a-site calls."),
+    COLOR,
 )
 
 
-def _metavar_only(param: typer.core.TyperOption, ctx: object) -> str | None:
-    """Help names an option's value by its metavar (EXE, DIR), never by a Python type
-    (`<list[Path]>`, `<bool>`); a flag takes no value and shows none."""
-    return None if param.is_flag else param.metavar
+# --- the commands --------------------------------------------------------------------------
 
 
-# typer >= 0.20 prints each parameter's Python type in the help; the name column says enough.
-typer.core.TyperArgument.display_type_rich = lambda param, ctx: None  # type: ignore[method-assign]
-typer.core.TyperOption.display_type_rich = _metavar_only  # type: ignore[method-assign]
-
-Paths = Annotated[
-    Optional[list[Path]],
-    typer.Argument(
-        metavar="PATHS",
-        help="Model files or directories. None given: the vLLM source tree around the working folder,"
-        " else the vLLM of this interpreter.",
-        show_default=False,
-    ),
-]
-Pythons = Annotated[
-    Optional[list[str]],
-    typer.Option(
-        "--python", metavar="EXE", help="Find the vLLM of this interpreter (repeatable).", show_default=False
-    ),
-]
-Roots = Annotated[
-    Optional[list[Path]],
-    typer.Option(
-        "--vllm-root",
-        metavar="DIR",
-        help="A vLLM source checkout or site-packages folder (repeatable).",
-        show_default=False,
-    ),
-]
+def stderr(wide: bool = False) -> Console:
+    # Tables are not squeezed to 80 columns when stderr is a pipe or a file.
+    width = None if not wide or sys.stderr.isatty() else int(os.environ.get("COLUMNS", 0) or 240)
+    return console(sys.stderr, width=width)
 
 
-def _color(value: str) -> str:
-    if value not in COLOR_MODES:
-        raise typer.BadParameter(f"{value!r} is not one of {', '.join(COLOR_MODES)}")
-    set_color(value)
-    return value
+def _targets(
+    command: str, paths: list[Path], pythons: list[str], roots: list[Path], example: bool = False
+) -> tuple[list[Target], Report | None]:
+    try:
+        return resolve(paths, pythons, roots, example=example), None
+    except TargetError as exc:
+        return [], Report(command, [], error=str(exc))
 
 
-Color = Annotated[
-    str,
-    typer.Option(
-        "--color",
-        metavar="WHEN",
-        callback=_color,
-        help="Colour: auto (a terminal, unless NO_COLOR is set), always or never.",
-    ),
-]
-Example = Annotated[
-    bool, typer.Option("--example", help="Also process the bundled fork-era example model file.")
-]
-Json = Annotated[
-    bool, typer.Option("--json", help="Print one JSON report on stdout (human output stays on stderr).")
-]
-ShowAll = Annotated[bool, typer.Option("--all", help="List not-a-site calls too.")]
-Backup = Annotated[bool, typer.Option("--backup", help="Keep the original as <file>.orig.")]
-ShowDiff = Annotated[
-    bool, typer.Option("--show-diff", help="Also print the diff of each file written (stdout).")
-]
-DryRun = Annotated[
-    bool, typer.Option("--dry-run", help="Write nothing; exit 1 when a file would be changed (as check).")
-]
-FixExit = Annotated[
-    bool,
-    typer.Option(
-        "--exit-non-zero-on-fix", help="Exit 1 when a file was written (for pre-commit and other fixers)."
-    ),
-]
-LockWait = Annotated[
-    float,
-    typer.Option(
-        "--lock-timeout",
-        metavar="SECONDS",
-        min=0,
-        help="How long to wait for another mm3-codemod run on the same file.",
-    ),
-]
-
-
-# check, preview, run and survey live in rewriter.entry, which also runs their plain
-# command lines without importing typer; here they only declare their options.
-
-_say_waiting = entry.say_waiting
-
-
-def _stderr(wide: bool = False) -> Console:
-    return entry.stderr(wide)
-
-
-def _targets(command: str, paths, pythons, roots, example: bool) -> tuple[list[Target], Report | None]:
-    return entry.targets_of(command, paths or [], pythons or [], roots or [], example)
-
-
-def _print_diffs(report: Report, only: FileStatus | None = None) -> None:
-    entry.print_diffs(report, only)
-
-
-def _finish(report: Report, as_json: bool, show_all: bool) -> None:
-    raise typer.Exit(entry.finish(report, as_json, show_all))
-
-
-@app.command()
-def check(
-    paths: Paths = None,
-    python: Pythons = None,
-    vllm_root: Roots = None,
-    example: Example = False,
-    diff: Annotated[
-        bool, typer.Option("--diff", help="Also print the diff `run` would apply (stdout).")
-    ] = False,
-    json: Json = False,
-    show_all: ShowAll = False,
-    color: Color = "auto",
-) -> None:
-    """Report each call site's state; write nothing. Exit 1 when a rewrite is needed."""
-    raise typer.Exit(entry.check(paths or [], python or [], vllm_root or [], example, diff, json, show_all))
-
-
-@app.command()
-def preview(
-    paths: Paths = None,
-    python: Pythons = None,
-    vllm_root: Roots = None,
-    example: Example = False,
-    json: Json = False,
-    show_all: ShowAll = False,
-    color: Color = "auto",
-) -> None:
-    """Show the unified diff `run` would apply (stdout); write nothing. Exit 1 when there is one."""
-    raise typer.Exit(entry.preview(paths or [], python or [], vllm_root or [], example, json, show_all))
-
-
-@app.command()
-def run(
-    paths: Paths = None,
-    python: Pythons = None,
-    vllm_root: Roots = None,
-    example: Annotated[
-        bool,
-        typer.Option(
-            "--example",
-            help="Rewrite a temporary copy of the bundled example (never the package's own file).",
-        ),
-    ] = False,
-    dry_run: DryRun = False,
-    diff: Annotated[
-        bool, typer.Option("--diff", help="Write nothing; print the diff a run would apply (stdout).")
-    ] = False,
-    backup: Backup = False,
-    show_diff: ShowDiff = False,
-    exit_non_zero_on_fix: FixExit = False,
-    lock_timeout: LockWait = DEFAULT_TIMEOUT,
-    json: Json = False,
-    show_all: ShowAll = False,
-    color: Color = "auto",
-) -> None:
-    """Apply the fp8 bypass where needed: validated, atomic, all or nothing."""
-    raise typer.Exit(
-        entry.run(
-            paths or [],
-            python or [],
-            vllm_root or [],
-            example,
-            backup=backup,
-            dry_run=dry_run,
-            diff=diff,
-            show_diff=show_diff,
-            exit_non_zero_on_fix=exit_non_zero_on_fix,
-            as_json=json,
-            show_all=show_all,
-            lock_timeout=lock_timeout,
+def print_diffs(report: Report, only: FileStatus | None = None) -> None:
+    """Each file's unified diff on stdout; on stderr, the folder to apply it from when that
+    is not the working folder."""
+    roots = []
+    for index, result in enumerate(report.files):
+        if result.diff and (only is None or result.status is only):
+            write_diff(result.diff, result.encoding)
+            target = report.targets[index] if index < len(report.targets) else None
+            root = target.root if target and target.origin != "--example" else None
+            if root is not None and os.path.abspath(root) != os.getcwd() and root not in roots:
+                roots.append(root)
+    for root in roots:
+        say(
+            stderr(),
+            f"diff paths are relative to {shown_path(root)}: apply it there (git apply, or patch -p1)",
         )
-    )
 
 
-@app.command()
-def verify(
-    paths: Paths = None,
-    python: Annotated[
-        Optional[str],
-        typer.Option(
-            "--python",
-            metavar="EXE",
-            help="Interpreter whose vLLM to verify and import with.",
-            show_default=False,
-        ),
-    ] = None,
-    vllm_root: Roots = None,
-    example: Annotated[
-        bool, typer.Option("--example", help="Also verify the bundled example (it is unpatched: it fails).")
-    ] = False,
-    kernels: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--kernels",
-            metavar="SO",
-            help="A vLLM kernel library (_C*.so) to load instead of vllm._custom_ops.",
-            show_default=False,
-        ),
-    ] = None,
-    require_gpu: Annotated[
-        bool, typer.Option("--require-gpu", help="Fail, rather than skip, when the kernel level cannot run.")
-    ] = False,
-    require_import: Annotated[
-        bool,
-        typer.Option("--require-import", help="Fail, rather than skip, when the import level cannot run."),
-    ] = False,
-    timing: Annotated[bool, typer.Option("--timing/--no-timing", help="Time the kernels (GPU only).")] = True,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show every check.")] = False,
-    json: Json = False,
-    color: Color = "auto",
-) -> None:
-    """Import the rewritten module and run its code: reference ops (CPU) and vLLM's kernels (GPU).
+def write_diff(diff: str, encoding: str) -> None:
+    """The diff on stdout as the file's own bytes (its encoding, its line endings, its tabs),
+    so that ``patch`` and ``git apply`` take it; coloured only where the console would colour."""
+    out = console(sys.stdout)
+    if out.color_system is not None and not out.no_color:
+        from rewriter.report import colour_diff
 
-    Exit 0 when nothing failed, 1 when a level failed, 2 when a target could not be read.
-    """
-    from rewriter.verify import VerifyReport
-    from rewriter.verify import verify as verify_targets
-    from rewriter.verify.table import print_verify
-
-    targets, failed = _targets("verify", paths, [python] if python else [], vllm_root, example)
-    if failed is not None:
-        report = VerifyReport([], error=failed.error)
-    else:
-        if kernels is not None and not kernels.is_file():
-            report = VerifyReport([], error=f"{kernels}: --kernels: no such file")
-        else:
-            report = verify_targets(
-                targets,
-                python=python,
-                kernels=str(kernels) if kernels else None,
-                require_gpu=require_gpu,
-                timing=timing,
-                require_import=require_import,
-            )
-    print_verify(report, _stderr(), verbose=verbose)
-    if json:
-        import json as json_module
-
-        write_stdout(json_module.dumps(report.to_json(), indent=2) + "\n")
-    raise typer.Exit(report.exit_code)
+        diff = colour_diff(diff)
+    try:
+        data = diff.encode(encoding, errors="surrogateescape")
+    except UnicodeEncodeError:  # a file name the file's own encoding cannot spell
+        data = diff.encode(encoding, errors="replace")
+    write_stdout(data)
 
 
-@app.command()
+def _finish(report: Report, as_json: bool, show_all: bool) -> int:
+    """The human report on stderr, the JSON one on stdout; the exit code."""
+    from rewriter.report import print_human, print_json
+
+    print_human(report, stderr(), show_all=show_all)
+    if as_json:
+        print_json(report)
+    return int(report.exit_code)
+
+
+def check(
+    paths: list[Path],
+    pythons: list[str],
+    roots: list[Path],
+    example: bool,
+    diff: bool,
+    as_json: bool,
+    show_all: bool,
+) -> int:
+    """Report each call site's state; write nothing. Exit 1 when a rewrite is needed."""
+    targets, failed = _targets("check", paths, pythons, roots, example)
+    report = failed or analyze_targets("check", targets)
+    if diff and not as_json:
+        print_diffs(report)
+    return _finish(report, as_json, show_all)
+
+
+def preview(
+    paths: list[Path], pythons: list[str], roots: list[Path], example: bool, as_json: bool, show_all: bool
+) -> int:
+    """Show the unified diff `run` would apply (stdout); write nothing. Exit 1 when there is one."""
+    targets, failed = _targets("preview", paths, pythons, roots, example)
+    report = failed or analyze_targets("preview", targets)
+    if not as_json:
+        print_diffs(report)
+    return _finish(report, as_json, show_all)
+
+
+def _on_wait(timeout: float) -> Callable[[Path], None]:
+    def waiting(path: Path) -> None:
+        say(stderr(), f"waiting for {path}: another mm3-codemod run holds it (up to {timeout:g} s)")
+
+    return waiting
+
+
+def run(
+    paths: list[Path],
+    pythons: list[str],
+    roots: list[Path],
+    example: bool,
+    dry_run: bool,
+    diff: bool,
+    backup: bool,
+    show_diff: bool,
+    exit_non_zero_on_fix: bool,
+    lock_timeout: float,
+    as_json: bool,
+    show_all: bool,
+) -> int:
+    """Apply the fp8 bypass where needed: validated, atomic, all or nothing."""
+    dry = dry_run or diff  # --diff: print the diff, write nothing; --show-diff: the diff written
+    with contextlib.ExitStack() as stack:
+        copy = stack.enter_context(example_copy()) if example else None
+        targets, failed = _targets("run", paths + ([copy] if copy else []), pythons, roots)
+        targets = [dataclasses.replace(t, origin="--example") if t.path == copy else t for t in targets]
+        report = failed or run_targets(
+            targets,
+            backup=backup,
+            exit_non_zero_on_fix=exit_non_zero_on_fix,
+            lock_timeout=lock_timeout,
+            on_wait=_on_wait(lock_timeout),
+            dry_run=dry,
+        )
+        if copy is not None and not failed:
+            say(stderr(), f"the bundled example, copied to {copy} for this run (removed afterwards)")
+        if (diff or show_diff) and not as_json:
+            print_diffs(report, only=None if dry else FileStatus.REWRITTEN)
+        return _finish(report, as_json, show_all)
+
+
 def revert(
-    paths: Paths = None,
-    python: Pythons = None,
-    vllm_root: Roots = None,
-    dry_run: Annotated[
-        bool,
-        typer.Option("--dry-run", help="Write nothing; exit 1 when a file carries a bypass to take out."),
-    ] = False,
-    check: Annotated[bool, typer.Option("--check", hidden=True, help="Old spelling of --dry-run.")] = False,
-    diff: Annotated[
-        bool, typer.Option("--diff", help="Write nothing; print the diff a revert would apply (stdout).")
-    ] = False,
-    backup: Backup = False,
-    show_diff: ShowDiff = False,
-    exit_non_zero_on_fix: FixExit = False,
-    lock_timeout: LockWait = DEFAULT_TIMEOUT,
-    json: Json = False,
-    show_all: ShowAll = False,
-    color: Color = "auto",
-) -> None:
+    paths: list[Path],
+    pythons: list[str],
+    roots: list[Path],
+    dry_run: bool,
+    check: bool,
+    diff: bool,
+    backup: bool,
+    show_diff: bool,
+    exit_non_zero_on_fix: bool,
+    lock_timeout: float,
+    as_json: bool,
+    show_all: bool,
+) -> int:
     """Take the fp8 bypass out again (the inverse of run): validated, atomic, all or nothing."""
-    targets, failed = _targets("revert", paths, python, vllm_root, False)
+    targets, failed = _targets("revert", paths, pythons, roots)
     dry = dry_run or check or diff
     report = failed or revert_targets(
         targets,
@@ -303,57 +292,292 @@ def revert(
         dry_run=dry,
         exit_non_zero_on_fix=exit_non_zero_on_fix,
         lock_timeout=lock_timeout,
-        on_wait=_say_waiting(lock_timeout),
+        on_wait=_on_wait(lock_timeout),
     )
-    if not json and (diff or show_diff):
-        _print_diffs(report, only=None if dry else FileStatus.REWRITTEN)
-    _finish(report, json, show_all)
+    if not as_json and (diff or show_diff):
+        print_diffs(report, only=None if dry else FileStatus.REWRITTEN)
+    return _finish(report, as_json, show_all)
 
 
-@app.command()
+# survey shows a progress bar (on a terminal) above this many targets.
+PROGRESS_MIN_TARGETS = 8
+
+
 def survey(
-    paths: Paths = None,
-    python: Pythons = None,
-    vllm_root: Roots = None,
-    jobs: Annotated[
-        Optional[int],
-        typer.Option(
-            "--jobs",
-            "-j",
-            min=1,
-            metavar="N",
-            help="Worker processes (default: the CPU count).",
-            show_default=False,
-        ),
-    ] = None,
-    json: Json = False,
-    show_all: Annotated[
-        bool, typer.Option("--all", help="Also list files without the fused op and not-a-site calls.")
-    ] = False,
-    color: Color = "auto",
-) -> None:
+    paths: list[Path], pythons: list[str], roots: list[Path], jobs: int | None, as_json: bool, show_all: bool
+) -> int:
     """One table of every target: vLLM version, file, each site's state, what run would do and why.
 
     Exit codes as check: 0 nothing to do, 1 a rewrite is needed, 2 a target could not be handled.
     """
-    raise typer.Exit(entry.survey(paths or [], python or [], vllm_root or [], jobs, json, show_all))
+    from rewriter.report import print_json, print_survey
+    from rewriter.survey import survey_targets
+
+    targets, failed = _targets("survey", paths, pythons, roots)
+    err = stderr(wide=True)
+    if failed:
+        report = failed
+    elif len(targets) > PROGRESS_MIN_TARGETS and err.is_terminal and not as_json:
+        from rich.progress import Progress
+
+        # Refreshed by hand (no refresh thread): the pool forks its workers first.
+        with Progress(console=err, transient=True, auto_refresh=False) as progress:
+            task = progress.add_task("surveying", total=len(targets))
+            report = survey_targets(
+                targets, jobs, advance=lambda: progress.update(task, advance=1, refresh=True)
+            )
+    else:
+        report = survey_targets(targets, jobs)
+    print_survey(report, err, show_all=show_all)
+    if as_json:
+        print_json(report)
+    return int(report.exit_code)
 
 
-def _version(value: bool) -> None:
-    if value:
-        write_stdout(f"mm3-codemod {__version__}\n")
-        raise typer.Exit()
+def verify(
+    paths: list[Path],
+    python: str | None,
+    roots: list[Path],
+    example: bool,
+    kernels: Path | None,
+    require_gpu: bool,
+    require_import: bool,
+    timing: bool,
+    verbose: bool,
+    as_json: bool,
+) -> int:
+    """Import the rewritten module and run its code: reference ops (CPU) and vLLM's kernels (GPU).
+
+    Exit 0 when nothing failed, 1 when a level failed, 2 when a target could not be read.
+    """
+    import json
+
+    from rewriter.verify import VerifyReport
+    from rewriter.verify import verify as verify_targets
+    from rewriter.verify.table import print_verify
+
+    targets, failed = _targets("verify", paths, [python] if python else [], roots, example)
+    if failed is not None:
+        report = VerifyReport([], error=failed.error)
+    elif kernels is not None and not kernels.is_file():
+        report = VerifyReport([], error=f"{kernels}: --kernels: no such file")
+    else:
+        report = verify_targets(
+            targets,
+            python=python,
+            kernels=str(kernels) if kernels else None,
+            require_gpu=require_gpu,
+            timing=timing,
+            require_import=require_import,
+        )
+    print_verify(report, stderr(), verbose=verbose)
+    if as_json:
+        write_stdout(json.dumps(report.to_json(), indent=2) + "\n")
+    return report.exit_code
 
 
-@app.callback()
-def _main(
-    version: Annotated[
-        bool, typer.Option("--version", "-V", callback=_version, is_eager=True, help="Show the version.")
-    ] = False,
-) -> None:
-    pass
+COMMANDS = {
+    "check": Command(CHECK_OPTIONS, check),
+    "preview": Command((*TARGETS, EXAMPLE, *REPORT), preview),
+    "run": Command(RUN_OPTIONS, run),
+    "verify": Command(VERIFY_OPTIONS, verify),
+    "revert": Command(REVERT_OPTIONS, revert),
+    "survey": Command(SURVEY_OPTIONS, survey),
+}
 
 
-def main() -> None:
-    """Every command line through typer (the console script is ``rewriter.entry:main``)."""
-    app(prog_name="mm3-codemod")
+def call(name: str, values: dict[str, Any]) -> int:
+    """Run command ``name`` with the options read (by either reader)."""
+    command = COMMANDS[name]
+    for declared in command.options:
+        if declared.many and values[declared.dest] is None:
+            values[declared.dest] = []
+    set_color(values.pop("color"))
+    return command.body(**values)
+
+
+# --- the fast reader -------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
+
+
+def _value(declared: Option, text: str) -> object:
+    """``text`` as the option's value; None where typer should read it (and explain)."""
+    if declared.choices:
+        return text if text in declared.choices else None
+    if declared.kind in (int, float):
+        if not (text.isascii() and _NUMBER.fullmatch(text)) or (declared.kind is int and not text.isdigit()):
+            return None
+        number = declared.kind(text)
+        return number if declared.minimum is None or number >= declared.minimum else None
+    if not text or text.startswith("-"):
+        return None
+    return declared.kind(text)
+
+
+def read_plain(argv: list[str]) -> tuple[str, dict[str, Any]] | None:
+    """``(command, values)`` for a plain command line; None: let typer read it."""
+    if not argv or argv[0] not in COMMANDS:
+        return None
+    options = COMMANDS[argv[0]].options
+    values = {o.dest: [] if o.many else o.default for o in options}
+    switches: dict[str, tuple[Option, bool]] = {}
+    valued: dict[str, Option] = {}
+    for declared in options:
+        for spelling in declared.flags:
+            if declared.is_flag:
+                on, _, off = spelling.partition("/")
+                switches.update({on: (declared, True)} | ({off: (declared, False)} if off else {}))
+            else:
+                valued[spelling] = declared
+    rest = argv[1:]
+    while rest:
+        arg = rest.pop(0)
+        name, eq, text = arg.partition("=")
+        if arg in switches:
+            switch, state = switches[arg]
+            values[switch.dest] = state
+        elif name in valued and not (eq and not name.startswith("--")):  # click reads "-j=2" as "=2"
+            taking = valued[name]
+            if not eq:
+                if not rest:
+                    return None
+                text = rest.pop(0)
+            value = _value(taking, text)
+            if value is None:
+                return None
+            if taking.many:
+                values[taking.dest].append(value)
+            else:
+                values[taking.dest] = value
+        elif arg and not arg.startswith("-"):
+            values["paths"].append(Path(arg))
+        else:
+            return None  # --help, --, an unknown option: typer answers
+    return argv[0], values
+
+
+# --- the typer app, built from the same declarations -----------------------------------------
+
+
+def typer_app() -> typer.Typer:
+    import inspect
+    import types
+    from typing import Annotated, Optional
+
+    import typer
+    import typer.core
+
+    # The help names an option's value by its metavar (EXE, DIR), never by a Python type
+    # (`<list[Path]>`, `<bool>`); a flag takes no value and shows none.
+    typer.core.TyperArgument.display_type_rich = lambda param, ctx: None
+    typer.core.TyperOption.display_type_rich = lambda param, ctx: None if param.is_flag else param.metavar
+
+    def parameter(declared: Option) -> inspect.Parameter:
+        kind: Any = types.GenericAlias(list, declared.kind) if declared.many else declared.kind
+        if declared.default is None:
+            kind = Optional[kind]
+        if not declared.flags:
+            info: Any = typer.Argument(metavar=declared.metavar, help=declared.help, show_default=False)
+        else:
+            info = typer.Option(
+                *declared.flags,
+                metavar=declared.metavar,
+                help=declared.help,
+                min=declared.minimum,
+                hidden=declared.hidden,
+                show_default=declared.default is not None,
+                callback=choice_check(declared.choices) if declared.choices else None,
+            )
+        return inspect.Parameter(
+            declared.dest,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=declared.default,
+            annotation=Annotated[kind, info],
+        )
+
+    def choice_check(choices: tuple[str, ...]) -> Callable[[str], str]:
+        def check(value: str) -> str:
+            if value not in choices:
+                raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}")
+            return value
+
+        return check
+
+    def command_function(name: str, help: str, parameters: list[inspect.Parameter]) -> Callable[..., None]:
+        def function(**values: Any) -> None:
+            raise typer.Exit(call(name, values))
+
+        function.__doc__ = help
+        setattr(function, "__signature__", inspect.Signature(parameters))  # what typer reads
+        return function
+
+    app = typer.Typer(
+        add_completion=False,
+        no_args_is_help=True,
+        context_settings={"help_option_names": ["-h", "--help"]},
+        help="Rewrite vLLM's MiniMax-M3 NVIDIA model so that an fp8 KV cache works on SM89 GPUs.",
+    )
+    for name, command in COMMANDS.items():
+        parameters = [parameter(o) for o in command.options]
+        app.command(name)(command_function(name, command.body.__doc__ or "", parameters))
+
+    def version(value: bool) -> None:
+        if value:
+            write_stdout(f"mm3-codemod {__version__}\n")
+            raise typer.Exit()
+
+    @app.callback()
+    def _main(
+        version: bool = typer.Option(
+            False, "--version", "-V", callback=version, is_eager=True, help="Show the version."
+        ),
+    ) -> None:
+        pass
+
+    return app
+
+
+# --- the console script ------------------------------------------------------------------------
+
+
+class Interrupted(BaseException):
+    """Ctrl-C. Not KeyboardInterrupt: click would print "Aborted!" and exit 1."""
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise Interrupted
+
+
+def _quit(line: str, code: int) -> None:
+    """End with one line on stderr; what is still buffered for stdout goes nowhere."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None, plain: bool = True) -> None:
+    """The console script: the command's exit code; Ctrl-C: "interrupted", 130 (files are
+    written whole or not at all); a stdout that cannot be written: one line, 2.
+    ``plain=False``: typer reads every command line (what the tests compare against)."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored (nohup, &)
+        signal.signal(signal.SIGINT, _interrupted)
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        read = read_plain(args) if plain else None
+        if read is not None:
+            sys.exit(call(*read))
+        try:
+            typer_app()(args=args, prog_name="mm3-codemod")
+        except OSError as exc:  # click and rich print help and usage themselves
+            if exc.errno not in (errno.EPIPE, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):
+                raise
+            raise OutputError(exc.strerror or str(exc)) from exc
+    except Interrupted:
+        _quit("interrupted", 130)
+    except OutputError as exc:
+        _quit(f"error: cannot write to stdout: {exc}", 2)

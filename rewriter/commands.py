@@ -1,4 +1,4 @@
-"""The library behind each CLI command; the CLI only parses options and prints."""
+"""What each command does to its targets, and its report; ``cli`` reads options and prints."""
 
 from __future__ import annotations
 
@@ -31,9 +31,8 @@ from rewriter.targets import Target, example_path
 
 class ExitCode(enum.IntEnum):
     OK = 0  # nothing to do, or done
-    NEEDS_REWRITE = (
-        1  # check/preview/survey (or a dry run): a rewrite is needed; a fix with --exit-non-zero-on-fix
-    )
+    # check/preview/survey (or a dry run): a rewrite is needed; a fix with --exit-non-zero-on-fix
+    NEEDS_REWRITE = 1
     ERROR = 2  # a target could not be handled; nothing written
 
 
@@ -74,7 +73,7 @@ def analyze_targets(command: str, targets: list[Target], dry_run: bool = False) 
     return Report(command, targets, [plan_file(t.path, name=t.diff_name) for t in targets], dry_run=dry_run)
 
 
-def run(
+def run_targets(
     targets: list[Target],
     backup: bool = False,
     exit_non_zero_on_fix: bool = False,
@@ -91,18 +90,10 @@ def run(
     moved into place, so a vLLM tree is left either fully rewritten or as it
     was (barring a failing rename, which the report names).
     """
-
-    def plan() -> Report:
-        report = analyze_targets("run", targets, dry_run=dry_run)
-        report.exit_non_zero_on_fix = exit_non_zero_on_fix
-        return report
-
-    if dry_run:
-        return plan()  # writes nothing: no lock to wait for
-    return _plan_and_write(targets, plan, backup, lock_timeout, on_wait)
+    return _plan_and_write("run", targets, backup, dry_run, exit_non_zero_on_fix, lock_timeout, on_wait)
 
 
-def revert(
+def revert_targets(
     targets: list[Target],
     backup: bool = False,
     dry_run: bool = False,
@@ -111,29 +102,27 @@ def revert(
     on_wait: Callable[[Path], None] | None = None,
 ) -> Report:
     """Take the fp8 bypass out of every target that carries one - all or nothing, like ``run``."""
-
-    def plan() -> Report:
-        return Report(
-            "revert",
-            targets,
-            [plan_revert_file(t.path, name=t.diff_name) for t in targets],
-            dry_run=dry_run,
-            exit_non_zero_on_fix=exit_non_zero_on_fix,
-        )
-
-    if dry_run:
-        return plan()  # writes nothing: no lock to wait for
-    return _plan_and_write(targets, plan, backup, lock_timeout, on_wait)
+    return _plan_and_write("revert", targets, backup, dry_run, exit_non_zero_on_fix, lock_timeout, on_wait)
 
 
 def _plan_and_write(
+    command: str,
     targets: list[Target],
-    plan: Callable[[], Report],
     backup: bool,
+    dry_run: bool,
+    exit_non_zero_on_fix: bool,
     lock_timeout: float,
     on_wait: Callable[[Path], None] | None,
 ) -> Report:
     """Lock every target, read and plan them, write them all (or none)."""
+
+    def plan() -> Report:
+        plan_one = plan_file if command == "run" else plan_revert_file
+        files = [plan_one(t.path, name=t.diff_name) for t in targets]
+        return Report(command, targets, files, dry_run=dry_run, exit_non_zero_on_fix=exit_non_zero_on_fix)
+
+    if dry_run:
+        return plan()  # writes nothing: no lock to wait for
     try:
         with locked([t.path for t in targets], lock_timeout, on_wait):
             testhook.at("locked")

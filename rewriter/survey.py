@@ -39,7 +39,7 @@ def survey_file(path: Path) -> FileResult:
     return dataclasses.replace(result, diff="", original=b"", new=None)
 
 
-def survey(
+def survey_targets(
     targets: list[Target],
     jobs: int | None = None,
     advance: Callable[[], None] | None = None,

@@ -263,11 +263,6 @@ def default_targets() -> list[Target]:
     return [Target(f, "current interpreter", version, package.parent) for f in python_files(folder)]
 
 
-def vllm_of_interpreter(python: str) -> Path:
-    """The vLLM package folder of another interpreter, found by running it."""
-    return vllm_install_of_interpreter(python)[0]
-
-
 def installed_version(package: Path) -> str | None:
     """This interpreter's vLLM version: the metadata beside the package, else
     ``importlib.metadata`` (an editable install); vllm itself is not imported."""

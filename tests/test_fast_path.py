@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, ROOT, make_vllm_tree
 
-from rewriter.entry import read_plain
+from rewriter.cli import read_plain
 
 # Runs the CLI in a fresh process and writes, at exit, the top-level names of
 # every module it imported. argv: OUT ENTRY ARGS... (ENTRY: the fast reader or typer).
@@ -28,11 +28,8 @@ out, entry = sys.argv[1], sys.argv[2]
 del sys.argv[1:3]
 atexit.register(lambda: open(out, "w").write(json.dumps(sorted({m.split(".")[0] for m in sys.modules}))))
 {preamble}
-if entry == "typer":
-    from rewriter.cli import main
-else:
-    from rewriter.entry import main
-main()
+from rewriter.cli import main
+main(plain=entry != "typer")
 """
 
 
@@ -155,13 +152,18 @@ def test_what_the_fast_reader_leaves_to_typer() -> None:
             "paths": [Path("a.py")],
             "pythons": ["py3"],
             "roots": [Path("r")],
-            "--example": False,
-            "--diff": False,
-            "--json": True,
-            "--all": False,
+            "example": False,
+            "diff": False,
+            "as_json": True,
+            "show_all": False,
             "color": "auto",
         },
     )
+    revert = read_plain(["revert", "--check", "--lock-timeout", "2.5", "a.py"])
+    assert revert is not None and revert[1]["check"] and revert[1]["lock_timeout"] == 2.5
+    verify = read_plain(["verify", "--no-timing", "-v", "--python", "py3", "--python", "py4"])
+    assert verify is not None and verify[1]["python"] == "py4"
+    assert not verify[1]["timing"] and verify[1]["verbose"]
     for argv in (
         [],
         ["--version"],
@@ -181,8 +183,11 @@ def test_what_the_fast_reader_leaves_to_typer() -> None:
         ["check", "--color", "sometimes"],
         ["check", "--color"],
         ["check", "--dry-run"],  # a run option
-        ["revert", "a.py"],
-        ["verify", "a.py"],
+        ["run", "--lock-timeout", "-1"],
+        ["run", "--lock-timeout", "1e3"],
+        ["verify", "--timing=1"],
+        ["verify", "-v=1"],
+        ["undo", "a.py"],
     ):
         assert read_plain(argv) is None, argv
 
@@ -224,6 +229,10 @@ def run_both(tmp_path: Path, args: list[str], restore: Path | None = None) -> No
         ["check", "--diff", "--color", "always", "fixtures/fork_era/model.py"],
         ["survey", "--color", "never", "fixtures"],
         ["check", "--color", "sometimes", "fixtures"],  # typer's error either way
+        ["revert", "--diff", "fixtures/patched/model.py"],
+        ["revert", "--check", "--json", "fixtures/patched/model.py"],
+        ["run", "--lock-timeout", "0.5", "--dry-run", "fixtures/fork_era/model.py"],
+        ["run", "--lock-timeout", "-1", "fixtures"],  # typer's error either way
     ],
     ids=lambda a: " ".join(a),
 )

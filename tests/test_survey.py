@@ -17,7 +17,7 @@ from conftest import FIXTURES, ROOT, cli, make_vllm_tree
 from test_fixtures import VARIANTS
 from test_real_wheels import PREFIX, VERSIONS, vllm_wheel
 
-from rewriter.survey import survey
+from rewriter.survey import survey_targets
 from rewriter.targets import Target, dist_version_beside, resolve
 
 POISON = "raise RuntimeError('{} was imported')\n"
@@ -143,8 +143,8 @@ def test_library_survey_in_parallel_equals_serial(tmp_path: Path) -> None:
     names = ["native", "dense_only", "native_stale_bypass", "two_candidates", "no_insert_kv"]
     targets = [Target(FIXTURES / name / "model.py", "test") for name in names]
     ticks: list[int] = []
-    serial = survey(targets, jobs=1)
-    parallel = survey(targets, jobs=2, advance=lambda: ticks.append(1))
+    serial = survey_targets(targets, jobs=1)
+    parallel = survey_targets(targets, jobs=2, advance=lambda: ticks.append(1))
     assert len(ticks) == len(targets)
     assert [f.to_json() for f in parallel.files] == [f.to_json() for f in serial.files]
 
@@ -215,10 +215,10 @@ def test_torch_and_vllm_are_never_imported(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import sys
-        from rewriter.cli import app
+        from rewriter.cli import main
         for args in (["survey", "-j", "2", {str(work)!r}], ["revert", {str(work)!r}]):
             try:
-                app(args, prog_name="mm3-codemod")
+                main(args, plain=False)
             except SystemExit as exc:
                 assert exc.code == 0, (args, exc.code)
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "vllm"))
