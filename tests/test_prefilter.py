@@ -184,6 +184,11 @@ NATIVE_LAYOUTS = {
         "            index_q,\n            self.kv", "            *index_q,\n            self.kv"
     ),
     "bom": lambda s: "\ufeff" + s,
+    "crlf": lambda s: s.replace("\n", "\r\n"),
+    "lone-cr": lambda s: s.replace("\n", "\r"),
+    "form-feed": edit("\n\nclass MiniMaxM3SparseAttention", "\n\x0c\nclass MiniMaxM3SparseAttention"),
+    "non-ascii-before-dtype": edit(NATIVE_DTYPE, "            self.kv_cache_dtype,  # é\n        )"),
+    "non-ascii-on-dtype-line": edit(NATIVE_DTYPE, "            note='é', kv_cache_dtype=self.kv_cache_dtype, also='ü',\n        )"),
     "latin1-cookie": lambda s: "# -*- coding: latin-1 -*-\n" + s,
 }
 
