@@ -139,7 +139,7 @@ class InsertSite:
         }
 
 
-# --- what a reader finds at a call ------------------------------------------------------
+# --- what the analysis finds at a call ------------------------------------------------
 
 
 @dataclass
@@ -199,7 +199,7 @@ class Pieces:
         )
 
 
-# --- the expressions of the guard, on Python's own tree (both readers hand theirs here) ---
+# --- the bypass's own expressions, read on Python's own tree (parser-free) ---------------
 
 
 def dotted(node: ast.expr) -> str | None:
@@ -278,7 +278,7 @@ def post_block_guard(test: ast.expr) -> str | None:
 
 
 def expression(code: str) -> ast.expr | None:
-    """One expression's source (from the other reader) as Python's own tree."""
+    """One expression's source as Python's own tree (None: not an expression)."""
     try:
         return ast.parse(f"({code})", mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
