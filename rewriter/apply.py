@@ -390,10 +390,9 @@ def unified_diff(name: str, old: bytes, new: bytes, encoding: str) -> str:
         fromfile=f"a/{name}",
         tofile=f"b/{name}",
     )
-    out = []
-    for line in lines:
-        out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
-    return "".join(out)
+    return "".join(
+        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
+    )
 
 
 # --- writing ---------------------------------------------------------------------------

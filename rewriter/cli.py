@@ -139,7 +139,7 @@ SURVEY_OPTIONS = (
 )
 
 
-# --- the commands: each takes the options read (``o``), by the ``dest`` they are declared with ------
+# --- the commands (``o``: the options read, each by its ``dest``) ------------------------------
 
 
 def stderr(wide: bool = False) -> Console:

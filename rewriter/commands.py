@@ -69,9 +69,9 @@ class Report:
         return sum(1 for f in self.files if f.status is status)
 
 
-def analyze_targets(command: str, targets: list[Target], dry_run: bool = False) -> Report:
-    """Plan every target; nothing is written (``check``, ``preview``, ``run --dry-run``)."""
-    return Report(command, targets, [plan_file(t.path, name=t.diff_name) for t in targets], dry_run=dry_run)
+def analyze_targets(command: str, targets: list[Target]) -> Report:
+    """Plan every target; nothing is written (``check``, ``preview``)."""
+    return Report(command, targets, [plan_file(t.path, name=t.diff_name) for t in targets])
 
 
 def write_targets(
