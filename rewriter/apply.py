@@ -13,7 +13,6 @@ from __future__ import annotations
 import difflib
 import enum
 import glob
-import hashlib
 import io
 import os
 import shutil
@@ -214,7 +213,7 @@ def _parse(raw: bytes, ours: bool = False) -> cst.Module:
     """``ours``: the tool's own output, from a file already read (its nesting checked there)."""
     import libcst as cst
 
-    body = raw[len(BOM) :] if raw.startswith(BOM) else raw
+    body = raw.removeprefix(BOM)
     if not ours:
         _check_nesting(body)
     try:
@@ -233,7 +232,7 @@ def _lost_tail(module: cst.Module, raw: bytes) -> bytes:
     lines end in a lone ``\\r``), to put back after the rewrite. Anything else it would not
     give back byte for byte is refused: everything but the rewrite must stay as it was.
     (Only such a file is generated again to see: ``\\n`` and ``\\r\\n`` files come back whole.)"""
-    body = raw[len(BOM) :] if raw.startswith(BOM) else raw
+    body = raw.removeprefix(BOM)
     if b"\r" not in body.replace(b"\r\n", b""):
         return b""
     again = module.bytes
@@ -242,27 +241,18 @@ def _lost_tail(module: cst.Module, raw: bytes) -> bytes:
     return body[len(again) :]
 
 
-def _encode(module: cst.Module, bom: bool, tail: bytes = b"") -> bytes:
-    return (BOM if bom else b"") + module.bytes + tail
-
-
 def plan_file(path: Path, name: str | None = None) -> FileResult:
     """Analyze one file and, where a rewrite is needed, prepare the validated new bytes.
     ``name``: the path the diff names (relative to the folder the user targeted; default:
     the file's name)."""
     return _plan(
-        path,
-        lambda module, raw: analyze(module, raw),
-        lambda analysis: rewrite(analysis),
-        lambda new, analysis: validate(new, path, expected_patched=analysis.patched_after),
-        quick=True,
-        name=name,
+        path, analyze, rewrite, lambda new, analysis: validate(new, path, analysis.patched_after), True, name
     )
 
 
 def classify_file(path: Path) -> FileResult:
     """Each site's state only: nothing is rewritten or validated (``verify``)."""
-    return _plan(path, lambda module, raw: analyze(module, raw), None, None, quick=True)
+    return _plan(path, analyze, None, None, quick=True)
 
 
 def plan_revert_file(path: Path, name: str | None = None) -> FileResult:
@@ -270,10 +260,10 @@ def plan_revert_file(path: Path, name: str | None = None) -> FileResult:
     return _plan(
         path,
         lambda module, raw: analyze_revert(module),
-        lambda analysis: revert_module(analysis),
-        lambda new, analysis: validate_revert(new, path),
-        quick=False,
-        name=name,
+        revert_module,
+        lambda new, _: validate_revert(new, path),
+        False,
+        name,
     )
 
 
@@ -290,58 +280,51 @@ def _plan(path: Path, analyze_module, transform, check, quick: bool, name: str |
         return FileResult(
             path, FileStatus.UNCHANGED if sites else FileStatus.NO_SITES, sites=sites, original=raw
         )
+    result = FileResult(path, FileStatus.ERROR, original=raw)
     try:
-        return _plan_with_libcst(path, raw, analyze_module, transform, check, name)
-    except RecursionError:  # deeper than LibCST can go, below the limits: never a traceback
-        error = f"an expression is nested too deeply; {SPLIT_IT}"
-        return FileResult(path, FileStatus.ERROR, error=error, original=raw)
-
-
-def _plan_with_libcst(
-    path: Path, raw: bytes, analyze_module, transform, check, name: str | None
-) -> FileResult:
-    try:
-        module = _parse(raw)
-        analysis = analyze_module(module, raw)
-    except FileError as exc:
-        return FileResult(path, FileStatus.ERROR, error=str(exc), original=raw)
-    result = FileResult(path, FileStatus.UNCHANGED, sites=analysis.sites, original=raw)
-    if analysis.refused:
-        first = analysis.refused[0]
-        result.status = FileStatus.REFUSED
-        # Planning writes nothing; a command that writes says so in its note.
-        result.error = f"refused at line {first.line} ({first.state.value})"
-        return result
-    if not analysis.needs_rewrite:
-        if not analysis.sites:
-            result.status = FileStatus.NO_SITES
-        return result
-    if transform is None:  # classify only
-        result.status = FileStatus.NEEDS_REWRITE
-        return result
-    try:
-        _compile(raw, path)
-        tail = _lost_tail(module, raw)
-    except SyntaxError as exc:
-        result.status = FileStatus.ERROR
-        result.error = _not_this_python(exc)
-        return result
+        _plan_with_libcst(result, analyze_module, transform, check, name)
     except FileError as exc:
         result.status, result.error = FileStatus.ERROR, str(exc)
-        return result
+    except RecursionError:  # deeper than LibCST can go, below the limits: never a traceback
+        result.status, result.sites = FileStatus.ERROR, []
+        result.error = f"an expression is nested too deeply; {SPLIT_IT}"
+    return result
+
+
+def _plan_with_libcst(result: FileResult, analyze_module, transform, check, name: str | None) -> None:
+    """Fill in ``result``; ``FileError`` says why the file cannot be rewritten."""
+    raw = result.original
+    module = _parse(raw)
+    analysis = analyze_module(module, raw)
+    result.sites = analysis.sites
+    if analysis.refused:
+        first = analysis.refused[0]
+        # Planning writes nothing; a command that writes says so in its note.
+        result.status = FileStatus.REFUSED
+        result.error = f"refused at line {first.line} ({first.state.value})"
+        return
+    if not analysis.needs_rewrite:
+        result.status = FileStatus.UNCHANGED if analysis.sites else FileStatus.NO_SITES
+        return
+    result.status = FileStatus.NEEDS_REWRITE
+    if transform is None:  # classify only
+        return
     try:
-        new_module = transform(analysis)
-        new = _encode(new_module, raw.startswith(BOM), tail)
+        _compile(raw, result.path)
+    except SyntaxError as exc:  # LibCST read it: its grammar knows newer Python
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        raise FileError(
+            f"does not compile under Python {version} (line {exc.lineno}: {exc.msg}), so a rewrite cannot"
+            f" be checked here; if the file is written for a newer Python, run mm3-codemod under that Python"
+        ) from exc
+    tail = _lost_tail(module, raw)
+    try:
+        new = (BOM if raw.startswith(BOM) else b"") + transform(analysis).bytes + tail
         check(new, analysis)
     except FileError as exc:
-        result.status = FileStatus.ERROR
-        result.error = f"rewrite failed validation: {exc}"
-        return result
-    result.status = FileStatus.NEEDS_REWRITE
-    result.new = new
-    result.diff = unified_diff(name or path.name, raw, new, module.encoding)
-    result.encoding = module.encoding
-    return result
+        raise FileError(f"rewrite failed validation: {exc}") from exc
+    result.new, result.encoding = new, module.encoding
+    result.diff = unified_diff(name or result.path.name, raw, new, module.encoding)
 
 
 def _compile(source: bytes, path: Path) -> None:
@@ -349,18 +332,7 @@ def _compile(source: bytes, path: Path) -> None:
     with warnings.catch_warnings():
         # The file's own warnings (`x is 1`, "\d") are not ours to print.
         warnings.simplefilter("ignore")
-        compile(
-            source[len(BOM) :] if source.startswith(BOM) else source, str(path), "exec", dont_inherit=True
-        )
-
-
-def _not_this_python(exc: SyntaxError) -> str:
-    """The input does not compile here (LibCST read it: its grammar knows newer Python)."""
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    return (
-        f"does not compile under Python {version} (line {exc.lineno}: {exc.msg}), so a rewrite cannot be"
-        f" checked here; if the file is written for a newer Python, run mm3-codemod under that Python"
-    )
+        compile(source.removeprefix(BOM), str(path), "exec", dont_inherit=True)
 
 
 def _parse_and_compile(new: bytes, path: Path) -> cst.Module:
@@ -403,7 +375,7 @@ def _lines(raw: bytes, encoding: str) -> list[str]:
     """The file's lines as ``patch`` and ``git apply`` read them: ended by ``\n`` only, each
     with its ending (``\r\n`` stays; ``str.splitlines`` would also split at ``\r``, ``\x0c``,
     ``\x1c``, ``\u2028``... and make a diff no tool applies)."""
-    body = raw[len(BOM) :] if raw.startswith(BOM) else raw
+    body = raw.removeprefix(BOM)
     lines = body.decode(encoding).split("\n")
     return [line + "\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
 
@@ -418,17 +390,12 @@ def unified_diff(name: str, old: bytes, new: bytes, encoding: str) -> str:
         fromfile=f"a/{name}",
         tofile=f"b/{name}",
     )
-    out = []
-    for line in lines:
-        out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
-    return "".join(out)
+    return "".join(
+        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
+    )
 
 
 # --- writing ---------------------------------------------------------------------------
-
-
-def digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 TEMP_SUFFIX = ".mm3-codemod.tmp"
@@ -492,10 +459,7 @@ def discard(staged: StagedWrite) -> None:
     """Remove what staging wrote (the temp file and the backup)."""
     for path in (staged.temp, staged.backup):
         if path is not None:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            _unlink(path)
 
 
 def _check_unchanged(real: Path, original: bytes) -> None:
@@ -503,39 +467,24 @@ def _check_unchanged(real: Path, original: bytes) -> None:
         current = real.read_bytes()
     except OSError as exc:
         raise FileError(f"cannot re-read before writing: {exc.strerror or exc}") from exc
-    if digest(current) != digest(original):
+    if current != original:
         raise FileError("changed by someone else since it was read; nothing written, run again")
 
 
-def remove_stray_temps(path: Path) -> list[Path]:
-    """Temp files of ``path`` left by a run that was killed mid-write.
+def remove_stray_temps(path: Path) -> None:
+    """Remove the temp files of ``path`` left by a run that was killed mid-write.
 
     Called with the file's lock held: no other mm3-codemod is writing one.
     """
     real = Path(os.path.realpath(path))
-    removed = []
+    prefix = _temp_prefix(real)
     try:
-        candidates = list(real.parent.glob(f"{glob.escape(_temp_prefix(real))}*{TEMP_SUFFIX}"))
+        candidates = list(real.parent.glob(f"{glob.escape(prefix)}*{TEMP_SUFFIX}"))
     except OSError:
-        return removed
+        return
     for temp in candidates:
-        middle = temp.name[len(_temp_prefix(real)) : -len(TEMP_SUFFIX)]
-        if temp.is_file() and not temp.is_symlink() and "." not in middle:
-            try:
-                temp.unlink()
-                removed.append(temp)
-            except OSError:
-                pass
-    return removed
-
-
-def _backup_path(real: Path) -> Path:
-    candidate = real.with_name(real.name + ".orig")
-    n = 1
-    while candidate.exists():
-        candidate = real.with_name(f"{real.name}.orig.{n}")
-        n += 1
-    return candidate
+        if temp.is_file() and not temp.is_symlink() and "." not in temp.name[len(prefix) : -len(TEMP_SUFFIX)]:
+            _unlink(temp)
 
 
 def _write_backup(real: Path, data: bytes, mode: int, owner: tuple[int, int]) -> Path:
@@ -543,23 +492,21 @@ def _write_backup(real: Path, data: bytes, mode: int, owner: tuple[int, int]) ->
     temp = _write_temp(real, data, mode, owner)
     try:
         shutil.copystat(real, temp)
+        candidate, n = real.with_name(real.name + ".orig"), 0
         while True:
-            candidate = _backup_path(real)
             try:
                 os.link(temp, candidate)  # fails if it exists: never overwrites a backup
                 return candidate
             except FileExistsError:
-                continue
+                n += 1
+                candidate = real.with_name(f"{real.name}.orig.{n}")
     except OSError as exc:
         raise FileError(f"cannot write the backup: {exc.strerror or exc}; nothing written") from exc
     finally:
-        try:
-            os.unlink(temp)
-        except OSError:
-            pass
+        _unlink(temp)
 
 
-def _write_temp(path: Path, data: bytes, mode: int, owner: tuple[int, int] | None = None) -> Path:
+def _write_temp(path: Path, data: bytes, mode: int, owner: tuple[int, int]) -> Path:
     """``data`` in a new fsynced file beside ``path`` with ``mode`` and, as far as this user
     may give it, ``owner`` (uid, gid); removed again on failure."""
     try:
@@ -579,8 +526,7 @@ def _write_temp(path: Path, data: bytes, mode: int, owner: tuple[int, int] | Non
             os.fsync(fd)
         finally:
             os.close(fd)
-        if owner is not None:
-            _chown(temp, *owner)
+        _chown(temp, *owner)
         os.chmod(temp, mode)  # after chown, which may clear set-id bits
         testhook.at("temp-synced")
     except OSError as exc:

@@ -20,11 +20,12 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from rewriter import __version__
 from rewriter.apply import FileStatus
-from rewriter.commands import Report, analyze_targets, example_copy, revert_targets, run_targets
+from rewriter.commands import Report, analyze_targets, example_copy, write_targets
 from rewriter.console import COLOR_MODES, OutputError, console, say, set_color, write_stdout
 from rewriter.locking import DEFAULT_TIMEOUT
 from rewriter.targets import Target, TargetError, resolve, shown_path
@@ -138,7 +139,7 @@ SURVEY_OPTIONS = (
 )
 
 
-# --- the commands --------------------------------------------------------------------------
+# --- the commands (``o``: the options read, each by its ``dest``) ------------------------------
 
 
 def stderr(wide: bool = False) -> Console:
@@ -160,11 +161,10 @@ def print_diffs(report: Report, only: FileStatus | None = None) -> None:
     """Each file's unified diff on stdout; on stderr, the folder to apply it from when that
     is not the working folder."""
     roots = []
-    for index, result in enumerate(report.files):
+    for target, result in zip(report.targets, report.files):
         if result.diff and (only is None or result.status is only):
             write_diff(result.diff, result.encoding)
-            target = report.targets[index] if index < len(report.targets) else None
-            root = target.root if target and target.origin != "--example" else None
+            root = target.root if target.origin != "--example" else None
             if root is not None and os.path.abspath(root) != os.getcwd() and root not in roots:
                 roots.append(root)
     for root in roots:
@@ -189,163 +189,96 @@ def write_diff(diff: str, encoding: str) -> None:
     write_stdout(data)
 
 
-def _finish(report: Report, as_json: bool, show_all: bool) -> int:
+def _finish(report: Report, o: SimpleNamespace, err: Console | None = None) -> int:
     """The human report on stderr, the JSON one on stdout; the exit code."""
     from rewriter.report import print_human, print_json
 
-    print_human(report, stderr(), show_all=show_all)
-    if as_json:
+    print_human(report, err or stderr(), show_all=o.show_all)
+    if o.as_json:
         print_json(report)
     return int(report.exit_code)
 
 
-def check(
-    paths: list[Path],
-    pythons: list[str],
-    roots: list[Path],
-    example: bool,
-    diff: bool,
-    as_json: bool,
-    show_all: bool,
-) -> int:
+def check(o: SimpleNamespace) -> int:
     """Report each call site's state; write nothing. Exit 1 when a rewrite is needed."""
-    targets, failed = _targets("check", paths, pythons, roots, example)
-    report = failed or analyze_targets("check", targets)
-    if diff and not as_json:
-        print_diffs(report)
-    return _finish(report, as_json, show_all)
+    return _plan("check", o, o.diff)
 
 
-def preview(
-    paths: list[Path], pythons: list[str], roots: list[Path], example: bool, as_json: bool, show_all: bool
-) -> int:
+def preview(o: SimpleNamespace) -> int:
     """Show the unified diff `run` would apply (stdout); write nothing. Exit 1 when there is one."""
-    targets, failed = _targets("preview", paths, pythons, roots, example)
-    report = failed or analyze_targets("preview", targets)
-    if not as_json:
+    return _plan("preview", o, True)
+
+
+def _plan(command: str, o: SimpleNamespace, diff: bool) -> int:
+    targets, failed = _targets(command, o.paths, o.pythons, o.roots, o.example)
+    report = failed or analyze_targets(command, targets)
+    if diff and not o.as_json:
         print_diffs(report)
-    return _finish(report, as_json, show_all)
+    return _finish(report, o)
 
 
-def _on_wait(timeout: float) -> Callable[[Path], None]:
-    def waiting(path: Path) -> None:
-        say(stderr(), f"waiting for {path}: another mm3-codemod run holds it (up to {timeout:g} s)")
-
-    return waiting
-
-
-def run(
-    paths: list[Path],
-    pythons: list[str],
-    roots: list[Path],
-    example: bool,
-    dry_run: bool,
-    diff: bool,
-    backup: bool,
-    show_diff: bool,
-    exit_non_zero_on_fix: bool,
-    lock_timeout: float,
-    as_json: bool,
-    show_all: bool,
-) -> int:
+def run(o: SimpleNamespace) -> int:
     """Apply the fp8 bypass where needed: validated, atomic, all or nothing."""
-    dry = dry_run or diff  # --diff: print the diff, write nothing; --show-diff: the diff written
-    with contextlib.ExitStack() as stack:
-        copy = stack.enter_context(example_copy()) if example else None
-        targets, failed = _targets("run", paths + ([copy] if copy else []), pythons, roots)
-        targets = [dataclasses.replace(t, origin="--example") if t.path == copy else t for t in targets]
-        report = failed or run_targets(
-            targets,
-            backup=backup,
-            exit_non_zero_on_fix=exit_non_zero_on_fix,
-            lock_timeout=lock_timeout,
-            on_wait=_on_wait(lock_timeout),
-            dry_run=dry,
-        )
-        if copy is not None and not failed:
-            say(stderr(), f"the bundled example, copied to {copy} for this run (removed afterwards)")
-        if (diff or show_diff) and not as_json:
-            print_diffs(report, only=None if dry else FileStatus.REWRITTEN)
-        return _finish(report, as_json, show_all)
+    with example_copy() if o.example else contextlib.nullcontext() as copy:
+        return _write("run", o, o.dry_run or o.diff, copy)
 
 
-def revert(
-    paths: list[Path],
-    pythons: list[str],
-    roots: list[Path],
-    dry_run: bool,
-    check: bool,
-    diff: bool,
-    backup: bool,
-    show_diff: bool,
-    exit_non_zero_on_fix: bool,
-    lock_timeout: float,
-    as_json: bool,
-    show_all: bool,
-) -> int:
+def revert(o: SimpleNamespace) -> int:
     """Take the fp8 bypass out again (the inverse of run): validated, atomic, all or nothing."""
-    targets, failed = _targets("revert", paths, pythons, roots)
-    dry = dry_run or check or diff
-    report = failed or revert_targets(
+    return _write("revert", o, o.dry_run or o.check or o.diff)
+
+
+def _write(command: str, o: SimpleNamespace, dry: bool, copy: Path | None = None) -> int:
+    """``dry``: plan only; ``--diff`` prints what would be written, ``--show-diff`` what was."""
+    targets, failed = _targets(command, o.paths + ([copy] if copy else []), o.pythons, o.roots)
+    targets = [dataclasses.replace(t, origin="--example") if t.path == copy else t for t in targets]
+    waiting = f"another mm3-codemod run holds it (up to {o.lock_timeout:g} s)"
+    report = failed or write_targets(
+        command,
         targets,
-        backup=backup,
+        backup=o.backup,
         dry_run=dry,
-        exit_non_zero_on_fix=exit_non_zero_on_fix,
-        lock_timeout=lock_timeout,
-        on_wait=_on_wait(lock_timeout),
+        exit_non_zero_on_fix=o.exit_non_zero_on_fix,
+        lock_timeout=o.lock_timeout,
+        on_wait=lambda path: say(stderr(), f"waiting for {path}: {waiting}"),
     )
-    if not as_json and (diff or show_diff):
+    if copy is not None and not failed:
+        say(stderr(), f"the bundled example, copied to {copy} for this run (removed afterwards)")
+    if (o.diff or o.show_diff) and not o.as_json:
         print_diffs(report, only=None if dry else FileStatus.REWRITTEN)
-    return _finish(report, as_json, show_all)
+    return _finish(report, o)
 
 
 # survey shows a progress bar (on a terminal) above this many targets.
 PROGRESS_MIN_TARGETS = 8
 
 
-def survey(
-    paths: list[Path], pythons: list[str], roots: list[Path], jobs: int | None, as_json: bool, show_all: bool
-) -> int:
+def survey(o: SimpleNamespace) -> int:
     """One table of every target: vLLM version, file, each site's state, what run would do and why.
 
     Exit codes as check: 0 nothing to do, 1 a rewrite is needed, 2 a target could not be handled.
     """
-    from rewriter.report import print_json, print_survey
     from rewriter.survey import survey_targets
 
-    targets, failed = _targets("survey", paths, pythons, roots)
+    targets, failed = _targets("survey", o.paths, o.pythons, o.roots)
     err = stderr(wide=True)
     if failed:
         report = failed
-    elif len(targets) > PROGRESS_MIN_TARGETS and err.is_terminal and not as_json:
+    elif len(targets) > PROGRESS_MIN_TARGETS and err.is_terminal and not o.as_json:
         from rich.progress import Progress
 
         # Refreshed by hand (no refresh thread): the pool forks its workers first.
         with Progress(console=err, transient=True, auto_refresh=False) as progress:
             task = progress.add_task("surveying", total=len(targets))
             report = survey_targets(
-                targets, jobs, advance=lambda: progress.update(task, advance=1, refresh=True)
+                targets, o.jobs, advance=lambda: progress.update(task, advance=1, refresh=True)
             )
     else:
-        report = survey_targets(targets, jobs)
-    print_survey(report, err, show_all=show_all)
-    if as_json:
-        print_json(report)
-    return int(report.exit_code)
+        report = survey_targets(targets, o.jobs)
+    return _finish(report, o, err)
 
 
-def verify(
-    paths: list[Path],
-    python: str | None,
-    roots: list[Path],
-    example: bool,
-    kernels: Path | None,
-    require_gpu: bool,
-    require_import: bool,
-    timing: bool,
-    verbose: bool,
-    as_json: bool,
-) -> int:
+def verify(o: SimpleNamespace) -> int:
     """Import the rewritten module and run its code: reference ops (CPU) and vLLM's kernels (GPU).
 
     Exit 0 when nothing failed, 1 when a level failed, 2 when a target could not be read.
@@ -356,22 +289,22 @@ def verify(
     from rewriter.verify import verify as verify_targets
     from rewriter.verify.table import print_verify
 
-    targets, failed = _targets("verify", paths, [python] if python else [], roots, example)
+    targets, failed = _targets("verify", o.paths, [o.python] if o.python else [], o.roots, o.example)
     if failed is not None:
         report = VerifyReport([], error=failed.error)
-    elif kernels is not None and not kernels.is_file():
-        report = VerifyReport([], error=f"{kernels}: --kernels: no such file")
+    elif o.kernels is not None and not o.kernels.is_file():
+        report = VerifyReport([], error=f"{o.kernels}: --kernels: no such file")
     else:
         report = verify_targets(
             targets,
-            python=python,
-            kernels=str(kernels) if kernels else None,
-            require_gpu=require_gpu,
-            timing=timing,
-            require_import=require_import,
+            python=o.python,
+            kernels=str(o.kernels) if o.kernels else None,
+            require_gpu=o.require_gpu,
+            timing=o.timing,
+            require_import=o.require_import,
         )
-    print_verify(report, stderr(), verbose=verbose)
-    if as_json:
+    print_verify(report, stderr(), verbose=o.verbose)
+    if o.as_json:
         write_stdout(json.dumps(report.to_json(), indent=2) + "\n")
     return report.exit_code
 
@@ -393,7 +326,7 @@ def call(name: str, values: dict[str, Any]) -> int:
         if declared.many and values[declared.dest] is None:
             values[declared.dest] = []
     set_color(values.pop("color"))
-    return command.body(**values)
+    return command.body(SimpleNamespace(**values))
 
 
 # --- the fast reader -------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rewriter import testhook
 from rewriter.apply import (
@@ -68,20 +69,21 @@ class Report:
         return sum(1 for f in self.files if f.status is status)
 
 
-def analyze_targets(command: str, targets: list[Target], dry_run: bool = False) -> Report:
-    """Plan every target; nothing is written (``check``, ``preview``, ``run --dry-run``)."""
-    return Report(command, targets, [plan_file(t.path, name=t.diff_name) for t in targets], dry_run=dry_run)
+def analyze_targets(command: str, targets: list[Target]) -> Report:
+    """Plan every target; nothing is written (``check``, ``preview``)."""
+    return Report(command, targets, [plan_file(t.path, name=t.diff_name) for t in targets])
 
 
-def run_targets(
+def write_targets(
+    command: str,  # "run" or "revert"
     targets: list[Target],
     backup: bool = False,
+    dry_run: bool = False,
     exit_non_zero_on_fix: bool = False,
     lock_timeout: float = DEFAULT_TIMEOUT,
     on_wait: Callable[[Path], None] | None = None,
-    dry_run: bool = False,
 ) -> Report:
-    """Rewrite every target that needs it - all or nothing.
+    """Rewrite (``run``) or revert every target that needs it - all or nothing.
 
     Every target is locked before it is read and until the last write (a
     second run waits, then reads what the first wrote). If any target is
@@ -90,31 +92,6 @@ def run_targets(
     moved into place, so a vLLM tree is left either fully rewritten or as it
     was (barring a failing rename, which the report names).
     """
-    return _plan_and_write("run", targets, backup, dry_run, exit_non_zero_on_fix, lock_timeout, on_wait)
-
-
-def revert_targets(
-    targets: list[Target],
-    backup: bool = False,
-    dry_run: bool = False,
-    exit_non_zero_on_fix: bool = False,
-    lock_timeout: float = DEFAULT_TIMEOUT,
-    on_wait: Callable[[Path], None] | None = None,
-) -> Report:
-    """Take the fp8 bypass out of every target that carries one - all or nothing, like ``run``."""
-    return _plan_and_write("revert", targets, backup, dry_run, exit_non_zero_on_fix, lock_timeout, on_wait)
-
-
-def _plan_and_write(
-    command: str,
-    targets: list[Target],
-    backup: bool,
-    dry_run: bool,
-    exit_non_zero_on_fix: bool,
-    lock_timeout: float,
-    on_wait: Callable[[Path], None] | None,
-) -> Report:
-    """Lock every target, read and plan them, write them all (or none)."""
 
     def plan() -> Report:
         plan_one = plan_file if command == "run" else plan_revert_file
@@ -137,9 +114,17 @@ def _plan_and_write(
         for result in report.files:
             if os.path.realpath(result.path) == str(exc.path):
                 result.status = FileStatus.ERROR
-                result.error = f"locked by another mm3-codemod (waited {exc.waited:g} s); nothing written"
+                result.error = str(exc)
         report.note = "nothing written: a target was locked by another mm3-codemod"
         return report
+
+
+def run_targets(targets: list[Target], **options: Any) -> Report:
+    return write_targets("run", targets, **options)
+
+
+def revert_targets(targets: list[Target], **options: Any) -> Report:
+    return write_targets("revert", targets, **options)
 
 
 def _write_all(report: Report, backup: bool) -> None:

@@ -33,9 +33,8 @@ class LockTimeout(Exception):
     """Another mm3-codemod held ``path`` for longer than the timeout."""
 
     def __init__(self, path: Path, waited: float) -> None:
-        super().__init__(f"{path}: locked by another mm3-codemod (waited {waited:g} s); nothing written")
+        super().__init__(f"locked by another mm3-codemod (waited {waited:g} s); nothing written")
         self.path = path
-        self.waited = waited
 
 
 @contextmanager

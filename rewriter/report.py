@@ -19,7 +19,7 @@ from rewriter import __version__
 from rewriter.apply import FileResult, FileStatus
 from rewriter.commands import Report
 from rewriter.console import say, write_stdout
-from rewriter.targets import shown_path
+from rewriter.targets import Target, shown_path
 
 STATE_STYLE = {
     SiteState.NEEDS_BYPASS: "yellow",
@@ -28,15 +28,6 @@ STATE_STYLE = {
     SiteState.NATIVE: "green",
     SiteState.NOT_A_SITE: "dim",
     SiteState.UNSUPPORTED: "red",
-}
-
-_SUMMARY = {
-    FileStatus.NEEDS_REWRITE: ("would be rewritten", "to rewrite"),
-    FileStatus.REWRITTEN: ("rewritten", "rewritten"),
-    FileStatus.UNCHANGED: ("left unchanged", "left unchanged"),
-    FileStatus.NO_SITES: ("without the fused op", "without the fused op"),
-    FileStatus.REFUSED: ("refused", "refused"),
-    FileStatus.ERROR: ("failed", "failed"),
 }
 
 
@@ -67,19 +58,15 @@ def to_json(report: Report) -> dict[str, object]:
         report.exit_code,
         report.error,
         report.note,
-        [f.to_json() | _target_fields(report, i) for i, f in enumerate(report.files)],
+        [f.to_json() | _target_fields(report, t) for t, f in zip(report.targets, report.files)],
         {status.value: report.count(status) for status in FileStatus},
     )
 
 
-def _origin(report: Report, index: int) -> str | None:
-    return report.targets[index].origin if index < len(report.targets) else None
-
-
-def _target_fields(report: Report, index: int) -> dict[str, object]:
-    fields: dict[str, object] = {"origin": _origin(report, index)}
+def _target_fields(report: Report, target: Target) -> dict[str, object]:
+    fields: dict[str, object] = {"origin": target.origin}
     if report.command == "survey":
-        fields["vllm_version"] = report.targets[index].vllm_version or "unknown"
+        fields["vllm_version"] = target.vllm_version or "unknown"
     return fields
 
 
@@ -103,7 +90,7 @@ def colour_diff(diff: str) -> str:
     return "\n".join(lines)
 
 
-def shown_sites(result: FileResult, show_all: bool = False) -> list[InsertSite]:
+def shown_sites(result: FileResult, show_all: bool) -> list[InsertSite]:
     """The sites a report lists: not-a-site calls only with ``--all`` - unless a file has
     nothing else, where they are what explains why nothing is done."""
     sites = [s for s in result.sites if show_all or s.state is not SiteState.NOT_A_SITE]
@@ -115,18 +102,22 @@ def _where(site: InsertSite) -> str:
 
 
 def print_human(report: Report, err: Console, show_all: bool = False) -> None:
-    """Per-site lines, per-file errors, one summary line, what to do next (all on stderr)."""
+    """Per-site lines (survey: its table), per-file errors, one summary line, what to do next
+    (all on stderr)."""
     if report.error:
         say(err, f"error: {report.error}", style="red")
         return
-    for result in report.files:
-        for site in shown_sites(result, show_all):
-            line = Text(f"{result.path}:{site.line}: {_where(site)}: ")
-            line.append(site.state.value, style=STATE_STYLE.get(site.state, ""))
-            if site.action is not Action.NONE:
-                line.append(f" -> {site.action.value}")
-            err.print(line, soft_wrap=True)
-            say(err, f"    {site.reason}")
+    if report.command == "survey":
+        err.print(survey_table(report, err.width, show_all))
+    else:
+        for result in report.files:
+            for site in shown_sites(result, show_all):
+                line = Text(f"{result.path}:{site.line}: {_where(site)}: ")
+                line.append(site.state.value, style=STATE_STYLE.get(site.state, ""))
+                if site.action is not Action.NONE:
+                    line.append(f" -> {site.action.value}")
+                err.print(line, soft_wrap=True)
+                say(err, f"    {site.reason}")
     for result in report.files:
         if result.error:
             say(err, f"error: {result.path}: {result.error}", style="red")
@@ -157,7 +148,7 @@ def under_pre_commit() -> bool:
 def command_for(verb: str, report: Report, indices: Iterable[int]) -> str:
     """The exact command line that runs ``mm3-codemod <verb>`` on those files of the
     report: through pre-commit's hook when running under pre-commit."""
-    targets = [report.targets[i] for i in indices if i < len(report.targets)]
+    targets = [report.targets[i] for i in indices]
     example = any(t.origin == "--example" for t in targets)
     names = [shlex.quote(shown_path(t.path)) for t in targets if t.origin != "--example"]
     if under_pre_commit() and not example:
@@ -171,10 +162,7 @@ def command_for(verb: str, report: Report, indices: Iterable[int]) -> str:
 def next_steps(report: Report) -> list[str]:
     """One line per thing left to do, each with the exact command."""
     steps = []
-    by_status = {
-        status: [i for i, f in enumerate(report.files) if f.status is status] for status in FileStatus
-    }
-    pending = by_status[FileStatus.NEEDS_REWRITE]
+    pending = [i for i, f in enumerate(report.files) if f.status is FileStatus.NEEDS_REWRITE]
     if report.dry and pending and report.command != "survey":
         strips = all(
             s.action is Action.STRIP for i in pending for s in report.files[i].sites if s.action in CHANGING
@@ -185,7 +173,7 @@ def next_steps(report: Report) -> list[str]:
             steps.append(f"to take the stale bypass out: {command_for('run', report, pending)}")
         else:
             steps.append(f"to apply the fp8 bypass: {command_for('run', report, pending)}")
-    written = by_status[FileStatus.REWRITTEN]
+    written = [i for i, f in enumerate(report.files) if f.status is FileStatus.REWRITTEN]
     if written and under_pre_commit():
         names = " ".join(shlex.quote(shown_path(report.files[i].path)) for i in written)
         steps.append(f"review the change, then stage it: git add {names}")
@@ -194,25 +182,23 @@ def next_steps(report: Report) -> list[str]:
     return steps
 
 
-# `revert` rewrites files too, but the reader wants to know they were reverted.
-_REVERT_SUMMARY = _SUMMARY | {
-    FileStatus.NEEDS_REWRITE: ("would be reverted", "to revert"),
-    FileStatus.REWRITTEN: ("reverted", "reverted"),
-}
-
-
 def summary_line(report: Report) -> str:
-    dry = report.dry
-    words = _REVERT_SUMMARY if report.command == "revert" else _SUMMARY
-    parts = []
-    for status, (dry_word, wet_word) in words.items():
-        n = report.count(status)
-        if n:
-            parts.append(f"{n} file{'s' if n != 1 else ''} {dry_word if dry else wet_word}")
+    # `revert` rewrites files too, but the reader wants to know they were reverted.
+    verb, done = ("revert", "reverted") if report.command == "revert" else ("rewrite", "rewritten")
+    words = {
+        FileStatus.NEEDS_REWRITE: f"would be {done}" if report.dry else f"to {verb}",
+        FileStatus.REWRITTEN: done,
+        FileStatus.UNCHANGED: "left unchanged",
+        FileStatus.NO_SITES: "without the fused op",
+        FileStatus.REFUSED: "refused",
+        FileStatus.ERROR: "failed",
+    }
+    counts = [(report.count(status), word) for status, word in words.items()]
+    parts = [f"{n} file{'s' if n != 1 else ''} {word}" for n, word in counts if n]
     if not parts:
         return "no files"
     if not report.files or all(f.status is FileStatus.NO_SITES for f in report.files):
-        parts.append("(no call of fused_minimax_m3_qknorm_rope_kv_insert found)")
+        parts.append(f"(no call of {FUSED_OP} found)")
     return ", ".join(parts) + "."
 
 
@@ -347,15 +333,3 @@ def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
             table.add_row(Text(version), site, state, Folded(why, " =."))
         parts.append(table)
     return Group(*parts)
-
-
-def print_survey(report: Report, err: Console, show_all: bool = False) -> None:
-    """The table, each file's error, and the summary line (all on stderr)."""
-    if report.error:
-        say(err, f"error: {report.error}", style="red")
-        return
-    err.print(survey_table(report, err.width, show_all))
-    for result in report.files:
-        if result.error:
-            say(err, f"error: {result.path}: {result.error}", style="red")
-    say(err, summary_line(report))

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -181,20 +182,13 @@ def run_python(
         try:
             out, err = proc.communicate(timeout=timeout)
         except BaseException:
-            _kill_group(proc)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (AttributeError, OSError):  # not POSIX, or already gone
+                proc.kill()
             raise
-    return subprocess.CompletedProcess(argv, proc.returncode, _text(out), _text(err))
-
-
-def _text(data: bytes) -> str:
-    return data.decode("utf-8", errors="replace")
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (AttributeError, OSError):  # not POSIX, or already gone
-        proc.kill()
+    out, err = (data.decode("utf-8", errors="replace") for data in (out, err))
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def vllm_of_current_interpreter() -> Path:
@@ -308,17 +302,13 @@ def vllm_install_of_interpreter(python: str) -> tuple[Path, str | None]:
 def _path_root(path: Path, outside: Path) -> Path:
     """A path's root: the working folder when the path is under it, else ``outside``."""
     cwd = Path.cwd()
-    try:
-        Path(os.path.abspath(path)).relative_to(cwd)
-        return cwd
-    except ValueError:
-        return Path(os.path.abspath(outside))
+    return cwd if Path(os.path.abspath(path)).is_relative_to(cwd) else Path(os.path.abspath(outside))
 
 
 def resolve(
-    paths: list[Path] | None = None,
-    pythons: list[str] | None = None,
-    vllm_roots: list[Path] | None = None,
+    paths: Sequence[Path] = (),
+    pythons: Sequence[str] = (),
+    vllm_roots: Sequence[Path] = (),
     example: bool = False,
 ) -> list[Target]:
     """All files to process, each file once (the first name it is given by), in a stable order.
@@ -326,7 +316,6 @@ def resolve(
     With nothing given, the vLLM source tree around the working folder, or the
     vLLM of the current interpreter (``default_targets``).
     """
-    paths, pythons, vllm_roots = paths or [], pythons or [], vllm_roots or []
     targets: list[Target] = []
     for path in paths:
         if path.is_dir():
