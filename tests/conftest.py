@@ -27,7 +27,8 @@ FIXTURES = ROOT / "fixtures"
 # CLI's modules and then, per call, forks a child that becomes ``python -m rewriter ARGS``:
 # the call's working folder, environment, argv and stdin/stdout/stderr (the pipes this
 # process reads, passed over a Unix socket), ``sys.path[0]`` as ``-m`` sets it, and the
-# interpreter's own exit (atexit, flushing, exit code, tracebacks). The child is forked
+# interpreter's own exit (threads joined, atexit, flushing, exit code, tracebacks; not the
+# teardown of every module, which prints nothing and, with torch imported, takes a second). The child is forked
 # from the pristine zygote, never from this process: nothing a test imported, patched or
 # locked here, and no thread of this process, reaches it. What a fork cannot give is what
 # the interpreter reads at startup; a call whose environment differs from the zygote's in
@@ -37,22 +38,24 @@ _ZYGOTE = r"""
 import json, os, pkgutil, socket, sys
 sock = socket.socket(fileno=int(sys.argv[1]))
 sys.path[0] = sys.argv[2]
-# Everything the CLI imports, imported once: torch too (verify's semantic level imports it,
-# quietly, as here). Importing torch starts no thread, so forking after it is safe.
+# Everything the CLI imports, imported once; torch too in the zygote for `verify` (its
+# semantic level imports it, quietly, as here; importing torch starts no thread, so forking
+# after it is safe). Not in the other: a fork copies torch's page tables, 20-30 ms a call.
 import warnings
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    try:
-        import torch
-    except Exception:
-        pass
+if sys.argv[3] == "torch":
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            import torch
+        except Exception:
+            pass
 for package in ("rewriter", "codemods"):
     try:
         module = __import__(package)
     except Exception:
         continue
     for info in pkgutil.walk_packages(module.__path__, package + "."):
-        if not info.name.endswith(".__main__"):
+        if not info.name.endswith(".__main__") and (sys.argv[3] == "torch" or ".verify." not in info.name):
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -63,6 +66,8 @@ for package in ("rewriter", "codemods"):
 if os.path.isdir("/proc/self/task") and len(os.listdir("/proc/self/task")) > 1:
     sock.sendall(b"threads")
     os._exit(0)
+import gc
+gc.freeze()  # the children's collections skip what the zygote made (no copy-on-write of it all)
 sock.sendall(b"ready")
 while True:
     msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
@@ -87,21 +92,51 @@ for target, fd in enumerate(fds):
 os.chdir(request["cwd"])
 os.environ.clear()
 os.environ.update(request["env"])
-import importlib, runpy, tempfile
+import atexit, importlib, runpy, signal, tempfile, threading
 tempfile.tempdir = None
 importlib.invalidate_caches()
 code = request["code"]
-if code is None:
-    sys.path[0] = os.getcwd()  # what -m puts first
-    sys.argv = ["-m", *request["args"]]
-    del sock, fds, msg, request, pid, target, fd, code
-    runpy._run_module_as_main("rewriter")
-else:
-    sys.path[0] = ""  # what -c puts first
-    sys.argv = ["-c", *request["args"]]
-    main = type(sys)("__main__")
-    sys.modules["__main__"] = main
-    exec(compile(code, "<string>", "exec"), main.__dict__)
+try:
+    if code is None:
+        sys.path[0] = os.getcwd()  # what -m puts first
+        sys.argv = ["-m", *request["args"]]
+        del sock, fds, msg, request, pid, target, fd, code
+        runpy._run_module_as_main("rewriter")
+    else:
+        sys.path[0] = ""  # what -c puts first
+        sys.argv = ["-c", *request["args"]]
+        main = type(sys)("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(code, "<string>", "exec"), main.__dict__)
+    status = 0
+except SystemExit as exc:
+    if exc.code is None:
+        status = 0
+    elif isinstance(exc.code, int):
+        status = exc.code
+    else:
+        print(exc.code, file=sys.stderr)
+        status = 1
+except BaseException as exc:
+    sys.excepthook(type(exc), exc, exc.__traceback__)
+    status = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
+# The interpreter's exit, without tearing down every module (torch's teardown alone takes
+# a second): threads joined, atexit run, stdout and stderr flushed (a failure: exit 120).
+threading._shutdown()
+atexit._run_exitfuncs()
+for stream in (sys.stdout, sys.stderr):
+    try:
+        stream.flush()
+    except Exception as exc:
+        try:
+            print(f"Exception ignored in: {stream!r}\n{type(exc).__name__}: {exc}", file=sys.__stderr__)
+        except Exception:
+            pass
+        status = 120
+if status < 0:
+    signal.signal(-status, signal.SIG_DFL)
+    os.kill(os.getpid(), -status)
+os._exit(status & 0xFF)
 """
 
 # What the interpreter reads at startup: a call that changes one of these needs a fresh process.
@@ -114,11 +149,11 @@ def _startup_env(env: dict[str, str]) -> dict[str, str]:
 
 
 class _Zygote:
-    def __init__(self) -> None:
+    def __init__(self, torch: bool) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.env = dict(os.environ)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _ZYGOTE, str(theirs.fileno()), str(ROOT)],
+            [sys.executable, "-c", _ZYGOTE, str(theirs.fileno()), str(ROOT), "torch" if torch else "-"],
             pass_fds=[theirs.fileno()],
             # stdout and stderr are pipes, as for subprocess.run(capture_output=True): the
             # children's sys.stdout and sys.stderr are the zygote's, made for a pipe.
@@ -192,7 +227,7 @@ class _Zygote:
         return code, b"".join(chunks[out_r]), b"".join(chunks[err_r])
 
 
-_zygote: _Zygote | None = None
+_zygotes: dict[bool, _Zygote] = {}  # with torch imported (for verify) or not
 
 
 def _text(data: bytes) -> str:
@@ -220,23 +255,22 @@ def python_c(
 def _python(
     code: str | None, args: tuple[str, ...], env: dict[str, str] | None, cwd: Path | None
 ) -> subprocess.CompletedProcess[str]:
-    global _zygote
     full_env = {**os.environ, **(env or {})}
     argv = [sys.executable, *(["-m", "rewriter"] if code is None else ["-c", code]), *args]
     if not os.environ.get("MM3_CODEMOD_TEST_FRESH_CLI") and hasattr(socket, "send_fds"):
-        if _zygote is None or (_zygote.usable and _zygote.proc.poll() is not None):
-            _zygote = _Zygote()
-        if _zygote.serves(full_env):
-            status, out, err = _zygote.run(code, args, full_env, Path(cwd or ROOT).resolve(), timeout=300)
+        torch = code is None and "verify" in args
+        zygote = _zygotes.get(torch)
+        if zygote is None or (zygote.usable and zygote.proc.poll() is not None):
+            zygote = _zygotes[torch] = _Zygote(torch)
+        if zygote.serves(full_env):
+            status, out, err = zygote.run(code, args, full_env, Path(cwd or ROOT).resolve(), timeout=300)
             return subprocess.CompletedProcess(argv, status, _text(out), _text(err))
     return subprocess.run(argv, capture_output=True, text=True, env=full_env, cwd=cwd or ROOT, timeout=300)
 
 
 def pytest_unconfigure(config) -> None:
-    global _zygote
-    if _zygote is not None:
-        _zygote.close()
-        _zygote = None
+    while _zygotes:
+        _zygotes.popitem()[1].close()
 
 
 @pytest.fixture
