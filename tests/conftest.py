@@ -327,17 +327,16 @@ _CORPUS_RESULTS: list[tuple] = []
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
+def pytest_runtest_call(item):
     """A corpus test's result (tests/mutations.py's RESULTS) rides on its report."""
     mutations = sys.modules.get("mutations")
     results = getattr(mutations, "RESULTS", None)
     count = len(results) if results is not None else 0
-    outcome = yield
-    if results is not None and call.when == "call":
-        report = outcome.get_result()
+    yield
+    if results is not None and len(results) > count:
         index = item.session.items.index(item)  # the same in every xdist worker: all collect alike
         for fixture, kinds, result, reason in results[count:]:
-            report.user_properties.append((_CORPUS_PROPERTY, (index, fixture, list(kinds), result, reason)))
+            item.user_properties.append((_CORPUS_PROPERTY, (index, fixture, list(kinds), result, reason)))
 
 
 def pytest_runtest_logreport(report) -> None:
