@@ -93,13 +93,21 @@ def command_lines(tmp_path: Path) -> list[list[str]]:
     ]
 
 
+COMMAND_LINES = 13  # len(command_lines(...)): one test per line, spread over the xdist workers
+
+
+def test_every_command_line_is_probed(tmp_path: Path) -> None:
+    assert len(command_lines(tmp_path)) == COMMAND_LINES
+
+
+@pytest.mark.parametrize("line", range(COMMAND_LINES))
 @pytest.mark.parametrize("entry", ["fast", "typer"])
-def test_torch_and_vllm_are_never_imported(tmp_path: Path, entry: str) -> None:
+def test_torch_and_vllm_are_never_imported(tmp_path: Path, entry: str, line: int) -> None:
     """check, preview, run, survey and revert (verify imports torch: that is its job)."""
-    for args in command_lines(tmp_path):
-        modules, proc = imported(tmp_path, *args, entry=entry)
-        assert "rewriter" in modules, proc.stderr  # the command really ran
-        assert not modules & {"torch", "vllm"}, (args, proc.stderr)
+    args = command_lines(tmp_path)[line]
+    modules, proc = imported(tmp_path, *args, entry=entry)
+    assert "rewriter" in modules, proc.stderr  # the command really ran
+    assert not modules & {"torch", "vllm"}, (args, proc.stderr)
 
 
 def test_the_probe_sees_an_import(tmp_path: Path) -> None:
