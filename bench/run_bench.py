@@ -173,12 +173,13 @@ def run_once(m: Measure) -> None:
     m.output = (proc.stdout + proc.stderr).strip()
 
 
-def measure(measures: list[Measure], reps: int) -> None:
-    for m in measures:  # warm-up round, not counted (file caches)
-        run_once(m)
-        m.samples.clear()
-        m.cpu.clear()
-        m.rcs.clear()
+def measure(measures: list[Measure], reps: int, warm_up: int = 1) -> None:
+    for _ in range(warm_up):  # warm-up rounds, not counted (file caches)
+        for m in measures:
+            run_once(m)
+            m.samples.clear()
+            m.cpu.clear()
+            m.rcs.clear()
     for r in range(reps):
         shift = r % len(measures)
         for m in measures[shift:] + measures[:shift]:
@@ -293,6 +294,9 @@ def main() -> None:
     )
     parser.add_argument("--markdown", action="store_true", help="also print the README's table")
     parser.add_argument("--survey-files", type=int, default=50, help="files for survey (default 50)")
+    parser.add_argument(
+        "--warm-up", type=int, default=1, help="uncounted rounds first (default 1; the tests use 0)"
+    )
     args = parser.parse_args()
 
     from rewriter.targets import example_path
@@ -366,7 +370,7 @@ def main() -> None:
                     )
                 )
         load_before = os.getloadavg()
-        measure(measures, args.reps)
+        measure(measures, args.reps, args.warm_up)
         load_after = os.getloadavg()
     finally:
         shutil.rmtree(work, ignore_errors=True)

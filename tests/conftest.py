@@ -2,11 +2,15 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import os
+import selectors
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -15,19 +19,261 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 
 
+# --- the CLI, run as ``python -m rewriter`` -------------------------------------------------
+#
+# A fresh interpreter costs 0.2-0.6 s before the CLI does anything (startup, importing
+# libcst, typer and rich), and the suite runs the CLI about a thousand times. So ``cli()``
+# asks a *zygote* for it: one ``python`` started from this process, once, that imports the
+# CLI's modules and then, per call, forks a child that becomes ``python -m rewriter ARGS``:
+# the call's working folder, environment, argv and stdin/stdout/stderr (the pipes this
+# process reads, passed over a Unix socket), ``sys.path[0]`` as ``-m`` sets it, and the
+# interpreter's own exit (threads joined, atexit, flushing, exit code, tracebacks; not the
+# teardown of every module, which prints nothing and, with torch imported, takes a second). The child is forked
+# from the pristine zygote, never from this process: nothing a test imported, patched or
+# locked here, and no thread of this process, reaches it. What a fork cannot give is what
+# the interpreter reads at startup; a call whose environment differs from the zygote's in
+# those variables (PYTHONPATH, PYTHONIOENCODING, LANG, LC_*, ...) runs a fresh process.
+
+_ZYGOTE = r"""
+import json, os, pkgutil, socket, sys
+sock = socket.socket(fileno=int(sys.argv[1]))
+sys.path[0] = sys.argv[2]
+# Everything the CLI imports, imported once; torch too in the zygote for `verify` (its
+# semantic level imports it, quietly, as here; importing torch starts no thread, so forking
+# after it is safe). Not in the other: a fork copies torch's page tables, 20-30 ms a call.
+import warnings
+if sys.argv[3] == "torch":
+    # One thread, as the judge runs the same harness: verify's tensors are tiny, and a
+    # pool of threads only spins on a machine the other test workers keep busy.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            import torch
+        except Exception:
+            pass
+for package in ("rewriter", "codemods"):
+    try:
+        module = __import__(package)
+    except Exception:
+        continue
+    for info in pkgutil.walk_packages(module.__path__, package + "."):
+        if not info.name.endswith(".__main__") and (sys.argv[3] == "torch" or ".verify." not in info.name):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    __import__(info.name)
+            except Exception:
+                pass
+# Forking a process with threads is unsafe: then every call runs a fresh process.
+if os.path.isdir("/proc/self/task") and len(os.listdir("/proc/self/task")) > 1:
+    sock.sendall(b"threads")
+    os._exit(0)
+import gc
+gc.freeze()  # the children's collections skip what the zygote made (no copy-on-write of it all)
+sock.sendall(b"ready")
+while True:
+    msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
+    if not msg:
+        os._exit(0)
+    request = json.loads(msg)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        break
+    for fd in fds:
+        os.close(fd)
+    sock.sendall(json.dumps(["pid", pid]).encode())
+    _, status = os.waitpid(pid, 0)
+    sock.sendall(json.dumps(["exit", os.waitstatus_to_exitcode(status)]).encode())
+# The child: from here on it is `python -m rewriter ARGS` (or `python -c CODE ARGS`).
+sock.close()
+for target, fd in enumerate(fds):
+    os.dup2(fd, target)
+    os.close(fd)
+os.chdir(request["cwd"])
+os.environ.clear()
+os.environ.update(request["env"])
+import atexit, importlib, runpy, signal, tempfile, threading
+tempfile.tempdir = None
+importlib.invalidate_caches()
+code = request["code"]
+try:
+    if code is None:
+        sys.path[0] = os.getcwd()  # what -m puts first
+        sys.argv = ["-m", *request["args"]]
+        del sock, fds, msg, request, pid, target, fd, code
+        runpy._run_module_as_main("rewriter")
+    else:
+        sys.path[0] = ""  # what -c puts first
+        sys.argv = ["-c", *request["args"]]
+        main = type(sys)("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(code, "<string>", "exec"), main.__dict__)
+    status = 0
+except SystemExit as exc:
+    if exc.code is None:
+        status = 0
+    elif isinstance(exc.code, int):
+        status = exc.code
+    else:
+        print(exc.code, file=sys.stderr)
+        status = 1
+except BaseException as exc:
+    sys.excepthook(type(exc), exc, exc.__traceback__)
+    status = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
+# The interpreter's exit, without tearing down every module (torch's teardown alone takes
+# a second): threads joined, atexit run, stdout and stderr flushed (a failure: exit 120).
+threading._shutdown()
+atexit._run_exitfuncs()
+for stream in (sys.stdout, sys.stderr):
+    try:
+        stream.flush()
+    except Exception as exc:
+        try:
+            print(f"Exception ignored in: {stream!r}\n{type(exc).__name__}: {exc}", file=sys.__stderr__)
+        except Exception:
+            pass
+        status = 120
+if status < 0:
+    signal.signal(-status, signal.SIG_DFL)
+    os.kill(os.getpid(), -status)
+os._exit(status & 0xFF)
+"""
+
+# What the interpreter reads at startup: a call that changes one of these needs a fresh process.
+_STARTUP_PREFIXES = ("PYTHON", "LC_")
+_STARTUP_NAMES = ("LANG", "LANGUAGE")
+
+
+def _startup_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_STARTUP_PREFIXES) or k in _STARTUP_NAMES}
+
+
+class _Zygote:
+    def __init__(self, torch: bool) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.env = dict(os.environ)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _ZYGOTE, str(theirs.fileno()), str(ROOT), "torch" if torch else "-"],
+            pass_fds=[theirs.fileno()],
+            # stdout and stderr are pipes, as for subprocess.run(capture_output=True): the
+            # children's sys.stdout and sys.stderr are the zygote's, made for a pipe.
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+            env=self.env,
+        )
+        theirs.close()
+        self.sock = ours
+        ours.settimeout(300)
+        answer = ours.recv(16)
+        if answer not in (b"ready", b"threads"):
+            self.proc.kill()
+            raise RuntimeError("the CLI zygote did not start: " + self.proc.communicate()[1].decode())
+        self.usable = answer == b"ready"
+        ours.settimeout(None)
+
+    def serves(self, env: dict[str, str]) -> bool:
+        return self.usable and self.proc.poll() is None and _startup_env(env) == _startup_env(self.env)
+
+    def close(self) -> None:
+        self.sock.close()  # the zygote reads end-of-file and exits
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def run(self, code: str | None, args: tuple[str, ...], env: dict[str, str], cwd: Path, timeout: float):
+        """(exit code, stdout, stderr) of ``python -m rewriter ARGS`` (code None) or ``python -c CODE ARGS``."""
+        argv = [sys.executable, *(["-m", "rewriter"] if code is None else ["-c", code]), *args]
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        request = {"code": code, "args": list(args), "env": env, "cwd": str(cwd)}
+        try:
+            stdin = os.dup(0)
+        except OSError:
+            stdin = os.open(os.devnull, os.O_RDONLY)
+        try:
+            socket.send_fds(self.sock, [json.dumps(request).encode()], [stdin, out_w, err_w])
+        finally:
+            for fd in (stdin, out_w, err_w):
+                os.close(fd)
+        kind, pid = json.loads(self.sock.recv(4096))
+        assert kind == "pid"
+        deadline = time.monotonic() + timeout
+        chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+        with selectors.DefaultSelector() as selector:
+            for fd in chunks:
+                selector.register(fd, selectors.EVENT_READ)
+            while selector.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    os.kill(pid, 9)
+                    self.sock.recv(4096)
+                    for fd in chunks:
+                        os.close(fd)
+                    raise subprocess.TimeoutExpired(argv, timeout)
+                for key, _ in selector.select(left):
+                    data = os.read(key.fd, 1 << 16)
+                    if data:
+                        chunks[key.fd].append(data)
+                    else:
+                        selector.unregister(key.fd)
+        for fd in chunks:
+            os.close(fd)
+        kind, code = json.loads(self.sock.recv(4096))
+        assert kind == "exit"
+        return code, b"".join(chunks[out_r]), b"".join(chunks[err_r])
+
+
+_zygotes: dict[bool, _Zygote] = {}  # with torch imported (for verify) or not
+
+
+def _text(data: bytes) -> str:
+    """What ``subprocess.run(text=True)`` makes of the bytes: locale encoding, universal newlines."""
+    import locale
+
+    return data.decode(locale.getpreferredencoding(False)).replace("\r\n", "\n").replace("\r", "\n")
+
+
 def cli(
     *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run the real CLI (``python -m rewriter``) in a fresh process."""
+    """Run the real CLI, ``python -m rewriter ARGS``: forked from the zygote, or a fresh process."""
+    return _python(None, args, env, cwd)
+
+
+def python_c(
+    code: str, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -c CODE ARGS`` as ``cli()`` runs the CLI: forked from the zygote, or fresh.
+    The zygote has imported the CLI's modules: not for a test of what a process imports."""
+    return _python(code, args, env, cwd)
+
+
+def _python(
+    code: str | None, args: tuple[str, ...], env: dict[str, str] | None, cwd: Path | None
+) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "rewriter", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        cwd=cwd or ROOT,
-        timeout=300,
-    )
+    argv = [sys.executable, *(["-m", "rewriter"] if code is None else ["-c", code]), *args]
+    if not os.environ.get("MM3_CODEMOD_TEST_FRESH_CLI") and hasattr(socket, "send_fds"):
+        torch = code is None and "verify" in args
+        zygote = _zygotes.get(torch)
+        if zygote is None or (zygote.usable and zygote.proc.poll() is not None):
+            zygote = _zygotes[torch] = _Zygote(torch)
+        if zygote.serves(full_env):
+            status, out, err = zygote.run(code, args, full_env, Path(cwd or ROOT).resolve(), timeout=300)
+            return subprocess.CompletedProcess(argv, status, _text(out), _text(err))
+    return subprocess.run(argv, capture_output=True, text=True, env=full_env, cwd=cwd or ROOT, timeout=300)
+
+
+def pytest_unconfigure(config) -> None:
+    while _zygotes:
+        _zygotes.popitem()[1].close()
 
 
 @pytest.fixture
@@ -74,10 +320,34 @@ def no_temp_folder_left(tmp_path_factory):
     assert not left, f"temporary files left behind: {left}"
 
 
-def pytest_terminal_summary(terminalreporter) -> None:
-    """The mutation corpus counts: rewritten / refused / wrong, by mutation kind."""
+# The mutation corpus's results, gathered from the test reports: under pytest-xdist the tests
+# run in worker processes, and what reaches this (controlling) process is their reports.
+_CORPUS_PROPERTY = "mutation-corpus"
+_CORPUS_RESULTS: list[tuple] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A corpus test's result (tests/mutations.py's RESULTS) rides on its report."""
     mutations = sys.modules.get("mutations")
     results = getattr(mutations, "RESULTS", None)
+    count = len(results) if results is not None else 0
+    yield
+    if results is not None and len(results) > count:
+        index = item.session.items.index(item)  # the same in every xdist worker: all collect alike
+        for fixture, kinds, result, reason in results[count:]:
+            item.user_properties.append((_CORPUS_PROPERTY, (index, fixture, list(kinds), result, reason)))
+
+
+def pytest_runtest_logreport(report) -> None:
+    for name, value in report.user_properties:
+        if name == _CORPUS_PROPERTY and report.when == "call":
+            _CORPUS_RESULTS.append(tuple(value))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The mutation corpus counts: rewritten / refused / wrong, by mutation kind."""
+    results = [r[1:] for r in sorted(_CORPUS_RESULTS, key=lambda r: r[0])]  # in collection order
     if not results:
         return
     outcomes = ("rewritten", "refused", "wrong")

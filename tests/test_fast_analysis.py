@@ -40,7 +40,10 @@ def found(module: cst.Module, source_map: a.SourceMap | None) -> list[tuple[int,
     return [(id(f.call), f.line) for f in find_calls(module, source_map, wrappers).found]
 
 
-@pytest.mark.parametrize(("name", "source"), sources(), ids=[n for n, _ in sources()])
+SOURCES = sources()  # built once: black at line length 40 takes a second or two per file
+
+
+@pytest.mark.parametrize(("name", "source"), SOURCES, ids=[n for n, _ in SOURCES])
 def test_calls_and_lines_as_position_provider_gives_them(name: str, source: bytes) -> None:
     body = source.removeprefix(b"\xef\xbb\xbf")
     module = cst.parse_module(body)

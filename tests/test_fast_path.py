@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, ROOT, make_vllm_tree
+from conftest import FIXTURES, ROOT, make_vllm_tree, python_c
 
 from rewriter.cli import read_plain
 
@@ -90,13 +90,21 @@ def command_lines(tmp_path: Path) -> list[list[str]]:
     ]
 
 
+COMMAND_LINES = 13  # len(command_lines(...)): one test per line, spread over the xdist workers
+
+
+def test_every_command_line_is_probed(tmp_path: Path) -> None:
+    assert len(command_lines(tmp_path)) == COMMAND_LINES
+
+
+@pytest.mark.parametrize("line", range(COMMAND_LINES))
 @pytest.mark.parametrize("entry", ["fast", "typer"])
-def test_torch_and_vllm_are_never_imported(tmp_path: Path, entry: str) -> None:
+def test_torch_and_vllm_are_never_imported(tmp_path: Path, entry: str, line: int) -> None:
     """check, preview, run, survey and revert (verify imports torch: that is its job)."""
-    for args in command_lines(tmp_path):
-        modules, proc = imported(tmp_path, *args, entry=entry)
-        assert "rewriter" in modules, proc.stderr  # the command really ran
-        assert not modules & {"torch", "vllm"}, (args, proc.stderr)
+    args = command_lines(tmp_path)[line]
+    modules, proc = imported(tmp_path, *args, entry=entry)
+    assert "rewriter" in modules, proc.stderr  # the command really ran
+    assert not modules & {"torch", "vllm"}, (args, proc.stderr)
 
 
 def test_the_probe_sees_an_import(tmp_path: Path) -> None:
@@ -196,15 +204,19 @@ def test_what_the_fast_reader_leaves_to_typer() -> None:
 
 
 def run_both(tmp_path: Path, args: list[str], restore: Path | None = None) -> None:
-    """The fast reader and typer: same exit code, stdout, stderr (and file written)."""
+    """The fast reader and typer: same exit code, stdout, stderr (and file written). Only the
+    output is compared here (what each imports is the tests above), so both run as
+    ``python -c`` children of conftest's zygote, in the same environment."""
     results = []
     original = restore.read_bytes() if restore else b""
+    out = tmp_path / "modules.json"
     for entry in ("fast", "typer"):
         if restore:
             restore.write_bytes(original)
             for leftover in restore.parent.glob("*.orig*"):
                 leftover.unlink()
-        _, proc = imported(tmp_path, *args, entry=entry)
+        proc = python_c(PROBE.replace("{preamble}", ""), str(out), entry, *args, cwd=ROOT)
+        assert "rewriter" in json.loads(out.read_text()), proc.stderr  # the command really ran
         written = restore.read_bytes() if restore else b""
         results.append((proc.returncode, proc.stdout, proc.stderr, written))
     assert results[0] == results[1], args

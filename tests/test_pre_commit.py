@@ -25,6 +25,10 @@ from conftest import FIXTURES, ROOT, cli
 
 from rewriter.report import HOOKS
 
+# One xdist worker runs them all: the session's hook environment (a pip install of this
+# project into PRE_COMMIT_HOME) is then built once, not once per worker.
+pytestmark = pytest.mark.xdist_group("pre-commit")
+
 NVIDIA = "vllm/models/minimax_m3/nvidia"
 GIT_ENV = {
     "GIT_AUTHOR_NAME": "mm3-codemod tests",

@@ -8,10 +8,12 @@ nothing of vLLM is kept in the project.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -28,27 +30,38 @@ def wheel_cache() -> Path:
 
 
 def vllm_wheel(version: str) -> Path:
+    """The cached wheel; downloaded first when missing. Test processes running side by side
+    (pytest-xdist workers, two checkouts) take a lock on the cache, and pip downloads into a
+    private folder whose wheel is then renamed into place: a wheel in the cache is whole."""
     cache = wheel_cache()
     found = sorted(cache.glob(f"vllm-{version}-*.whl"))
-    if not found:
-        cache.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--only-binary=:all:",
-                "--quiet",
-                "-d",
-                str(cache),
-                f"vllm=={version}",
-            ],
-            check=True,
-            timeout=1800,
-        )
+    if found:
+        return found[0]
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
         found = sorted(cache.glob(f"vllm-{version}-*.whl"))
+        if not found:
+            with tempfile.TemporaryDirectory(prefix=".download-", dir=cache) as partial:
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "pip",
+                        "download",
+                        "--no-deps",
+                        "--only-binary=:all:",
+                        "--quiet",
+                        "-d",
+                        partial,
+                        f"vllm=={version}",
+                    ],
+                    check=True,
+                    timeout=1800,
+                )
+                for wheel in Path(partial).glob(f"vllm-{version}-*.whl"):
+                    os.replace(wheel, cache / wheel.name)
+            found = sorted(cache.glob(f"vllm-{version}-*.whl"))
     assert found, f"pip download left no vllm {version} wheel in {cache}"
     return found[0]
 
