@@ -331,6 +331,13 @@ def _wait_stopped(proc: subprocess.Popen) -> bool:
     raise AssertionError("the CLI neither stopped nor ended")
 
 
+def _as_from_a_shell() -> None:
+    """Ctrl-C as an interactive shell leaves it to a command it starts (the test process's
+    own SIGINT state - ignored or blocked under a test runner's worker - is not inherited)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _interrupt_at(point: str, *args: str) -> subprocess.CompletedProcess[str]:
     """Run the CLI, press Ctrl-C when it reaches ``point`` the first time, let it finish."""
     proc = subprocess.Popen(
@@ -339,6 +346,7 @@ def _interrupt_at(point: str, *args: str) -> subprocess.CompletedProcess[str]:
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "MM3_CODEMOD_TEST_HOOK": f"{point}=stop"},
+        preexec_fn=_as_from_a_shell,
     )
     interrupted = False
     while _wait_stopped(proc):
