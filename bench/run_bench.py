@@ -59,7 +59,8 @@ CONTROL = (
     "    with mp.get_context('fork').Pool(int(sys.argv[1])) as pool:\n"
     "        pool.map(work, [800_000] * 16)\n"
 )
-GOALS = {"check": 0.8, "run": 2.0, "survey": 0.65}
+# Issue 14's budgets: a native file is answered without LibCST, a patched one is read by it.
+GOALS = {"check": 0.8, "check-patched": 1.6, "run": 2.0, "survey": 0.65}
 
 
 @dataclass
@@ -213,7 +214,7 @@ def ratios(by_key: dict[str, Measure], files: int) -> list[dict[str, object]]:
     )
     return [
         row("check, native (vLLM 0.34.0)", "check-native", "libcst-native", GOALS["check"]),
-        row("check, patched (example after run)", "check-patched", "libcst-patched", GOALS["check"]),
+        row("check, patched (example after run)", "check-patched", "libcst-patched", GOALS["check-patched"]),
         row("check, needs-bypass (example)", "check-example", "libcst-example", None),
         row("run, example -> temp copy", "run-example", "libcst-example", GOALS["run"]),
         row("patch -p1 --dry-run, seed diff", "patch-seed", "libcst-example", None),
