@@ -138,8 +138,8 @@ def call_facts(found: FoundCall) -> tuple[CallFacts, a.StatementSlot | None]:
     call = found.call
     kv = found.op.arg(schema.KV_CACHE)
     dtype = found.op.arg(schema.KV_CACHE_DTYPE)
-    in_method = found.method is not None and found.nested_in is None
-    slot = find_call_slot(found.method, call) if in_method else None  # type: ignore[arg-type]
+    method = found.method if found.nested_in is None else None  # directly in a method
+    slot = find_call_slot(method, call) if method is not None else None
     facts = CallFacts(
         line=found.line,
         class_name=found.cls.name.value if found.cls else None,

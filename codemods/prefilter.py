@@ -21,8 +21,6 @@ _DEFS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
 def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
     """Every call's site when all are native or not a site, else None (ask LibCST)."""
-    if schema.FUSED_OP.encode() not in raw:
-        return []
     if any(name.encode() in raw for name in _BYPASS_NAMES):
         return None
     try:
@@ -92,9 +90,11 @@ def _plain(node: ast.expr, lines: list[str]) -> bool:
         return False
     line = lines[node.lineno - 1].encode()
     start, end = node.col_offset, node.end_col_offset or 0
-    before = b"\n".join(s.encode() for s in lines[: node.lineno - 1]) + b"\n" + line[:start]
+    # The last text before it: on its own line, else on the nearest line above with any.
+    above = (text.encode().rstrip() for text in reversed(lines[: node.lineno - 1]))
+    before = line[:start].rstrip() or next((text for text in above if text), b"")
     return (
         line[start:end].decode() == schema.dotted(node)
-        and before.rstrip()[-1:] in (b"=", b",")
+        and before[-1:] in (b"=", b",")
         and line[end:].lstrip()[:1] in (b",", b")", b"")
     )
