@@ -289,6 +289,29 @@ def copy_fixture(tmp_path: Path):
     return copy
 
 
+# One fixture in each state a report shows (no-sites, needs-bypass, half-applied, patched,
+# native, outdated, a stale bypass to strip, a refusal): a folder for tests of how a
+# command line is read, where the rest of the work is the same code for every file.
+STATES = (
+    "dense_only",
+    "fork_era",
+    "half_applied",
+    "patched",
+    "native",
+    "seed_form",
+    "native_stale_bypass",
+    "two_candidates",
+)
+
+
+def states_folder(root: Path) -> Path:
+    """``root/<fixture>/model.py`` for each of ``STATES``."""
+    for variant in STATES:
+        (root / variant).mkdir(parents=True)
+        shutil.copyfile(FIXTURES / variant / "model.py", root / variant / "model.py")
+    return root
+
+
 def make_vllm_tree(root: Path, files: dict[str, bytes], init: str = "") -> Path:
     """A minimal ``vllm`` package under ``root`` with files in minimax_m3/nvidia."""
     nvidia = root / "vllm" / "models" / "minimax_m3" / "nvidia"

@@ -8,6 +8,8 @@ Each short cut is compared here with the slow way it replaces.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import black
@@ -22,16 +24,25 @@ from codemods.fp8_kv_bypass import find_calls, analyze
 CORPUS = sorted({p.resolve() for p in FIXTURES.glob("*/*.py")})
 
 
-def sources() -> list[tuple[str, bytes]]:
-    out = [(str(p.relative_to(ROOT)), p.read_bytes()) for p in CORPUS]
-    for variant in ("patched", "fork_era", "native"):
+def sources() -> dict[str, Callable[[], bytes]]:
+    """Each file by name; made when its test runs (black at line length 40 takes a second
+    or two per file: not at collection, in every worker)."""
+    out: dict[str, Callable[[], bytes]] = {str(p.relative_to(ROOT)): p.read_bytes for p in CORPUS}
+
+    def reformatted(variant: str) -> bytes:
         text = (FIXTURES / variant / "model.py").read_text()
-        out.append((f"{variant} black-40", black.format_str(text, mode=black.Mode(line_length=40)).encode()))
+        return black.format_str(text, mode=black.Mode(line_length=40)).encode()
+
+    def changed(variant: str, change: Callable[[str], str]) -> bytes:
+        return change((FIXTURES / variant / "model.py").read_text()).encode()
+
+    for variant in ("patched", "fork_era", "native"):
+        out[f"{variant} black-40"] = partial(reformatted, variant)
     for name, change in PATCHED_LAYOUTS.items():
-        out.append((f"patched {name}", change((FIXTURES / "patched" / "model.py").read_text()).encode()))
+        out[f"patched {name}"] = partial(changed, "patched", change)
     for name, change in NATIVE_LAYOUTS.items():
         if name != "latin1-cookie":
-            out.append((f"native {name}", change((FIXTURES / "native" / "model.py").read_text()).encode()))
+            out[f"native {name}"] = partial(changed, "native", change)
     return out
 
 
@@ -40,12 +51,12 @@ def found(module: cst.Module, source_map: a.SourceMap | None) -> list[tuple[int,
     return [(id(f.call), f.line) for f in find_calls(module, source_map, wrappers).found]
 
 
-SOURCES = sources()  # built once: black at line length 40 takes a second or two per file
+SOURCES = sources()
 
 
-@pytest.mark.parametrize(("name", "source"), SOURCES, ids=[n for n, _ in SOURCES])
-def test_calls_and_lines_as_position_provider_gives_them(name: str, source: bytes) -> None:
-    body = source.removeprefix(b"\xef\xbb\xbf")
+@pytest.mark.parametrize("name", SOURCES)
+def test_calls_and_lines_as_position_provider_gives_them(name: str) -> None:
+    body = SOURCES[name]().removeprefix(b"\xef\xbb\xbf")
     module = cst.parse_module(body)
     source_map = a.SourceMap.of(module, body)
     assert source_map is not None  # the short cut is taken

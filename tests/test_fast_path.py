@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, ROOT, make_vllm_tree, python_c
+from conftest import FIXTURES, ROOT, make_vllm_tree, python_c, states_folder
 
 from rewriter.cli import read_plain
 
@@ -45,19 +45,23 @@ def imported(
     tmp_path: Path, *args: str, entry: str = "fast", preamble: str = ""
 ) -> tuple[set[str], subprocess.CompletedProcess[str]]:
     out = tmp_path / "modules.json"
-    stand_ins = tmp_path / "stand-ins"
-    if not stand_ins.exists():
-        fake_packages(stand_ins)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stand_ins), str(ROOT)])}
     proc = subprocess.run(
         [sys.executable, "-c", PROBE.replace("{preamble}", preamble), str(out), entry, *args],
         capture_output=True,
         text=True,
-        env=env,
+        env=probe_env(tmp_path),
         cwd=ROOT,
         timeout=300,
     )
     return set(json.loads(out.read_text())), proc
+
+
+def probe_env(tmp_path: Path) -> dict[str, str]:
+    """Stand-ins for torch and vllm ahead of everything on the path."""
+    stand_ins = tmp_path / "stand-ins"
+    if not stand_ins.exists():
+        fake_packages(stand_ins)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(stand_ins), str(ROOT)])}
 
 
 def copy(tmp_path: Path, variant: str) -> Path:
@@ -69,10 +73,27 @@ def copy(tmp_path: Path, variant: str) -> Path:
 
 # --- torch and vllm are never imported ------------------------------------------------------
 
+# Runs each command line in turn in one fresh process (argv: OUT ENTRY LINES-AS-JSON) and
+# writes, after each, the top-level names of every module imported so far.
+SEQUENCE = """
+import json, sys
+out, entry, lines = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+from rewriter.cli import main
+seen = []
+for line in lines:
+    try:
+        main(line, plain=entry != "typer")
+    except SystemExit:
+        pass
+    seen.append(sorted({m.split(".")[0] for m in sys.modules}))
+open(out, "w").write(json.dumps(seen))
+"""
+
 
 def command_lines(tmp_path: Path) -> list[list[str]]:
     tree = tmp_path / "tree"
     make_vllm_tree(tree, {"model.py": (FIXTURES / "fork_era" / "model.py").read_bytes()})
+    states = states_folder(tmp_path / "states")
     return [
         ["check", str(copy(tmp_path, "fork_era"))],
         ["check", "--json", str(FIXTURES / "native" / "model.py")],
@@ -83,28 +104,32 @@ def command_lines(tmp_path: Path) -> list[list[str]]:
         ["check", "--vllm-root", str(tree)],
         ["check", "--python", sys.executable],
         ["check"],  # the vLLM of this interpreter: found, never imported
-        ["survey", "--jobs", "1", str(FIXTURES)],
-        ["survey", "-j", "2", str(FIXTURES), "--vllm-root", str(tree)],
+        ["survey", "--jobs", "1", str(states)],
+        ["survey", "-j", "2", str(states), "--vllm-root", str(tree)],
         ["revert", str(copy(tmp_path, "patched"))],
         ["revert", "--check", str(FIXTURES / "half_applied" / "model.py")],
     ]
 
 
-COMMAND_LINES = 13  # len(command_lines(...)): one test per line, spread over the xdist workers
-
-
-def test_every_command_line_is_probed(tmp_path: Path) -> None:
-    assert len(command_lines(tmp_path)) == COMMAND_LINES
-
-
-@pytest.mark.parametrize("line", range(COMMAND_LINES))
 @pytest.mark.parametrize("entry", ["fast", "typer"])
-def test_torch_and_vllm_are_never_imported(tmp_path: Path, entry: str, line: int) -> None:
-    """check, preview, run, survey and revert (verify imports torch: that is its job)."""
-    args = command_lines(tmp_path)[line]
-    modules, proc = imported(tmp_path, *args, entry=entry)
-    assert "rewriter" in modules, proc.stderr  # the command really ran
-    assert not modules & {"torch", "vllm"}, (args, proc.stderr)
+def test_torch_and_vllm_are_never_imported(tmp_path: Path, entry: str) -> None:
+    """check, preview, run, survey and revert (verify imports torch: that is its job), one
+    process running every command line in turn: what one imports stays imported, so the
+    first line after which torch or vllm shows is the one that imported it."""
+    lines = command_lines(tmp_path)
+    out = tmp_path / "modules.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", SEQUENCE, str(out), entry, json.dumps(lines)],
+        capture_output=True,
+        text=True,
+        env=probe_env(tmp_path),
+        cwd=ROOT,
+        timeout=300,
+    )
+    seen = json.loads(out.read_text()) if out.exists() else []
+    assert len(seen) == len(lines), proc.stderr  # every command ran
+    for line, modules in zip(lines, seen):
+        assert not set(modules) & {"torch", "vllm"}, (line, proc.stderr)
 
 
 def test_the_probe_sees_an_import(tmp_path: Path) -> None:
@@ -226,29 +251,34 @@ def run_both(tmp_path: Path, args: list[str], restore: Path | None = None) -> No
     "args",
     [
         ["check", "fixtures/fork_era/model.py", "fixtures/native/model.py", "--all"],
-        ["check", "--json", "fixtures"],
+        ["check", "--json", "{states}"],
         ["preview", "fixtures/half_applied/model.py"],
         ["preview", "--json", "--example"],
         ["check", "fixtures/no_such_file.py"],
-        ["check", "--vllm-root", "fixtures"],
+        ["check", "--vllm-root", "{states}"],
         ["check", "--diff", "fixtures/fork_era/model.py", "fixtures/patched/model.py"],
-        ["survey", "fixtures", "--all"],
-        ["survey", "--json", "-j", "2", "fixtures"],
+        ["survey", "{states}", "--all"],
+        ["survey", "--json", "-j", "2", "{states}"],
         ["check", "--bogus"],  # typer's error either way
-        ["survey", "-j", "0", "fixtures"],
+        ["survey", "-j", "0", "{states}"],
         ["run", "--dry-run", "fixtures/fork_era/model.py", "fixtures/patched/model.py"],
         ["run", "--diff", "--color=always", "fixtures/half_applied/model.py"],
         ["check", "--diff", "--color", "always", "fixtures/fork_era/model.py"],
-        ["survey", "--color", "never", "fixtures"],
-        ["check", "--color", "sometimes", "fixtures"],  # typer's error either way
+        ["survey", "--color", "never", "{states}"],
+        ["check", "--color", "sometimes", "{states}"],  # typer's error either way
         ["revert", "--diff", "fixtures/patched/model.py"],
         ["revert", "--check", "--json", "fixtures/patched/model.py"],
         ["run", "--lock-timeout", "0.5", "--dry-run", "fixtures/fork_era/model.py"],
-        ["run", "--lock-timeout", "-1", "fixtures"],  # typer's error either way
+        ["run", "--lock-timeout", "-1", "{states}"],  # typer's error either way
     ],
     ids=lambda a: " ".join(a),
 )
 def test_same_output_through_typer(tmp_path: Path, args: list[str]) -> None:
+    """A folder is ``{states}``: one file in each state (``states_folder``); what is compared is
+    how each reads the command line, the rest of the work is the same code."""
+    if "{states}" in args:
+        states = str(states_folder(tmp_path / "states"))
+        args = [states if a == "{states}" else a for a in args]
     run_both(tmp_path, args)
 
 

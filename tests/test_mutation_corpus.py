@@ -5,7 +5,8 @@ Variants are generated here (tests/mutations.py), run through the library's
 real ``run`` (lock, plan, validate, atomic write) and judged by
 ``judge.judge_rewrite`` against the rewrite of the unmutated fixture. The counts
 (rewritten / refused / wrong, by mutation kind) are printed at the end of the
-test session.
+test session. Each variant is also read by the pre-filter, before and after `run`
+(``test_prefilter.assert_agree``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import pytest
 from conftest import FIXTURES, syntax_tree
 from judge import judge_rewrite
 from mutations import RESULTS, Mutation, apply_all, catalogue, combinations, shape
+from test_prefilter import assert_agree
 
+from codemods.prefilter import prefilter
 from rewriter import commands
 from rewriter.apply import FileStatus
 from rewriter.targets import Target
@@ -120,9 +123,13 @@ def test_variant_is_rewritten_correctly_or_refused(variant: Variant, tmp_path) -
 
     path = tmp_path / "model.py"
     path.write_bytes(source.encode())
+    assert_agree(path)  # the pre-filter answers as LibCST does, or defers
     report = commands.run_targets([Target(path, "corpus")])
     result = report.files[0]
     after = path.read_bytes().decode()
+    assert_agree(path)
+    if result.status is FileStatus.REWRITTEN:
+        assert prefilter(path.read_bytes()) is None  # the bypass is LibCST's to read
     if result.status is FileStatus.REWRITTEN:
         problems = judge_rewrite(source, after, REFERENCE[variant.fixture])
         outcome = "wrong" if problems else "rewritten"

@@ -13,7 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, ROOT, cli, make_vllm_tree
+from conftest import FIXTURES, ROOT, cli, make_vllm_tree, states_folder
 from test_fixtures import VARIANTS
 from test_real_wheels import PREFIX, VERSIONS, vllm_wheel
 
@@ -130,7 +130,7 @@ def table_rows(stderr: str) -> list[dict[str, str]]:
 
 
 def test_jobs_2_gives_the_same_report_as_jobs_1(tmp_path: Path, wheel_sites: dict[str, Path]) -> None:
-    folder = fixture_copies(tmp_path)
+    folder = states_folder(tmp_path / "states")  # a file in each state, and a vLLM's files
     common = ["survey", "--json", str(folder), "--vllm-root", str(wheel_sites[VERSIONS[0]])]
     one = cli(*common, "--jobs", "1")
     two = cli(*common, "-j", "2")
