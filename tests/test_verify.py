@@ -129,6 +129,22 @@ def test_a_bypass_taken_out_of_a_native_call_is_proven_by_running_it(name: str) 
     assert any("padded tokens (slot -1, last 3) wrote nothing: yes" in d for d in after.details)
 
 
+def test_a_site_run_refuses_is_noted_with_its_reason_not_sent_to_run(tmp_path: Path) -> None:
+    """A stale bypass whose strip `run` refuses (`_insert_kv` has another caller): running
+    `run` first would not help; the note is the refusal, which says what to do by hand."""
+    source = (FIXTURES / "native_stale_bypass" / "model.py").read_text()
+    sparse = source.rindex("    def forward(")
+    other_caller = "    def again(self, a, b, c, d, e):\n        self._insert_kv(a, b, c, d, e)\n\n"
+    target = tmp_path / "model.py"
+    target.write_text(source[:sparse] + other_caller + source[sparse:])
+    (entry,) = verify([Target(target, "test")], timing=False).files
+    assert entry.note is not None and entry.note.startswith("half-applied at line "), entry.note
+    assert "`_insert_kv` is also called outside the bypass" in entry.note and "By hand:" in entry.note
+    assert "run `mm3-codemod run` first" not in entry.note
+    stale = verify([Target(FIXTURES / "native_stale_bypass" / "model.py", "test")], timing=False).files[0]
+    assert stale.note is not None and stale.note.endswith("run `mm3-codemod run` first")
+
+
 def test_a_lost_guard_fails_verify_with_the_files_own_name_error() -> None:
     level, _ = semantic(FIXTURES / "half_native" / "model.py")
     assert "NameError: name 'insert_via_fused' is not defined (at model.py:" in level.reason

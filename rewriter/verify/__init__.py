@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from codemods.schema import SiteState
+from codemods.schema import CHANGING, SiteState
 from rewriter.apply import FileStatus, classify_file
 from rewriter.targets import Target
 
@@ -263,8 +263,10 @@ def verify_file(
     pending = [
         s for s in inserts if s.state in (SiteState.NEEDS_BYPASS, SiteState.HALF_APPLIED, SiteState.OUTDATED)
     ]
-    if pending:
-        out.note = f"{pending[0].state.value} at line {pending[0].line}: run `mm3-codemod run` first"
+    if pending:  # what `run` does there first, or why it cannot (its reason names the way out)
+        first = pending[0]
+        todo = "run `mm3-codemod run` first" if first.action in CHANGING else first.reason
+        out.note = f"{first.state.value} at line {first.line}: {todo}"
 
     # A native class is imported only: it has no bypass whose shape could be inspected.
     bypassed = sorted({s.class_name for s in inserts if s.class_name and s.state is not SiteState.NATIVE})
