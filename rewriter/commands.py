@@ -11,7 +11,6 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from rewriter import testhook
 from rewriter.apply import (
@@ -83,15 +82,8 @@ def write_targets(
     lock_timeout: float = DEFAULT_TIMEOUT,
     on_wait: Callable[[Path], None] | None = None,
 ) -> Report:
-    """Rewrite (``run``) or revert every target that needs it - all or nothing.
-
-    Every target is locked before it is read and until the last write (a
-    second run waits, then reads what the first wrote). If any target is
-    refused or fails, nothing at all is written: every new file is first
-    staged (written and fsynced beside its target) and only then are they
-    moved into place, so a vLLM tree is left either fully rewritten or as it
-    was (barring a failing rename, which the report names).
-    """
+    """Rewrite (``run``) or revert every target that needs it, all or nothing: a vLLM tree is
+    left fully rewritten or as it was (barring a failing rename, which the report names)."""
 
     def plan() -> Report:
         plan_one = plan_file if command == "run" else plan_revert_file
@@ -119,16 +111,8 @@ def write_targets(
         return report
 
 
-def run_targets(targets: list[Target], **options: Any) -> Report:
-    return write_targets("run", targets, **options)
-
-
-def revert_targets(targets: list[Target], **options: Any) -> Report:
-    return write_targets("revert", targets, **options)
-
-
 def _write_all(report: Report, backup: bool) -> None:
-    """Stage every new file, then move them all into place."""
+    """Stage every new file (written and fsynced beside its target), then move them all into place."""
     if any(f.failed for f in report.files):
         report.note = "nothing written: a target was refused or failed"
         return

@@ -56,7 +56,9 @@ def survey_targets(
     else:
         chunksize = max(1, math.ceil(len(paths) / (jobs * CHUNKS_PER_JOB)))
         load_codemod()  # before the fork, not once per worker
-        with _context().Pool(jobs, initializer=_leave_interrupt_to_parent) as pool:
+        # fork: workers start with libcst already imported (spawn would import it again in each).
+        context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else None)
+        with context.Pool(jobs, initializer=_leave_interrupt_to_parent) as pool:
             for result in pool.imap(survey_file, paths, chunksize):
                 files.append(result)
                 tick()
@@ -66,11 +68,3 @@ def survey_targets(
 def _leave_interrupt_to_parent() -> None:
     """Ctrl-C reaches the workers too: the parent alone answers it (and ends the pool)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _context():
-    # fork: workers start with libcst already imported (spawn would import it
-    # again in each); elsewhere the platform's default.
-    if sys.platform.startswith("linux"):
-        return multiprocessing.get_context("fork")
-    return multiprocessing.get_context()

@@ -311,11 +311,8 @@ def resolve(
     vllm_roots: Sequence[Path] = (),
     example: bool = False,
 ) -> list[Target]:
-    """All files to process, each file once (the first name it is given by), in a stable order.
-
-    With nothing given, the vLLM source tree around the working folder, or the
-    vLLM of the current interpreter (``default_targets``).
-    """
+    """All files to process, each file once (the first name it is given by), in a stable order;
+    with nothing given, ``default_targets``."""
     targets: list[Target] = []
     for path in paths:
         if path.is_dir():
@@ -340,15 +337,10 @@ def resolve(
         targets.append(Target(example_path(), "--example", root=example_path().parent))
     if not (paths or pythons or vllm_roots or example):
         targets += default_targets()
-
-    seen: set[object] = set()
-    unique = []
+    unique: dict[object, Target] = {}
     for target in targets:
-        key = _same_file_key(target.path)
-        if key not in seen:
-            seen.add(key)
-            unique.append(target)
-    return unique
+        unique.setdefault(_same_file_key(target.path), target)
+    return list(unique.values())
 
 
 def _same_file_key(path: Path) -> object:
