@@ -167,12 +167,6 @@ def revert_module(analysis: RevertAnalysis) -> cst.Module:
     return revert(analysis)
 
 
-def load_codemod() -> None:
-    """Import LibCST and the codemod now (they are otherwise imported on first need):
-    worker processes forked afterwards share them instead of each importing them."""
-    import codemods.fp8_kv_bypass  # noqa: F401
-
-
 # What LibCST cannot take: brackets nested deeper than Python's own limit (its native
 # parser crashes on a few thousand), and a statement of thousands of operators (its parser
 # slows down with their square: 20,000 terms take minutes). Python's tokenizer measures both

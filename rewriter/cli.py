@@ -36,10 +36,8 @@ if TYPE_CHECKING:
 
 
 class Option:
-    """One option, as both readers take it (no ``flags``: the positional PATHS).
-
-    A plain class: a dataclass or NamedTuple would cost a millisecond or more at every start.
-    """
+    """One option, as both readers take it (no ``flags``: the positional PATHS). A plain class:
+    a dataclass or NamedTuple would cost a millisecond or more at every start."""
 
     def __init__(
         self,

@@ -38,6 +38,7 @@ class ExitCode(enum.IntEnum):
 
 # Commands that only look: a needed rewrite is their exit 1.
 DRY_COMMANDS = ("check", "preview", "survey")
+NOT_WRITTEN = "nothing written: a target could not be written"
 
 
 @dataclass
@@ -126,7 +127,7 @@ def _write_all(report: Report, backup: bool) -> None:
                     discard(done)
                 result.status = FileStatus.ERROR
                 result.error = str(exc)
-                report.note = "nothing written: a target could not be written"
+                report.note = NOT_WRITTEN
                 return
     with _no_interrupt():
         for i, stage in enumerate(staged):
@@ -137,10 +138,7 @@ def _write_all(report: Report, backup: bool) -> None:
                     discard(rest)
                 stage.result.status = FileStatus.ERROR
                 stage.result.error = str(exc)
-                if i:
-                    report.note = f"{i} file(s) were rewritten before this failure"
-                else:
-                    report.note = "nothing written: a target could not be written"
+                report.note = f"{i} file(s) were rewritten before this failure" if i else NOT_WRITTEN
                 return
 
 

@@ -1,8 +1,5 @@
-"""Which files to look at: explicit paths, vLLM trees, or another interpreter's vLLM.
-
-vLLM is located with ``importlib.util.find_spec`` and never imported: importing
-it is slow and wants a GPU stack.
-"""
+"""Which files to look at: explicit paths, vLLM trees, or another interpreter's vLLM (found
+with ``importlib.util.find_spec``, never imported: importing it is slow and wants a GPU stack)."""
 
 from __future__ import annotations
 
@@ -99,10 +96,8 @@ def nvidia_dir(root: Path, origin: str) -> Path:
 
 
 def python_files(folder: Path) -> list[Path]:
-    """Every ``*.py`` under ``folder`` that is not a folder itself (hidden files and folders,
-    and cache folders, skipped) - and every folder that cannot be listed: never skipped in
-    silence, it is a target whose planning says why (an error that does not stop the others,
-    as in ruff)."""
+    """Every ``*.py`` file under ``folder`` (hidden ones and cache folders skipped), and every folder
+    that cannot be listed: never skipped in silence, a target whose planning says why (as in ruff)."""
     found: list[Path] = []
 
     def unreadable(exc: OSError) -> None:
