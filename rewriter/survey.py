@@ -16,8 +16,7 @@ from rewriter.apply import FileResult, plan_file
 from rewriter.commands import Report
 from rewriter.targets import Target
 
-# Chunks per worker: enough to balance uneven files, few enough to keep the
-# per-task overhead (pickling, queue round trips) small.
+# Chunks per worker: enough to balance uneven files, few enough to keep per-task overhead small.
 CHUNKS_PER_JOB = 4
 
 
@@ -50,8 +49,7 @@ def survey_targets(
             tick()
     else:
         chunksize = max(1, math.ceil(len(paths) / (jobs * CHUNKS_PER_JOB)))
-        # LibCST and the codemod, imported before the fork: the forked workers have them (spawn
-        # would import them again in each).
+        # LibCST and the codemod, imported once before the fork rather than in each worker.
         import codemods.fp8_kv_bypass  # noqa: F401
 
         context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else None)

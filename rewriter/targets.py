@@ -109,8 +109,7 @@ def python_files(folder: Path) -> list[Path]:
     return sorted(found)
 
 
-# Runs inside the target interpreter: locate vllm (and read its distribution
-# metadata) without importing it.
+# Runs in the target interpreter: finds vllm and its version without importing it.
 _FIND_VLLM = """
 import importlib.util, json
 try:
