@@ -238,9 +238,8 @@ def _lost_tail(module: cst.Module, raw: bytes) -> bytes:
 
 
 def plan_file(path: Path, name: str | None = None) -> FileResult:
-    """Analyze one file and, where a rewrite is needed, prepare the validated new bytes.
-    ``name``: the path the diff names (relative to the folder the user targeted; default:
-    the file's name)."""
+    """Analyze one file and, where a rewrite is needed, prepare the validated new bytes;
+    ``name`` is the path the diff names (``Target.diff_name``; default: the file's name)."""
     return _plan(path, analyze, rewrite, lambda new, a: validate(new, path, a.patched_after), True, name)
 
 
@@ -366,9 +365,8 @@ def _lines(raw: bytes, encoding: str) -> list[str]:
 
 
 def unified_diff(name: str, old: bytes, new: bytes, encoding: str) -> str:
-    """A git-style diff of the file ``name`` (a relative POSIX path): ``a/``/``b/``
-    prefixes, so that ``git apply`` and ``patch -p1`` take it from the folder that
-    ``name`` is relative to. Both sides decoded with the encoding the parse found."""
+    """A git-style diff of ``name`` (a relative POSIX path): ``a/``/``b/`` prefixes, so that
+    ``git apply`` and ``patch -p1`` take it from the folder that ``name`` is relative to."""
     lines = difflib.unified_diff(
         _lines(old, encoding),
         _lines(new, encoding),
