@@ -69,10 +69,8 @@ ROOTS_HELP = "A vLLM source checkout or site-packages folder (repeatable)."
 ROOTS = Option("--vllm-root", "roots", ROOTS_HELP, "DIR", Path, many=True)
 EXAMPLE = Option("--example", "example", "Also process the bundled fork-era example model file.")
 JSON = Option("--json", "as_json", "Print one JSON report on stdout (human output stays on stderr).")
-ALL = Option("--all", "show_all", "List not-a-site calls too.")
 COLOR_HELP = "Colour: auto (a terminal, unless NO_COLOR is set), always or never."
 COLOR = Option("--color", "color", COLOR_HELP, "WHEN", default="auto", choices=COLOR_MODES)
-DRY_RUN = Option("--dry-run", "dry_run", "Write nothing; exit 1 when a file would be changed (as check).")
 BACKUP = Option("--backup", "backup", "Keep the original as <file>.orig.")
 SHOW_DIFF = Option("--show-diff", "show_diff", "Also print the diff of each file written (stdout).")
 FIX_HELP = "Exit 1 when a file was written (for pre-commit and other fixers)."
@@ -84,7 +82,7 @@ LOCK_TIMEOUT = Option(
 
 TARGETS = (PATHS, PYTHONS, ROOTS)
 WRITES = (BACKUP, SHOW_DIFF, FIX_EXIT, LOCK_TIMEOUT)
-REPORT = (JSON, ALL, COLOR)
+REPORT = (JSON, Option("--all", "show_all", "List not-a-site calls too."), COLOR)
 CHECK_OPTIONS = (
     *TARGETS,
     EXAMPLE,
@@ -95,7 +93,7 @@ RUN_EXAMPLE_HELP = "Rewrite a temporary copy of the bundled example (never the p
 RUN_OPTIONS = (
     *TARGETS,
     Option("--example", "example", RUN_EXAMPLE_HELP),
-    DRY_RUN,
+    Option("--dry-run", "dry_run", "Write nothing; exit 1 when a file would be changed (as check)."),
     Option("--diff", "diff", "Write nothing; print the diff a run would apply (stdout)."),
     *WRITES,
     *REPORT,

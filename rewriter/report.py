@@ -197,7 +197,7 @@ def summary_line(report: Report) -> str:
     parts = [f"{n} file{'s' if n != 1 else ''} {word}" for n, word in counts if n]
     if not parts:
         return "no files"
-    if not report.files or all(f.status is FileStatus.NO_SITES for f in report.files):
+    if all(f.status is FileStatus.NO_SITES for f in report.files):
         parts.append(f"(no call of {FUSED_OP} found)")
     return ", ".join(parts) + "."
 
