@@ -212,7 +212,7 @@ class Folded:
     def __init__(self, text: str, separators: str, style: str = "") -> None:
         self.text, self.style = text, style
         s = re.escape(separators)
-        self.parts: list[str] = re.findall(f"[^{s}]*[{s}]|[^{s}]+", text)  # each ends at a separator
+        self.parts: list[str] = re.findall(f"[^{s}]*[{s}]|[^{s}]+", text)  # split after each separator
 
     @property
     def shortest(self) -> int:
