@@ -97,5 +97,4 @@ def _same_file(fd: int, path: Path) -> bool:
         now = os.stat(path)
     except OSError:
         return False
-    held = os.fstat(fd)
-    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+    return os.path.samestat(os.fstat(fd), now)
