@@ -10,6 +10,7 @@ native file is checked without it (``codemods/prefilter.py``).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import enum
 import glob
@@ -153,7 +154,8 @@ def rewrite(analysis: FileAnalysis) -> cst.Module:
     return rewrite_module(analysis)
 
 
-def analyze_revert(module: cst.Module) -> RevertAnalysis:
+def analyze_revert(module: cst.Module, source: bytes | None = None) -> RevertAnalysis:
+    """Like ``analyze`` (``source`` unused), for taking the bypass out again."""
     from codemods.fp8_kv_revert import analyze_revert as analyze_module
 
     return analyze_module(module)
@@ -163,12 +165,6 @@ def revert_module(analysis: RevertAnalysis) -> cst.Module:
     from codemods.fp8_kv_revert import revert
 
     return revert(analysis)
-
-
-def load_codemod() -> None:
-    """Import LibCST and the codemod now (they are otherwise imported on first need):
-    worker processes forked afterwards share them instead of each importing them."""
-    import codemods.fp8_kv_bypass  # noqa: F401
 
 
 # What LibCST cannot take: brackets nested deeper than Python's own limit (its native
@@ -242,12 +238,9 @@ def _lost_tail(module: cst.Module, raw: bytes) -> bytes:
 
 
 def plan_file(path: Path, name: str | None = None) -> FileResult:
-    """Analyze one file and, where a rewrite is needed, prepare the validated new bytes.
-    ``name``: the path the diff names (relative to the folder the user targeted; default:
-    the file's name)."""
-    return _plan(
-        path, analyze, rewrite, lambda new, analysis: validate(new, path, analysis.patched_after), True, name
-    )
+    """Analyze one file and, where a rewrite is needed, prepare the validated new bytes;
+    ``name`` is the path the diff names (``Target.diff_name``; default: the file's name)."""
+    return _plan(path, analyze, rewrite, lambda new, a: validate(new, path, a.patched_after), True, name)
 
 
 def classify_file(path: Path) -> FileResult:
@@ -257,14 +250,7 @@ def classify_file(path: Path) -> FileResult:
 
 def plan_revert_file(path: Path, name: str | None = None) -> FileResult:
     """Like ``plan_file``, for taking the bypass out again (``revert``)."""
-    return _plan(
-        path,
-        lambda module, raw: analyze_revert(module),
-        revert_module,
-        lambda new, _: validate_revert(new, path),
-        False,
-        name,
-    )
+    return _plan(path, analyze_revert, revert_module, lambda new, _: validate_revert(new, path), False, name)
 
 
 def _plan(path: Path, analyze_module, transform, check, quick: bool, name: str | None = None) -> FileResult:
@@ -348,10 +334,9 @@ def validate(new: bytes, path: Path, expected_patched: int) -> None:
     """The new source parses, compiles, and a second pass has nothing to do."""
     module = _parse_and_compile(new, path)
     again = analyze(module, new)
-    leftover = [s for s in again.sites if s.action is not Action.NONE]
-    if leftover:
-        s = leftover[0]
-        raise FileError(f"second pass still finds line {s.line} {s.state.value}: {s.reason}")
+    for s in again.sites:
+        if s.action is not Action.NONE:
+            raise FileError(f"second pass still finds line {s.line} {s.state.value}: {s.reason}")
     patched = sum(1 for s in again.sites if s.state is SiteState.PATCHED)
     if patched < expected_patched:
         raise FileError(f"second pass finds {patched} patched site(s), expected {expected_patched}")
@@ -362,10 +347,9 @@ def validate_revert(new: bytes, path: Path) -> None:
     a second revert finds nothing, and no site is left patched or half-applied."""
     module = _parse_and_compile(new, path)
     again = analyze_revert(module)
-    leftover = [s for s in again.sites if s.action is not Action.NONE]
-    if leftover:
-        s = leftover[0]
-        raise FileError(f"second pass still finds line {s.line} {s.action.value}: {s.reason}")
+    for s in again.sites:
+        if s.action is not Action.NONE:
+            raise FileError(f"second pass still finds line {s.line} {s.action.value}: {s.reason}")
     stale = [s for s in analyze(module).sites if s.state in (SiteState.PATCHED, SiteState.HALF_APPLIED)]
     if stale:
         raise FileError(f"line {stale[0].line} is still {stale[0].state.value} after the revert")
@@ -381,9 +365,8 @@ def _lines(raw: bytes, encoding: str) -> list[str]:
 
 
 def unified_diff(name: str, old: bytes, new: bytes, encoding: str) -> str:
-    """A git-style diff of the file ``name`` (a relative POSIX path): ``a/``/``b/``
-    prefixes, so that ``git apply`` and ``patch -p1`` take it from the folder that
-    ``name`` is relative to. Both sides decoded with the encoding the parse found."""
+    """A git-style diff of ``name`` (a relative POSIX path): ``a/``/``b/`` prefixes, so that
+    ``git apply`` and ``patch -p1`` take it from the folder that ``name`` is relative to."""
     lines = difflib.unified_diff(
         _lines(old, encoding),
         _lines(new, encoding),
@@ -417,11 +400,8 @@ class StagedWrite:
 
 
 def stage_write(result: FileResult, backup: bool = False) -> StagedWrite:
-    """Check the file is still what was analysed and writable; write the temp file.
-
-    Nothing the user sees changes yet: on any failure the temp file (and the
-    backup) are removed and ``FileError`` is raised.
-    """
+    """Check the file is still what was analysed and writable; write the temp file (and the
+    backup). Nothing the user sees changes yet: on failure both are removed (``FileError``)."""
     assert result.new is not None
     real = Path(os.path.realpath(result.path))
     _check_unchanged(real, result.original)
@@ -472,10 +452,7 @@ def _check_unchanged(real: Path, original: bytes) -> None:
 
 
 def remove_stray_temps(path: Path) -> None:
-    """Remove the temp files of ``path`` left by a run that was killed mid-write.
-
-    Called with the file's lock held: no other mm3-codemod is writing one.
-    """
+    """Remove the temp files of ``path`` left by a run killed mid-write (the lock is held)."""
     real = Path(os.path.realpath(path))
     prefix = _temp_prefix(real)
     try:
@@ -550,10 +527,8 @@ def _chown(path: Path, uid: int, gid: int) -> None:
 
 
 def _unlink(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -562,9 +537,6 @@ def _fsync_dir(folder: Path) -> None:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
         return
-    try:
+    with contextlib.suppress(OSError):
         os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    os.close(fd)

@@ -36,10 +36,8 @@ if TYPE_CHECKING:
 
 
 class Option:
-    """One option, as both readers take it (no ``flags``: the positional PATHS).
-
-    A plain class: a dataclass or NamedTuple would cost a millisecond or more at every start.
-    """
+    """One option, as both readers take it (no ``flags``: the positional PATHS). A plain class:
+    a dataclass or NamedTuple would cost a millisecond or more at every start."""
 
     def __init__(
         self,
@@ -61,12 +59,6 @@ class Option:
         self.many, self.minimum, self.choices, self.hidden = many, minimum, choices, hidden
 
 
-class Command:
-    def __init__(self, options: tuple[Option, ...], body: Callable[..., int]) -> None:
-        self.options = options  # in the order its help lists them
-        self.body = body  # its docstring is the command's help (the first line: the command list's)
-
-
 PATHS_HELP = (
     "Model files or directories. None given: the vLLM source tree around the working folder,"
     " else the vLLM of this interpreter."
@@ -77,10 +69,8 @@ ROOTS_HELP = "A vLLM source checkout or site-packages folder (repeatable)."
 ROOTS = Option("--vllm-root", "roots", ROOTS_HELP, "DIR", Path, many=True)
 EXAMPLE = Option("--example", "example", "Also process the bundled fork-era example model file.")
 JSON = Option("--json", "as_json", "Print one JSON report on stdout (human output stays on stderr).")
-ALL = Option("--all", "show_all", "List not-a-site calls too.")
 COLOR_HELP = "Colour: auto (a terminal, unless NO_COLOR is set), always or never."
 COLOR = Option("--color", "color", COLOR_HELP, "WHEN", default="auto", choices=COLOR_MODES)
-DRY_RUN = Option("--dry-run", "dry_run", "Write nothing; exit 1 when a file would be changed (as check).")
 BACKUP = Option("--backup", "backup", "Keep the original as <file>.orig.")
 SHOW_DIFF = Option("--show-diff", "show_diff", "Also print the diff of each file written (stdout).")
 FIX_HELP = "Exit 1 when a file was written (for pre-commit and other fixers)."
@@ -92,7 +82,7 @@ LOCK_TIMEOUT = Option(
 
 TARGETS = (PATHS, PYTHONS, ROOTS)
 WRITES = (BACKUP, SHOW_DIFF, FIX_EXIT, LOCK_TIMEOUT)
-REPORT = (JSON, ALL, COLOR)
+REPORT = (JSON, Option("--all", "show_all", "List not-a-site calls too."), COLOR)
 CHECK_OPTIONS = (
     *TARGETS,
     EXAMPLE,
@@ -103,7 +93,7 @@ RUN_EXAMPLE_HELP = "Rewrite a temporary copy of the bundled example (never the p
 RUN_OPTIONS = (
     *TARGETS,
     Option("--example", "example", RUN_EXAMPLE_HELP),
-    DRY_RUN,
+    Option("--dry-run", "dry_run", "Write nothing; exit 1 when a file would be changed (as check)."),
     Option("--diff", "diff", "Write nothing; print the diff a run would apply (stdout)."),
     *WRITES,
     *REPORT,
@@ -309,24 +299,25 @@ def verify(o: SimpleNamespace) -> int:
     return report.exit_code
 
 
+# Each command's options (in the order its help lists them) and body (its docstring is the help).
 COMMANDS = {
-    "check": Command(CHECK_OPTIONS, check),
-    "preview": Command((*TARGETS, EXAMPLE, *REPORT), preview),
-    "run": Command(RUN_OPTIONS, run),
-    "verify": Command(VERIFY_OPTIONS, verify),
-    "revert": Command(REVERT_OPTIONS, revert),
-    "survey": Command(SURVEY_OPTIONS, survey),
+    "check": (CHECK_OPTIONS, check),
+    "preview": ((*TARGETS, EXAMPLE, *REPORT), preview),
+    "run": (RUN_OPTIONS, run),
+    "verify": (VERIFY_OPTIONS, verify),
+    "revert": (REVERT_OPTIONS, revert),
+    "survey": (SURVEY_OPTIONS, survey),
 }
 
 
 def call(name: str, values: dict[str, Any]) -> int:
     """Run command ``name`` with the options read (by either reader)."""
-    command = COMMANDS[name]
-    for declared in command.options:
+    options, body = COMMANDS[name]
+    for declared in options:
         if declared.many and values[declared.dest] is None:
             values[declared.dest] = []
     set_color(values.pop("color"))
-    return command.body(SimpleNamespace(**values))
+    return body(SimpleNamespace(**values))
 
 
 # --- the fast reader -------------------------------------------------------------------------
@@ -352,7 +343,7 @@ def read_plain(argv: list[str]) -> tuple[str, dict[str, Any]] | None:
     """``(command, values)`` for a plain command line; None: let typer read it."""
     if not argv or argv[0] not in COMMANDS:
         return None
-    options = COMMANDS[argv[0]].options
+    options = COMMANDS[argv[0]][0]
     values = {o.dest: [] if o.many else o.default for o in options}
     switches: dict[str, tuple[Option, bool]] = {}
     valued: dict[str, Option] = {}
@@ -451,9 +442,9 @@ def typer_app() -> typer.Typer:
         context_settings={"help_option_names": ["-h", "--help"]},
         help="Rewrite vLLM's MiniMax-M3 NVIDIA model so that an fp8 KV cache works on SM89 GPUs.",
     )
-    for name, command in COMMANDS.items():
-        parameters = [parameter(o) for o in command.options]
-        app.command(name)(command_function(name, command.body.__doc__ or "", parameters))
+    for name, (options, body) in COMMANDS.items():
+        parameters = [parameter(o) for o in options]
+        app.command(name)(command_function(name, body.__doc__ or "", parameters))
 
     def version(value: bool) -> None:
         if value:

@@ -11,7 +11,6 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from rewriter import testhook
 from rewriter.apply import (
@@ -39,6 +38,7 @@ class ExitCode(enum.IntEnum):
 
 # Commands that only look: a needed rewrite is their exit 1.
 DRY_COMMANDS = ("check", "preview", "survey")
+NOT_WRITTEN = "nothing written: a target could not be written"
 
 
 @dataclass
@@ -83,15 +83,8 @@ def write_targets(
     lock_timeout: float = DEFAULT_TIMEOUT,
     on_wait: Callable[[Path], None] | None = None,
 ) -> Report:
-    """Rewrite (``run``) or revert every target that needs it - all or nothing.
-
-    Every target is locked before it is read and until the last write (a
-    second run waits, then reads what the first wrote). If any target is
-    refused or fails, nothing at all is written: every new file is first
-    staged (written and fsynced beside its target) and only then are they
-    moved into place, so a vLLM tree is left either fully rewritten or as it
-    was (barring a failing rename, which the report names).
-    """
+    """Rewrite (``run``) or revert every target that needs it, all or nothing: a vLLM tree is
+    left fully rewritten or as it was (barring a failing rename, which the report names)."""
 
     def plan() -> Report:
         plan_one = plan_file if command == "run" else plan_revert_file
@@ -119,16 +112,8 @@ def write_targets(
         return report
 
 
-def run_targets(targets: list[Target], **options: Any) -> Report:
-    return write_targets("run", targets, **options)
-
-
-def revert_targets(targets: list[Target], **options: Any) -> Report:
-    return write_targets("revert", targets, **options)
-
-
 def _write_all(report: Report, backup: bool) -> None:
-    """Stage every new file, then move them all into place."""
+    """Stage every new file (written and fsynced beside its target), then move them all into place."""
     if any(f.failed for f in report.files):
         report.note = "nothing written: a target was refused or failed"
         return
@@ -142,7 +127,7 @@ def _write_all(report: Report, backup: bool) -> None:
                     discard(done)
                 result.status = FileStatus.ERROR
                 result.error = str(exc)
-                report.note = "nothing written: a target could not be written"
+                report.note = NOT_WRITTEN
                 return
     with _no_interrupt():
         for i, stage in enumerate(staged):
@@ -153,10 +138,7 @@ def _write_all(report: Report, backup: bool) -> None:
                     discard(rest)
                 stage.result.status = FileStatus.ERROR
                 stage.result.error = str(exc)
-                if i:
-                    report.note = f"{i} file(s) were rewritten before this failure"
-                else:
-                    report.note = "nothing written: a target could not be written"
+                report.note = f"{i} file(s) were rewritten before this failure" if i else NOT_WRITTEN
                 return
 
 

@@ -43,10 +43,8 @@ def locked(
     timeout: float = DEFAULT_TIMEOUT,
     on_wait: Callable[[Path], None] | None = None,
 ) -> Iterator[None]:
-    """Hold an exclusive lock on every file of ``paths`` that exists.
-
-    ``on_wait(path)`` is called once for each file whose lock another run holds.
-    """
+    """Hold an exclusive lock on every file of ``paths`` that exists; ``on_wait(path)`` is
+    called once for each file whose lock another run holds."""
     held: list[int] = []
     deadline = time.monotonic() + max(timeout, 0.0)
     try:
@@ -99,5 +97,4 @@ def _same_file(fd: int, path: Path) -> bool:
         now = os.stat(path)
     except OSError:
         return False
-    held = os.fstat(fd)
-    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+    return os.path.samestat(os.fstat(fd), now)

@@ -197,7 +197,7 @@ def summary_line(report: Report) -> str:
     parts = [f"{n} file{'s' if n != 1 else ''} {word}" for n, word in counts if n]
     if not parts:
         return "no files"
-    if not report.files or all(f.status is FileStatus.NO_SITES for f in report.files):
+    if all(f.status is FileStatus.NO_SITES for f in report.files):
         parts.append(f"(no call of {FUSED_OP} found)")
     return ", ".join(parts) + "."
 
@@ -211,12 +211,8 @@ class Folded:
 
     def __init__(self, text: str, separators: str, style: str = "") -> None:
         self.text, self.style = text, style
-        self.parts: list[str] = []
-        for char in text:
-            if not self.parts or self.parts[-1][-1:] in separators:
-                self.parts.append(char)
-            else:
-                self.parts[-1] += char
+        s = re.escape(separators)
+        self.parts: list[str] = re.findall(f"[^{s}]*[{s}]|[^{s}]+", text)  # split after each separator
 
     @property
     def shortest(self) -> int:
@@ -262,8 +258,7 @@ def _fit(minimum: list[int], maximum: list[int], available: int) -> list[int]:
     shrunk first, never below its narrowest whole name; where even that is too wide, the
     reason and then the site give way (cut), never the version or the state."""
     widths = list(maximum)
-    cut = [minimum[0], minimum[1], minimum[2], _CUT_MIN]
-    for floor in (minimum, cut, [minimum[0], _CUT_MIN, minimum[2], _CUT_MIN]):
+    for floor in (minimum, [*minimum[:3], _CUT_MIN], [minimum[0], _CUT_MIN, minimum[2], _CUT_MIN]):
         while sum(widths) > available:
             shrinkable = [i for i, w in enumerate(widths) if w > floor[i]]
             if not shrinkable:

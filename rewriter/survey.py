@@ -1,10 +1,5 @@
-"""``survey``: every target's vLLM release, sites, states and what ``run`` would do.
-
-Files are planned exactly as ``check`` plans them (``plan_file``), in a
-process pool when there are several jobs: each worker takes files in chunks
-and sends back a light result (no syntax trees, no source bytes). One job
-never starts a pool. vllm and torch are never imported.
-"""
+"""``survey``: every target's vLLM release, sites, states and what ``run`` would do, planned as
+``check`` plans them, in a process pool when there are several jobs; vllm and torch are never imported."""
 
 from __future__ import annotations
 
@@ -17,12 +12,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from rewriter.apply import FileResult, load_codemod, plan_file
+from rewriter.apply import FileResult, plan_file
 from rewriter.commands import Report
 from rewriter.targets import Target
 
-# Chunks per worker: enough to balance uneven files, few enough to keep the
-# per-task overhead (pickling, queue round trips) small.
+# Chunks per worker: enough to balance uneven files, few enough to keep per-task overhead small.
 CHUNKS_PER_JOB = 4
 
 
@@ -55,8 +49,11 @@ def survey_targets(
             tick()
     else:
         chunksize = max(1, math.ceil(len(paths) / (jobs * CHUNKS_PER_JOB)))
-        load_codemod()  # before the fork, not once per worker
-        with _context().Pool(jobs, initializer=_leave_interrupt_to_parent) as pool:
+        # LibCST and the codemod, imported once before the fork rather than in each worker.
+        import codemods.fp8_kv_bypass  # noqa: F401
+
+        context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else None)
+        with context.Pool(jobs, initializer=_leave_interrupt_to_parent) as pool:
             for result in pool.imap(survey_file, paths, chunksize):
                 files.append(result)
                 tick()
@@ -66,11 +63,3 @@ def survey_targets(
 def _leave_interrupt_to_parent() -> None:
     """Ctrl-C reaches the workers too: the parent alone answers it (and ends the pool)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _context():
-    # fork: workers start with libcst already imported (spawn would import it
-    # again in each); elsewhere the platform's default.
-    if sys.platform.startswith("linux"):
-        return multiprocessing.get_context("fork")
-    return multiprocessing.get_context()

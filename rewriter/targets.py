@@ -1,8 +1,5 @@
-"""Which files to look at: explicit paths, vLLM trees, or another interpreter's vLLM.
-
-vLLM is located with ``importlib.util.find_spec`` and never imported: importing
-it is slow and wants a GPU stack.
-"""
+"""Which files to look at: explicit paths, vLLM trees, or another interpreter's vLLM (found
+with ``importlib.util.find_spec``, never imported: importing it is slow and wants a GPU stack)."""
 
 from __future__ import annotations
 
@@ -99,10 +96,8 @@ def nvidia_dir(root: Path, origin: str) -> Path:
 
 
 def python_files(folder: Path) -> list[Path]:
-    """Every ``*.py`` under ``folder`` that is not a folder itself (hidden files and folders,
-    and cache folders, skipped) - and every folder that cannot be listed: never skipped in
-    silence, it is a target whose planning says why (an error that does not stop the others,
-    as in ruff)."""
+    """Every ``*.py`` file under ``folder`` (hidden ones and cache folders skipped), and every folder
+    that cannot be listed: never skipped in silence, a target whose planning says why (as in ruff)."""
     found: list[Path] = []
 
     def unreadable(exc: OSError) -> None:
@@ -114,8 +109,7 @@ def python_files(folder: Path) -> list[Path]:
     return sorted(found)
 
 
-# Runs inside the target interpreter: locate vllm (and read its distribution
-# metadata) without importing it.
+# Runs in the target interpreter: finds vllm and its version without importing it.
 _FIND_VLLM = """
 import importlib.util, json
 try:
@@ -311,11 +305,8 @@ def resolve(
     vllm_roots: Sequence[Path] = (),
     example: bool = False,
 ) -> list[Target]:
-    """All files to process, each file once (the first name it is given by), in a stable order.
-
-    With nothing given, the vLLM source tree around the working folder, or the
-    vLLM of the current interpreter (``default_targets``).
-    """
+    """All files to process, each file once (the first name it is given by), in a stable order;
+    with nothing given, ``default_targets``."""
     targets: list[Target] = []
     for path in paths:
         if path.is_dir():
@@ -340,15 +331,10 @@ def resolve(
         targets.append(Target(example_path(), "--example", root=example_path().parent))
     if not (paths or pythons or vllm_roots or example):
         targets += default_targets()
-
-    seen: set[object] = set()
-    unique = []
+    unique: dict[object, Target] = {}
     for target in targets:
-        key = _same_file_key(target.path)
-        if key not in seen:
-            seen.add(key)
-            unique.append(target)
-    return unique
+        unique.setdefault(_same_file_key(target.path), target)
+    return list(unique.values())
 
 
 def _same_file_key(path: Path) -> object:

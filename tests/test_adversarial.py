@@ -47,7 +47,7 @@ def outcome(tmp_path: Path, source: str) -> tuple[str, str, str]:
     path = tmp_path / "model.py"
     path.write_text(source)
     checked = commands.analyze_targets("check", [Target(path, "t")])
-    report = commands.run_targets([Target(path, "t")])
+    report = commands.write_targets("run", [Target(path, "t")])
     result = report.files[0]
     after = path.read_text()
     if result.status is FileStatus.REWRITTEN:
@@ -159,7 +159,7 @@ def test_the_callers_condition_is_not_taken_for_the_guard(tmp_path: Path, bindin
     assert_refused(tmp_path, source, "has a condition the bypass did not write")
     # and `revert` finds no bypass of the tool's to take out: the conditions stay
     path = tmp_path / "model.py"
-    report = commands.revert_targets([Target(path, "t")])
+    report = commands.write_targets("revert", [Target(path, "t")])
     assert report.files[0].status is not FileStatus.REWRITTEN
     assert path.read_text() == source
 
@@ -173,7 +173,7 @@ def test_a_native_call_with_the_callers_condition_is_native(tmp_path: Path) -> N
     )
     path = tmp_path / "model.py"
     path.write_text(native)
-    report = commands.run_targets([Target(path, "t")])
+    report = commands.write_targets("run", [Target(path, "t")])
     assert [s.state.value for s in report.files[0].sites if s.class_name == "MiniMaxM3SparseAttention"] == ["native"]
     assert path.read_text() == native
 

@@ -155,7 +155,7 @@ def test_layout_is_kept(tmp_path: Path, encode) -> None:
     path = tmp_path / "model.py"
     path.write_bytes(encode(FORK_ERA))
     compile(encode(FORK_ERA), "before", "exec")  # the mangled input is itself valid
-    report = commands.run_targets([Target(path, "test")])
+    report = commands.write_targets("run", [Target(path, "test")])
     assert report.files[0].status is FileStatus.REWRITTEN, report.files[0].error
     assert path.read_bytes() == encode(EXPECTED)
 
@@ -174,7 +174,7 @@ def test_mixed_line_endings_are_kept_line_by_line(tmp_path: Path) -> None:
     lines[0] += b"\r"  # only the first line ends in CRLF
     path = tmp_path / "model.py"
     path.write_bytes(b"\n".join(lines))
-    commands.run_targets([Target(path, "test")])
+    commands.write_targets("run", [Target(path, "test")])
     out = path.read_bytes()
     assert out.replace(b"\r\n", b"\n") == EXPECTED
     assert out.startswith(lines[0] + b"\n")

@@ -251,7 +251,7 @@ def test_failed_validation_writes_nothing(copy_fixture, monkeypatch) -> None:
         return analysis.module
 
     monkeypatch.setattr(apply, "rewrite", bad_rewrite)
-    report = commands.run_targets([Target(target, "test")])
+    report = commands.write_targets("run", [Target(target, "test")])
     assert report.exit_code == 2
     assert report.files[0].status is FileStatus.ERROR
     assert "second pass" in report.files[0].error
@@ -263,7 +263,7 @@ def test_uncompilable_output_writes_nothing(copy_fixture, monkeypatch) -> None:
     original = target.read_bytes()
     # `return` outside a function parses but does not compile.
     monkeypatch.setattr(apply, "rewrite", lambda analysis: cst.parse_module("return 1\n"))
-    report = commands.run_targets([Target(target, "test")])
+    report = commands.write_targets("run", [Target(target, "test")])
     assert report.files[0].status is FileStatus.ERROR
     assert "does not compile" in report.files[0].error
     assert target.read_bytes() == original
@@ -272,7 +272,7 @@ def test_uncompilable_output_writes_nothing(copy_fixture, monkeypatch) -> None:
 def test_mode_is_kept_and_no_temp_file_is_left(copy_fixture) -> None:
     target = copy_fixture("fork_era")
     os.chmod(target, 0o640)
-    commands.run_targets([Target(target, "test")])
+    commands.write_targets("run", [Target(target, "test")])
     assert stat.S_IMODE(target.stat().st_mode) == 0o640
     assert sorted(p.name for p in target.parent.iterdir()) == ["model.py"]
 
@@ -281,7 +281,7 @@ def test_symlink_target_is_rewritten_and_link_kept(copy_fixture) -> None:
     real = copy_fixture("fork_era")
     link = real.with_name("link.py")
     link.symlink_to(real.name)
-    commands.run_targets([Target(link, "test")])
+    commands.write_targets("run", [Target(link, "test")])
     assert link.is_symlink()
     assert real.read_bytes() == (FIXTURES / "fork_era" / "expected.py").read_bytes()
 
@@ -290,7 +290,7 @@ def test_read_only_file_is_refused(copy_fixture) -> None:
     target = copy_fixture("fork_era")
     original = target.read_bytes()
     os.chmod(target, 0o444)
-    report = commands.run_targets([Target(target, "test")])
+    report = commands.write_targets("run", [Target(target, "test")])
     assert report.exit_code == 2 and "read-only" in report.files[0].error
     assert target.read_bytes() == original
 
@@ -305,7 +305,7 @@ def test_file_changed_between_read_and_write_is_refused(copy_fixture, monkeypatc
         return result
 
     monkeypatch.setattr(commands, "plan_file", plan_then_edit)
-    report = commands.run_targets([Target(target, "test")])
+    report = commands.write_targets("run", [Target(target, "test")])
     assert report.exit_code == 2 and "changed by someone else" in report.files[0].error
     assert target.read_bytes().endswith(b"# edited by someone else\n")
 
@@ -313,7 +313,7 @@ def test_file_changed_between_read_and_write_is_refused(copy_fixture, monkeypatc
 def test_bom_is_kept(copy_fixture) -> None:
     target = copy_fixture("fork_era")
     target.write_bytes(apply.BOM + target.read_bytes())
-    commands.run_targets([Target(target, "test")])
+    commands.write_targets("run", [Target(target, "test")])
     assert target.read_bytes() == apply.BOM + (FIXTURES / "fork_era" / "expected.py").read_bytes()
 
 

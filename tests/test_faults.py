@@ -106,7 +106,7 @@ def test_sigkill_at_each_write_point_leaves_a_whole_file(tmp_path: Path, point: 
     # ... hidden, and not a .py file: no directory scan picks it up; the next run removes it.
     scan = commands.analyze_targets("check", resolve([tmp_path]))
     assert [f.path.name for f in scan.files] == ["model.py"]
-    report = commands.run_targets([Target(target, "test")])
+    report = commands.write_targets("run", [Target(target, "test")])
     assert report.exit_code == 0
     assert target.read_bytes() == EXPECTED
     assert listing(tmp_path) == ["model.py"]
@@ -116,7 +116,7 @@ def test_a_stray_temp_file_of_another_file_is_not_touched(tmp_path: Path) -> Non
     target = fork_era(tmp_path)
     other = tmp_path / ".model.py.x.abcd1234.mm3-codemod.tmp"  # temp of `model.py.x`
     other.write_text("not ours")
-    commands.run_targets([Target(target, "test")])
+    commands.write_targets("run", [Target(target, "test")])
     assert other.read_text() == "not ours"
 
 
@@ -163,7 +163,7 @@ def test_write_errors_leave_the_original_and_no_temp(
             raise OSError(code, os.strerror(code))
 
         monkeypatch.setattr(owner, name, fail)
-    report = commands.run_targets([Target(target, "test")], backup=True)
+    report = commands.write_targets("run", [Target(target, "test")], backup=True)
     monkeypatch.undo()
     assert report.exit_code == 2
     assert report.files[0].status is FileStatus.ERROR and report.files[0].error == message
@@ -178,7 +178,7 @@ def test_a_failing_backup_writes_nothing(tmp_path: Path, monkeypatch) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(apply.os, "link", no_link)
-    report = commands.run_targets([Target(target, "test")], backup=True)
+    report = commands.write_targets("run", [Target(target, "test")], backup=True)
     monkeypatch.undo()
     assert report.files[0].error == "cannot write the backup: No space left on device; nothing written"
     assert target.read_bytes() == FORK_ERA and listing(tmp_path) == ["model.py"]
@@ -195,7 +195,7 @@ def test_full_disk_on_the_second_file_writes_neither(tmp_path: Path, monkeypatch
         return real_write(fd, data)
 
     monkeypatch.setattr(apply.os, "write", write)
-    report = commands.run_targets([Target(first, "test"), Target(second, "test")], backup=True)
+    report = commands.write_targets("run", [Target(first, "test"), Target(second, "test")], backup=True)
     monkeypatch.undo()
     assert report.exit_code == 2 and "nothing written" in report.note
     assert [f.status for f in report.files] == [FileStatus.NEEDS_REWRITE, FileStatus.ERROR]
@@ -332,10 +332,10 @@ def test_revert_takes_the_same_lock(tmp_path: Path) -> None:
     holder = os.open(target, os.O_RDONLY)
     fcntl.flock(holder, fcntl.LOCK_EX)  # another run holds it
     try:
-        report = commands.revert_targets([Target(target, "test")], lock_timeout=0.2)
+        report = commands.write_targets("revert", [Target(target, "test")], lock_timeout=0.2)
     finally:
         os.close(holder)
     assert report.exit_code == 2
     assert report.files[0].error == "locked by another mm3-codemod (waited 0.2 s); nothing written"
     assert target.read_bytes() == patched
-    assert commands.revert_targets([Target(target, "test")]).files[0].status is FileStatus.REWRITTEN
+    assert commands.write_targets("revert", [Target(target, "test")]).files[0].status is FileStatus.REWRITTEN

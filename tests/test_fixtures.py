@@ -12,7 +12,7 @@ from conftest import FIXTURES, cli
 from codemods.fp8_kv_bypass import analyze
 from codemods.schema import SiteState
 from rewriter.apply import FileStatus, plan_file
-from rewriter.commands import run_targets
+from rewriter.commands import write_targets
 from rewriter.targets import Target
 
 # variant -> (states of the insert sites, not-a-site calls excluded; `check` exit code)
@@ -56,7 +56,7 @@ def test_states(variant: str) -> None:
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_run_writes_expected_bytes(variant: str, copy_fixture) -> None:
     target = copy_fixture(variant)
-    report = run_targets([Target(target, "test")])
+    report = write_targets("run", [Target(target, "test")])
     expected = (FIXTURES / variant / "expected.py").read_bytes()
     assert target.read_bytes() == expected
     changed = expected != (FIXTURES / variant / "model.py").read_bytes()
@@ -72,9 +72,9 @@ def test_run_writes_expected_bytes(variant: str, copy_fixture) -> None:
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_second_run_changes_nothing(variant: str, copy_fixture) -> None:
     target = copy_fixture(variant)
-    run_targets([Target(target, "test")])
+    write_targets("run", [Target(target, "test")])
     once = target.read_bytes()
-    report = run_targets([Target(target, "test")])
+    report = write_targets("run", [Target(target, "test")])
     assert target.read_bytes() == once
     assert report.files[0].status in (FileStatus.UNCHANGED, FileStatus.NO_SITES, FileStatus.REFUSED)
 
@@ -108,7 +108,7 @@ def test_rewritten_sites_become_patched_or_native(copy_fixture) -> None:
         if code != 1:
             continue
         target = copy_fixture(variant)
-        run_targets([Target(target, "test")])
+        write_targets("run", [Target(target, "test")])
         final = SiteState.NATIVE if variant in NATIVE_CALLS else SiteState.PATCHED
         assert insert_states(target) == [final], variant
 

@@ -124,7 +124,7 @@ def test_variant_is_rewritten_correctly_or_refused(variant: Variant, tmp_path) -
     path = tmp_path / "model.py"
     path.write_bytes(source.encode())
     assert_agree(path)  # the pre-filter answers as LibCST does, or defers
-    report = commands.run_targets([Target(path, "corpus")])
+    report = commands.write_targets("run", [Target(path, "corpus")])
     result = report.files[0]
     after = path.read_bytes().decode()
     assert_agree(path)

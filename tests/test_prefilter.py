@@ -24,8 +24,8 @@ from test_real_wheels import PREFIX, VERSIONS, vllm_wheel
 
 from codemods import prefilter as prefilter_module
 from codemods.prefilter import prefilter
-from rewriter import apply, commands
-from rewriter.apply import FileResult, FileStatus, plan_file
+from rewriter import apply
+from rewriter.apply import FileResult, plan_file
 from rewriter.commands import Report
 from rewriter.report import print_human, to_json
 from rewriter.targets import Target

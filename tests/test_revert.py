@@ -49,11 +49,11 @@ def body(data: bytes) -> bytes:
 
 
 def run_file(path: Path) -> FileStatus:
-    return commands.run_targets([Target(path, "test")]).files[0].status
+    return commands.write_targets("run", [Target(path, "test")]).files[0].status
 
 
 def revert_file(path: Path) -> FileStatus:
-    return commands.revert_targets([Target(path, "test")]).files[0].status
+    return commands.write_targets("revert", [Target(path, "test")]).files[0].status
 
 
 # --- round trips ---------------------------------------------------------------------
@@ -139,7 +139,7 @@ def test_the_seed_patch_cannot_come_back_byte_for_byte(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", ALL)
 def test_revert_is_idempotent_on_every_fixture(name: str, tmp_path: Path) -> None:
     target = copy(FIXTURES / name / "model.py", tmp_path)
-    first = commands.revert_targets([Target(target, "test")])
+    first = commands.write_targets("revert", [Target(target, "test")])
     assert first.exit_code == 0
     once = target.read_bytes()
     second = plan_revert_file(target)
