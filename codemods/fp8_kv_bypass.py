@@ -1022,11 +1022,10 @@ def _products(init_attrs: _Assignments) -> list[tuple[str, cst.BaseExpression, s
     """``self.W = <count> * self.D`` assigned once in __init__ (either order): (W, count, "self.D")."""
     found = []
     for attr, defs in init_attrs.items():
-        factors = a.product_of(defs[0][1]) if len(defs) == 1 else None
-        if factors is None:
+        value = defs[0][1] if len(defs) == 1 else None
+        if not (isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Multiply)):
             continue
-        left, right = factors
-        for count, dim in ((left, right), (right, left)):
+        for count, dim in ((value.left, value.right), (value.right, value.left)):
             if a.self_attr(dim) is not None:
                 found.append((attr, count, a.code(dim)))
     return found
