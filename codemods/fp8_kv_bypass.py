@@ -50,7 +50,6 @@ from codemods.schema import (
     METADATA_ATTR,
     CallFacts,
     Pieces,
-    Verdict,
     insert_kv_form,
     is_flag_value,
     is_guard_value,
@@ -187,7 +186,7 @@ def classify(
             plan = _build_plan(module, found, slot, found_pieces[-1])
     except Unsupported as exc:
         failure = str(exc)
-    return planned(decided, facts.line, failure).site(facts), plan
+    return planned(decided, failure), plan
 
 
 # --- finding the calls --------------------------------------------------------
