@@ -28,7 +28,7 @@ How: ``Fp8KvBypass``, the transformer that applies one plan.
 from __future__ import annotations
 
 import ast
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -138,7 +138,8 @@ def call_facts(found: FoundCall) -> tuple[CallFacts, a.StatementSlot | None]:
     kv = found.op.arg(schema.KV_CACHE)
     dtype = found.op.arg(schema.KV_CACHE_DTYPE)
     method = found.method if found.nested_in is None else None  # directly in a method
-    slot = find_call_slot(method, call) if method is not None else None
+    slots = a.statement_slots(method) if method is not None else ()
+    slot = next((s for s in slots if a.expression_call(s.statement) is call), None)
     facts = CallFacts(
         line=found.line,
         class_name=found.cls.name.value if found.cls else None,
@@ -383,19 +384,6 @@ def _unguarded(arg: cst.Arg) -> cst.BaseExpression:
     return value
 
 
-def _is_guard_value(expr: cst.BaseExpression) -> bool:
-    """``not self._fp8_kv`` (``schema.is_guard_value``)."""
-    tree = schema_expression(a.code(expr))
-    return tree is not None and is_guard_value(tree)
-
-
-def find_call_slot(method: cst.FunctionDef, call: cst.Call) -> a.StatementSlot | None:
-    for slot in a.statement_slots(method):
-        if a.expression_call(slot.statement) is call:
-            return slot
-    return None
-
-
 def _insert_kv_form(
     fn: cst.FunctionDef | None, cls: cst.ClassDef, functions: dict[str, cst.FunctionDef]
 ) -> str:
@@ -431,7 +419,7 @@ def collect_pieces(
     assigned = a.self_assignments(init) if init is not None and mentions_flag else {}
     p.taken = _taken_names(cls, assigned)
     flag = assigned.get(schema.FP8_FLAG, [])
-    p.flag_set = len(flag) == 1 and _is_flag_value(flag[0][1])
+    p.flag_set = len(flag) == 1 and matches(flag[0][1], is_flag_value)
     p.scale_set = schema.FP8_SCALE in assigned
     if mentions_flag:
         attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
@@ -446,7 +434,7 @@ def collect_pieces(
         for stmt in slot.before():
             pair = a.simple_assignment(stmt)
             if pair and isinstance(pair[0], cst.Name) and pair[0].value in guard_names:
-                note_guard_assignment(p, pair[0].value, _is_guard_value(pair[1]))
+                note_guard_assignment(p, pair[0].value, matches(pair[1], is_guard_value))
     # A condition is the bypass's guard only if the bypass could have written it: the
     # name is assigned `not self._fp8_kv` in the call's block before the call (and bound
     # nowhere else but there and as a parameter), or it is the bypass's own name, read
@@ -468,7 +456,10 @@ def collect_pieces(
         node = a.first_in(stmt, is_insert_kv_call)
         if isinstance(node, cst.Call):
             p.post_insert, p.post_insert_call = True, node
-            p.post_insert_wired = _insert_is_wired(node, op) and _is_guarded_block(stmt, p)
+            # under `if not G:` (G the guard) or `if self._fp8_kv:`, passed the call's slot mappings
+            guards = {schema.FP8_FLAG, *p.guard_args, p.guard_assigned or GUARD_NAME}
+            guarded = isinstance(stmt, cst.If) and block_guard(stmt) in guards
+            p.post_insert_wired = guarded and _insert_is_wired(node, op)
             break
     return p
 
@@ -479,18 +470,20 @@ def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Modu
     return all(isinstance(n, cst.Param) or id(getattr(n, "target", None)) in plain for n in nodes)
 
 
-def _is_flag_value(expr: cst.BaseExpression) -> bool:
+def matches(expr: cst.BaseExpression, test: Callable[[ast.expr], bool]) -> bool:
+    """``test``, one of ``schema``'s recognisers, on the expression as Python's own tree."""
     tree = schema_expression(a.code(expr))
-    return tree is not None and is_flag_value(tree)
+    return tree is not None and test(tree)
 
 
-def _is_scale_value(expr: cst.BaseExpression) -> bool:
-    tree = schema_expression(a.code(expr))
-    return tree is not None and is_scale_value(tree)
+def block_guard(block: cst.If) -> str | None:
+    """What the ``if`` around the post-call insert tests (``schema.post_block_guard``)."""
+    test = schema_expression(a.code(block.test))
+    return post_block_guard(test) if test is not None else None
 
 
 # What the bypass sets its names to (anything else there is the file's own use of them).
-_OWN_VALUES = {schema.FP8_FLAG: _is_flag_value, schema.FP8_SCALE: _is_scale_value}
+_OWN_VALUES = {schema.FP8_FLAG: is_flag_value, schema.FP8_SCALE: is_scale_value}
 
 
 def _taken_names(cls: cst.ClassDef, init_attrs: _Assignments) -> list[str]:
@@ -509,7 +502,7 @@ def _taken_names(cls: cst.ClassDef, init_attrs: _Assignments) -> list[str]:
     own = set()  # the values of the first flag and scale assignments in __init__, if they are the bypass's
     for name, is_own in _OWN_VALUES.items():
         first = init_attrs.get(name, [])[:1]
-        if first and is_own(first[0][1]):
+        if first and matches(first[0][1], is_own):
             own.add(id(first[0][1]))
     for method in a.methods(cls):
         for node in a.all_statements(method.body):
@@ -535,15 +528,6 @@ def _store_targets(stmt: cst.CSTNode) -> list[cst.BaseExpression]:
     if isinstance(stmt, cst.With):
         return [item.asname.name for item in stmt.items if item.asname is not None]
     return []
-
-
-def _is_guarded_block(stmt: cst.BaseStatement, p: Pieces) -> bool:
-    """``if not G:`` or ``if self._fp8_kv:`` around the post-call insert (``schema.post_block_guard``)."""
-    if not isinstance(stmt, cst.If):
-        return False
-    test = schema_expression(a.code(stmt.test))
-    guard = post_block_guard(test) if test is not None else None
-    return guard == schema.FP8_FLAG or guard in (set(p.guard_args) | {p.guard_assigned or GUARD_NAME})
 
 
 def _insert_is_wired(insert: cst.Call, fused: a.OpCall) -> bool:

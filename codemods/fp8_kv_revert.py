@@ -217,7 +217,7 @@ def _plan_site(module: cst.Module, found: bp.FoundCall, positions) -> RevertPlan
     post = _post_call_block(method, slot, guards)
     if post is not None:
         remove.append(post)
-        guard = _block_guard(post)
+        guard = bp.block_guard(post)
         if guard is not None and guard != schema.FP8_FLAG:
             guards.add(guard)
 
@@ -227,8 +227,9 @@ def _plan_site(module: cst.Module, found: bp.FoundCall, positions) -> RevertPlan
 
     _check_nothing_left(cls, method, remove, unwrap, guards, positions)
     dead = _dead_module_code(module, remove)
-    for block_slot in {id(s.block): s for s in _slots_of(cls, remove)}.values():
-        if all(any(st is r for r in remove) for st in block_slot.block.body):
+    removed = {id(s) for s in remove}
+    for fn in a.methods(cls):
+        if any(s.index == 0 and all(id(x) in removed for x in s.block.body) for s in a.statement_slots(fn)):
             raise Unsupported("removing the bypass would leave an empty block")
 
     insert_kv_fn = a.find_method(cls, schema.INSERT_KV)
@@ -255,11 +256,6 @@ def _plan_site(module: cst.Module, found: bp.FoundCall, positions) -> RevertPlan
     return plan
 
 
-def _block_guard(block: cst.If) -> str | None:
-    test = schema.expression(a.code(block.test))
-    return schema.post_block_guard(test) if test is not None else None
-
-
 def _guarded_by(arg: cst.Arg, guards: set[str]) -> bool:
     """``X if G else <None or a number>`` with ``G`` one of the bypass's guards."""
     value = arg.value
@@ -280,8 +276,7 @@ def _post_call_block(method: cst.FunctionDef, slot: a.StatementSlot, guards: set
             continue
         if not isinstance(stmt, cst.If) or stmt.orelse is not None:
             raise Unsupported("the post-call `self._insert_kv(...)` is not in an `if not <guard>:` block")
-        guard = _block_guard(stmt)
-        if guard is None or (guard != schema.FP8_FLAG and guard not in guards and guard != schema.GUARD_NAME):
+        if bp.block_guard(stmt) not in {schema.FP8_FLAG, schema.GUARD_NAME, *guards}:
             raise Unsupported("the post-call `self._insert_kv(...)` is not under `if not <guard>:`")
         assigned: set[str] = set()
         if _block_inserts(stmt.body, assigned) != 1:
@@ -325,23 +320,12 @@ def _is_compile_branch(stmt: cst.BaseStatement) -> bool:
     """``if torch.compiler.is_compiling(): <calls> else: ...``: the compiled path's cache write."""
     if not isinstance(stmt, cst.If) or not isinstance(stmt.orelse, cst.Else):
         return False
-    test = schema.expression(a.code(stmt.test))
     body = stmt.body.body if isinstance(stmt.body, cst.IndentedBlock) else ()
     return (
-        test is not None
-        and schema.is_compiling(test)
+        bp.matches(stmt.test, schema.is_compiling)
         and bool(body)
         and all(a.expression_call(x) is not None for x in body)
     )
-
-
-def _slots_of(cls: cst.ClassDef, statements: list[cst.BaseStatement]) -> list[a.StatementSlot]:
-    found = []
-    for fn in a.methods(cls):
-        for slot in a.statement_slots(fn):
-            if any(slot.statement is s for s in statements):
-                found.append(slot)
-    return found
 
 
 def _check_nothing_left(
