@@ -162,7 +162,7 @@ def call_facts(found: FoundCall) -> tuple[CallFacts, a.StatementSlot | None]:
 def classify(
     module: cst.Module,
     found: FoundCall,
-    functions: dict[str, cst.FunctionDef] | None = None,
+    functions: dict[str, cst.FunctionDef],
     mentions_flag: bool = True,
 ) -> tuple[InsertSite, BypassPlan | RevertPlan | None]:
     facts, slot = call_facts(found)
@@ -170,8 +170,7 @@ def classify(
 
     def collect() -> _Pieces:
         assert found.cls is not None and found.method is not None
-        fns = a.module_functions(module) if functions is None else functions
-        found_pieces.append(collect_pieces(found.cls, found.method, found.op, slot, fns, mentions_flag))
+        found_pieces.append(collect_pieces(found.cls, found.method, found.op, slot, functions, mentions_flag))
         return found_pieces[-1]
 
     decided = verdict(facts, collect)
@@ -201,8 +200,7 @@ class FoundCall:
     method: cst.FunctionDef | None
     nested_in: str | None  # name of a def/lambda between the method and the call
     module_function: str | None
-    class_depth: int = 0  # how many defs/classes enclose the class
-    outer: tuple[cst.CSTNode, ...] = ()  # those defs/classes
+    outer: tuple[cst.CSTNode, ...] = ()  # the defs/classes that enclose the class
 
     @property
     def call(self) -> cst.Call:
@@ -277,7 +275,7 @@ class CallFinder(cst.CSTVisitor):
             n = inner[-1]
             nested = n.name.value if isinstance(n, cst.FunctionDef) else "<lambda>"
         assert isinstance(cls, cst.ClassDef)
-        self.found.append(FoundCall(op, line, cls, method, nested, None, ci, tuple(self.stack[:ci])))
+        self.found.append(FoundCall(op, line, cls, method, nested, None, tuple(self.stack[:ci])))
 
     def visit_Import(self, node: cst.Import) -> bool:
         return False  # nothing to find in an import
@@ -693,7 +691,7 @@ def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: 
             INSERT_KV_METHOD,
             n,
             indent,
-            found.class_depth + 1,
+            len(found.outer) + 1,
             kv_cache=caches[schema.KV_CACHE.keyword],
             num_kv_heads=w.num_kv_heads,
             head_dim=w.head_dim,

@@ -141,8 +141,9 @@ def analyze_revert(module: cst.Module) -> RevertAnalysis:
 
     sites: list[InsertSite] = []
     plans: list[RevertPlan | None] = []
+    functions = a.module_functions(module)
     for found in finder.found:
-        site, _ = bp.classify(module, found)
+        site, _ = bp.classify(module, found, functions)
         plan = failure = None
         try:
             plan = _plan_site(module, found, positions)
@@ -426,7 +427,7 @@ def _plan_insert_kv(
         bp.INSERT_KV_METADATA,
         module.default_newline,
         module.default_indent,
-        found.class_depth + 1,
+        len(found.outer) + 1,
         main_key=_metadata_key(method, op, schema.SLOT_MAPPING, slot),
         index_key=_metadata_key(method, op, schema.INDEX_SLOT_MAPPING, slot),
         main_metadata=MAIN_METADATA,
