@@ -402,6 +402,11 @@ def is_insert_kv_call(node: cst.CSTNode) -> bool:
     )
 
 
+def other_insert_kv_call(cls: cst.ClassDef, allowed: set[int]) -> cst.CSTNode | None:
+    """The first ``self._insert_kv(...)`` in the class that is none of the ``allowed`` nodes (by id)."""
+    return a.first_in(cls.body, lambda n: is_insert_kv_call(n) and id(n) not in allowed)
+
+
 def collect_pieces(
     cls: cst.ClassDef,
     method: cst.FunctionDef,
@@ -633,7 +638,16 @@ def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: 
         raise Unsupported(
             "`_insert_kv` exists in a form that is neither the attn_metadata one nor the slot-mapping one"
         )
-    _no_other_insert_kv_callers(cls, p)
+    old_insert_kv = a.find_method(cls, schema.INSERT_KV)
+    # Only the post-call insert may call `_insert_kv`: the rewrite gives it the slot-mapping
+    # signature; a call elsewhere is a caller it would break, or a stale piece of a bypass.
+    own = a.nodes_in(old_insert_kv) if old_insert_kv is not None else []
+    call = other_insert_kv_call(cls, {id(p.post_insert_call), *map(id, own)})
+    if call is not None:
+        raise Unsupported(
+            f"`{' '.join(a.code(call).split())}` is called elsewhere than right after the insert call: "
+            "a caller the new `_insert_kv` signature would break, or a stale bypass piece"
+        )
 
     taken = a.bound_names(method)
     guard = _guard_name(p, taken)
@@ -650,11 +664,15 @@ def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: 
     reshape_call = schema.RESHAPE_OP if namespace is None else f"{namespace}.{schema.RESHAPE_OP}"
 
     n, indent = module.default_newline, module.default_indent
-    edits: list[tuple[cst.BaseStatement, str]] = []
-    old_insert_kv = a.find_method(cls, schema.INSERT_KV)
+    # The upgrade: the raw index scatters of `_insert_kv` and of what it hands its work to.
+    upgraded: list[cst.FunctionDef] = []
     if insert_kv == "upgrade":
         assert old_insert_kv is not None
-        edits = _upgrade_edits(module, cls, old_insert_kv, n, indent)
+        upgraded = [old_insert_kv, *a.delegates(old_insert_kv, cls, a.module_functions(module))]
+    edits: list[tuple[cst.BaseStatement, str]] = []
+    for fn in upgraded:
+        for scatter in a.raw_scatters(fn):
+            edits += _scatter_edits(fn, scatter, n, indent)
     reads_scale = insert_kv in ("add", "replace") or p.scale_read or any(SCALE_READ in code for _, code in edits)
     scale_code = render(SCALE, n, indent) if reads_scale and not p.scale_set else ""
     if p.flag_set and scale_code:
@@ -716,32 +734,12 @@ def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: 
         ),
         old_insert_kv=old_insert_kv if insert_kv == "replace" else None,
         reshape_import=reshape_import,
-        scopes=(*found.outer, cls, method, init, *_edited_functions(cls, old_insert_kv, edits, module)),
+        scopes=(*found.outer, cls, method, init, *upgraded),
         edits=edits,
     )
 
 
-def _edited_functions(
-    cls: cst.ClassDef, insert_kv: cst.FunctionDef | None, edits: list[tuple[cst.BaseStatement, str]], module
-) -> list[cst.FunctionDef]:
-    if not edits or insert_kv is None:
-        return []
-    return [insert_kv, *a.delegates(insert_kv, cls, a.module_functions(module))]
-
-
 # --- the upgrade of an older `_insert_kv` ------------------------------------------------
-
-
-def _upgrade_edits(
-    module: cst.Module, cls: cst.ClassDef, insert_kv: cst.FunctionDef, newline: str, indent: str
-) -> list[tuple[cst.BaseStatement, str]]:
-    """Replace each raw index scatter (in `_insert_kv` or the function it hands its work to)
-    with the padding-safe write, and a per-call ``torch.ones`` scale with the buffer."""
-    edits: list[tuple[cst.BaseStatement, str]] = []
-    for fn in (insert_kv, *a.delegates(insert_kv, cls, a.module_functions(module))):
-        for scatter in a.raw_scatters(fn):
-            edits += _scatter_edits(fn, scatter, newline, indent)
-    return edits
 
 
 def _scatter_edits(
@@ -767,7 +765,8 @@ def _scatter_edits(
         view = a.simple_assignment(view_stmt)[1]  # type: ignore[index]
     if not (_is_method_call(view, "view") and len(view.args) == 2 and a.code(view.args[0].value) == "-1"):  # type: ignore[attr-defined]
         raise Unsupported(f"cannot upgrade `{shown}`: its cache is not `<index cache>.view(-1, <head dim>)`")
-    reshape = _reshape_in(fn)
+    calls = (n for n in a.walk_scope(fn.body) if isinstance(n, cst.Call))
+    reshape = next((c for c in calls if a.callee_name(c) == schema.RESHAPE_OP), None)
     if reshape is None:
         raise Unsupported(f"cannot upgrade `{shown}`: {fn.name.value} holds no `{schema.RESHAPE_OP}` call to follow")
     scale_arg = a.get_arg(reshape, schema.OpParam(6, "k_scale"))
@@ -818,13 +817,6 @@ def _single_assignment(fn: cst.FunctionDef, name: str, before: a.StatementSlot) 
     return None if reads else assigned[0]
 
 
-def _reshape_in(fn: cst.FunctionDef) -> cst.Call | None:
-    return next(
-        (n for n in a.walk_scope(fn.body) if isinstance(n, cst.Call) and a.callee_name(n) == schema.RESHAPE_OP),
-        None,
-    )
-
-
 def _ones_scale(fn: cst.FunctionDef, scale: cst.BaseExpression) -> a.StatementSlot | None:
     """``<scale> = torch.ones(...)``: a fill kernel on every call, where the buffer needs none."""
     if not isinstance(scale, cst.Name):
@@ -840,24 +832,6 @@ def _ones_scale(fn: cst.FunctionDef, scale: cst.BaseExpression) -> a.StatementSl
         ):
             return x
     return None
-
-
-def _no_other_insert_kv_callers(cls: cst.ClassDef, p: _Pieces) -> None:
-    """Only the post-call insert may call `_insert_kv`: the rewrite gives it the
-    slot-mapping signature, and a call elsewhere is a caller it would break or a
-    stale piece of a bypass whose guard is not in scope there."""
-    own = a.find_method(cls, schema.INSERT_KV)
-    inside_own = {id(n) for n in a.nodes_in(own)} if own is not None else set()
-
-    def other_caller(node: cst.CSTNode) -> bool:
-        return is_insert_kv_call(node) and node is not p.post_insert_call and id(node) not in inside_own
-
-    call = a.first_in(cls.body, other_caller)
-    if call is not None:
-        raise Unsupported(
-            f"`{' '.join(a.code(call).split())}` is called elsewhere than right after the insert call: "
-            "a caller the new `_insert_kv` signature would break, or a stale bypass piece"
-        )
 
 
 def _guard_name(p: Pieces, taken: set[str]) -> str:

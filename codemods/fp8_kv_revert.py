@@ -367,18 +367,9 @@ def _plan_insert_kv(
     (on a native call always: the kernel writes the cache, upstream has no ``_insert_kv``)."""
     cls, method, op = found.cls, found.method, found.op
     assert cls is not None and method is not None
-    post_calls = {id(n) for n in a.walk_all(post)} if post is not None else set()
-    for node in a.walk_all(cls.body):
-        if bp.is_insert_kv_call(node) and id(node) not in post_calls:
-            raise Unsupported("`_insert_kv` is also called outside the bypass: its signature must stay")
-    if native:
-        plan.removed_because = "a native call writes the cache itself"
-        plan.insert_kv = "remove"
-        plan.old_insert_kv = fn
-        plan.drop_imports = {schema.RESHAPE_OP}
-        plan.also_remove = _exclusive_delegates(module, cls, fn, plan.dead)
-        return
-
+    allowed = {id(n) for n in a.nodes_in(post)} if post is not None else set()
+    if bp.other_insert_kv_call(cls, allowed) is not None:
+        raise Unsupported("`_insert_kv` is also called outside the bypass: its signature must stay")
     imports = a.module_imports(module)
     metadata = [
         i
@@ -387,15 +378,19 @@ def _plan_insert_kv(
         and i.alias.asname is None
         and any(isinstance(s, cst.ImportFrom) for s in i.statement.body)
     ]
-    if not metadata:
+    if native or not metadata:
         # The attn_metadata form asserts on the metadata classes: with neither
         # imported there is nothing to restore it from (run added the method, or
         # dropped both imports as unused when it replaced the fork-era one).
-        plan.removed_because = "no attn_metadata class is imported, so no fork-era form to restore"
+        plan.removed_because = (
+            "a native call writes the cache itself"
+            if native
+            else "no attn_metadata class is imported, so no fork-era form to restore"
+        )
         plan.insert_kv = "remove"
         plan.old_insert_kv = fn
         plan.drop_imports = {schema.RESHAPE_OP}
-        plan.also_remove = _exclusive_delegates(module, cls, fn)
+        plan.also_remove = _exclusive_delegates(module, cls, fn, plan.dead if native else [])
         return
 
     if not any(i.bound == FORWARD_CONTEXT for i in imports):
