@@ -1181,9 +1181,6 @@ def _insert_kv(
 {I}idx_cache[index_meta.slot_mapping] = index_key.to(idx_cache.dtype)
 '''
 
-# Comment blocks that belong to the bypass: the rewrite's own, and those of the
-# seed write-up's diff (fixtures/patched). Comments are text, so they can only
-# be recognised as text; any other comment above a removed line is kept.
 def _indented(text: str, indent: str) -> str:
     return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
 
@@ -1227,14 +1224,10 @@ class Fp8KvBypass(cst.CSTTransformer):
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if original is not self.plan.op.call:
             return updated
-        wrap = {p.keyword for p in self.plan.wrap_args}
+        wrap = [self.plan.op.arg(p) for p in self.plan.wrap_args]
         new_args = []
         for orig_arg, arg in zip(original.args, updated.args, strict=True):
-            param = next(
-                (p for p in (schema.KV_CACHE, schema.INDEX_CACHE) if self.plan.op.arg(p) is orig_arg),
-                None,
-            )
-            if param is not None and param.keyword in wrap:
+            if any(orig_arg is w for w in wrap):
                 arg = arg.with_changes(
                     value=cst.IfExp(
                         test=cst.Name(self.plan.guard),
