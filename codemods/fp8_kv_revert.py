@@ -21,6 +21,7 @@ native call. Anything it cannot prove is refused, with the reason.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -29,9 +30,8 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 from codemods import anchors as a
 from codemods import fp8_kv_bypass as bp
 from codemods.fp8_kv_bypass import Unsupported
-from codemods.schema import Action, InsertSite
 from codemods import schema
-from codemods.schema import DTYPE_ATTR, SLOTS_FORMS
+from codemods.schema import DTYPE_ATTR, SLOTS_FORMS, Action, InsertSite
 
 
 # The metadata classes the attn_metadata ``_insert_kv`` asserts on.
@@ -65,13 +65,10 @@ def _template_comments(template: str) -> tuple[str, ...]:
     return tuple(_comment_text(line) for line in lines if line.startswith("#"))
 
 
-BYPASS_COMMENTS = tuple(
-    tuple(_comment_text(line) for line in block)
-    for block in (_template_comments(bp.FLAG), _template_comments(bp.GUARD), *SEED_COMMENTS)
-)
+BYPASS_COMMENTS = (_template_comments(bp.FLAG), _template_comments(bp.GUARD), *SEED_COMMENTS)
 
 
-def strip_bypass_comments(lines: list[cst.EmptyLine]) -> list[cst.EmptyLine]:
+def strip_bypass_comments(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]:
     """Leading lines without any run of comment lines that is a bypass comment block."""
     out = list(lines)
     for block in BYPASS_COMMENTS:
@@ -101,10 +98,10 @@ class RevertPlan:
     call_statement: cst.BaseStatement
     unwrap_args: list[cst.Arg]  # `X if G else None` -> `X`
     remove: list[cst.BaseStatement]  # flag, guard, post-call block
-    insert_kv: str  # keep | restore | remove
-    old_insert_kv: cst.FunctionDef | None
-    insert_kv_code: str
-    metadata_import: cst.ImportFrom | None  # gets back the metadata classes it lacks
+    insert_kv: str = "keep"  # keep | restore | remove
+    old_insert_kv: cst.FunctionDef | None = None
+    insert_kv_code: str = ""
+    metadata_import: cst.ImportFrom | None = None  # gets back the metadata classes it lacks
     add_imports: list[str] = field(default_factory=list)
     drop_imports: set[str] = field(default_factory=set)
     pieces: dict[str, bool] = field(default_factory=dict)
@@ -240,10 +237,6 @@ def _plan_site(module: cst.Module, found: bp.FoundCall, positions) -> RevertPlan
         call_statement=slot.statement,
         unwrap_args=unwrap,
         remove=remove,
-        insert_kv="keep",
-        old_insert_kv=None,
-        insert_kv_code="",
-        metadata_import=None,
         pieces=pieces.present(),
         dead=dead,
     )
@@ -465,9 +458,9 @@ def _exclusive_delegates(
     return [d for d in a.delegates(fn, cls, {}) if all(id(n) in inside for n in _uses(module, d.name.value, d))]
 
 
-def _uses(module: cst.Module, name: str, definition: cst.CSTNode | None = None) -> list[cst.CSTNode]:
-    """Where ``name`` is named: as a name, an attribute (``x.name``) or a string."""
-    own = {id(n) for n in a.nodes_in(definition)} if definition is not None else set()
+def _uses(module: cst.Module, name: str, definition: cst.CSTNode) -> list[cst.CSTNode]:
+    """Where ``name`` is named, outside ``definition``: as a name, an attribute (``x.name``) or a string."""
+    own = {id(n) for n in a.nodes_in(definition)}
     defined = {id(n.name) for n in a.nodes_in(module) if isinstance(n, (cst.FunctionDef, cst.ClassDef))}
     return [
         n
@@ -512,10 +505,6 @@ def _dead_module_code(module: cst.Module, removed: list[cst.CSTNode]) -> list[cs
 
 
 # --- the transformer -------------------------------------------------------------
-
-
-def _kept_comments(lines) -> list[cst.EmptyLine]:
-    return [line for line in strip_bypass_comments(list(lines)) if line.comment is not None]
 
 
 class Fp8KvRevert(cst.CSTTransformer):
@@ -567,10 +556,11 @@ class Fp8KvRevert(cst.CSTTransformer):
         carried: list[cst.EmptyLine] = []
         for orig, new in zip(original.body, updated.body, strict=True):
             if self._removed(orig):
-                carried += _kept_comments(new.leading_lines)
+                kept = strip_bypass_comments(new.leading_lines)
+                carried += [line for line in kept if line.comment is not None]
                 continue
             if orig is self.plan.call_statement:
-                new = new.with_changes(leading_lines=strip_bypass_comments(list(new.leading_lines)))
+                new = new.with_changes(leading_lines=strip_bypass_comments(new.leading_lines))
             if carried:
                 new = new.with_changes(leading_lines=[*carried, *new.leading_lines])
                 carried = []
@@ -612,9 +602,7 @@ def apply_revert(module: cst.Module, plan: RevertPlan) -> cst.Module:
     # Imports that only removed code used (the compiled path's registration helper, say).
     removed = [*plan.dead, *plan.also_remove] + ([plan.old_insert_kv] if plan.insert_kv == "remove" else [])
     candidates = plan.drop_imports | {n for node in removed if node is not None for n in a.names_read(node)}
-    if candidates:
-        new = bp.remove_unused_imports(new, candidates)
-    return new
+    return bp.remove_unused_imports(new, candidates)
 
 
 def revert(analysis: RevertAnalysis) -> cst.Module:
