@@ -656,14 +656,13 @@ def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: 
     init_attrs = a.self_assignments(init)
     w = widths(op, method, slot, init_attrs)
     flag_slot = _dtype_anchor(init, init_attrs)
-    dtype_attr = f"self.{DTYPE_ATTR}"
+    dtype_attr = f"self.{schema.DTYPE_ATTR}"
     if flag_slot is None:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
     namespace = op_namespace(op, imports)
     reshape_import = _bare_import(module, imports) if namespace is None else None
     reshape_call = schema.RESHAPE_OP if namespace is None else f"{namespace}.{schema.RESHAPE_OP}"
 
-    n, indent = module.default_newline, module.default_indent
     # The upgrade: the raw index scatters of `_insert_kv` and of what it hands its work to.
     upgraded: list[cst.FunctionDef] = []
     if insert_kv == "upgrade":
@@ -672,9 +671,9 @@ def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: 
     edits: list[tuple[cst.BaseStatement, str]] = []
     for fn in upgraded:
         for scatter in a.raw_scatters(fn):
-            edits += _scatter_edits(fn, scatter, n, indent)
+            edits += _scatter_edits(fn, scatter, module)
     reads_scale = insert_kv in ("add", "replace") or p.scale_read or any(SCALE_READ in code for _, code in edits)
-    scale_code = render(SCALE, n, indent) if reads_scale and not p.scale_set else ""
+    scale_code = render(SCALE, module) if reads_scale and not p.scale_set else ""
     if p.flag_set and scale_code:
         flag_slot = init_attrs[schema.FP8_FLAG][-1][0]  # the scale goes right after the existing flag
     local = {f"n_{k}": _fresh(k, taken) for k in ("kv", "k0", "ik0", "k", "v", "index_k")}
@@ -685,13 +684,12 @@ def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: 
         call_slot=slot,
         guard=guard,
         add_guard=p.guard_assigned is None,
-        guard_code=render(GUARD, n, indent, guard=guard),
+        guard_code=render(GUARD, module, guard=guard),
         wrap_args=wrap,
         add_post_insert=not p.post_insert,
         post_insert_code=render(
             POST_INSERT,
-            n,
-            indent,
+            module,
             guard=guard,
             qkv=qkv,
             kv_width=w.kv,
@@ -703,12 +701,11 @@ def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: 
             **local,
         ),
         flag_slot=flag_slot if (not p.flag_set or scale_code) else None,
-        flag_code=("" if p.flag_set else render(FLAG, n, indent, dtype=dtype_attr)) + scale_code,
+        flag_code=("" if p.flag_set else render(FLAG, module, dtype=dtype_attr)) + scale_code,
         insert_kv=insert_kv,
         insert_kv_code=render(
             INSERT_KV_METHOD,
-            n,
-            indent,
+            module,
             len(found.outer) + 1,
             kv_cache=caches[schema.KV_CACHE.keyword],
             num_kv_heads=w.num_kv_heads,
@@ -716,10 +713,8 @@ def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: 
             dtype=dtype_attr,
             reshape=reshape_call,
             index_write=_indented(
-                render(
-                    INDEX_WRITE,
-                    "\n",
-                    indent,
+                INDEX_WRITE.format(
+                    I=module.default_indent,
                     idx_key="idx_key",
                     idx_cache="idx_cache",
                     index_key="index_key",
@@ -729,7 +724,7 @@ def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: 
                     reshape=reshape_call,
                     scale="scale",
                 ),
-                indent,
+                module.default_indent,
             ),
         ),
         old_insert_kv=old_insert_kv if insert_kv == "replace" else None,
@@ -743,7 +738,7 @@ def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: 
 
 
 def _scatter_edits(
-    fn: cst.FunctionDef, scatter: a.StatementSlot, newline: str, indent: str
+    fn: cst.FunctionDef, scatter: a.StatementSlot, module: cst.Module
 ) -> list[tuple[cst.BaseStatement, str]]:
     """``idx = <cache>.view(-1, D)`` + ``idx[slots] = key[.to(...)]`` -> the padding-safe write,
     proven to write the same rows; ``Unsupported`` when any part is not that shape."""
@@ -775,8 +770,7 @@ def _scatter_edits(
     taken = a.bound_names(fn)
     write = render(
         INDEX_WRITE,
-        newline,
-        indent,
+        module,
         idx_key=_fresh("idx_key", taken),
         idx_cache=target.value.value if isinstance(target.value, cst.Name) else _fresh("idx_cache", taken),
         index_key=key.value,
@@ -789,7 +783,7 @@ def _scatter_edits(
     edits = [(view_stmt, write), (scatter.statement, "")] if view_stmt is not None else [(scatter.statement, write)]
     scale = _ones_scale(fn, scale_arg.value)
     if scale is not None and a.param_names(fn)[:1] == ["self"]:
-        edits.append((scale.statement, render(SCALE_LOCAL, newline, indent, scale=a.code(scale_arg.value))))
+        edits.append((scale.statement, render(SCALE_LOCAL, module, scale=a.code(scale_arg.value))))
     return edits
 
 
@@ -1185,11 +1179,11 @@ def _indented(text: str, indent: str) -> str:
     return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
 
 
-def render(template: str, newline: str, indent: str, depth: int = 1, **names: str) -> str:
-    """Fill a template; ``{I}`` is one indent step, ``{D}`` a docstring line of a
-    method in a class ``depth`` blocks deep (its text is not re-indented)."""
-    text = template.format(I=indent, D=indent * (depth + 1), **names)
-    return text.replace("\n", newline)
+def render(template: str, module: cst.Module, depth: int = 1, **names: str) -> str:
+    """Fill a template in the file's indent and newline; ``{I}`` is one indent step, ``{D}``
+    a docstring line of a method in a class ``depth`` blocks deep (its text is not re-indented)."""
+    text = template.format(I=module.default_indent, D=module.default_indent * (depth + 1), **names)
+    return text.replace("\n", module.default_newline)
 
 
 def parse_statements(text: str, module: cst.Module) -> list[cst.BaseStatement]:

@@ -413,8 +413,7 @@ def _plan_insert_kv(
     plan.also_remove = _exclusive_delegates(module, cls, fn)
     plan.insert_kv_code = bp.render(
         bp.INSERT_KV_METADATA,
-        module.default_newline,
-        module.default_indent,
+        module,
         len(found.outer) + 1,
         main_key=_metadata_key(method, op, schema.SLOT_MAPPING, slot),
         index_key=_metadata_key(method, op, schema.INDEX_SLOT_MAPPING, slot),
