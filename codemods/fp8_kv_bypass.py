@@ -37,32 +37,10 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
 from codemods import schema
+from codemods.schema import CHANGING, GUARD_NAME, Action, InsertSite, SiteState
 
 if TYPE_CHECKING:
     from codemods.fp8_kv_revert import RevertPlan
-
-# The states, the pieces and how a state is decided are in `schema`; this module
-# gathers what they are decided on, and plans and rewrites.
-from codemods.schema import (
-    AUTO_DTYPE,
-    CHANGING,
-    DTYPE_ATTR,
-    METADATA_ATTR,
-    CallFacts,
-    Pieces,
-    insert_kv_form,
-    is_flag_value,
-    is_guard_value,
-    is_scale_value,
-    note_guard_assignment,
-    one_candidate,
-    planned,
-    post_block_guard,
-    verdict,
-)
-from codemods.schema import GUARD_NAME, Action, InsertSite, SiteState
-from codemods.schema import expression as schema_expression
-
 
 
 class Unsupported(Exception):
@@ -108,20 +86,19 @@ def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalys
     mentions_flag = flag in source  # type: ignore[operator]
     functions = a.module_functions(module)
     classified = [classify(module, f, functions, mentions_flag) for f in found_calls]
-    strays = [_stray_site(node, stmt, source_map) for node, stmt in finder.strays()]
-    sites = one_candidate([site for site, _ in classified] + strays)
+    strays = [_stray_site(stmt, source_map) for _, stmt in finder.strays()]
+    sites = schema.one_candidate([site for site, _ in classified] + strays)
     plans = [plan for (_, plan), site in zip(classified, sites) if plan is not None and site.action in CHANGING]
     return FileAnalysis(module, sites, plans, source_map)
 
 
-def _stray_site(node: cst.CSTNode, stmt: cst.CSTNode | None, source_map: a.SourceMap | None) -> InsertSite:
+def _stray_site(stmt: cst.CSTNode | None, source_map: a.SourceMap | None) -> InsertSite:
     """The op named where its calls cannot be followed: the file cannot be called safe."""
-    span = source_map.span(stmt) if source_map is not None and stmt is not None else None
-    if stmt is not None:  # the statement itself (not the comments above it; a block's header line)
-        text = a.code(stmt.with_changes(leading_lines=[]))
-        shown = " ".join((text if isinstance(stmt, cst.SimpleStatementLine) else text.splitlines()[0]).split())
-    else:
-        shown = a.code(node)
+    assert stmt is not None  # a name sits in a statement, which the finder visits first
+    span = source_map.span(stmt) if source_map is not None else None
+    # the statement itself (not the comments above it; a block's header line)
+    text = a.code(stmt.with_changes(leading_lines=[]))
+    shown = " ".join((text if isinstance(stmt, cst.SimpleStatementLine) else text.splitlines()[0]).split())
     if len(shown) > 100:
         shown = shown[:97] + "..."
     reason = (
@@ -132,7 +109,7 @@ def _stray_site(node: cst.CSTNode, stmt: cst.CSTNode | None, source_map: a.Sourc
     return InsertSite(None, "<module>", span[0] if span else 0, SiteState.UNSUPPORTED, Action.REFUSE, reason)
 
 
-def call_facts(found: FoundCall) -> tuple[CallFacts, a.StatementSlot | None]:
+def call_facts(found: FoundCall) -> tuple[schema.CallFacts, a.StatementSlot | None]:
     """Where the call sits and what it passes; the statement slot of a call directly in a method."""
     call = found.call
     kv = found.op.arg(schema.KV_CACHE)
@@ -140,7 +117,7 @@ def call_facts(found: FoundCall) -> tuple[CallFacts, a.StatementSlot | None]:
     method = found.method if found.nested_in is None else None  # directly in a method
     slots = a.statement_slots(method) if method is not None else ()
     slot = next((s for s in slots if a.expression_call(s.statement) is call), None)
-    facts = CallFacts(
+    facts = schema.CallFacts(
         line=found.line,
         class_name=found.cls.name.value if found.cls else None,
         method=found.method.name.value if found.method else None,
@@ -152,7 +129,7 @@ def call_facts(found: FoundCall) -> tuple[CallFacts, a.StatementSlot | None]:
         dtype_is_auto=(
             dtype is not None
             and isinstance(dtype.value, cst.SimpleString)
-            and dtype.value.evaluated_value == AUTO_DTYPE
+            and dtype.value.evaluated_value == schema.AUTO_DTYPE
         ),
         in_block=slot is not None,
     )
@@ -173,7 +150,7 @@ def classify(
         found_pieces.append(collect_pieces(found.cls, found.method, found.op, slot, functions, mentions_flag))
         return found_pieces[-1]
 
-    decided = verdict(facts, collect)
+    decided = schema.verdict(facts, collect)
     plan: BypassPlan | RevertPlan | None = None
     failure = None
     try:
@@ -186,7 +163,7 @@ def classify(
             plan = _build_plan(module, found, slot, found_pieces[-1])
     except Unsupported as exc:
         failure = str(exc)
-    return planned(decided, failure), plan
+    return schema.planned(decided, failure), plan
 
 
 # --- finding the calls --------------------------------------------------------
@@ -360,7 +337,7 @@ def _holds(first: int, last: int, op_lines: list[int]) -> bool:
 
 
 @dataclass
-class _Pieces(Pieces):
+class _Pieces(schema.Pieces):
     """The pieces (``schema.Pieces``), with the LibCST nodes the plan still needs."""
 
     post_insert_call: cst.Call | None = None
@@ -388,10 +365,10 @@ def _insert_kv_form(
     if fn is None:
         return "absent"
     reads_metadata = any(
-        isinstance(n, cst.Attribute) and n.attr.value == METADATA_ATTR for n in a.nodes_in(fn.body)
+        isinstance(n, cst.Attribute) and n.attr.value == schema.METADATA_ATTR for n in a.nodes_in(fn.body)
     )
     scatter = any(a.raw_scatters(f) for f in (fn, *a.delegates(fn, cls, functions)))
-    return insert_kv_form(True, reads_metadata, len(a.param_names(fn)) - 1, scatter)
+    return schema.insert_kv_form(True, reads_metadata, len(a.param_names(fn)) - 1, scatter)
 
 
 def is_insert_kv_call(node: cst.CSTNode) -> bool:
@@ -422,11 +399,11 @@ def collect_pieces(
     assigned = a.self_assignments(init) if init is not None and mentions_flag else {}
     p.taken = _taken_names(cls, assigned)
     flag = assigned.get(schema.FP8_FLAG, [])
-    p.flag_set = len(flag) == 1 and matches(flag[0][1], is_flag_value)
+    p.flag_set = len(flag) == 1 and matches(flag[0][1], schema.is_flag_value)
     p.scale_set = schema.FP8_SCALE in assigned
     if mentions_flag:
         attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
-        # Once set, whether the flag is also read decides nothing (Pieces.any_bypass).
+        # Once set, whether the flag is also read decides nothing (schema.Pieces.any_bypass).
         p.flag_read = not p.flag_set and schema.FP8_FLAG in attrs
         p.scale_read = schema.FP8_SCALE in attrs
     conditions = [(arg, _guard_of(arg)) for arg in (op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE))]
@@ -437,7 +414,7 @@ def collect_pieces(
         for stmt in slot.before():
             pair = a.simple_assignment(stmt)
             if pair and isinstance(pair[0], cst.Name) and pair[0].value in guard_names:
-                note_guard_assignment(p, pair[0].value, matches(pair[1], is_guard_value))
+                schema.note_guard_assignment(p, pair[0].value, matches(pair[1], schema.is_guard_value))
     # A condition is the bypass's guard only if the bypass could have written it: the
     # name is assigned `not self._fp8_kv` in the call's block before the call (and bound
     # nowhere else but there and as a parameter), or it is the bypass's own name, read
@@ -475,18 +452,18 @@ def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Modu
 
 def matches(expr: cst.BaseExpression, test: Callable[[ast.expr], bool]) -> bool:
     """``test``, one of ``schema``'s recognisers, on the expression as Python's own tree."""
-    tree = schema_expression(a.code(expr))
+    tree = schema.expression(a.code(expr))
     return tree is not None and test(tree)
 
 
 def block_guard(block: cst.If) -> str | None:
     """What the ``if`` around the post-call insert tests (``schema.post_block_guard``)."""
-    test = schema_expression(a.code(block.test))
-    return post_block_guard(test) if test is not None else None
+    test = schema.expression(a.code(block.test))
+    return schema.post_block_guard(test) if test is not None else None
 
 
 # What the bypass sets its names to (anything else there is the file's own use of them).
-_OWN_VALUES = {schema.FP8_FLAG: is_flag_value, schema.FP8_SCALE: is_scale_value}
+_OWN_VALUES = {schema.FP8_FLAG: schema.is_flag_value, schema.FP8_SCALE: schema.is_scale_value}
 
 
 def _taken_names(cls: cst.ClassDef, init_attrs: _Assignments) -> list[str]:
@@ -828,7 +805,7 @@ def _ones_scale(fn: cst.FunctionDef, scale: cst.BaseExpression) -> a.StatementSl
     return None
 
 
-def _guard_name(p: Pieces, taken: set[str]) -> str:
+def _guard_name(p: schema.Pieces, taken: set[str]) -> str:
     """From guarded arguments, else an existing guard assignment, else a fresh name."""
     if len(set(p.guard_args)) > 1:
         raise Unsupported(f"cache arguments are guarded by different names: {sorted(set(p.guard_args))}")
@@ -1008,7 +985,7 @@ def _dtype_anchor(init: cst.FunctionDef, attrs: _Assignments) -> a.StatementSlot
     backends read; the indexer's own dtype is another attribute), after the last statement
     of __init__'s body that assigns it - and after the torch dtype made from it, if one
     follows (that statement, not one in a lambda or nested def)."""
-    defs = attrs.get(DTYPE_ATTR)
+    defs = attrs.get(schema.DTYPE_ATTR)
     if not defs:
         return None
     top = a.slot_chain(init, defs[-1][0])[0]
@@ -1024,7 +1001,7 @@ def _is_dtype_conversion(node: cst.CSTNode) -> bool:
         isinstance(node, cst.Call)
         and a.callee_name(node) == "kv_cache_dtype_str_to_dtype"
         and bool(node.args)
-        and a.self_attr(node.args[0].value) == DTYPE_ATTR
+        and a.self_attr(node.args[0].value) == schema.DTYPE_ATTR
     )
 
 
