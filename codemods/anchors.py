@@ -362,11 +362,8 @@ def bound_names(func: cst.FunctionDef) -> set[str]:
 
 
 def _all_params(params: cst.Parameters) -> list[cst.Param]:
-    out = list(params.posonly_params) + list(params.params) + list(params.kwonly_params)
-    for star in (params.star_arg, params.star_kwarg):
-        if isinstance(star, cst.Param):
-            out.append(star)
-    return out
+    stars = [star for star in (params.star_arg, params.star_kwarg) if isinstance(star, cst.Param)]
+    return [*params.posonly_params, *params.params, *params.kwonly_params, *stars]
 
 
 def param_names(func: cst.FunctionDef) -> list[str]:

@@ -1328,9 +1328,8 @@ def _silent_statements(
 
 def rewrite(analysis: FileAnalysis) -> cst.Module:
     module = analysis.module
-    plans = analysis.plans
-    assert len(plans) <= 1, "analyze() refuses files with several candidate sites"
-    for plan in plans:
+    assert len(analysis.plans) <= 1, "analyze() refuses files with several candidate sites"
+    for plan in analysis.plans:
         if isinstance(plan, BypassPlan):
             module = apply_plan(module, plan, analysis.source_map)
         else:
