@@ -49,6 +49,8 @@ class Unsupported(Exception):
 
 @dataclass
 class FileAnalysis:
+    """Each site with its action, and the plans of the changes (``revert``'s too: RevertPlans)."""
+
     module: cst.Module
     sites: list[InsertSite]
     plans: list[BypassPlan | RevertPlan]  # a RevertPlan strips a bypass from a native call
@@ -61,7 +63,7 @@ class FileAnalysis:
 
     @property
     def needs_rewrite(self) -> bool:
-        return any(s.action in CHANGING for s in self.sites)
+        return bool(self.plans)  # a site left to change always has its plan
 
     @property
     def refused(self) -> list[InsertSite]:
@@ -1328,7 +1330,7 @@ def _silent_statements(
 
 def rewrite(analysis: FileAnalysis) -> cst.Module:
     module = analysis.module
-    assert len(analysis.plans) <= 1, "analyze() refuses files with several candidate sites"
+    assert len(analysis.plans) <= 1, "the analyses refuse files with several sites to change"
     for plan in analysis.plans:
         if isinstance(plan, BypassPlan):
             module = apply_plan(module, plan, analysis.source_map)

@@ -110,21 +110,9 @@ class RevertPlan:
     dead: list[cst.BaseStatement] = field(default_factory=list)  # module code only the bypass used
 
 
-@dataclass
-class RevertAnalysis:
-    """Same shape as ``FileAnalysis``: sites with their action, and the plans."""
-
-    module: cst.Module
-    sites: list[InsertSite]
-    plans: list[RevertPlan]
-
-    @property
-    def needs_rewrite(self) -> bool:
-        return bool(self.plans)
-
-    @property
-    def refused(self) -> list[InsertSite]:
-        return [s for s in self.sites if s.action is Action.REFUSE]
+# revert's analysis is the rewrite's, holding RevertPlans; the rewrite applies them.
+RevertAnalysis = bp.FileAnalysis
+revert = bp.rewrite
 
 
 def analyze_revert(module: cst.Module) -> RevertAnalysis:
@@ -602,11 +590,3 @@ def apply_revert(module: cst.Module, plan: RevertPlan) -> cst.Module:
     removed = [*plan.dead, *plan.also_remove] + ([plan.old_insert_kv] if plan.insert_kv == "remove" else [])
     candidates = plan.drop_imports | {n for node in removed if node is not None for n in a.names_read(node)}
     return bp.remove_unused_imports(new, candidates)
-
-
-def revert(analysis: RevertAnalysis) -> cst.Module:
-    module = analysis.module
-    assert len(analysis.plans) <= 1, "analyze_revert() refuses files with several bypassed sites"
-    for plan in analysis.plans:
-        module = apply_revert(module, plan)
-    return module
