@@ -93,8 +93,6 @@ def strip_bypass_comments(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]
 class RevertPlan:
     """What comes out of one class, all found in and checked against the file."""
 
-    cls: cst.ClassDef
-    call: cst.Call
     call_statement: cst.BaseStatement
     unwrap_args: list[cst.Arg]  # `X if G else None` -> `X`
     remove: list[cst.BaseStatement]  # flag, guard, post-call block
@@ -165,7 +163,6 @@ def _revert_reason(plan: RevertPlan) -> str:
 def _plan_site(module: cst.Module, found: bp.FoundCall, positions) -> RevertPlan | None:
     """None when there is no bypass around this call; ``Unsupported`` when one cannot be proven."""
     cls, method, op = found.cls, found.method, found.op
-    call = op.call
     facts, slot = bp.call_facts(found)
     if cls is None or method is None or facts.star_args or not facts.has_cache:
         return None  # not a site the bypass is written around (schema.verdict)
@@ -209,7 +206,7 @@ def _plan_site(module: cst.Module, found: bp.FoundCall, positions) -> RevertPlan
 
     # `X if G else None` cache arguments, and any other argument the guard
     # decides (a merge's `self.kv_cache.size(2) if G else 0` block size).
-    unwrap = [arg for arg in call.args if _guarded_by(arg, guards)]
+    unwrap = [arg for arg in op.call.args if _guarded_by(arg, guards)]
 
     _check_nothing_left(cls, method, remove, unwrap, guards, positions)
     dead = _dead_module_code(module, remove)
@@ -218,10 +215,7 @@ def _plan_site(module: cst.Module, found: bp.FoundCall, positions) -> RevertPlan
         if any(s.index == 0 and all(id(x) in removed for x in s.block.body) for s in a.statement_slots(fn)):
             raise Unsupported("removing the bypass would leave an empty block")
 
-    insert_kv_fn = a.find_method(cls, schema.INSERT_KV)
     plan = RevertPlan(
-        cls=cls,
-        call=call,
         call_statement=slot.statement,
         unwrap_args=unwrap,
         remove=remove,
@@ -229,8 +223,7 @@ def _plan_site(module: cst.Module, found: bp.FoundCall, positions) -> RevertPlan
         dead=dead,
     )
     if pieces.insert_kv in SLOTS_FORMS:
-        assert insert_kv_fn is not None
-        _plan_insert_kv(module, found, slot, insert_kv_fn, post, plan, native=op.arg(schema.KV_CACHE_DTYPE) is not None)
+        _plan_insert_kv(module, found, slot, post, plan, native=op.arg(schema.KV_CACHE_DTYPE) is not None)
     elif pieces.insert_kv == "other" and post is not None:
         raise Unsupported(
             "`_insert_kv` is neither the attn_metadata form nor the slot-mapping one: cannot restore it"
@@ -339,15 +332,16 @@ def _plan_insert_kv(
     module: cst.Module,
     found: bp.FoundCall,
     slot: a.StatementSlot,
-    fn: cst.FunctionDef,
     post: cst.If | None,
     plan: RevertPlan,
-    native: bool = False,
+    native: bool,
 ) -> None:
     """Restore the attn_metadata ``_insert_kv``, or remove the one the rewrite added
     (on a native call always: the kernel writes the cache, upstream has no ``_insert_kv``)."""
     cls, method, op = found.cls, found.method, found.op
     assert cls is not None and method is not None
+    fn = plan.old_insert_kv = a.find_method(cls, schema.INSERT_KV)
+    assert fn is not None
     allowed = {id(n) for n in a.nodes_in(post)} if post is not None else set()
     if bp.other_insert_kv_call(cls, allowed) is not None:
         raise Unsupported("`_insert_kv` is also called outside the bypass: its signature must stay")
@@ -369,7 +363,6 @@ def _plan_insert_kv(
             else "no attn_metadata class is imported, so no fork-era form to restore"
         )
         plan.insert_kv = "remove"
-        plan.old_insert_kv = fn
         plan.drop_imports = {schema.RESHAPE_OP}
         plan.also_remove = _exclusive_delegates(module, cls, fn, plan.dead if native else [])
         return
@@ -382,7 +375,6 @@ def _plan_insert_kv(
     caches, _ = bp.cache_args(op, method, slot)
     init_attrs = a.self_assignments(init)
     w = bp.widths(op, method, slot, init_attrs)
-    dtype_attr = f"self.{DTYPE_ATTR}"
     if DTYPE_ATTR not in init_attrs:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
     namespace = bp.op_namespace(op, imports)
@@ -397,7 +389,6 @@ def _plan_insert_kv(
     bound = {i.bound for i in imports}
     plan.add_imports = [n for n in (INDEX_METADATA, MAIN_METADATA) if n not in bound]
     plan.insert_kv = "restore"
-    plan.old_insert_kv = fn
     plan.also_remove = _exclusive_delegates(module, cls, fn)
     plan.insert_kv_code = bp.render(
         bp.INSERT_KV_METADATA,
@@ -412,7 +403,7 @@ def _plan_insert_kv(
         num_kv_heads=w.num_kv_heads,
         head_dim=w.head_dim,
         idx_head_dim=w.idx_head_dim,
-        dtype=dtype_attr,
+        dtype=f"self.{DTYPE_ATTR}",
         reshape=reshape,
     )
 
