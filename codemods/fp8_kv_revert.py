@@ -315,15 +315,11 @@ def _check_nothing_left(
     gone: list[cst.CSTNode] = [*remove, *(arg.value.test for arg in unwrap)]  # type: ignore[attr-defined]
     removed_nodes = {id(n) for root in gone for n in a.walk_all(root)}
     for node in a.walk_all(cls.body):
-        if id(node) in removed_nodes:
-            continue
-        if a.self_attr(node) == schema.FP8_FLAG:
+        if id(node) not in removed_nodes and a.self_attr(node) == schema.FP8_FLAG:
             line = positions[node].start.line if node in positions else "?"
             raise Unsupported(f"`self._fp8_kv` is also used at line {line}, outside the bypass")
     for node in a.walk_scope(method.body):
-        if id(node) in removed_nodes:
-            continue
-        if isinstance(node, cst.Name) and node.value in guards:
+        if id(node) not in removed_nodes and isinstance(node, cst.Name) and node.value in guards:
             line = positions[node].start.line if node in positions else "?"
             raise Unsupported(f"the guard `{node.value}` is also used at line {line}, outside the bypass")
 
