@@ -34,11 +34,6 @@ def callee_name(call: cst.Call) -> str | None:
     return None
 
 
-def callee_node(call: cst.Call) -> cst.CSTNode:
-    """The node that names the callee: ``f`` of ``f(…)``, ``f`` of ``a.b.f(…)``."""
-    return call.func.attr if isinstance(call.func, cst.Attribute) else call.func
-
-
 @dataclass(frozen=True)
 class Wrapper:
     """A module-level function that hands its parameters unchanged to the op (or to
@@ -85,12 +80,9 @@ def _as_wrapper(fn: cst.FunctionDef, known: dict[str, Wrapper]) -> Wrapper | Non
         if not isinstance(node, cst.Call):
             continue
         name = callee_name(node)
-        if name == schema.FUSED_OP:
-            inner = None
-        elif name in known:
-            inner = known[name]
-        else:
+        if name != schema.FUSED_OP and name not in known:
             continue
+        inner = None if name == schema.FUSED_OP else known[name]
         if has_star_args(node):
             return None
         mapping: dict[int, schema.OpParam] = {}

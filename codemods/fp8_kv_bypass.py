@@ -232,12 +232,9 @@ class CallFinder(cst.CSTVisitor):
 
     def visit_Call(self, node: cst.Call) -> None:
         name = a.callee_name(node)
-        if name == schema.FUSED_OP:
-            op = a.OpCall(node)
-        elif name in self.wrappers:
-            op = a.OpCall(node, self.wrappers[name])
-        else:
+        if name != schema.FUSED_OP and name not in self.wrappers:
             return
+        op = a.OpCall(node, None if name == schema.FUSED_OP else self.wrappers[name])
         line = 0  # numbered once every call is found (find_calls)
         classes = [i for i, n in enumerate(self.stack) if isinstance(n, cst.ClassDef)]
         if not classes:
@@ -268,7 +265,8 @@ class CallFinder(cst.CSTVisitor):
 
     def strays(self) -> list[tuple[cst.CSTNode, cst.CSTNode | None]]:
         """Where the op is named but not called by that name (nor imported plainly)."""
-        callees = {id(a.callee_node(f.call)) for f in self.found if f.op.wrapper is None}
+        calls = [f.call for f in self.found if f.op.wrapper is None]
+        callees = {id(c.func.attr if isinstance(c.func, cst.Attribute) else c.func) for c in calls}
         return [(node, stmt) for node, stmt in self.named if id(node) not in callees]
 
 
