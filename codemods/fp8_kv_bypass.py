@@ -74,11 +74,8 @@ class FileAnalysis:
 
 
 def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalysis:
-    """Classify every call of the fused op in ``module`` (and plan what needs work).
-
-    ``source`` is the text ``module`` was parsed from, if the caller has it at
-    hand (else it is generated again).
-    """
+    """Classify every call of the fused op in ``module`` (and plan what needs work);
+    ``source``: the text it was parsed from, where the caller has it (else generated again)."""
     if source is None:
         source = module.code
     source_map = a.SourceMap.of(module, source)
@@ -1240,8 +1237,7 @@ class Fp8KvBypass(cst.CSTTransformer):
             i = plan.call_slot.index
             after = parse_statements(plan.post_insert_code, self.module) if plan.add_post_insert else []
             before = parse_statements(plan.guard_code, self.module) if plan.add_guard else []
-            body[i + 1 : i + 1] = after
-            body[i:i] = before
+            body[i : i + 1] = [*before, body[i], *after]
         if plan.flag_slot is not None and original is plan.flag_slot.block:
             i = plan.flag_slot.index
             body[i + 1 : i + 1] = parse_statements(plan.flag_code, self.module)
