@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import libcst as cst
 
 from codemods import schema
-from codemods.schema import bind_arg
 
 # Plain isinstance tests rather than libcst.matchers: importing the matchers
 # costs more than parsing an 80 KB model file (``python -X importtime``).
@@ -116,7 +115,7 @@ def get_arg(call: cst.Call, param: schema.OpParam) -> cst.Arg | None:
     """The argument bound to ``param``, positional or keyword."""
     positional = [a for a in call.args if a.keyword is None and not a.star]
     keywords = [(a.keyword.value, a) for a in call.args if a.keyword is not None]
-    return bind_arg(param, positional, keywords)
+    return schema.bind_arg(param, positional, keywords)
 
 
 def is_none(node: cst.BaseExpression | None) -> bool:
