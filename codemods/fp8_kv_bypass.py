@@ -1258,20 +1258,14 @@ class Fp8KvBypass(cst.CSTTransformer):
         body: list[cst.BaseStatement] = []
         carried: list[cst.EmptyLine] = []
         for orig, new in zip(original.body, updated.body, strict=True):
-            if id(orig) not in edits:
-                if carried:
-                    new = new.with_changes(leading_lines=[*carried, *new.leading_lines])
-                    carried = []
-                body.append(new)
-                continue
-            kept = [*carried, *(line for line in new.leading_lines if not _replaced_comment(line))]
-            replacement = parse_statements(edits[id(orig)], self.module)
-            if not replacement:
-                carried = kept
-                continue
-            first = replacement[0]
-            replacement[0] = first.with_changes(leading_lines=[*kept, *first.leading_lines])
-            carried = []
+            replacement = [new]
+            if id(orig) in edits:
+                carried += [line for line in new.leading_lines if not _replaced_comment(line)]
+                replacement = parse_statements(edits[id(orig)], self.module)
+            if replacement and carried:
+                first = replacement[0]
+                replacement[0] = first.with_changes(leading_lines=[*carried, *first.leading_lines])
+                carried = []
             body += replacement
         return body, carried
 

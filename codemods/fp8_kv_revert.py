@@ -539,8 +539,7 @@ class Fp8KvRevert(cst.CSTTransformer):
                 new = new.with_changes(leading_lines=[*carried, *new.leading_lines])
                 carried = []
             body.append(new)
-        footer = [*carried, *updated.footer] if carried else updated.footer
-        return updated.with_changes(body=body, footer=footer)
+        return updated.with_changes(body=body, footer=[*carried, *updated.footer])
 
 
 def add_import_alias(imp: cst.ImportFrom, name: str) -> cst.ImportFrom:
