@@ -365,15 +365,11 @@ def _insert_kv_form(
         isinstance(n, cst.Attribute) and n.attr.value == schema.METADATA_ATTR for n in a.nodes_in(fn.body)
     )
     scatter = any(a.raw_scatters(f) for f in (fn, *a.delegates(fn, cls, functions)))
-    return schema.insert_kv_form(True, reads_metadata, len(a.param_names(fn)) - 1, scatter)
+    return schema.insert_kv_form(reads_metadata, len(a.param_names(fn)) - 1, scatter)
 
 
 def is_insert_kv_call(node: cst.CSTNode) -> bool:
-    return (
-        isinstance(node, cst.Call)
-        and isinstance(node.func, cst.Attribute)
-        and a.self_attr(node.func) == schema.INSERT_KV
-    )
+    return isinstance(node, cst.Call) and a.self_attr(node.func) == schema.INSERT_KV
 
 
 def other_insert_kv_call(cls: cst.ClassDef, allowed: set[int]) -> cst.CSTNode | None:

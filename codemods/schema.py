@@ -307,14 +307,12 @@ PADDING_BUG = (
 )
 
 
-def insert_kv_form(exists: bool, reads_metadata: bool, params_after_self: int, raw_scatter: bool) -> str:
-    """Which `_insert_kv` the class has: absent, the fork-era one, the bypass one
-    (current or with the raw scatter), or other.
+def insert_kv_form(reads_metadata: bool, params_after_self: int, raw_scatter: bool) -> str:
+    """Which `_insert_kv` the class has (``fp8_kv_bypass`` says when it has none, "absent"):
+    the fork-era one, the bypass one (current or with the raw scatter), or other.
 
     ``raw_scatter``: it (or a function it hands its arguments to) assigns through
     a subscript indexed by one of its parameters (``cache[slots] = ...``)."""
-    if not exists:
-        return "absent"
     if reads_metadata and params_after_self == INSERT_KV_METADATA_PARAMS:
         return "metadata"
     if not reads_metadata and params_after_self == INSERT_KV_SLOTS_PARAMS:
