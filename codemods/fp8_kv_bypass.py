@@ -342,10 +342,9 @@ class _Pieces(schema.Pieces):
 
 def _guard_of(arg: cst.Arg | None) -> str | None:
     """``X if G else None`` -> ``"G"``."""
-    if arg is not None and isinstance(arg.value, cst.IfExp):
-        ifexp = arg.value
-        if isinstance(ifexp.test, cst.Name) and a.is_none(ifexp.orelse):
-            return ifexp.test.value
+    value = arg.value if arg is not None else None
+    if isinstance(value, cst.IfExp) and isinstance(value.test, cst.Name) and a.is_none(value.orelse):
+        return value.test.value
     return None
 
 
@@ -576,8 +575,7 @@ def op_namespace(op: a.OpCall, imports: list[a.ImportedName]) -> str | None:
     ``vllm._custom_ops``, else ``Unsupported``."""
     func = op.call.func
     if op.wrapper is None and isinstance(func, cst.Attribute):
-        owner = a.code(func.value).replace(" ", "")
-        if owner == "torch.ops._C":
+        if a.code(func.value).replace(" ", "") == "torch.ops._C":
             return "torch.ops._C_cache_ops"
     elif op.wrapper is None and isinstance(func, cst.Name):
         return None

@@ -5,7 +5,7 @@ and the rules, in the order they apply: ``verdict`` (the state from what was
 found at the call), ``planned`` (a change whose plan cannot be proven safe is
 refused), ``one_candidate`` (a change is planned for one insert site only) and,
 for ``revert``, ``reverted`` and ``one_revert``. The LibCST analysis
-(``sites``) gathers the facts; the pre-filter (``prefilter``) gathers them for
+(``fp8_kv_bypass``) gathers the facts; the pre-filter (``prefilter``) gathers them for
 native files with ``ast``. This module imports nothing heavy: ``check`` on a
 native file must not pay for importing LibCST.
 """
