@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 import libcst as cst
 
 from codemods import schema
-from codemods.schema import bind_arg
 
 # Plain isinstance tests rather than libcst.matchers: importing the matchers
 # costs more than parsing an 80 KB model file (``python -X importtime``).
@@ -31,11 +31,6 @@ def callee_name(call: cst.Call) -> str | None:
     if isinstance(func, cst.Attribute):
         return func.attr.value
     return None
-
-
-def callee_node(call: cst.Call) -> cst.CSTNode:
-    """The node that names the callee: ``f`` of ``f(…)``, ``f`` of ``a.b.f(…)``."""
-    return call.func.attr if isinstance(call.func, cst.Attribute) else call.func
 
 
 @dataclass(frozen=True)
@@ -84,12 +79,9 @@ def _as_wrapper(fn: cst.FunctionDef, known: dict[str, Wrapper]) -> Wrapper | Non
         if not isinstance(node, cst.Call):
             continue
         name = callee_name(node)
-        if name == schema.FUSED_OP:
-            inner = None
-        elif name in known:
-            inner = known[name]
-        else:
+        if name != schema.FUSED_OP and name not in known:
             continue
+        inner = None if name == schema.FUSED_OP else known[name]
         if has_star_args(node):
             return None
         mapping: dict[int, schema.OpParam] = {}
@@ -123,7 +115,7 @@ def get_arg(call: cst.Call, param: schema.OpParam) -> cst.Arg | None:
     """The argument bound to ``param``, positional or keyword."""
     positional = [a for a in call.args if a.keyword is None and not a.star]
     keywords = [(a.keyword.value, a) for a in call.args if a.keyword is not None]
-    return bind_arg(param, positional, keywords)
+    return schema.bind_arg(param, positional, keywords)
 
 
 def is_none(node: cst.BaseExpression | None) -> bool:
@@ -183,12 +175,6 @@ def find_method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
     return found[-1] if found else None
 
 
-def _walk(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
-    yield node
-    for child in node.children:
-        yield from _walk(child)
-
-
 def walk_scope(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
     """Nodes of one function body, not descending into nested defs/lambdas/classes."""
     for child in node.children:
@@ -199,7 +185,9 @@ def walk_scope(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
 
 def walk_all(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
     """``node`` and every node below it, in source order (pre-order)."""
-    return _walk(node)
+    yield node
+    for child in node.children:
+        yield from walk_all(child)
 
 
 # `node.children` visits the node again to list them; reading the dataclass
@@ -287,17 +275,28 @@ class StatementSlot:
 
 def statement_slots(func: cst.FunctionDef) -> Iterator[StatementSlot]:
     """Every statement of a function body, in nested blocks too (not nested defs)."""
+    return (chain[-1] for chain in _slot_chains(func))
 
-    def visit(block: cst.IndentedBlock) -> Iterator[StatementSlot]:
+
+def slot_chain(func: cst.FunctionDef, target: StatementSlot) -> list[StatementSlot]:
+    """The statements of ``func`` that hold ``target``, outermost first, ending with it."""
+    chains = (c for c in _slot_chains(func) if c[-1].block is target.block and c[-1].index == target.index)
+    return next(chains, [])
+
+
+def _slot_chains(func: cst.FunctionDef) -> Iterator[list[StatementSlot]]:
+    """Each statement's slot, after the slots of the statements that hold it."""
+
+    def visit(block: cst.IndentedBlock, chain: list[StatementSlot]) -> Iterator[list[StatementSlot]]:
         for i, stmt in enumerate(block.body):
-            yield StatementSlot(block, i)
-            if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
-                continue
-            for sub in _sub_blocks(stmt):
-                yield from visit(sub)
+            here = [*chain, StatementSlot(block, i)]
+            yield here
+            if not isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+                for sub in _sub_blocks(stmt):
+                    yield from visit(sub, here)
 
     if isinstance(func.body, cst.IndentedBlock):
-        yield from visit(func.body)
+        yield from visit(func.body, [])
 
 
 def _sub_blocks(stmt: cst.CSTNode) -> Iterator[cst.IndentedBlock]:
@@ -349,19 +348,13 @@ def self_assignments(func: cst.FunctionDef) -> dict[str, list[tuple[StatementSlo
 
 def bound_names(func: cst.FunctionDef) -> set[str]:
     """Every name a function binds or reads (parameters, locals, free names)."""
-    names = {p.name.value for p in _all_params(func.params)}
-    for node in nodes_in(func.body, scope_only=True):
-        if isinstance(node, cst.Name):
-            names.add(node.value)
-    return names
+    names = {n.value for n in nodes_in(func.body, scope_only=True) if isinstance(n, cst.Name)}
+    return names | set(param_names(func))
 
 
 def _all_params(params: cst.Parameters) -> list[cst.Param]:
-    out = list(params.posonly_params) + list(params.params) + list(params.kwonly_params)
-    for star in (params.star_arg, params.star_kwarg):
-        if isinstance(star, cst.Param):
-            out.append(star)
-    return out
+    stars = [star for star in (params.star_arg, params.star_kwarg) if isinstance(star, cst.Param)]
+    return [*params.posonly_params, *params.params, *params.kwonly_params, *stars]
 
 
 def param_names(func: cst.FunctionDef) -> list[str]:
@@ -429,25 +422,6 @@ def scope_bindings(body: cst.CSTNode) -> dict[str, list[cst.CSTNode]]:
         for name in _bound_by(node):
             found.setdefault(name, []).append(node)
     return found
-
-
-def slot_chain(func: cst.FunctionDef, target: StatementSlot) -> list[StatementSlot]:
-    """The statements of ``func`` that hold ``target``, outermost first, ending with it."""
-
-    def visit(block: cst.IndentedBlock, chain: list[StatementSlot]) -> list[StatementSlot] | None:
-        for i, stmt in enumerate(block.body):
-            here = [*chain, StatementSlot(block, i)]
-            if block is target.block and i == target.index:
-                return here
-            if not isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
-                for sub in _sub_blocks(stmt):
-                    found = visit(sub, here)
-                    if found is not None:
-                        return found
-        return None
-
-    found = visit(func.body, []) if isinstance(func.body, cst.IndentedBlock) else None
-    return found or []
 
 
 def local_value(func: cst.FunctionDef, name: str, before: StatementSlot) -> cst.BaseExpression | None:
@@ -534,12 +508,6 @@ def raw_scatters(fn: cst.FunctionDef) -> list[StatementSlot]:
         if isinstance(index, cst.Index) and isinstance(index.value, cst.Name) and index.value.value in params:
             found.append(slot)
     return found
-
-
-def product_of(value: cst.BaseExpression) -> tuple[cst.BaseExpression, cst.BaseExpression] | None:
-    if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Multiply):
-        return value.left, value.right
-    return None
 
 
 # --- where statements lie in the text ------------------------------------------
@@ -741,21 +709,11 @@ def name_uses(module: cst.Module, skip: Sequence[cst.CSTNode] = ()) -> dict[str,
 
         def visit_SimpleString(self, node: cst.SimpleString) -> None:
             # String annotations and __all__ entries: any identifier-like word.
-            for word in _identifiers(node.value):
+            for word in re.findall(r"\w+", node.value):
                 counts[word] = counts.get(word, 0) + 1
 
     module.visit(Counter())
     return counts
-
-
-def _identifiers(text: str) -> Iterator[str]:
-    word = []
-    for ch in text + " ":
-        if ch.isalnum() or ch == "_":
-            word.append(ch)
-        elif word:
-            yield "".join(word)
-            word = []
 
 
 def names_read(node: cst.CSTNode) -> set[str]:

@@ -28,7 +28,7 @@ How: ``Fp8KvBypass``, the transformer that applies one plan.
 from __future__ import annotations
 
 import ast
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,33 +37,10 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
 from codemods import schema
+from codemods.schema import CHANGING, GUARD_NAME, Action, InsertSite, SiteState
 
 if TYPE_CHECKING:
     from codemods.fp8_kv_revert import RevertPlan
-
-# The states, the pieces and how a state is decided are in `schema`; this module
-# gathers what they are decided on, and plans and rewrites.
-from codemods.schema import (
-    AUTO_DTYPE,
-    CHANGING,
-    DTYPE_ATTR,
-    METADATA_ATTR,
-    CallFacts,
-    Pieces,
-    Verdict,
-    insert_kv_form,
-    is_flag_value,
-    is_guard_value,
-    is_scale_value,
-    note_guard_assignment,
-    one_candidate,
-    planned,
-    post_block_guard,
-    verdict,
-)
-from codemods.schema import GUARD_NAME, Action, InsertSite, SiteState
-from codemods.schema import expression as schema_expression
-
 
 
 class Unsupported(Exception):
@@ -72,6 +49,8 @@ class Unsupported(Exception):
 
 @dataclass
 class FileAnalysis:
+    """Each site with its action, and the plans of the changes (``revert``'s too: RevertPlans)."""
+
     module: cst.Module
     sites: list[InsertSite]
     plans: list[BypassPlan | RevertPlan]  # a RevertPlan strips a bypass from a native call
@@ -84,7 +63,7 @@ class FileAnalysis:
 
     @property
     def needs_rewrite(self) -> bool:
-        return any(s.action in CHANGING for s in self.sites)
+        return bool(self.plans)  # a site left to change always has its plan
 
     @property
     def refused(self) -> list[InsertSite]:
@@ -95,11 +74,8 @@ class FileAnalysis:
 
 
 def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalysis:
-    """Classify every call of the fused op in ``module`` (and plan what needs work).
-
-    ``source`` is the text ``module`` was parsed from, if the caller has it at
-    hand (else it is generated again).
-    """
+    """Classify every call of the fused op in ``module`` (and plan what needs work);
+    ``source``: the text it was parsed from, where the caller has it (else generated again)."""
     if source is None:
         source = module.code
     source_map = a.SourceMap.of(module, source)
@@ -109,20 +85,19 @@ def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalys
     mentions_flag = flag in source  # type: ignore[operator]
     functions = a.module_functions(module)
     classified = [classify(module, f, functions, mentions_flag) for f in found_calls]
-    strays = [_stray_site(node, stmt, source_map) for node, stmt in finder.strays()]
-    sites = one_candidate([site for site, _ in classified] + strays)
+    strays = [_stray_site(stmt, source_map) for _, stmt in finder.strays()]
+    sites = schema.one_candidate([site for site, _ in classified] + strays)
     plans = [plan for (_, plan), site in zip(classified, sites) if plan is not None and site.action in CHANGING]
     return FileAnalysis(module, sites, plans, source_map)
 
 
-def _stray_site(node: cst.CSTNode, stmt: cst.CSTNode | None, source_map: a.SourceMap | None) -> InsertSite:
+def _stray_site(stmt: cst.CSTNode | None, source_map: a.SourceMap | None) -> InsertSite:
     """The op named where its calls cannot be followed: the file cannot be called safe."""
-    span = source_map.span(stmt) if source_map is not None and stmt is not None else None
-    if stmt is not None:  # the statement itself (not the comments above it; a block's header line)
-        text = a.code(stmt.with_changes(leading_lines=[]))
-        shown = " ".join((text if isinstance(stmt, cst.SimpleStatementLine) else text.splitlines()[0]).split())
-    else:
-        shown = a.code(node)
+    assert stmt is not None  # a name sits in a statement, which the finder visits first
+    span = source_map.span(stmt) if source_map is not None else None
+    # the statement itself (not the comments above it; a block's header line)
+    text = a.code(stmt.with_changes(leading_lines=[]))
+    shown = " ".join((text if isinstance(stmt, cst.SimpleStatementLine) else text.splitlines()[0]).split())
     if len(shown) > 100:
         shown = shown[:97] + "..."
     reason = (
@@ -133,14 +108,15 @@ def _stray_site(node: cst.CSTNode, stmt: cst.CSTNode | None, source_map: a.Sourc
     return InsertSite(None, "<module>", span[0] if span else 0, SiteState.UNSUPPORTED, Action.REFUSE, reason)
 
 
-def call_facts(found: FoundCall) -> tuple[CallFacts, a.StatementSlot | None]:
+def call_facts(found: FoundCall) -> tuple[schema.CallFacts, a.StatementSlot | None]:
     """Where the call sits and what it passes; the statement slot of a call directly in a method."""
     call = found.call
     kv = found.op.arg(schema.KV_CACHE)
     dtype = found.op.arg(schema.KV_CACHE_DTYPE)
     method = found.method if found.nested_in is None else None  # directly in a method
-    slot = find_call_slot(method, call) if method is not None else None
-    facts = CallFacts(
+    slots = a.statement_slots(method) if method is not None else ()
+    slot = next((s for s in slots if a.expression_call(s.statement) is call), None)
+    facts = schema.CallFacts(
         line=found.line,
         class_name=found.cls.name.value if found.cls else None,
         method=found.method.name.value if found.method else None,
@@ -152,7 +128,7 @@ def call_facts(found: FoundCall) -> tuple[CallFacts, a.StatementSlot | None]:
         dtype_is_auto=(
             dtype is not None
             and isinstance(dtype.value, cst.SimpleString)
-            and dtype.value.evaluated_value == AUTO_DTYPE
+            and dtype.value.evaluated_value == schema.AUTO_DTYPE
         ),
         in_block=slot is not None,
     )
@@ -162,7 +138,7 @@ def call_facts(found: FoundCall) -> tuple[CallFacts, a.StatementSlot | None]:
 def classify(
     module: cst.Module,
     found: FoundCall,
-    functions: dict[str, cst.FunctionDef] | None = None,
+    functions: dict[str, cst.FunctionDef],
     mentions_flag: bool = True,
 ) -> tuple[InsertSite, BypassPlan | RevertPlan | None]:
     facts, slot = call_facts(found)
@@ -170,11 +146,10 @@ def classify(
 
     def collect() -> _Pieces:
         assert found.cls is not None and found.method is not None
-        fns = a.module_functions(module) if functions is None else functions
-        found_pieces.append(collect_pieces(found.cls, found.method, found.op, slot, fns, mentions_flag))
+        found_pieces.append(collect_pieces(found.cls, found.method, found.op, slot, functions, mentions_flag))
         return found_pieces[-1]
 
-    decided = verdict(facts, collect)
+    decided = schema.verdict(facts, collect)
     plan: BypassPlan | RevertPlan | None = None
     failure = None
     try:
@@ -187,7 +162,7 @@ def classify(
             plan = _build_plan(module, found, slot, found_pieces[-1])
     except Unsupported as exc:
         failure = str(exc)
-    return planned(decided, facts.line, failure).site(facts), plan
+    return schema.planned(decided, failure), plan
 
 
 # --- finding the calls --------------------------------------------------------
@@ -201,8 +176,7 @@ class FoundCall:
     method: cst.FunctionDef | None
     nested_in: str | None  # name of a def/lambda between the method and the call
     module_function: str | None
-    class_depth: int = 0  # how many defs/classes enclose the class
-    outer: tuple[cst.CSTNode, ...] = ()  # those defs/classes
+    outer: tuple[cst.CSTNode, ...] = ()  # the defs/classes that enclose the class
 
     @property
     def call(self) -> cst.Call:
@@ -255,12 +229,9 @@ class CallFinder(cst.CSTVisitor):
 
     def visit_Call(self, node: cst.Call) -> None:
         name = a.callee_name(node)
-        if name == schema.FUSED_OP:
-            op = a.OpCall(node)
-        elif name in self.wrappers:
-            op = a.OpCall(node, self.wrappers[name])
-        else:
+        if name != schema.FUSED_OP and name not in self.wrappers:
             return
+        op = a.OpCall(node, None if name == schema.FUSED_OP else self.wrappers[name])
         line = 0  # numbered once every call is found (find_calls)
         classes = [i for i, n in enumerate(self.stack) if isinstance(n, cst.ClassDef)]
         if not classes:
@@ -277,7 +248,7 @@ class CallFinder(cst.CSTVisitor):
             n = inner[-1]
             nested = n.name.value if isinstance(n, cst.FunctionDef) else "<lambda>"
         assert isinstance(cls, cst.ClassDef)
-        self.found.append(FoundCall(op, line, cls, method, nested, None, ci, tuple(self.stack[:ci])))
+        self.found.append(FoundCall(op, line, cls, method, nested, None, tuple(self.stack[:ci])))
 
     def visit_Import(self, node: cst.Import) -> bool:
         return False  # nothing to find in an import
@@ -291,7 +262,8 @@ class CallFinder(cst.CSTVisitor):
 
     def strays(self) -> list[tuple[cst.CSTNode, cst.CSTNode | None]]:
         """Where the op is named but not called by that name (nor imported plainly)."""
-        callees = {id(a.callee_node(f.call)) for f in self.found if f.op.wrapper is None}
+        calls = [f.call for f in self.found if f.op.wrapper is None]
+        callees = {id(c.func.attr if isinstance(c.func, cst.Attribute) else c.func) for c in calls}
         return [(node, stmt) for node, stmt in self.named if id(node) not in callees]
 
 
@@ -362,7 +334,7 @@ def _holds(first: int, last: int, op_lines: list[int]) -> bool:
 
 
 @dataclass
-class _Pieces(Pieces):
+class _Pieces(schema.Pieces):
     """The pieces (``schema.Pieces``), with the LibCST nodes the plan still needs."""
 
     post_insert_call: cst.Call | None = None
@@ -370,10 +342,9 @@ class _Pieces(Pieces):
 
 def _guard_of(arg: cst.Arg | None) -> str | None:
     """``X if G else None`` -> ``"G"``."""
-    if arg is not None and isinstance(arg.value, cst.IfExp):
-        ifexp = arg.value
-        if isinstance(ifexp.test, cst.Name) and a.is_none(ifexp.orelse):
-            return ifexp.test.value
+    value = arg.value if arg is not None else None
+    if isinstance(value, cst.IfExp) and isinstance(value.test, cst.Name) and a.is_none(value.orelse):
+        return value.test.value
     return None
 
 
@@ -384,37 +355,25 @@ def _unguarded(arg: cst.Arg) -> cst.BaseExpression:
     return value
 
 
-def _is_guard_value(expr: cst.BaseExpression) -> bool:
-    """``not self._fp8_kv`` (``schema.is_guard_value``)."""
-    tree = schema_expression(a.code(expr))
-    return tree is not None and is_guard_value(tree)
-
-
-def find_call_slot(method: cst.FunctionDef, call: cst.Call) -> a.StatementSlot | None:
-    for slot in a.statement_slots(method):
-        if a.expression_call(slot.statement) is call:
-            return slot
-    return None
-
-
 def _insert_kv_form(
     fn: cst.FunctionDef | None, cls: cst.ClassDef, functions: dict[str, cst.FunctionDef]
 ) -> str:
     if fn is None:
         return "absent"
     reads_metadata = any(
-        isinstance(n, cst.Attribute) and n.attr.value == METADATA_ATTR for n in a.nodes_in(fn.body)
+        isinstance(n, cst.Attribute) and n.attr.value == schema.METADATA_ATTR for n in a.nodes_in(fn.body)
     )
     scatter = any(a.raw_scatters(f) for f in (fn, *a.delegates(fn, cls, functions)))
-    return insert_kv_form(True, reads_metadata, len(a.param_names(fn)) - 1, scatter)
+    return schema.insert_kv_form(reads_metadata, len(a.param_names(fn)) - 1, scatter)
 
 
 def is_insert_kv_call(node: cst.CSTNode) -> bool:
-    return (
-        isinstance(node, cst.Call)
-        and isinstance(node.func, cst.Attribute)
-        and a.self_attr(node.func) == schema.INSERT_KV
-    )
+    return isinstance(node, cst.Call) and a.self_attr(node.func) == schema.INSERT_KV
+
+
+def other_insert_kv_call(cls: cst.ClassDef, allowed: set[int]) -> cst.CSTNode | None:
+    """The first ``self._insert_kv(...)`` in the class that is none of the ``allowed`` nodes (by id)."""
+    return a.first_in(cls.body, lambda n: is_insert_kv_call(n) and id(n) not in allowed)
 
 
 def collect_pieces(
@@ -432,11 +391,11 @@ def collect_pieces(
     assigned = a.self_assignments(init) if init is not None and mentions_flag else {}
     p.taken = _taken_names(cls, assigned)
     flag = assigned.get(schema.FP8_FLAG, [])
-    p.flag_set = len(flag) == 1 and _is_flag_value(flag[0][1])
+    p.flag_set = len(flag) == 1 and matches(flag[0][1], schema.is_flag_value)
     p.scale_set = schema.FP8_SCALE in assigned
     if mentions_flag:
         attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
-        # Once set, whether the flag is also read decides nothing (Pieces.any_bypass).
+        # Once set, whether the flag is also read decides nothing (schema.Pieces.any_bypass).
         p.flag_read = not p.flag_set and schema.FP8_FLAG in attrs
         p.scale_read = schema.FP8_SCALE in attrs
     conditions = [(arg, _guard_of(arg)) for arg in (op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE))]
@@ -447,7 +406,7 @@ def collect_pieces(
         for stmt in slot.before():
             pair = a.simple_assignment(stmt)
             if pair and isinstance(pair[0], cst.Name) and pair[0].value in guard_names:
-                note_guard_assignment(p, pair[0].value, _is_guard_value(pair[1]))
+                schema.note_guard_assignment(p, pair[0].value, matches(pair[1], schema.is_guard_value))
     # A condition is the bypass's guard only if the bypass could have written it: the
     # name is assigned `not self._fp8_kv` in the call's block before the call (and bound
     # nowhere else but there and as a parameter), or it is the bypass's own name, read
@@ -469,7 +428,10 @@ def collect_pieces(
         node = a.first_in(stmt, is_insert_kv_call)
         if isinstance(node, cst.Call):
             p.post_insert, p.post_insert_call = True, node
-            p.post_insert_wired = _insert_is_wired(node, op) and _is_guarded_block(stmt, p)
+            # under `if not G:` (G the guard) or `if self._fp8_kv:`, passed the call's slot mappings
+            guards = {schema.FP8_FLAG, *p.guard_args, p.guard_assigned or GUARD_NAME}
+            guarded = isinstance(stmt, cst.If) and block_guard(stmt) in guards
+            p.post_insert_wired = guarded and _insert_is_wired(node, op)
             break
     return p
 
@@ -480,18 +442,20 @@ def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Modu
     return all(isinstance(n, cst.Param) or id(getattr(n, "target", None)) in plain for n in nodes)
 
 
-def _is_flag_value(expr: cst.BaseExpression) -> bool:
-    tree = schema_expression(a.code(expr))
-    return tree is not None and is_flag_value(tree)
+def matches(expr: cst.BaseExpression, test: Callable[[ast.expr], bool]) -> bool:
+    """``test``, one of ``schema``'s recognisers, on the expression as Python's own tree."""
+    tree = schema.expression(a.code(expr))
+    return tree is not None and test(tree)
 
 
-def _is_scale_value(expr: cst.BaseExpression) -> bool:
-    tree = schema_expression(a.code(expr))
-    return tree is not None and is_scale_value(tree)
+def block_guard(block: cst.If) -> str | None:
+    """What the ``if`` around the post-call insert tests (``schema.post_block_guard``)."""
+    test = schema.expression(a.code(block.test))
+    return schema.post_block_guard(test) if test is not None else None
 
 
 # What the bypass sets its names to (anything else there is the file's own use of them).
-_OWN_VALUES = {schema.FP8_FLAG: _is_flag_value, schema.FP8_SCALE: _is_scale_value}
+_OWN_VALUES = {schema.FP8_FLAG: schema.is_flag_value, schema.FP8_SCALE: schema.is_scale_value}
 
 
 def _taken_names(cls: cst.ClassDef, init_attrs: _Assignments) -> list[str]:
@@ -510,7 +474,7 @@ def _taken_names(cls: cst.ClassDef, init_attrs: _Assignments) -> list[str]:
     own = set()  # the values of the first flag and scale assignments in __init__, if they are the bypass's
     for name, is_own in _OWN_VALUES.items():
         first = init_attrs.get(name, [])[:1]
-        if first and is_own(first[0][1]):
+        if first and matches(first[0][1], is_own):
             own.add(id(first[0][1]))
     for method in a.methods(cls):
         for node in a.all_statements(method.body):
@@ -536,15 +500,6 @@ def _store_targets(stmt: cst.CSTNode) -> list[cst.BaseExpression]:
     if isinstance(stmt, cst.With):
         return [item.asname.name for item in stmt.items if item.asname is not None]
     return []
-
-
-def _is_guarded_block(stmt: cst.BaseStatement, p: Pieces) -> bool:
-    """``if not G:`` or ``if self._fp8_kv:`` around the post-call insert (``schema.post_block_guard``)."""
-    if not isinstance(stmt, cst.If):
-        return False
-    test = schema_expression(a.code(stmt.test))
-    guard = post_block_guard(test) if test is not None else None
-    return guard == schema.FP8_FLAG or guard in (set(p.guard_args) | {p.guard_assigned or GUARD_NAME})
 
 
 def _insert_is_wired(insert: cst.Call, fused: a.OpCall) -> bool:
@@ -620,8 +575,7 @@ def op_namespace(op: a.OpCall, imports: list[a.ImportedName]) -> str | None:
     ``vllm._custom_ops``, else ``Unsupported``."""
     func = op.call.func
     if op.wrapper is None and isinstance(func, cst.Attribute):
-        owner = a.code(func.value).replace(" ", "")
-        if owner == "torch.ops._C":
+        if a.code(func.value).replace(" ", "") == "torch.ops._C":
             return "torch.ops._C_cache_ops"
     elif op.wrapper is None and isinstance(func, cst.Name):
         return None
@@ -652,7 +606,16 @@ def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: 
         raise Unsupported(
             "`_insert_kv` exists in a form that is neither the attn_metadata one nor the slot-mapping one"
         )
-    _no_other_insert_kv_callers(cls, p)
+    old_insert_kv = a.find_method(cls, schema.INSERT_KV)
+    # Only the post-call insert may call `_insert_kv`: the rewrite gives it the slot-mapping
+    # signature; a call elsewhere is a caller it would break, or a stale piece of a bypass.
+    own = a.nodes_in(old_insert_kv) if old_insert_kv is not None else []
+    call = other_insert_kv_call(cls, {id(p.post_insert_call), *map(id, own)})
+    if call is not None:
+        raise Unsupported(
+            f"`{' '.join(a.code(call).split())}` is called elsewhere than right after the insert call: "
+            "a caller the new `_insert_kv` signature would break, or a stale bypass piece"
+        )
 
     taken = a.bound_names(method)
     guard = _guard_name(p, taken)
@@ -661,21 +624,24 @@ def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: 
     init_attrs = a.self_assignments(init)
     w = widths(op, method, slot, init_attrs)
     flag_slot = _dtype_anchor(init, init_attrs)
-    dtype_attr = f"self.{DTYPE_ATTR}"
+    dtype_attr = f"self.{schema.DTYPE_ATTR}"
     if flag_slot is None:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
     namespace = op_namespace(op, imports)
     reshape_import = _bare_import(module, imports) if namespace is None else None
     reshape_call = schema.RESHAPE_OP if namespace is None else f"{namespace}.{schema.RESHAPE_OP}"
 
-    n, indent = module.default_newline, module.default_indent
-    edits: list[tuple[cst.BaseStatement, str]] = []
-    old_insert_kv = a.find_method(cls, schema.INSERT_KV)
+    # The upgrade: the raw index scatters of `_insert_kv` and of what it hands its work to.
+    upgraded: list[cst.FunctionDef] = []
     if insert_kv == "upgrade":
         assert old_insert_kv is not None
-        edits = _upgrade_edits(module, cls, old_insert_kv, n, indent)
+        upgraded = [old_insert_kv, *a.delegates(old_insert_kv, cls, a.module_functions(module))]
+    edits: list[tuple[cst.BaseStatement, str]] = []
+    for fn in upgraded:
+        for scatter in a.raw_scatters(fn):
+            edits += _scatter_edits(fn, scatter, module)
     reads_scale = insert_kv in ("add", "replace") or p.scale_read or any(SCALE_READ in code for _, code in edits)
-    scale_code = render(SCALE, n, indent) if reads_scale and not p.scale_set else ""
+    scale_code = render(SCALE, module) if reads_scale and not p.scale_set else ""
     if p.flag_set and scale_code:
         flag_slot = init_attrs[schema.FP8_FLAG][-1][0]  # the scale goes right after the existing flag
     local = {f"n_{k}": _fresh(k, taken) for k in ("kv", "k0", "ik0", "k", "v", "index_k")}
@@ -686,13 +652,12 @@ def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: 
         call_slot=slot,
         guard=guard,
         add_guard=p.guard_assigned is None,
-        guard_code=render(GUARD, n, indent, guard=guard),
+        guard_code=render(GUARD, module, guard=guard),
         wrap_args=wrap,
         add_post_insert=not p.post_insert,
         post_insert_code=render(
             POST_INSERT,
-            n,
-            indent,
+            module,
             guard=guard,
             qkv=qkv,
             kv_width=w.kv,
@@ -704,23 +669,20 @@ def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: 
             **local,
         ),
         flag_slot=flag_slot if (not p.flag_set or scale_code) else None,
-        flag_code=("" if p.flag_set else render(FLAG, n, indent, dtype=dtype_attr)) + scale_code,
+        flag_code=("" if p.flag_set else render(FLAG, module, dtype=dtype_attr)) + scale_code,
         insert_kv=insert_kv,
         insert_kv_code=render(
             INSERT_KV_METHOD,
-            n,
-            indent,
-            found.class_depth + 1,
+            module,
+            len(found.outer) + 1,
             kv_cache=caches[schema.KV_CACHE.keyword],
             num_kv_heads=w.num_kv_heads,
             head_dim=w.head_dim,
             dtype=dtype_attr,
             reshape=reshape_call,
             index_write=_indented(
-                render(
-                    INDEX_WRITE,
-                    "\n",
-                    indent,
+                INDEX_WRITE.format(
+                    I=module.default_indent,
                     idx_key="idx_key",
                     idx_cache="idx_cache",
                     index_key="index_key",
@@ -730,41 +692,21 @@ def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: 
                     reshape=reshape_call,
                     scale="scale",
                 ),
-                indent,
+                module.default_indent,
             ),
         ),
         old_insert_kv=old_insert_kv if insert_kv == "replace" else None,
         reshape_import=reshape_import,
-        scopes=(*found.outer, cls, method, init, *_edited_functions(cls, old_insert_kv, edits, module)),
+        scopes=(*found.outer, cls, method, init, *upgraded),
         edits=edits,
     )
-
-
-def _edited_functions(
-    cls: cst.ClassDef, insert_kv: cst.FunctionDef | None, edits: list[tuple[cst.BaseStatement, str]], module
-) -> list[cst.FunctionDef]:
-    if not edits or insert_kv is None:
-        return []
-    return [insert_kv, *a.delegates(insert_kv, cls, a.module_functions(module))]
 
 
 # --- the upgrade of an older `_insert_kv` ------------------------------------------------
 
 
-def _upgrade_edits(
-    module: cst.Module, cls: cst.ClassDef, insert_kv: cst.FunctionDef, newline: str, indent: str
-) -> list[tuple[cst.BaseStatement, str]]:
-    """Replace each raw index scatter (in `_insert_kv` or the function it hands its work to)
-    with the padding-safe write, and a per-call ``torch.ones`` scale with the buffer."""
-    edits: list[tuple[cst.BaseStatement, str]] = []
-    for fn in (insert_kv, *a.delegates(insert_kv, cls, a.module_functions(module))):
-        for scatter in a.raw_scatters(fn):
-            edits += _scatter_edits(fn, scatter, newline, indent)
-    return edits
-
-
 def _scatter_edits(
-    fn: cst.FunctionDef, scatter: a.StatementSlot, newline: str, indent: str
+    fn: cst.FunctionDef, scatter: a.StatementSlot, module: cst.Module
 ) -> list[tuple[cst.BaseStatement, str]]:
     """``idx = <cache>.view(-1, D)`` + ``idx[slots] = key[.to(...)]`` -> the padding-safe write,
     proven to write the same rows; ``Unsupported`` when any part is not that shape."""
@@ -786,7 +728,8 @@ def _scatter_edits(
         view = a.simple_assignment(view_stmt)[1]  # type: ignore[index]
     if not (_is_method_call(view, "view") and len(view.args) == 2 and a.code(view.args[0].value) == "-1"):  # type: ignore[attr-defined]
         raise Unsupported(f"cannot upgrade `{shown}`: its cache is not `<index cache>.view(-1, <head dim>)`")
-    reshape = _reshape_in(fn)
+    calls = (n for n in a.walk_scope(fn.body) if isinstance(n, cst.Call))
+    reshape = next((c for c in calls if a.callee_name(c) == schema.RESHAPE_OP), None)
     if reshape is None:
         raise Unsupported(f"cannot upgrade `{shown}`: {fn.name.value} holds no `{schema.RESHAPE_OP}` call to follow")
     scale_arg = a.get_arg(reshape, schema.OpParam(6, "k_scale"))
@@ -795,8 +738,7 @@ def _scatter_edits(
     taken = a.bound_names(fn)
     write = render(
         INDEX_WRITE,
-        newline,
-        indent,
+        module,
         idx_key=_fresh("idx_key", taken),
         idx_cache=target.value.value if isinstance(target.value, cst.Name) else _fresh("idx_cache", taken),
         index_key=key.value,
@@ -809,7 +751,7 @@ def _scatter_edits(
     edits = [(view_stmt, write), (scatter.statement, "")] if view_stmt is not None else [(scatter.statement, write)]
     scale = _ones_scale(fn, scale_arg.value)
     if scale is not None and a.param_names(fn)[:1] == ["self"]:
-        edits.append((scale.statement, render(SCALE_LOCAL, newline, indent, scale=a.code(scale_arg.value))))
+        edits.append((scale.statement, render(SCALE_LOCAL, module, scale=a.code(scale_arg.value))))
     return edits
 
 
@@ -837,13 +779,6 @@ def _single_assignment(fn: cst.FunctionDef, name: str, before: a.StatementSlot) 
     return None if reads else assigned[0]
 
 
-def _reshape_in(fn: cst.FunctionDef) -> cst.Call | None:
-    return next(
-        (n for n in a.walk_scope(fn.body) if isinstance(n, cst.Call) and a.callee_name(n) == schema.RESHAPE_OP),
-        None,
-    )
-
-
 def _ones_scale(fn: cst.FunctionDef, scale: cst.BaseExpression) -> a.StatementSlot | None:
     """``<scale> = torch.ones(...)``: a fill kernel on every call, where the buffer needs none."""
     if not isinstance(scale, cst.Name):
@@ -861,25 +796,7 @@ def _ones_scale(fn: cst.FunctionDef, scale: cst.BaseExpression) -> a.StatementSl
     return None
 
 
-def _no_other_insert_kv_callers(cls: cst.ClassDef, p: _Pieces) -> None:
-    """Only the post-call insert may call `_insert_kv`: the rewrite gives it the
-    slot-mapping signature, and a call elsewhere is a caller it would break or a
-    stale piece of a bypass whose guard is not in scope there."""
-    own = a.find_method(cls, schema.INSERT_KV)
-    inside_own = {id(n) for n in a.nodes_in(own)} if own is not None else set()
-
-    def other_caller(node: cst.CSTNode) -> bool:
-        return is_insert_kv_call(node) and node is not p.post_insert_call and id(node) not in inside_own
-
-    call = a.first_in(cls.body, other_caller)
-    if call is not None:
-        raise Unsupported(
-            f"`{' '.join(a.code(call).split())}` is called elsewhere than right after the insert call: "
-            "a caller the new `_insert_kv` signature would break, or a stale bypass piece"
-        )
-
-
-def _guard_name(p: Pieces, taken: set[str]) -> str:
+def _guard_name(p: schema.Pieces, taken: set[str]) -> str:
     """From guarded arguments, else an existing guard assignment, else a fresh name."""
     if len(set(p.guard_args)) > 1:
         raise Unsupported(f"cache arguments are guarded by different names: {sorted(set(p.guard_args))}")
@@ -1022,11 +939,10 @@ def _products(init_attrs: _Assignments) -> list[tuple[str, cst.BaseExpression, s
     """``self.W = <count> * self.D`` assigned once in __init__ (either order): (W, count, "self.D")."""
     found = []
     for attr, defs in init_attrs.items():
-        factors = a.product_of(defs[0][1]) if len(defs) == 1 else None
-        if factors is None:
+        value = defs[0][1] if len(defs) == 1 else None
+        if not (isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Multiply)):
             continue
-        left, right = factors
-        for count, dim in ((left, right), (right, left)):
+        for count, dim in ((value.left, value.right), (value.right, value.left)):
             if a.self_attr(dim) is not None:
                 found.append((attr, count, a.code(dim)))
     return found
@@ -1060,7 +976,7 @@ def _dtype_anchor(init: cst.FunctionDef, attrs: _Assignments) -> a.StatementSlot
     backends read; the indexer's own dtype is another attribute), after the last statement
     of __init__'s body that assigns it - and after the torch dtype made from it, if one
     follows (that statement, not one in a lambda or nested def)."""
-    defs = attrs.get(DTYPE_ATTR)
+    defs = attrs.get(schema.DTYPE_ATTR)
     if not defs:
         return None
     top = a.slot_chain(init, defs[-1][0])[0]
@@ -1076,7 +992,7 @@ def _is_dtype_conversion(node: cst.CSTNode) -> bool:
         isinstance(node, cst.Call)
         and a.callee_name(node) == "kv_cache_dtype_str_to_dtype"
         and bool(node.args)
-        and a.self_attr(node.args[0].value) == DTYPE_ATTR
+        and a.self_attr(node.args[0].value) == schema.DTYPE_ATTR
     )
 
 
@@ -1227,18 +1143,15 @@ def _insert_kv(
 {I}idx_cache[index_meta.slot_mapping] = index_key.to(idx_cache.dtype)
 '''
 
-# Comment blocks that belong to the bypass: the rewrite's own, and those of the
-# seed write-up's diff (fixtures/patched). Comments are text, so they can only
-# be recognised as text; any other comment above a removed line is kept.
 def _indented(text: str, indent: str) -> str:
     return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
 
 
-def render(template: str, newline: str, indent: str, depth: int = 1, **names: str) -> str:
-    """Fill a template; ``{I}`` is one indent step, ``{D}`` a docstring line of a
-    method in a class ``depth`` blocks deep (its text is not re-indented)."""
-    text = template.format(I=indent, D=indent * (depth + 1), **names)
-    return text.replace("\n", newline)
+def render(template: str, module: cst.Module, depth: int = 1, **names: str) -> str:
+    """Fill a template in the file's indent and newline; ``{I}`` is one indent step, ``{D}``
+    a docstring line of a method in a class ``depth`` blocks deep (its text is not re-indented)."""
+    text = template.format(I=module.default_indent, D=module.default_indent * (depth + 1), **names)
+    return text.replace("\n", module.default_newline)
 
 
 def parse_statements(text: str, module: cst.Module) -> list[cst.BaseStatement]:
@@ -1273,14 +1186,10 @@ class Fp8KvBypass(cst.CSTTransformer):
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if original is not self.plan.op.call:
             return updated
-        wrap = {p.keyword for p in self.plan.wrap_args}
+        wrap = [self.plan.op.arg(p) for p in self.plan.wrap_args]
         new_args = []
         for orig_arg, arg in zip(original.args, updated.args, strict=True):
-            param = next(
-                (p for p in (schema.KV_CACHE, schema.INDEX_CACHE) if self.plan.op.arg(p) is orig_arg),
-                None,
-            )
-            if param is not None and param.keyword in wrap:
+            if any(orig_arg is w for w in wrap):
                 arg = arg.with_changes(
                     value=cst.IfExp(
                         test=cst.Name(self.plan.guard),
@@ -1322,8 +1231,7 @@ class Fp8KvBypass(cst.CSTTransformer):
             i = plan.call_slot.index
             after = parse_statements(plan.post_insert_code, self.module) if plan.add_post_insert else []
             before = parse_statements(plan.guard_code, self.module) if plan.add_guard else []
-            body[i + 1 : i + 1] = after
-            body[i:i] = before
+            body[i : i + 1] = [*before, body[i], *after]
         if plan.flag_slot is not None and original is plan.flag_slot.block:
             i = plan.flag_slot.index
             body[i + 1 : i + 1] = parse_statements(plan.flag_code, self.module)
@@ -1344,20 +1252,14 @@ class Fp8KvBypass(cst.CSTTransformer):
         body: list[cst.BaseStatement] = []
         carried: list[cst.EmptyLine] = []
         for orig, new in zip(original.body, updated.body, strict=True):
-            if id(orig) not in edits:
-                if carried:
-                    new = new.with_changes(leading_lines=[*carried, *new.leading_lines])
-                    carried = []
-                body.append(new)
-                continue
-            kept = [*carried, *(line for line in new.leading_lines if not _replaced_comment(line))]
-            replacement = parse_statements(edits[id(orig)], self.module)
-            if not replacement:
-                carried = kept
-                continue
-            first = replacement[0]
-            replacement[0] = first.with_changes(leading_lines=[*kept, *first.leading_lines])
-            carried = []
+            replacement = [new]
+            if id(orig) in edits:
+                carried += [line for line in new.leading_lines if not _replaced_comment(line)]
+                replacement = parse_statements(edits[id(orig)], self.module)
+            if replacement and carried:
+                first = replacement[0]
+                replacement[0] = first.with_changes(leading_lines=[*carried, *first.leading_lines])
+                carried = []
             body += replacement
         return body, carried
 
@@ -1410,9 +1312,8 @@ def _silent_statements(
 
 def rewrite(analysis: FileAnalysis) -> cst.Module:
     module = analysis.module
-    plans = analysis.plans
-    assert len(plans) <= 1, "analyze() refuses files with several candidate sites"
-    for plan in plans:
+    assert len(analysis.plans) <= 1, "the analyses refuse files with several sites to change"
+    for plan in analysis.plans:
         if isinstance(plan, BypassPlan):
             module = apply_plan(module, plan, analysis.source_map)
         else:

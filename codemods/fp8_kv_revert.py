@@ -21,6 +21,7 @@ native call. Anything it cannot prove is refused, with the reason.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -29,9 +30,8 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 from codemods import anchors as a
 from codemods import fp8_kv_bypass as bp
 from codemods.fp8_kv_bypass import Unsupported
-from codemods.schema import Action, InsertSite
 from codemods import schema
-from codemods.schema import DTYPE_ATTR, SLOTS_FORMS
+from codemods.schema import DTYPE_ATTR, SLOTS_FORMS, Action, InsertSite
 
 
 # The metadata classes the attn_metadata ``_insert_kv`` asserts on.
@@ -65,13 +65,10 @@ def _template_comments(template: str) -> tuple[str, ...]:
     return tuple(_comment_text(line) for line in lines if line.startswith("#"))
 
 
-BYPASS_COMMENTS = tuple(
-    tuple(_comment_text(line) for line in block)
-    for block in (_template_comments(bp.FLAG), _template_comments(bp.GUARD), *SEED_COMMENTS)
-)
+BYPASS_COMMENTS = (_template_comments(bp.FLAG), _template_comments(bp.GUARD), *SEED_COMMENTS)
 
 
-def strip_bypass_comments(lines: list[cst.EmptyLine]) -> list[cst.EmptyLine]:
+def strip_bypass_comments(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]:
     """Leading lines without any run of comment lines that is a bypass comment block."""
     out = list(lines)
     for block in BYPASS_COMMENTS:
@@ -96,15 +93,13 @@ def strip_bypass_comments(lines: list[cst.EmptyLine]) -> list[cst.EmptyLine]:
 class RevertPlan:
     """What comes out of one class, all found in and checked against the file."""
 
-    cls: cst.ClassDef
-    call: cst.Call
     call_statement: cst.BaseStatement
     unwrap_args: list[cst.Arg]  # `X if G else None` -> `X`
     remove: list[cst.BaseStatement]  # flag, guard, post-call block
-    insert_kv: str  # keep | restore | remove
-    old_insert_kv: cst.FunctionDef | None
-    insert_kv_code: str
-    metadata_import: cst.ImportFrom | None  # gets back the metadata classes it lacks
+    insert_kv: str = "keep"  # keep | restore | remove
+    old_insert_kv: cst.FunctionDef | None = None
+    insert_kv_code: str = ""
+    metadata_import: cst.ImportFrom | None = None  # gets back the metadata classes it lacks
     add_imports: list[str] = field(default_factory=list)
     drop_imports: set[str] = field(default_factory=set)
     pieces: dict[str, bool] = field(default_factory=dict)
@@ -113,21 +108,9 @@ class RevertPlan:
     dead: list[cst.BaseStatement] = field(default_factory=list)  # module code only the bypass used
 
 
-@dataclass
-class RevertAnalysis:
-    """Same shape as ``FileAnalysis``: sites with their action, and the plans."""
-
-    module: cst.Module
-    sites: list[InsertSite]
-    plans: list[RevertPlan]
-
-    @property
-    def needs_rewrite(self) -> bool:
-        return bool(self.plans)
-
-    @property
-    def refused(self) -> list[InsertSite]:
-        return [s for s in self.sites if s.action is Action.REFUSE]
+# revert's analysis is the rewrite's, holding RevertPlans; the rewrite applies them.
+RevertAnalysis = bp.FileAnalysis
+revert = bp.rewrite
 
 
 def analyze_revert(module: cst.Module) -> RevertAnalysis:
@@ -141,8 +124,9 @@ def analyze_revert(module: cst.Module) -> RevertAnalysis:
 
     sites: list[InsertSite] = []
     plans: list[RevertPlan | None] = []
+    functions = a.module_functions(module)
     for found in finder.found:
-        site, _ = bp.classify(module, found)
+        site, _ = bp.classify(module, found, functions)
         plan = failure = None
         try:
             plan = _plan_site(module, found, positions)
@@ -179,7 +163,6 @@ def _revert_reason(plan: RevertPlan) -> str:
 def _plan_site(module: cst.Module, found: bp.FoundCall, positions) -> RevertPlan | None:
     """None when there is no bypass around this call; ``Unsupported`` when one cannot be proven."""
     cls, method, op = found.cls, found.method, found.op
-    call = op.call
     facts, slot = bp.call_facts(found)
     if cls is None or method is None or facts.star_args or not facts.has_cache:
         return None  # not a site the bypass is written around (schema.verdict)
@@ -217,47 +200,35 @@ def _plan_site(module: cst.Module, found: bp.FoundCall, positions) -> RevertPlan
     post = _post_call_block(method, slot, guards)
     if post is not None:
         remove.append(post)
-        guard = _block_guard(post)
+        guard = bp.block_guard(post)
         if guard is not None and guard != schema.FP8_FLAG:
             guards.add(guard)
 
     # `X if G else None` cache arguments, and any other argument the guard
     # decides (a merge's `self.kv_cache.size(2) if G else 0` block size).
-    unwrap = [arg for arg in call.args if _guarded_by(arg, guards)]
+    unwrap = [arg for arg in op.call.args if _guarded_by(arg, guards)]
 
     _check_nothing_left(cls, method, remove, unwrap, guards, positions)
     dead = _dead_module_code(module, remove)
-    for block_slot in {id(s.block): s for s in _slots_of(cls, remove)}.values():
-        if all(any(st is r for r in remove) for st in block_slot.block.body):
+    removed = {id(s) for s in remove}
+    for fn in a.methods(cls):
+        if any(s.index == 0 and all(id(x) in removed for x in s.block.body) for s in a.statement_slots(fn)):
             raise Unsupported("removing the bypass would leave an empty block")
 
-    insert_kv_fn = a.find_method(cls, schema.INSERT_KV)
     plan = RevertPlan(
-        cls=cls,
-        call=call,
         call_statement=slot.statement,
         unwrap_args=unwrap,
         remove=remove,
-        insert_kv="keep",
-        old_insert_kv=None,
-        insert_kv_code="",
-        metadata_import=None,
         pieces=pieces.present(),
         dead=dead,
     )
     if pieces.insert_kv in SLOTS_FORMS:
-        assert insert_kv_fn is not None
-        _plan_insert_kv(module, found, slot, insert_kv_fn, post, plan, native=op.arg(schema.KV_CACHE_DTYPE) is not None)
+        _plan_insert_kv(module, found, slot, post, plan, native=op.arg(schema.KV_CACHE_DTYPE) is not None)
     elif pieces.insert_kv == "other" and post is not None:
         raise Unsupported(
             "`_insert_kv` is neither the attn_metadata form nor the slot-mapping one: cannot restore it"
         )
     return plan
-
-
-def _block_guard(block: cst.If) -> str | None:
-    test = schema.expression(a.code(block.test))
-    return schema.post_block_guard(test) if test is not None else None
 
 
 def _guarded_by(arg: cst.Arg, guards: set[str]) -> bool:
@@ -280,8 +251,7 @@ def _post_call_block(method: cst.FunctionDef, slot: a.StatementSlot, guards: set
             continue
         if not isinstance(stmt, cst.If) or stmt.orelse is not None:
             raise Unsupported("the post-call `self._insert_kv(...)` is not in an `if not <guard>:` block")
-        guard = _block_guard(stmt)
-        if guard is None or (guard != schema.FP8_FLAG and guard not in guards and guard != schema.GUARD_NAME):
+        if bp.block_guard(stmt) not in {schema.FP8_FLAG, schema.GUARD_NAME, *guards}:
             raise Unsupported("the post-call `self._insert_kv(...)` is not under `if not <guard>:`")
         assigned: set[str] = set()
         if _block_inserts(stmt.body, assigned) != 1:
@@ -325,23 +295,12 @@ def _is_compile_branch(stmt: cst.BaseStatement) -> bool:
     """``if torch.compiler.is_compiling(): <calls> else: ...``: the compiled path's cache write."""
     if not isinstance(stmt, cst.If) or not isinstance(stmt.orelse, cst.Else):
         return False
-    test = schema.expression(a.code(stmt.test))
     body = stmt.body.body if isinstance(stmt.body, cst.IndentedBlock) else ()
     return (
-        test is not None
-        and schema.is_compiling(test)
+        bp.matches(stmt.test, schema.is_compiling)
         and bool(body)
         and all(a.expression_call(x) is not None for x in body)
     )
-
-
-def _slots_of(cls: cst.ClassDef, statements: list[cst.BaseStatement]) -> list[a.StatementSlot]:
-    found = []
-    for fn in a.methods(cls):
-        for slot in a.statement_slots(fn):
-            if any(slot.statement is s for s in statements):
-                found.append(slot)
-    return found
 
 
 def _check_nothing_left(
@@ -356,15 +315,11 @@ def _check_nothing_left(
     gone: list[cst.CSTNode] = [*remove, *(arg.value.test for arg in unwrap)]  # type: ignore[attr-defined]
     removed_nodes = {id(n) for root in gone for n in a.walk_all(root)}
     for node in a.walk_all(cls.body):
-        if id(node) in removed_nodes:
-            continue
-        if a.self_attr(node) == schema.FP8_FLAG:
+        if id(node) not in removed_nodes and a.self_attr(node) == schema.FP8_FLAG:
             line = positions[node].start.line if node in positions else "?"
             raise Unsupported(f"`self._fp8_kv` is also used at line {line}, outside the bypass")
     for node in a.walk_scope(method.body):
-        if id(node) in removed_nodes:
-            continue
-        if isinstance(node, cst.Name) and node.value in guards:
+        if id(node) not in removed_nodes and isinstance(node, cst.Name) and node.value in guards:
             line = positions[node].start.line if node in positions else "?"
             raise Unsupported(f"the guard `{node.value}` is also used at line {line}, outside the bypass")
 
@@ -373,27 +328,19 @@ def _plan_insert_kv(
     module: cst.Module,
     found: bp.FoundCall,
     slot: a.StatementSlot,
-    fn: cst.FunctionDef,
     post: cst.If | None,
     plan: RevertPlan,
-    native: bool = False,
+    native: bool,
 ) -> None:
     """Restore the attn_metadata ``_insert_kv``, or remove the one the rewrite added
     (on a native call always: the kernel writes the cache, upstream has no ``_insert_kv``)."""
     cls, method, op = found.cls, found.method, found.op
     assert cls is not None and method is not None
-    post_calls = {id(n) for n in a.walk_all(post)} if post is not None else set()
-    for node in a.walk_all(cls.body):
-        if bp.is_insert_kv_call(node) and id(node) not in post_calls:
-            raise Unsupported("`_insert_kv` is also called outside the bypass: its signature must stay")
-    if native:
-        plan.removed_because = "a native call writes the cache itself"
-        plan.insert_kv = "remove"
-        plan.old_insert_kv = fn
-        plan.drop_imports = {schema.RESHAPE_OP}
-        plan.also_remove = _exclusive_delegates(module, cls, fn, plan.dead)
-        return
-
+    fn = plan.old_insert_kv = a.find_method(cls, schema.INSERT_KV)
+    assert fn is not None
+    allowed = {id(n) for n in a.nodes_in(post)} if post is not None else set()
+    if bp.other_insert_kv_call(cls, allowed) is not None:
+        raise Unsupported("`_insert_kv` is also called outside the bypass: its signature must stay")
     imports = a.module_imports(module)
     metadata = [
         i
@@ -402,15 +349,18 @@ def _plan_insert_kv(
         and i.alias.asname is None
         and any(isinstance(s, cst.ImportFrom) for s in i.statement.body)
     ]
-    if not metadata:
+    if native or not metadata:
         # The attn_metadata form asserts on the metadata classes: with neither
         # imported there is nothing to restore it from (run added the method, or
         # dropped both imports as unused when it replaced the fork-era one).
-        plan.removed_because = "no attn_metadata class is imported, so no fork-era form to restore"
+        plan.removed_because = (
+            "a native call writes the cache itself"
+            if native
+            else "no attn_metadata class is imported, so no fork-era form to restore"
+        )
         plan.insert_kv = "remove"
-        plan.old_insert_kv = fn
         plan.drop_imports = {schema.RESHAPE_OP}
-        plan.also_remove = _exclusive_delegates(module, cls, fn)
+        plan.also_remove = _exclusive_delegates(module, cls, fn, plan.dead if native else [])
         return
 
     if not any(i.bound == FORWARD_CONTEXT for i in imports):
@@ -421,7 +371,6 @@ def _plan_insert_kv(
     caches, _ = bp.cache_args(op, method, slot)
     init_attrs = a.self_assignments(init)
     w = bp.widths(op, method, slot, init_attrs)
-    dtype_attr = f"self.{DTYPE_ATTR}"
     if DTYPE_ATTR not in init_attrs:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
     namespace = bp.op_namespace(op, imports)
@@ -436,13 +385,11 @@ def _plan_insert_kv(
     bound = {i.bound for i in imports}
     plan.add_imports = [n for n in (INDEX_METADATA, MAIN_METADATA) if n not in bound]
     plan.insert_kv = "restore"
-    plan.old_insert_kv = fn
     plan.also_remove = _exclusive_delegates(module, cls, fn)
     plan.insert_kv_code = bp.render(
         bp.INSERT_KV_METADATA,
-        module.default_newline,
-        module.default_indent,
-        found.class_depth + 1,
+        module,
+        len(found.outer) + 1,
         main_key=_metadata_key(method, op, schema.SLOT_MAPPING, slot),
         index_key=_metadata_key(method, op, schema.INDEX_SLOT_MAPPING, slot),
         main_metadata=MAIN_METADATA,
@@ -452,7 +399,7 @@ def _plan_insert_kv(
         num_kv_heads=w.num_kv_heads,
         head_dim=w.head_dim,
         idx_head_dim=w.idx_head_dim,
-        dtype=dtype_attr,
+        dtype=f"self.{DTYPE_ATTR}",
         reshape=reshape,
     )
 
@@ -485,9 +432,9 @@ def _exclusive_delegates(
     return [d for d in a.delegates(fn, cls, {}) if all(id(n) in inside for n in _uses(module, d.name.value, d))]
 
 
-def _uses(module: cst.Module, name: str, definition: cst.CSTNode | None = None) -> list[cst.CSTNode]:
-    """Where ``name`` is named: as a name, an attribute (``x.name``) or a string."""
-    own = {id(n) for n in a.nodes_in(definition)} if definition is not None else set()
+def _uses(module: cst.Module, name: str, definition: cst.CSTNode) -> list[cst.CSTNode]:
+    """Where ``name`` is named, outside ``definition``: as a name, an attribute (``x.name``) or a string."""
+    own = {id(n) for n in a.nodes_in(definition)}
     defined = {id(n.name) for n in a.nodes_in(module) if isinstance(n, (cst.FunctionDef, cst.ClassDef))}
     return [
         n
@@ -532,10 +479,6 @@ def _dead_module_code(module: cst.Module, removed: list[cst.CSTNode]) -> list[cs
 
 
 # --- the transformer -------------------------------------------------------------
-
-
-def _kept_comments(lines) -> list[cst.EmptyLine]:
-    return [line for line in strip_bypass_comments(list(lines)) if line.comment is not None]
 
 
 class Fp8KvRevert(cst.CSTTransformer):
@@ -587,16 +530,16 @@ class Fp8KvRevert(cst.CSTTransformer):
         carried: list[cst.EmptyLine] = []
         for orig, new in zip(original.body, updated.body, strict=True):
             if self._removed(orig):
-                carried += _kept_comments(new.leading_lines)
+                kept = strip_bypass_comments(new.leading_lines)
+                carried += [line for line in kept if line.comment is not None]
                 continue
             if orig is self.plan.call_statement:
-                new = new.with_changes(leading_lines=strip_bypass_comments(list(new.leading_lines)))
+                new = new.with_changes(leading_lines=strip_bypass_comments(new.leading_lines))
             if carried:
                 new = new.with_changes(leading_lines=[*carried, *new.leading_lines])
                 carried = []
             body.append(new)
-        footer = [*carried, *updated.footer] if carried else updated.footer
-        return updated.with_changes(body=body, footer=footer)
+        return updated.with_changes(body=body, footer=[*carried, *updated.footer])
 
 
 def add_import_alias(imp: cst.ImportFrom, name: str) -> cst.ImportFrom:
@@ -632,14 +575,4 @@ def apply_revert(module: cst.Module, plan: RevertPlan) -> cst.Module:
     # Imports that only removed code used (the compiled path's registration helper, say).
     removed = [*plan.dead, *plan.also_remove] + ([plan.old_insert_kv] if plan.insert_kv == "remove" else [])
     candidates = plan.drop_imports | {n for node in removed if node is not None for n in a.names_read(node)}
-    if candidates:
-        new = bp.remove_unused_imports(new, candidates)
-    return new
-
-
-def revert(analysis: RevertAnalysis) -> cst.Module:
-    module = analysis.module
-    assert len(analysis.plans) <= 1, "analyze_revert() refuses files with several bypassed sites"
-    for plan in analysis.plans:
-        module = apply_revert(module, plan)
-    return module
+    return bp.remove_unused_imports(new, candidates)

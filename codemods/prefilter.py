@@ -81,7 +81,7 @@ def _site(call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str]) -> schem
         dtype_is_auto=False,
         in_block=False,  # not asked of a call that passes a dtype
     )
-    return schema.verdict(facts, schema.Pieces).site(facts)
+    return schema.verdict(facts, schema.Pieces)
 
 
 def _plain(node: ast.expr, lines: list[str]) -> bool:

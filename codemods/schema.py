@@ -5,7 +5,7 @@ and the rules, in the order they apply: ``verdict`` (the state from what was
 found at the call), ``planned`` (a change whose plan cannot be proven safe is
 refused), ``one_candidate`` (a change is planned for one insert site only) and,
 for ``revert``, ``reverted`` and ``one_revert``. The LibCST analysis
-(``sites``) gathers the facts; the pre-filter (``prefilter``) gathers them for
+(``fp8_kv_bypass``) gathers the facts; the pre-filter (``prefilter``) gathers them for
 native files with ``ast``. This module imports nothing heavy: ``check`` on a
 native file must not pay for importing LibCST.
 """
@@ -307,14 +307,12 @@ PADDING_BUG = (
 )
 
 
-def insert_kv_form(exists: bool, reads_metadata: bool, params_after_self: int, raw_scatter: bool) -> str:
-    """Which `_insert_kv` the class has: absent, the fork-era one, the bypass one
-    (current or with the raw scatter), or other.
+def insert_kv_form(reads_metadata: bool, params_after_self: int, raw_scatter: bool) -> str:
+    """Which `_insert_kv` the class has (``fp8_kv_bypass`` says when it has none, "absent"):
+    the fork-era one, the bypass one (current or with the raw scatter), or other.
 
     ``raw_scatter``: it (or a function it hands its arguments to) assigns through
     a subscript indexed by one of its parameters (``cache[slots] = ...``)."""
-    if not exists:
-        return "absent"
     if reads_metadata and params_after_self == INSERT_KV_METADATA_PARAMS:
         return "metadata"
     if not reads_metadata and params_after_self == INSERT_KV_SLOTS_PARAMS:
@@ -322,46 +320,34 @@ def insert_kv_form(exists: bool, reads_metadata: bool, params_after_self: int, r
     return "other"
 
 
-@dataclass
-class Verdict:
-    state: SiteState
-    action: Action
-    reason: str
-    pieces: dict[str, bool] = field(default_factory=dict)
-
-    def site(self, f: CallFacts) -> InsertSite:
-        return InsertSite(
-            class_name=f.class_name,
-            method=f.method if f.class_name is not None else f.module_function,
-            line=f.line,
-            state=self.state,
-            action=self.action,
-            reason=self.reason,
-            pieces=dict(self.pieces),
-        )
-
-
-def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
-    """The state of one call. ``pieces`` is asked only for a call in a method.
+def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
+    """The site of one call, in its state. ``pieces`` is asked only for a call in a method.
     A changing verdict still needs a plan (``planned``)."""
+
+    def site(
+        state: SiteState, action: Action, reason: str, present: dict[str, bool] | None = None
+    ) -> InsertSite:
+        method = f.method if f.class_name is not None else f.module_function
+        return InsertSite(f.class_name, method, f.line, state, action, reason, dict(present or {}))
+
     if f.star_args:
-        return Verdict(
+        return site(
             SiteState.UNSUPPORTED,
             Action.REFUSE,
             "the call passes *args/**kwargs: its cache arguments cannot be seen",
         )
     if not f.has_cache:
-        return Verdict(SiteState.NOT_A_SITE, Action.NONE, "no main K/V cache argument: a norm+rope-only call")
+        return site(SiteState.NOT_A_SITE, Action.NONE, "no main K/V cache argument: a norm+rope-only call")
     if f.class_name is None:
-        return Verdict(
+        return site(
             SiteState.NOT_A_SITE,
             Action.NONE,
             f"in module-level function `{f.module_function}`, not a layer class (a call of it in one may be)",
         )
     if f.method is None:
-        return Verdict(SiteState.UNSUPPORTED, Action.REFUSE, "the call is in a class body, not in a method")
+        return site(SiteState.UNSUPPORTED, Action.REFUSE, "the call is in a class body, not in a method")
     if f.nested_in is not None:
-        return Verdict(
+        return site(
             SiteState.UNSUPPORTED,
             Action.REFUSE,
             f"the call sits inside nested `{f.nested_in}`, not directly in a method",
@@ -369,7 +355,7 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
 
     p = pieces()
     present = p.present()
-    taken = Verdict(
+    taken = site(
         SiteState.UNSUPPORTED,
         Action.REFUSE,
         "names the bypass uses are taken: "
@@ -379,7 +365,7 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
     )
     if f.dtype is not None:
         if f.dtype_is_auto:
-            return Verdict(
+            return site(
                 SiteState.UNSUPPORTED,
                 Action.REFUSE,
                 f'the call passes kv_cache_dtype="{AUTO_DTYPE}" together with a cache: '
@@ -390,7 +376,7 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
             return taken  # which pieces are the bypass's cannot be told
         if p.any_bypass():
             have = ", ".join(k for k, v in present.items() if v) or f"a read of self.{FP8_FLAG}"
-            return Verdict(
+            return site(
                 SiteState.HALF_APPLIED,
                 Action.STRIP,
                 f"native call (kv_cache_dtype={f.dtype}) carrying a stale fp8 bypass ({have}): "
@@ -398,7 +384,7 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
                 "fp8 and skips padded slots itself - then run with --kv-cache-dtype fp8 directly",
                 present,
             )
-        return Verdict(
+        return site(
             SiteState.NATIVE,
             Action.NONE,
             f"native fp8 support (passes kv_cache_dtype={f.dtype}): run with --kv-cache-dtype fp8 directly",
@@ -406,7 +392,7 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
         )
 
     if not f.in_block:
-        return Verdict(
+        return site(
             SiteState.UNSUPPORTED,
             Action.REFUSE,
             "the call is not a statement of its own in a block (assigned, returned or on one line with `if`)",
@@ -415,7 +401,7 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
     if p.taken:
         return taken
     if p.user_conditions:
-        return Verdict(
+        return site(
             SiteState.UNSUPPORTED,
             Action.REFUSE,
             f"cache argument `{p.user_conditions[0]}` has a condition the bypass did not write: "
@@ -425,16 +411,16 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> Verdict:
         )
     if all(present.values()):
         if p.insert_kv == "scatter":
-            return Verdict(
+            return site(
                 SiteState.OUTDATED,
                 Action.UPGRADE,
                 f"fp8 bypass in an older form: {PADDING_BUG}; `run` upgrades it",
                 present,
             )
-        return Verdict(SiteState.PATCHED, Action.NONE, "fp8 bypass present and wired", present)
+        return site(SiteState.PATCHED, Action.NONE, "fp8 bypass present and wired", present)
     if p.any_bypass():
-        return Verdict(SiteState.HALF_APPLIED, Action.COMPLETE, _half_applied_reason(p, present), present)
-    return Verdict(
+        return site(SiteState.HALF_APPLIED, Action.COMPLETE, _half_applied_reason(p, present), present)
+    return site(
         SiteState.NEEDS_BYPASS,
         Action.REWRITE,
         "fork-era insert call (no kv_cache_dtype): the fused op would assert on an fp8 cache",
@@ -474,19 +460,19 @@ def _half_applied_reason(p: Pieces, present: dict[str, bool]) -> str:
 # --- once the changes are planned --------------------------------------------------------
 
 
-def planned(v: Verdict, line: int, failure: str | None) -> Verdict:
+def planned(site: InsertSite, failure: str | None) -> InsertSite:
     """A changing verdict whose plan could not be proven safe (``failure`` says why) is refused."""
-    if failure is None or v.action not in CHANGING:
-        return v
-    if v.action is Action.STRIP:
+    if failure is None or site.action not in CHANGING:
+        return site
+    if site.action is Action.STRIP:
         reason = (
-            f"{v.reason.split('; `run` takes')[0]}; `run` cannot take the bypass out: {failure}. "
-            f"By hand: in the call at line {line} pass each `X if <guard> else ...` argument "
+            f"{site.reason.split('; `run` takes')[0]}; `run` cannot take the bypass out: {failure}. "
+            f"By hand: in the call at line {site.line} pass each `X if <guard> else ...` argument "
             "as `X`, delete the post-call block that calls `self._insert_kv` and the `_insert_kv` "
             "method, then run `mm3-codemod check` on the file"
         )
-        return Verdict(SiteState.HALF_APPLIED, Action.REFUSE, reason, v.pieces)
-    return Verdict(SiteState.UNSUPPORTED, Action.REFUSE, failure, v.pieces)
+        return replace(site, state=SiteState.HALF_APPLIED, action=Action.REFUSE, reason=reason)
+    return replace(site, state=SiteState.UNSUPPORTED, action=Action.REFUSE, reason=failure)
 
 
 def _where(sites: list[InsertSite]) -> str:
