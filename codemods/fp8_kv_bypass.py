@@ -194,18 +194,18 @@ class CallFinder(cst.CSTVisitor):
         # Where the op is named other than as the callee of a call (an alias, a local, getattr):
         # (the node, the innermost statement holding it).
         self.named: list[tuple[cst.CSTNode, cst.CSTNode | None]] = []
-        self.statement: cst.CSTNode | None = None
+        self.statements: list[cst.CSTNode] = []  # those being visited, innermost last
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         if self.skip.get(id(node)) is node:
             return False  # a statement that holds no call of the op
         if isinstance(node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
-            self.statement = node
+            self.statements.append(node)
         return super().on_visit(node)
 
     def _named(self, node: cst.CSTNode, name: str | None) -> None:
         if name == schema.FUSED_OP:
-            self.named.append((node, self.statement))
+            self.named.append((node, self.statements[-1] if self.statements else None))
 
     def visit_Name(self, node: cst.Name) -> None:  # the attribute of `ops.fused_…` too
         self._named(node, node.value)
@@ -217,6 +217,8 @@ class CallFinder(cst.CSTVisitor):
     def on_leave(self, original_node: cst.CSTNode) -> None:
         if self.skip.get(id(original_node)) is not original_node:
             super().on_leave(original_node)
+            if isinstance(original_node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+                self.statements.pop()
 
     def _push(self, node: cst.CSTNode) -> None:
         self.stack.append(node)

@@ -345,6 +345,17 @@ def test_the_op_under_another_name_is_not_unchanged(tmp_path: Path, pairs) -> No
     assert "#" not in reason.split("(`")[1].split("`)")[0], "the comments above the statement are not it"
 
 
+def test_the_op_named_in_an_except_clause_quotes_the_statement_that_holds_it(tmp_path: Path) -> None:
+    """The clause is read after the ``try`` body: the quote is the ``try`` statement, not the
+    body's last statement (which only mentions the op in a comment)."""
+    probe = (
+        "        try:\n            probe = 1  # before fused_minimax_m3_qknorm_rope_kv_insert\n"
+        '        except getattr(ops, "fused_minimax_m3_qknorm_rope_kv_insert"):\n            pass\n'
+    )
+    source = edit(FORK_ERA, (CALL, probe + CALL))
+    assert_refused(tmp_path, source, "the op is named without being called by that name (`try:`)")
+
+
 # --- calls in a `match` case are sites like any other -------------------------------------------------
 
 
