@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -289,7 +290,7 @@ def copy_fixture(tmp_path: Path):
     return copy
 
 
-# One fixture in each state a report shows (no-sites, needs-bypass, half-applied, patched,
+# One fixture in each state a report shows (not-a-site, needs-bypass, half-applied, patched,
 # native, outdated, a stale bypass to strip, a refusal): a folder for tests of how a
 # command line is read, where the rest of the work is the same code for every file.
 STATES = (
@@ -304,9 +305,10 @@ STATES = (
 )
 
 
-def states_folder(root: Path) -> Path:
-    """``root/<fixture>/model.py`` for each of ``STATES``."""
-    for variant in STATES:
+def fixture_folder(root: Path, variants: Iterable[str] = STATES) -> Path:
+    """``root/<fixture>/model.py`` for each of ``variants``, as real files (the fixtures
+    folder holds symlinks)."""
+    for variant in variants:
         (root / variant).mkdir(parents=True)
         shutil.copyfile(FIXTURES / variant / "model.py", root / variant / "model.py")
     return root

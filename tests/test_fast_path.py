@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, ROOT, make_vllm_tree, python_c, states_folder
+from conftest import FIXTURES, ROOT, fixture_folder, make_vllm_tree, python_c
 
 from rewriter.cli import read_plain
 
@@ -93,7 +93,7 @@ open(out, "w").write(json.dumps(seen))
 def command_lines(tmp_path: Path) -> list[list[str]]:
     tree = tmp_path / "tree"
     make_vllm_tree(tree, {"model.py": (FIXTURES / "fork_era" / "model.py").read_bytes()})
-    states = states_folder(tmp_path / "states")
+    states = fixture_folder(tmp_path / "states")
     return [
         ["check", str(copy(tmp_path, "fork_era"))],
         ["check", "--json", str(FIXTURES / "native" / "model.py")],
@@ -274,10 +274,10 @@ def run_both(tmp_path: Path, args: list[str], restore: Path | None = None) -> No
     ids=lambda a: " ".join(a),
 )
 def test_same_output_through_typer(tmp_path: Path, args: list[str]) -> None:
-    """A folder is ``{states}``: one file in each state (``states_folder``); what is compared is
+    """A folder is ``{states}``: one file in each state (``conftest.STATES``); what is compared is
     how each reads the command line, the rest of the work is the same code."""
     if "{states}" in args:
-        states = str(states_folder(tmp_path / "states"))
+        states = str(fixture_folder(tmp_path / "states"))
         args = [states if a == "{states}" else a for a in args]
     run_both(tmp_path, args)
 

@@ -13,7 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, ROOT, cli, make_vllm_tree, states_folder
+from conftest import FIXTURES, ROOT, cli, fixture_folder, make_vllm_tree
 from test_fixtures import VARIANTS
 from test_real_wheels import PREFIX, VERSIONS, vllm_wheel
 
@@ -38,15 +38,6 @@ def wheel_sites(tmp_path_factory) -> dict[str, Path]:
     return sites
 
 
-def fixture_copies(tmp_path: Path) -> Path:
-    """Every fixture's model.py, as real files (the fixtures folder holds symlinks)."""
-    folder = tmp_path / "fixtures"
-    for name in VARIANTS:
-        (folder / name).mkdir(parents=True)
-        shutil.copyfile(FIXTURES / name / "model.py", folder / name / "model.py")
-    return folder
-
-
 def by_file(report: dict) -> dict[str, dict]:
     return {f["path"]: f for f in report["files"]}
 
@@ -56,7 +47,7 @@ def insert_states(entry: dict) -> list[str]:
 
 
 def test_survey_fixtures_and_real_wheels(tmp_path: Path, wheel_sites: dict[str, Path]) -> None:
-    folder = fixture_copies(tmp_path)
+    folder = fixture_folder(tmp_path / "fixtures", VARIANTS)
     args = ["survey", "--json", str(folder)]
     for version in VERSIONS:
         args += ["--vllm-root", str(wheel_sites[version])]
@@ -130,7 +121,7 @@ def table_rows(stderr: str) -> list[dict[str, str]]:
 
 
 def test_jobs_2_gives_the_same_report_as_jobs_1(tmp_path: Path, wheel_sites: dict[str, Path]) -> None:
-    folder = states_folder(tmp_path / "states")  # a file in each state, and a vLLM's files
+    folder = fixture_folder(tmp_path / "states")  # a file in each state, and a vLLM's files
     common = ["survey", "--json", str(folder), "--vllm-root", str(wheel_sites[VERSIONS[0]])]
     one = cli(*common, "--jobs", "1")
     two = cli(*common, "-j", "2")
@@ -278,7 +269,7 @@ def test_readable_at_every_width(tmp_path: Path, wheel_sites: dict[str, Path], w
     after a "/" or a "."); paths are relative to the working folder; each row says why."""
     fork = tmp_path / "forks" / "minimax-m3-fp8-fork"
     make_vllm_tree(fork, {"model.py": (FIXTURES / "half_applied" / "model.py").read_bytes()})
-    folder = fixture_copies(tmp_path)
+    folder = fixture_folder(tmp_path / "fixtures", VARIANTS)
     args = ["--vllm-root", str(fork), str(folder / "two_candidates"), str(folder / "fork_era")]
     for version in VERSIONS:
         args += ["--vllm-root", str(wheel_sites[version])]
