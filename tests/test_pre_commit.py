@@ -54,7 +54,11 @@ def project_files() -> list[str]:
     except (subprocess.CalledProcessError, FileNotFoundError):
         listed = ""
     if listed:
-        return [f for f in listed.split("\0") if f and os.path.lexists(ROOT / f)]
+        # A virtual environment that .gitignore does not name (`python -m venv .v`) is no project file.
+        venvs = {p.parent.name for p in ROOT.glob("*/pyvenv.cfg")}
+        return [
+            f for f in listed.split("\0") if f and os.path.lexists(ROOT / f) and f.split("/")[0] not in venvs
+        ]
     # Not a git checkout (an unpacked sdist): everything but environments and caches.
     return [
         str(p.relative_to(ROOT))
