@@ -374,12 +374,10 @@ def local_names(func: cst.FunctionDef) -> tuple[list[str], set[str]]:
     return [n for n in stores.names if n not in params], stores.used | params
 
 
-class _Rename(_Along):
-    """Rename variables inside one function; attribute names and keywords are not variables."""
+class _RenameVariables(cst.CSTTransformer):
+    """Rename variables by ``self.mapping``; attribute names and keywords are not variables."""
 
-    def __init__(self, path: list[cst.CSTNode], func: cst.FunctionDef, mapping: dict[str, str]) -> None:
-        super().__init__(path, under=[func.body])
-        self.mapping = mapping
+    mapping: dict[str, str]
 
     def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.Name:
         return updated.with_changes(value=self.mapping.get(original.value, original.value))
@@ -389,6 +387,14 @@ class _Rename(_Along):
 
     def leave_Arg(self, original: cst.Arg, updated: cst.Arg) -> cst.Arg:
         return updated.with_changes(keyword=original.keyword)
+
+
+class _Rename(_Along, _RenameVariables):
+    """Rename variables inside one function."""
+
+    def __init__(self, path: list[cst.CSTNode], func: cst.FunctionDef, mapping: dict[str, str]) -> None:
+        super().__init__(path, under=[func.body])
+        self.mapping = mapping
 
 
 def _fresh_names(scheme: str, locals_: list[str], used: set[str]) -> dict[str, str]:
@@ -429,18 +435,10 @@ def _walk(node: cst.CSTNode) -> Iterable[cst.CSTNode]:
         yield from _walk(child)
 
 
-class _RenameGlobal(cst.CSTTransformer):
+class _RenameGlobal(_RenameVariables):
     def __init__(self, mapping: dict[str, str]) -> None:
+        super().__init__()
         self.mapping = mapping
-
-    def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.Name:
-        return updated.with_changes(value=self.mapping.get(original.value, original.value))
-
-    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute) -> cst.Attribute:
-        return updated.with_changes(attr=original.attr)
-
-    def leave_Arg(self, original: cst.Arg, updated: cst.Arg) -> cst.Arg:
-        return updated.with_changes(keyword=original.keyword)
 
 
 def rename_class(module: cst.Module, every_class: bool = False) -> cst.Module:

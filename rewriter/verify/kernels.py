@@ -20,7 +20,7 @@ import contextlib
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -87,7 +87,6 @@ class KernelOps:
     reshape_raw: Any
     extra: list[tuple[str, Any]]
     layout: Layout | None = None
-    notes: list[str] = field(default_factory=list)
 
     def fused_call(self, bound: dict[str, Any], cache: torch.Tensor | None) -> None:
         args = [bound.get(name, harness.FUSED_SIGNATURE.parameters[name].default) for name in FORK_PARAMS]
