@@ -164,7 +164,7 @@ class Pieces:
 
     flag_set: bool = False  # `self._fp8_kv = ...` in __init__
     flag_read: bool = False  # `self._fp8_kv` anywhere in the class (moot once set)
-    scale_set: bool = False  # `self.register_buffer("_fp8_kv_scale", ...)` in __init__
+    scale_set: bool = False  # `self._fp8_kv_scale = ...` in __init__
     scale_read: bool = False  # `self._fp8_kv_scale` read in the class
     guard_args: list[str] = field(default_factory=list)  # guard names in the cache args
     guard_assigned: str | None = None  # `G = not self._fp8_kv` before the call
