@@ -537,6 +537,8 @@ def _fsync_dir(folder: Path) -> None:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
         return
-    with contextlib.suppress(OSError):
-        os.fsync(fd)
-    os.close(fd)
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
