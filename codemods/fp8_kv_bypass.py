@@ -156,10 +156,10 @@ def classify(
         if decided.action is Action.STRIP:
             from codemods import fp8_kv_revert  # the strip is the revert of that one site
 
-            plan = fp8_kv_revert.plan_strip(module, found)
+            plan = fp8_kv_revert.plan_strip(module, found, functions)
         elif decided.action in CHANGING:
             assert slot is not None
-            plan = _build_plan(module, found, slot, found_pieces[-1])
+            plan = _build_plan(module, found, slot, found_pieces[-1], functions)
     except Unsupported as exc:
         failure = str(exc)
     return schema.planned(decided, failure), plan
@@ -591,8 +591,15 @@ def op_namespace(op: a.OpCall, imports: list[a.ImportedName]) -> str | None:
     return namespace
 
 
-def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: _Pieces) -> BypassPlan:
-    """Find and check every name the bypass needs; raise ``Unsupported`` if one is missing."""
+def _build_plan(
+    module: cst.Module,
+    found: FoundCall,
+    slot: a.StatementSlot,
+    p: _Pieces,
+    functions: dict[str, cst.FunctionDef],
+) -> BypassPlan:
+    """Find and check every name the bypass needs; raise ``Unsupported`` if one is missing.
+    ``functions``: the module's top-level defs (``collect_pieces``)."""
     cls, method, op = found.cls, found.method, found.op
     assert cls is not None and method is not None
     if method.name.value == "__init__":
@@ -637,7 +644,7 @@ def _build_plan(module: cst.Module, found: FoundCall, slot: a.StatementSlot, p: 
     upgraded: list[cst.FunctionDef] = []
     if insert_kv == "upgrade":
         assert old_insert_kv is not None
-        upgraded = [old_insert_kv, *a.delegates(old_insert_kv, cls, a.module_functions(module))]
+        upgraded = [old_insert_kv, *a.delegates(old_insert_kv, cls, functions)]
     edits: list[tuple[cst.BaseStatement, str]] = []
     for fn in upgraded:
         for scatter in a.raw_scatters(fn):

@@ -129,7 +129,7 @@ def analyze_revert(module: cst.Module) -> RevertAnalysis:
         site, _ = bp.classify(module, found, functions)
         plan = failure = None
         try:
-            plan = _plan_site(module, found, positions)
+            plan = _plan_site(module, found, positions, functions)
         except Unsupported as exc:
             failure = str(exc)
         sites.append(schema.reverted(site, _revert_reason(plan) if plan else None, failure))
@@ -139,10 +139,10 @@ def analyze_revert(module: cst.Module) -> RevertAnalysis:
     return RevertAnalysis(module, sites, kept)
 
 
-def plan_strip(module: cst.Module, found: bp.FoundCall) -> RevertPlan:
+def plan_strip(module: cst.Module, found: bp.FoundCall, functions: dict[str, cst.FunctionDef]) -> RevertPlan:
     """``run`` on a native call that carries bypass pieces: the revert of that site."""
     positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
-    plan = _plan_site(module, found, positions)
+    plan = _plan_site(module, found, positions, functions)
     if plan is None:
         raise Unsupported("no bypass piece could be delimited")
     return plan
@@ -160,8 +160,11 @@ def _revert_reason(plan: RevertPlan) -> str:
     return f"fp8 bypass ({have}) taken out: plain cache arguments, {what}"
 
 
-def _plan_site(module: cst.Module, found: bp.FoundCall, positions) -> RevertPlan | None:
-    """None when there is no bypass around this call; ``Unsupported`` when one cannot be proven."""
+def _plan_site(
+    module: cst.Module, found: bp.FoundCall, positions, functions: dict[str, cst.FunctionDef]
+) -> RevertPlan | None:
+    """None when there is no bypass around this call; ``Unsupported`` when one cannot be proven.
+    ``functions``: the module's top-level defs."""
     cls, method, op = found.cls, found.method, found.op
     facts, slot = bp.call_facts(found)
     if cls is None or method is None or facts.star_args or not facts.has_cache:
@@ -170,7 +173,7 @@ def _plan_site(module: cst.Module, found: bp.FoundCall, positions) -> RevertPlan
         if any(a.self_attr(n) == schema.FP8_FLAG for n in a.walk_all(cls.body)):
             raise Unsupported("the call is not directly in a method: its bypass cannot be delimited")
         return None
-    pieces = bp.collect_pieces(cls, method, op, slot, a.module_functions(module))
+    pieces = bp.collect_pieces(cls, method, op, slot, functions)
     if not pieces.any_bypass():
         return None
     if slot is None:
