@@ -130,7 +130,6 @@ def test_variant_is_rewritten_correctly_or_refused(variant: Variant, tmp_path) -
     assert_agree(path)
     if result.status is FileStatus.REWRITTEN:
         assert prefilter(path.read_bytes()) is None  # the bypass is LibCST's to read
-    if result.status is FileStatus.REWRITTEN:
         problems = judge_rewrite(source, after, REFERENCE[variant.fixture])
         outcome = "wrong" if problems else "rewritten"
     elif result.failed and report.exit_code == 2:
