@@ -403,12 +403,14 @@ def collect_pieces(
     conditions = [(arg, _guard_of(arg)) for arg in (op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE))]
     p.guard_args = [g for _, g in conditions if g]
     p.insert_kv = _insert_kv_form(a.find_method(cls, schema.INSERT_KV), cls, functions)
+    native = op.arg(schema.KV_CACHE_DTYPE) is not None
     if slot is not None:
         guard_names = set(p.guard_args) | {GUARD_NAME}
         for stmt in slot.before():
             pair = a.simple_assignment(stmt)
             if pair and isinstance(pair[0], cst.Name) and pair[0].value in guard_names:
-                schema.note_guard_assignment(p, pair[0].value, matches(pair[1], schema.is_guard_value))
+                is_guard = matches(pair[1], lambda t: schema.is_guard_value(t, native))
+                schema.note_guard_assignment(p, pair[0].value, is_guard)
     # A condition is the bypass's guard only if the bypass could have written it: the
     # name is assigned `not self._fp8_kv` in the call's block before the call (and bound
     # nowhere else but there and as a parameter), or it is the bypass's own name, read
@@ -434,8 +436,25 @@ def collect_pieces(
             guards = {schema.FP8_FLAG, *p.guard_args, p.guard_assigned or GUARD_NAME}
             guarded = isinstance(stmt, cst.If) and block_guard(stmt) in guards
             p.post_insert_wired = guarded and _insert_is_wired(node, op)
+            p.compiled_write = guarded and matches(stmt.test, schema.runs_compiling) and _slots_none_somewhere(method, op)  # type: ignore[attr-defined]
             break
     return p
+
+
+def _slots_none_somewhere(method: cst.FunctionDef, op: a.OpCall) -> bool:
+    """A slot mapping the call passes is a local that ``method`` sets to ``None`` (while compiling, say)."""
+    names = {
+        arg.value.value
+        for param in (schema.SLOT_MAPPING, schema.INDEX_SLOT_MAPPING)
+        if (arg := op.arg(param)) is not None and isinstance(arg.value, cst.Name)
+    }
+    return any(
+        (pair := a.simple_assignment(x.statement)) is not None
+        and isinstance(pair[0], cst.Name)
+        and pair[0].value in names
+        and a.is_none(pair[1])
+        for x in a.statement_slots(method)
+    )
 
 
 def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Module) -> bool:
@@ -626,6 +645,14 @@ def _build_plan(
             "a caller the new `_insert_kv` signature would break, or a stale bypass piece"
         )
 
+    # On a native call (a torch.compile-aware bypass, ``schema``) the kernel writes fp8 in eager:
+    # the guard only keeps the cache arguments from it while compiling, and needs no flag.
+    native = op.arg(schema.KV_CACHE_DTYPE) is not None
+    if native and p.flag_read and not p.flag_set:
+        raise Unsupported(
+            f"`self.{schema.FP8_FLAG}` is read but never set: set it in __init__ "
+            f'(`self.{schema.FP8_FLAG} = "fp8" in self.{schema.DTYPE_ATTR}`) or drop its reads, then run again'
+        )
     taken = a.bound_names(method)
     guard = _guard_name(p, taken)
     caches, wrap = cache_args(op, method, slot)
@@ -653,6 +680,7 @@ def _build_plan(
     scale_code = render(SCALE, module) if reads_scale and not p.scale_set else ""
     if p.flag_set and scale_code:
         flag_slot = init_attrs[schema.FP8_FLAG][-1][0]  # the scale goes right after the existing flag
+    add_flag = not p.flag_set and not native
     local = {f"n_{k}": _fresh(k, taken) for k in ("kv", "k0", "ik0", "k", "v", "index_k")}
     return BypassPlan(
         cls=cls,
@@ -661,7 +689,7 @@ def _build_plan(
         call_slot=slot,
         guard=guard,
         add_guard=p.guard_assigned is None,
-        guard_code=render(GUARD, module, guard=guard),
+        guard_code=render(NATIVE_GUARD if native else GUARD, module, guard=guard),
         wrap_args=wrap,
         add_post_insert=not p.post_insert,
         post_insert_code=render(
@@ -677,8 +705,8 @@ def _build_plan(
             index_slots=index_slots,
             **local,
         ),
-        flag_slot=flag_slot if (not p.flag_set or scale_code) else None,
-        flag_code=("" if p.flag_set else render(FLAG, module, dtype=dtype_attr)) + scale_code,
+        flag_slot=flag_slot if (add_flag or scale_code) else None,
+        flag_code=(render(FLAG, module, dtype=dtype_attr) if add_flag else "") + scale_code,
         insert_kv=insert_kv,
         insert_kv_code=render(
             INSERT_KV_METHOD,
@@ -1049,6 +1077,13 @@ SCALE_LOCAL = """\
 GUARD = """\
 # fp8 KV cache: cache arguments None -> the fused op only norms/ropes in place.
 {guard} = not self._fp8_kv
+"""
+
+NATIVE_GUARD = """\
+# fp8 KV cache, torch.compile-aware: in eager the native kernel writes the cache
+# (fp8 included, padded slots skipped); while compiling the slot mappings are
+# None, so the cache arguments are too and the post-call block writes the cache.
+{guard} = not torch.compiler.is_compiling()
 """
 
 POST_INSERT = """\

@@ -178,6 +178,12 @@ def _plan_site(
         return None
     if slot is None:
         raise Unsupported("the call is not a statement of its own in a block")
+    if pieces.compiled_write and op.arg(schema.KV_CACHE_DTYPE) is not None:
+        raise Unsupported(
+            f"on this native call the bypass is torch.compile's cache write ({schema.COMPILED_DESIGN}): "
+            "taking it out would leave the compiled path writing no token. Keep it: in eager the "
+            "native kernel writes fp8 itself, and `mm3-codemod check` says whether it is wired"
+        )
 
     guards = set(pieces.guard_args) | ({pieces.guard_assigned} if pieces.guard_assigned else set())
     if pieces.guard_other:

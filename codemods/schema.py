@@ -176,10 +176,17 @@ class Pieces:
     user_conditions: list[str] = field(default_factory=list)
     # the bypass's names (`_fp8_kv`, `_fp8_kv_scale`, `_insert_kv`) used by the file for something else
     taken: list[str] = field(default_factory=list)
+    # the post-call block also runs while compiling (`if torch.compiler.is_compiling() or not G:`)
+    # and the call's slot mappings are None there: the block's compiled branch (a custom op, say)
+    # is the only cache write under torch.compile (a torch.compile-aware fork's own design)
+    compiled_write: bool = False
 
-    def present(self) -> dict[str, bool]:
+    def present(self, native: bool = False) -> dict[str, bool]:
+        """Which pieces are there; on a native call the flag is a piece only where it is read
+        (the guard `not torch.compiler.is_compiling()` lets the kernel write fp8 in eager)."""
+        flag_needed = not native or self.flag_read or self.flag_set
         return {
-            "flag": self.flag_set and (self.scale_set or not self.scale_read),
+            "flag": (self.flag_set or not flag_needed) and (self.scale_set or not self.scale_read),
             "guard": self.guard_assigned is not None,
             "guarded-args": len(self.guard_args) == 2,
             "post-insert": self.post_insert and self.post_insert_wired,
@@ -254,14 +261,28 @@ def is_scale_value(node: ast.expr) -> bool:
     return isinstance(node, ast.Call) and dotted(node.func) == "torch.ones"
 
 
-def is_guard_value(node: ast.expr) -> bool:
-    """``not self._fp8_kv``, alone or ``and``-ed with ``not torch.compiler.is_compiling()``."""
+def is_guard_value(node: ast.expr, native: bool = False) -> bool:
+    """``not self._fp8_kv``, alone or ``and``-ed with ``not torch.compiler.is_compiling()``;
+    ``native`` (the call passes kv_cache_dtype): also ``not torch.compiler.is_compiling()``
+    alone - in eager the kernel writes fp8 itself."""
     if _is_flag(_negated(node)):
+        return True
+    if native and (inner := _negated(node)) is not None and is_compiling(inner):
         return True
     if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And) and len(node.values) == 2:
         negated = [_negated(v) for v in node.values]
         return any(_is_flag(n) for n in negated) and any(n is not None and is_compiling(n) for n in negated)
     return False
+
+
+def runs_compiling(test: ast.expr) -> bool:
+    """``torch.compiler.is_compiling() or not G``: the post-call block runs while compiling too."""
+    return (
+        isinstance(test, ast.BoolOp)
+        and isinstance(test.op, ast.Or)
+        and len(test.values) == 2
+        and is_compiling(test.values[0])
+    )
 
 
 def post_block_guard(test: ast.expr) -> str | None:
@@ -374,6 +395,8 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
             )
         if p.any_bypass() and p.taken:
             return taken  # which pieces are the bypass's cannot be told
+        if p.any_bypass() and p.compiled_write:
+            return _compiled_bypass(f, p, site)
         if p.any_bypass():
             have = ", ".join(k for k, v in present.items() if v) or f"a read of self.{FP8_FLAG}"
             return site(
@@ -426,6 +449,37 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
         "fork-era insert call (no kv_cache_dtype): the fused op would assert on an fp8 cache",
         present,
     )
+
+
+COMPILED_DESIGN = (
+    "while compiling, the call's slot mappings are None and the post-call block's compiled "
+    "branch writes the cache"
+)
+
+
+def _compiled_bypass(f: CallFacts, p: Pieces, site: Callable[..., InsertSite]) -> InsertSite:
+    """A native call carrying a torch.compile-aware bypass: the bypass is the compiled path's
+    only cache write, so it stays; ``run`` upgrades its index write or restores a lost guard."""
+    present = p.present(native=True)
+    what = f"native call (kv_cache_dtype={f.dtype}) with a torch.compile-aware fp8 bypass ({COMPILED_DESIGN})"
+    if all(present.values()):
+        if p.insert_kv == "scatter":
+            return site(
+                SiteState.OUTDATED,
+                Action.UPGRADE,
+                f"{what}, in an older form: {PADDING_BUG}, on the eager and the compiled path alike; "
+                "`run` upgrades that write where it is",
+                present,
+            )
+        return site(SiteState.PATCHED, Action.NONE, f"{what}: present and wired", present)
+    fix = (
+        f"`run` restores the guard as `{GUARD_NAME} = not torch.compiler.is_compiling()`: in eager "
+        "the native kernel writes the cache (fp8 included, padded slots skipped), while compiling "
+        "the file's own cache-update path still writes it"
+    )
+    if p.insert_kv == "scatter":
+        fix += ", and upgrades its index-key write (" + PADDING_BUG + ")"
+    return site(SiteState.HALF_APPLIED, Action.COMPLETE, f"{what}, partial: {_broken_now(p, f.line)}; {fix}", present)
 
 
 def _broken_now(p: Pieces, line: int) -> str:

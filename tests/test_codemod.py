@@ -446,3 +446,37 @@ def test_remove_unused_imports(before: str, after: str) -> None:
     from codemods.fp8_kv_bypass import remove_unused_imports
 
     assert remove_unused_imports(cst.parse_module(before), {"Gone"}).code == after
+
+
+# --- a torch.compile-aware bypass on a native call (the fixtures compiled_native*) ----------
+
+def _sites(path: str) -> list:
+    from conftest import FIXTURES
+
+    sites = analyze(cst.parse_module((FIXTURES / path).read_bytes())).sites
+    return [s for s in sites if s.state is not SiteState.NOT_A_SITE]
+
+
+def test_a_compile_aware_bypass_that_lost_its_guard_is_repaired_not_stripped() -> None:
+    """Its compiled path writes the cache only through the bypass (slot mappings None while
+    compiling): taking the bypass out would leave torch.compile writing nothing."""
+    (site,) = _sites("compiled_native_lost_guard/model.py")
+    assert (site.state, site.action) == (SiteState.HALF_APPLIED, Action.COMPLETE)
+    assert "insert_via_fused = not torch.compiler.is_compiling()" in site.reason
+    assert "By hand" not in site.reason
+
+
+def test_the_same_bypass_with_real_slot_mappings_while_compiling_is_still_stripped() -> None:
+    (site,) = _sites("half_native/model.py")
+    assert (site.state, site.action) == (SiteState.HALF_APPLIED, Action.STRIP)
+
+
+def test_not_is_compiling_alone_is_no_guard_on_a_fork_era_call() -> None:
+    """Without kv_cache_dtype the kernel asserts on an fp8 cache: eager fp8 must take the bypass."""
+    from conftest import FIXTURES
+
+    source = (FIXTURES / "compiled_native_lost_guard/expected.py").read_text()
+    fork_era = source.replace("            self.kv_cache_dtype,\n        )\n        if torch", "        )\n        if torch")
+    assert fork_era != source
+    (site,) = [s for s in analyze(cst.parse_module(fork_era)).sites if s.state is not SiteState.NOT_A_SITE]
+    assert site.state is not SiteState.PATCHED

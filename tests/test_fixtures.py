@@ -33,6 +33,9 @@ VARIANTS = {
     "wrapper_native": ([SiteState.HALF_APPLIED], 1),
     "dense_only": ([], 0),
     "two_candidates": ([SiteState.UNSUPPORTED, SiteState.UNSUPPORTED], 2),
+    "separate_projections": ([SiteState.NEEDS_BYPASS], 1),
+    "compiled_native": ([SiteState.OUTDATED], 1),
+    "compiled_native_lost_guard": ([SiteState.HALF_APPLIED], 1),
 }
 
 

@@ -31,7 +31,9 @@ REVERTED = {
 }
 # Native calls carrying a bypass: `run` takes it out, which is what `revert` does.
 NATIVE_STRIPS = ["native_stale_bypass", "half_native", "half_native_plain", "wrapper_native"]
-ALL = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+# On these native calls the bypass is torch.compile's only cache write: revert refuses.
+COMPILED = ["compiled_native", "compiled_native_lost_guard"]
+ALL = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and p.name not in COMPILED)
 
 
 def copy(path: Path, tmp_path: Path, name: str = "model.py") -> Path:
@@ -520,3 +522,14 @@ def test_every_shape_of_the_lost_guard_merge_is_taken_out_and_proven(shape: str,
     level, _ = semantic(target)
     assert level.status is Status.PASSED, level.reason + "\n" + "\n".join(level.details)
     assert any("padded tokens (slot -1, last 3) wrote nothing: yes" in d for d in level.details)
+
+
+@pytest.mark.parametrize("name", COMPILED)
+@pytest.mark.parametrize("form", ["model.py", "expected.py"])
+def test_revert_refuses_a_bypass_that_is_the_compiled_paths_cache_write(name: str, form: str, tmp_path: Path) -> None:
+    target = copy(FIXTURES / name / form, tmp_path)
+    report = commands.write_targets("revert", [Target(target, "test")])
+    assert report.exit_code == 2
+    assert target.read_bytes() == (FIXTURES / name / form).read_bytes()
+    (site,) = [s for s in report.files[0].sites if s.action.value == "refuse"]
+    assert "taking it out would leave the compiled path writing no token" in site.reason

@@ -32,6 +32,7 @@ PATCHED = [
     "patched/model.py",
     "half_applied/expected.py",
     "patch_fuzz/expected.py",
+    "separate_projections/expected.py",
 ]
 # Before-state files and what running them with an fp8 cache does.
 UNPATCHED = {
@@ -40,6 +41,8 @@ UNPATCHED = {
     "no_insert_kv/model.py": "kv_cache dtype must match qkv (bf16 cache only)",
     "patch_fuzz/model.py": "kv_cache dtype must match qkv (bf16 cache only)",
     "half_applied/model.py": "NameError: name 'insert_via_fused' is not defined",
+    "separate_projections/model.py": "kv_cache dtype must match qkv (bf16 cache only)",
+    "compiled_native_lost_guard/model.py": "NameError: name 'insert_via_fused' is not defined",
 }
 
 
@@ -65,7 +68,7 @@ def test_semantic_fails_on_unpatched_files_naming_the_reason(name: str) -> None:
     assert "forward" in level.reason  # where it failed, in the file's own code
 
 
-@pytest.mark.parametrize("variant", ["seed_form", "old_form"])
+@pytest.mark.parametrize("variant", ["seed_form", "old_form", "compiled_native"])
 def test_the_older_forms_fail_the_padding_check(variant: str) -> None:
     """The seed's bypass (and this tool's earlier one) scatters the index key by slot:
     a padded token's slot -1 writes the last index slot, which the fused op never does."""
@@ -164,6 +167,79 @@ def test_what_the_stand_in_cannot_model_is_a_skip_not_a_failure(tmp_path: Path) 
     level, _ = semantic(path)
     assert level.status is Status.SKIPPED, level.reason
     assert "the stand-in lacks `self.use_nvfp4_kv`" in level.reason
+
+
+@pytest.mark.parametrize("variant", ["compiled_native", "compiled_native_lost_guard"])
+def test_a_compile_aware_file_is_run_on_its_compiled_path_too(variant: str) -> None:
+    """With is_compiling() true the file's registered cache-update op runs its own body (the
+    layer found in the forward context) and its caches must be eager's, padded tokens included."""
+    level, _ = semantic(FIXTURES / variant / "expected.py")
+    assert level.status is Status.PASSED, level.reason + "\n" + "\n".join(level.details)
+    assert "eager and compiled paths" in level.reason
+    for check in ("compiled: bf16 run wrote every slot", "compiled: padded tokens (slot -1, last 3) wrote nothing",
+                  "compiled: caches = eager's (bf16)"):
+        assert f"MiniMaxM3SparseAttention: {check}: yes" in level.details
+
+
+def _fixture_edited(tmp_path: Path, variant: str, old: str, new: str) -> Path:
+    source = (FIXTURES / variant / "expected.py").read_text()
+    assert source.count(old) == 1
+    path = tmp_path / "model.py"
+    path.write_text(source.replace(old, new))
+    return path
+
+
+def test_a_compiled_path_that_writes_nothing_fails(tmp_path: Path) -> None:
+    """What the old advice (strip the bypass of a compile-aware fork) would leave: eager is
+    fine, the compiled path writes no token to the cache."""
+    path = _fixture_edited(
+        tmp_path,
+        "compiled_native_lost_guard",
+        "torch.ops.vllm.sparse_kv_cache_update(k, v, index_k, layer_name)",
+        "pass",
+    )
+    level, _ = semantic(path)
+    assert level.status is Status.FAILED
+    assert "compiled: bf16 run wrote every slot: no" in level.reason
+
+
+def test_the_compiled_path_runs_the_files_own_op_body(tmp_path: Path) -> None:
+    """The registered op's own body is what runs: a body that skips the padding-safe write fails."""
+    path = _fixture_edited(
+        tmp_path,
+        "compiled_native",
+        "    if isinstance(slots, dict) and layer.layer_name in slots:\n",
+        "    if isinstance(slots, dict) and layer.layer_name not in slots:\n",
+    )
+    level, _ = semantic(path)
+    assert level.status is Status.FAILED and "compiled:" in level.reason
+
+
+def test_an_imported_helper_the_stand_in_cannot_model_is_a_skip_naming_the_line(tmp_path: Path) -> None:
+    path = _fixture_edited(
+        tmp_path,
+        "separate_projections",
+        "        num_tokens = qkv.shape[0]\n",
+        "        num_tokens = qkv.shape[0]\n        low, high = kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, None)\n",
+    )
+    level, _ = semantic(path)
+    assert level.status is Status.SKIPPED, level.reason
+    assert "the stand-in cannot run model.py:" in level.reason
+    assert "`low, high = kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, None)`" in level.reason
+
+
+def test_projections_are_built_at_the_widths_init_gives_them(tmp_path: Path) -> None:
+    """The separate projections' widths come from __init__: a width the file gets wrong is
+    the stand-in's limit to say, never a made-up failure of the file."""
+    path = _fixture_edited(
+        tmp_path,
+        "separate_projections",
+        "self.index_k_proj = ReplicatedLinear(self.hidden_size, self.idx_head_dim, bias=False)",
+        "self.index_k_proj = ReplicatedLinear(self.hidden_size, 2 * self.idx_head_dim, bias=False)",
+    )
+    level, _ = semantic(path)
+    assert level.status is Status.SKIPPED, level.reason
+    assert "projections" in level.reason and "wide" in level.reason
 
 
 def test_unreadable_target_is_exit_2_with_one_line(tmp_path: Path) -> None:
@@ -529,7 +605,7 @@ def test_adapter_detects_the_cache_layout_and_the_bypass_agrees_through_it() -> 
     checks = kernels.check_against_references(ops, inputs)
     assert checks and all(c.passed for c in checks), checks
     code = harness.load_layer(FIXTURES / "fork_era" / "expected.py", "MiniMaxM3SparseAttention")
-    comparison, _, _ = harness.check_layer(code, ops.backend, inputs)
+    comparison, _ = harness.check_layer(code, ops.backend, inputs)
     assert comparison.passed, comparison.reason
 
 

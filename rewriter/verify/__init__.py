@@ -206,16 +206,18 @@ def _semantic(
     details: list[str] = []
     failures: list[str] = []
     gaps: list[str] = []
+    compiled = False
     for name in classes:
         try:
             code = harness.load_layer(path, name)
         except (harness.HarnessError, SyntaxError) as exc:
             return LevelResult(level, Status.FAILED, str(exc))
         inputs = harness.Inputs.random(code.fit(shape), device)
-        result, bf16, fp8 = harness.check_layer(code, backend, inputs)
+        result, runs = harness.check_layer(code, backend, inputs)
+        compiled = compiled or code.compile_aware
         details.append(f"{name}: sizes: {inputs.shape}")
         details += [f"{name}: {check}: {'yes' if ok else 'NO'}" for check, ok in result.checks.items()]
-        for run in (bf16, fp8):
+        for run in runs:
             if run.error:
                 details += [f"{name} {run.mode} run: {line}" for line in run.traceback]
         if result.gap:
@@ -234,7 +236,8 @@ def _semantic(
         return LevelResult(level, Status.FAILED, "; ".join(failures), details)
     if gaps:
         return LevelResult(level, Status.SKIPPED, "; ".join(gaps), details)
-    what = f"bf16 and fp8 cache runs agree ({backend.name}, {device})"
+    paths = "eager and compiled paths, " if compiled else ""
+    what = f"bf16 and fp8 cache runs agree ({paths}{backend.name}, {device})"
     return LevelResult(level, Status.PASSED, what, details)
 
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 import ast
 import builtins
 import inspect
+import re
 import traceback
 import types
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -143,13 +145,16 @@ class LayerCode:
     class_name: str
     methods: dict[str, types.CodeType]
     decorators: dict[str, list[str]]
-    init_assignments: list[tuple[str, types.CodeType]]
+    init: Init
     ops_aliases: set[str]
     imported: dict[str, str]
     bindings: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)  # see _bindings
     called_attrs: set[str] = field(default_factory=set)
     functions: dict[str, types.CodeType] = field(default_factory=dict)  # the module's own defs
     native: bool = False  # the insert call passes kv_cache_dtype: the kernel quantizes itself
+    module_names: set[str] = field(default_factory=set)  # the module's other top-level classes and names
+    custom_ops: dict[str, str] = field(default_factory=dict)  # ops the file registers -> its function
+    compile_aware: bool = False  # the class or a module function asks torch.compiler.is_compiling()
 
     def fit(self, shape: Shape) -> Shape:
         """``shape`` with the sizes that one attribute of the file holds made equal: the
@@ -209,7 +214,10 @@ def _compiled(fn: ast.FunctionDef, path: str) -> types.CodeType:
         **({"type_params": []} if hasattr(fn, "type_params") else {}),
     )
     ast.copy_location(bare, fn)
-    return compile(ast.Module(body=[bare], type_ignores=[]), path, "exec")
+    return compile(ast.Module(body=[bare], type_ignores=[]), path, "exec", flags=_ANNOTATIONS, dont_inherit=True)
+
+
+_ANNOTATIONS = __import__("__future__").annotations.compiler_flag
 
 
 def load_layer(path: Path | str, class_name: str, source: str | None = None) -> LayerCode:
@@ -232,7 +240,7 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
         decorators[fn.name] = kept
     if "forward" not in methods:
         raise HarnessError(f"{path}: {class_name} has no forward()")
-    init_assignments = _init_assignments(cls, path)
+    init = _init(cls, path)
     wrappers = _wrappers(text)
     bindings = _bindings(cls, wrappers)
     native = any(
@@ -246,9 +254,38 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
         if isinstance(node, ast.Call) and (chain := _self_chain(node.func)) is not None and len(chain) == 1
     }
     functions = {f.name: _compiled(f, path) for f in tree.body if isinstance(f, ast.FunctionDef)}
-    return LayerCode(
-        path, class_name, methods, decorators, init_assignments, ops, imported, bindings, called, functions, native
+    others = {n.name for n in tree.body if isinstance(n, ast.ClassDef) and n.name != class_name} | {
+        t.id
+        for n in tree.body
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+        if isinstance(t, ast.Name)
+    }
+    compile_aware = any(
+        isinstance(n, ast.Call) and schema.is_compiling(n)
+        for node in [cls, *(f for f in tree.body if isinstance(f, ast.FunctionDef))]
+        for n in ast.walk(node)
     )
+    return LayerCode(
+        path, class_name, methods, decorators, init, ops, imported, bindings, called, functions, native,
+        others - set(functions), _custom_ops(tree), compile_aware,
+    )
+
+
+def _custom_ops(tree: ast.Module) -> dict[str, str]:
+    """``direct_register_custom_op(op_name="x", op_func=f, ...)`` at module level: ``torch.ops.vllm.x`` is ``f``."""
+    found = {}
+    for node in tree.body:
+        call = node.value if isinstance(node, ast.Expr) else None
+        if not (isinstance(call, ast.Call) and (schema.callee(call) or "").endswith("register_custom_op")):
+            continue
+        kw = {k.arg: k.value for k in call.keywords}
+        name, func = kw.get("op_name", call.args[0] if call.args else None), kw.get("op_func")
+        if func is None and len(call.args) > 1:
+            func = call.args[1]
+        if isinstance(name, ast.Constant) and isinstance(name.value, str) and isinstance(func, ast.Name):
+            found[name.value] = func.id
+    return found
 
 
 # What the fused op's parameters hold, where a call passes them a `self.` chain:
@@ -363,19 +400,33 @@ def _init_values(cls: ast.ClassDef) -> list[tuple[str, ast.expr]]:
     ]
 
 
-def _init_assignments(cls: ast.ClassDef, path: str) -> list[tuple[str, types.CodeType]]:
-    """``self.X = <expr>`` statements of ``__init__``, in order, whose expression reads
-    only ``self`` and ``torch``."""
-    found = []
-    for name, value in _init_values(cls):
-        names = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
-        if names - {"self", "torch"} - set(dir(builtins)):
-            continue
-        expr = ast.Expression(body=value)
-        ast.copy_location(expr, value)
-        found.append((name, compile(expr, path, "eval")))
-    found.sort(key=lambda item: item[1].co_firstlineno)
-    return found
+@dataclass
+class Init:
+    """``__init__`` as statements to run one by one on the stand-in (one that raises is skipped:
+    it builds a vLLM layer the stand-in does not model), and its parameters' defaults."""
+
+    statements: list[types.CodeType]
+    params: dict[str, Any]
+
+
+def _init(cls: ast.ClassDef, path: str) -> Init:
+    inits = [f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"]
+    if not inits:
+        return Init([], {})
+    fn = inits[-1]
+    args = [*fn.args.posonlyargs, *fn.args.args][1:]
+    defaults = dict(zip([a.arg for a in args][len(args) - len(fn.args.defaults):], fn.args.defaults))
+    defaults |= {a.arg: d for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults) if d is not None}
+    params = {
+        a.arg: (d.value if isinstance(d, ast.Constant) else None)
+        for a in [*args, *fn.args.kwonlyargs]
+        for d in [defaults.get(a.arg)]
+    }
+    statements = [
+        compile(ast.Module(body=[stmt], type_ignores=[]), path, "exec", flags=_ANNOTATIONS, dont_inherit=True)
+        for stmt in fn.body
+    ]
+    return Init(statements, params)
 
 
 # --- the stand-in ----------------------------------------------------------------
@@ -401,20 +452,29 @@ FUSED_SIGNATURE = inspect.signature(refops.fused_minimax_m3_qknorm_rope_kv_inser
 class _Recorder:
     """Collaborators of the layer: record what reaches attention, return shapes."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.qkv: torch.Tensor | None = None  # the buffer the fused op was handed
         self.query: torch.Tensor | None = None
         self.index_query: torch.Tensor | None = None
         self.q_out: torch.Tensor | None = None
         self.index_q_out: torch.Tensor | None = None
 
     def fused(self, op: Callable[..., None]) -> Callable[..., None]:
-        """The op, noting the q / index_q buffers it writes (what attention reads)."""
+        """The op, noting the buffer it reads and the q / index_q buffers it writes."""
 
         def call(*args: Any, **kwargs: Any) -> None:
             try:
                 bound = FUSED_SIGNATURE.bind(*args, **kwargs).arguments
             except TypeError as exc:
                 raise StandInGap(f"the call passes what the fork's 20-argument op does not take ({exc})") from exc
+            qkv = bound.get("qkv")
+            if isinstance(qkv, torch.Tensor) and qkv.shape[-1] != self.width:
+                raise StandInGap(
+                    f"the file's projections build a {qkv.shape[-1]}-wide buffer where the stand-in's "
+                    f"[q | k | v | index_q | index_k] is {self.width} wide: its projections are not modelled"
+                )
+            self.qkv = qkv if self.qkv is None else self.qkv
             self.q_out = bound.get("q_out", self.q_out)
             self.index_q_out = bound.get("index_q_out", self.index_q_out)
             op(*args, **kwargs)
@@ -434,32 +494,131 @@ class _Indexer:
     def __call__(self, index_query: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         self._rec.index_query = index_query.clone()
 
+    forward_with_cache = __call__  # the compiled path's attention op hands the cache over too
+
 
 class _Impl:
     def __init__(self, rec: _Recorder) -> None:
         self._rec = rec
 
-    def forward(
-        self, layer: Any, query: torch.Tensor, kv_cache: Any, output: torch.Tensor, *a: Any, **k: Any
-    ):
+    def forward(self, layer: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         self._rec.query = query.clone()
-        return output
+        return next((x for x in reversed(args) if isinstance(x, torch.Tensor)), None)  # the output buffer
+
+
+class _Imported:
+    """A name the file imports and the stand-in does not model: called, it hands back the string it
+    is given (vLLM's layer-name helpers), else another such value; anything else it cannot answer."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args and isinstance(args[0], str):
+            return args[0]
+        return _Imported(f"{self._name}(...)")
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Imported(f"{self._name}.{attr}")
+
+    def __getitem__(self, key: Any) -> Any:
+        return _Imported(f"{self._name}[...]")
+
+    def __contains__(self, item: Any) -> bool:
+        return False
+
+    def __iter__(self) -> Any:
+        raise StandInGap(f"`{self._name}` is not modelled by the stand-in")
+
+    def __repr__(self) -> str:
+        return f"<stand-in for {self._name}>"
+
+
+class _Projection:
+    """A linear layer the file builds in __init__: ``(output, None)`` of the width it builds it
+    with (seeded by its name, so every run reads the same), or the whole fused buffer."""
+
+    def __init__(self, width: int | None) -> None:
+        self.width = width
+        self.full: torch.Tensor | None = None  # set by the stand-in: the whole [q|k|v|index_q|index_k]
+
+    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if self.width is None:
+            assert self.full is not None
+            return self.full.clone(), None
+        g = torch.Generator(device="cpu").manual_seed(zlib.crc32(repr(self.width).encode()) + self.seed)
+        out = (torch.randn(x.shape[0], self.width, generator=g) * 2.0).to(torch.bfloat16)
+        return out.to(x.device), None
+
+    seed = 0
+
+
+def _linear_width(name: str, args: tuple, kwargs: dict) -> int | None:
+    """The output width of vLLM's linear layers at tensor-parallel size 1, from their arguments."""
+
+    def arg(i: int, key: str, default: Any = None) -> Any:
+        return args[i] if len(args) > i else kwargs.get(key, default)
+
+    try:
+        if name == "QKVParallelLinear":
+            head, heads = int(arg(1, "head_size")), int(arg(2, "total_num_heads"))
+            kv = int(arg(3, "total_num_kv_heads") or heads)
+            return (heads + kv) * head + kv * int(kwargs.get("v_head_size") or head)
+        if name in ("ReplicatedLinear", "ColumnParallelLinear", "RowParallelLinear"):
+            return int(arg(1, "output_size"))
+        if name == "MergedColumnParallelLinear":
+            return sum(int(x) for x in arg(1, "output_sizes"))
+    except (TypeError, ValueError):
+        return None
+    return None
+
+
+class _LinearClass:
+    """An imported ``…Linear…`` class: building one gives a ``_Projection``."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Projection:
+        return _Projection(_linear_width(self._name, args, kwargs))
+
+
+# The stand-in runs as tensor-parallel rank 0 of 1.
+_TP = {"get_tensor_model_parallel_world_size": 1, "get_tensor_model_parallel_rank": 0}
 
 
 def _ops_namespace(backend: Backend) -> types.SimpleNamespace:
     return types.SimpleNamespace(**{FUSED_OP: backend.fused, RESHAPE_OP: backend.reshape_and_cache_flash})
 
 
+class _Compiler(types.ModuleType):
+    """``torch.compiler`` / ``torch._dynamo`` answering ``is_compiling()`` for the run's path."""
+
+    def __init__(self, real: Any, compiling: bool) -> None:
+        super().__init__(real.__name__)
+        self._real = real
+        self.is_compiling = lambda: compiling
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
 class _TorchProxy(types.ModuleType):
     """``torch`` with ``torch.ops._C.<fused>`` / ``torch.ops._C_cache_ops.<reshape>`` redirected;
-    ``torch.ops.vllm`` (where forks register custom ops) holds the fused op only, as in vLLM."""
+    ``torch.ops.vllm`` (where forks register custom ops) holds the fused op and the file's own ops;
+    ``torch.compiler.is_compiling()`` says which path the run takes."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, compiling: bool = False) -> None:
         super().__init__("torch")
         ns = _ops_namespace(backend)
         self.ops = types.SimpleNamespace(_C=ns, _C_cache_ops=ns, vllm=types.SimpleNamespace(**{FUSED_OP: backend.fused}))
+        self._compiling = compiling
 
     def __getattr__(self, name: str) -> Any:
+        if name in ("compiler", "_dynamo"):  # looked up only when the file asks (dynamo is heavy)
+            return _Compiler(getattr(torch, name), self._compiling)
         return getattr(torch, name)
 
 
@@ -543,24 +702,71 @@ class RunResult:
 _BYPASS_ATTRS = (schema.FP8_FLAG, schema.FP8_SCALE)
 
 
-def _gap(exc: BaseException, layer: Any) -> str | None:
+def _made_here(value: Any) -> bool:
+    """A value the stand-in made up for something it does not model."""
+    return isinstance(value, _Imported) or getattr(value, "__func__", None) is _Recorder.sink
+
+
+def _gap(exc: BaseException, layer: Any, frame: types.FrameType | None) -> str | None:
     """Why ``exc`` is the stand-in's limit rather than the file's fault, if it is."""
     if isinstance(exc, StandInGap):
         return str(exc)
     if isinstance(exc, AttributeError) and exc.obj is layer and exc.name not in _BYPASS_ATTRS:
         return f"the stand-in lacks `self.{exc.name}` (set by __init__ code it does not run)"
+    if frame is None:
+        return None
+    # The failing line reads a name or `self.` attribute the stand-in made up.
+    line = inspect.getframeinfo(frame).code_context or [""]
+    here = frame.f_locals
+    for name in set(re.findall(r"\bself\.(\w+)", line[0])):
+        owner = here.get("self")
+        if owner is not None and _made_here(owner.__dict__.get(name)):
+            return f"`self.{name}` is not modelled by the stand-in"
+    for name in set(re.findall(r"\b(\w+)\b", line[0])):
+        value = here.get(name, frame.f_globals.get(name))
+        if _made_here(value):
+            return f"`{name}` is not modelled by the stand-in"
     return None
 
 
 MODES = {"bf16": ("auto", torch.bfloat16), "fp8": ("fp8", torch.uint8)}
+COMPILED = " compiled"  # a mode's suffix: the run takes the torch.compile path (is_compiling() is True)
 LAYER_NAME = "model.layers.3.self_attn.attn"
 INDEX_PREFIX = "model.layers.3.self_attn.attn.indexer.k_cache"
 
 
-def _standin(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> tuple[Any, _Recorder, dict]:
+def _config(s: Shape) -> types.SimpleNamespace:
+    """MiniMax-M3's config, in the stand-in's sizes (what ``__init__`` reads them from)."""
+    return types.SimpleNamespace(
+        hidden_size=s.hidden_size,
+        num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        rms_norm_eps=s.eps,
+        max_position_embeddings=s.max_position,
+        rope_theta=10000.0,
+        partial_rotary_factor=s.rotary_dim / s.head_dim,
+        sparse_attention_config={
+            "sparse_num_index_heads": s.num_idx_heads,
+            "sparse_index_dim": s.idx_head_dim,
+            "sparse_topk_blocks": 4,
+            "sparse_block_size": s.block_size,
+        },
+    )
+
+
+def _pinned_setattr(self: Any, name: str, value: Any) -> None:
+    if name not in type(self).pinned:
+        object.__setattr__(self, name, value)
+
+
+def _standin(
+    code: LayerCode, backend: Backend, inputs: Inputs, mode: str
+) -> tuple[Any, _Recorder, dict]:
     s, dev = inputs.shape, inputs.device
-    cache_dtype_name, cache_dtype = MODES[mode]
-    rec = _Recorder()
+    compiling = mode.endswith(COMPILED)
+    cache_dtype_name, cache_dtype = MODES[mode.removesuffix(COMPILED)]
+    rec = _Recorder(s.width)
     qkv = inputs.qkv.clone()
     kv_cache = torch.zeros(
         s.num_blocks, 2, s.block_size, s.num_kv_heads, s.head_dim, dtype=cache_dtype, device=dev
@@ -573,12 +779,13 @@ def _standin(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> tu
             LAYER_NAME: meta(slot_mapping=inputs.main_slots),
             INDEX_PREFIX: meta(slot_mapping=inputs.index_slots),
         },
+        no_compile_layers={},
     )
     backend = Backend(backend.name, rec.fused(backend.fused), backend.reshape_and_cache_flash)
+    torch_proxy = _TorchProxy(backend, compiling)
     namespace: dict[str, Any] = {"__builtins__": builtins, "__name__": f"mm3_standin_{code.class_name}"}
-    namespace["torch"] = _TorchProxy(backend)
-    for alias in code.ops_aliases:
-        namespace[alias] = _ops_namespace(backend)
+    for name in code.module_names:
+        namespace[name] = _Imported(name)
     for name, origin in code.imported.items():
         if origin.endswith("." + FUSED_OP):
             namespace[name] = backend.fused
@@ -588,18 +795,34 @@ def _standin(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> tu
             namespace[name] = lambda: ctx
         elif name.endswith("Metadata"):
             namespace[name] = meta  # the isinstance() asserts of attn_metadata readers
+        elif name in _TP:
+            namespace[name] = (lambda value: lambda *a, **k: value)(_TP[name])
+        elif "Linear" in name:
+            namespace[name] = _LinearClass(name)
+        else:
+            namespace[name] = _Imported(name)
+    namespace["torch"] = torch_proxy
+    for alias in code.ops_aliases:
+        namespace[alias] = _ops_namespace(backend)
     for fn_code in code.functions.values():
         exec(fn_code, namespace)  # the module's own helpers and wrappers, as the file defines them
-    attrs: dict[str, Any] = {}
+    for op_name, fn_name in code.custom_ops.items():  # torch.ops.vllm.<op>: the file's own body runs
+        setattr(torch_proxy.ops.vllm, op_name, namespace[fn_name])
+    attrs: dict[str, Any] = {"pinned": frozenset(), "__setattr__": _pinned_setattr}
     for name, fn_code in code.methods.items():
         exec(fn_code, namespace)  # defines the function under its own name
         fn = namespace.pop(name)
         for deco in code.decorators[name]:
             fn = getattr(builtins, deco)(fn)
         attrs[name] = fn
-    layer = type(f"{code.class_name}StandIn", (), attrs)()
+    cls = type(f"{code.class_name}StandIn", (), attrs)
+    namespace[code.class_name] = cls  # `isinstance(layer, <the class>)` in the file's own ops
+    layer = cls()
+    ctx.no_compile_layers[LAYER_NAME] = layer
     weights = inputs.weights
     norm = types.SimpleNamespace
+    full = _Projection(None)
+    full.full = qkv
     values: dict[str, Any] = {
         "hidden_size": s.hidden_size,
         "scaling": s.head_dim**-0.5,
@@ -614,7 +837,6 @@ def _standin(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> tu
         "kv_cache": kv_cache,
         "indexer": _Indexer(rec, norm(prefix=INDEX_PREFIX, kv_cache=index_cache, dtype=index_cache.dtype)),
         "impl": _Impl(rec),
-        "qkv_proj": lambda hidden: (qkv, None),
         "o_proj": lambda x: (x, None),
     }
     # What vLLM's set_default_quant_scales(layer) gives a layer in __init__ (a call
@@ -646,16 +868,29 @@ def _standin(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> tu
     for name in code.called_attrs - set(code.methods):
         if not hasattr(layer, name):
             setattr(layer, name, rec.sink)
-    for name, expr in code.init_assignments:
-        if name in values:
-            continue
+    # __init__ itself, statement by statement, on the stand-in's sizes (tensor-parallel size 1);
+    # what the stand-in set above stays, and a statement that raises is skipped.
+    cls.pinned = frozenset(values)
+    local = {
+        name: default for name, default in code.init.params.items()
+    } | {"self": layer, "config": _config(s), "prefix": LAYER_NAME.removesuffix(".attn"), "quant_config": None}
+    local["cache_config"] = types.SimpleNamespace(cache_dtype=cache_dtype_name, block_size=s.block_size)
+    for statement in code.init.statements:
         try:
             with torch.device(dev):  # vLLM builds its layers on the target device
-                value = eval(expr, {"__builtins__": builtins, "torch": torch}, {"self": layer})
-        except Exception:  # reads something the stand-in lacks: left unset
+                exec(statement, namespace, local)
+        except Exception:  # builds something the stand-in does not model
             continue
-        setattr(layer, name, value)
-    return layer, rec, {"qkv": qkv, "kv_cache": kv_cache, "index_cache": index_cache}
+    cls.pinned = frozenset()
+    if not isinstance(getattr(layer, "qkv_proj", None), _Projection):
+        layer.qkv_proj = full  # one fused projection: the whole buffer
+    for name, value in vars(layer).items():
+        if isinstance(value, _Projection):
+            value.full, value.seed = qkv, zlib.crc32(name.encode())
+    for name in code.called_attrs - set(code.methods):
+        if not hasattr(layer, name):
+            setattr(layer, name, rec.sink)
+    return layer, rec, {"kv_cache": kv_cache, "index_cache": index_cache}
 
 
 def _traceback_tail(exc: BaseException, path: str, limit: int = 4) -> list[str]:
@@ -664,8 +899,18 @@ def _traceback_tail(exc: BaseException, path: str, limit: int = 4) -> list[str]:
     return lines + [f"{type(exc).__name__}: {exc}"]
 
 
+def _last_file_frame(exc: BaseException, path: str) -> types.FrameType | None:
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == path:
+            found = tb.tb_frame
+        tb = tb.tb_next
+    return found
+
+
 def run_layer(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> RunResult:
-    """Run the layer's ``forward`` once with a ``mode`` ("bf16" or "fp8") cache."""
+    """Run the layer's ``forward`` once with a ``mode`` cache ("bf16" or "fp8", eager; with
+    `` compiled`` the path it takes under torch.compile)."""
     layer, rec, state = _standin(code, backend, inputs, mode)
     hidden = torch.zeros(
         inputs.shape.tokens, inputs.shape.hidden_size, dtype=torch.bfloat16, device=inputs.device
@@ -676,13 +921,20 @@ def run_layer(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> R
         if inputs.device != "cpu":
             torch.cuda.synchronize()
     except Exception as exc:  # the layer's own failure is the finding
-        result.gap = _gap(exc, layer)
+        frame = _last_file_frame(exc, code.path)
+        gap = _gap(exc, layer, frame)
         result.traceback = _traceback_tail(exc, code.path)
-        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == code.path]
-        where = f" (at {Path(code.path).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+        where = ""
+        if frame is not None:
+            info = inspect.getframeinfo(frame)
+            text = " ".join((info.code_context or [""])[0].split())
+            where = f" (at {Path(code.path).name}:{info.lineno} in {info.function})"
+            if gap is not None:
+                gap = f"the stand-in cannot run {Path(code.path).name}:{info.lineno} `{text}`: {gap}"
+        result.gap = gap
         result.error = f"{type(exc).__name__}: {exc}{where}"
         return result
-    result.qkv = state["qkv"]
+    result.qkv = rec.qkv
     result.query = rec.query if rec.query is not None else rec.q_out
     result.index_query = rec.index_query if rec.index_query is not None else rec.index_q_out
     result.kv_cache = state["kv_cache"]
@@ -706,9 +958,11 @@ def compare_runs(inputs: Inputs, bf16: RunResult, fp8: RunResult, native: bool =
     ``native``: the call passes kv_cache_dtype, the kernel quantizes by itself."""
     for run in (bf16, fp8):
         if run.gap is not None:
-            return Comparison(False, f"cannot run this file on the stand-in: {run.gap}", {}, gap=True)
+            return Comparison(False, run.gap, {}, gap=True)
         if run.error is not None:
             return Comparison(False, f"{run.mode} run failed: {run.error}", {})
+        if run.qkv is None:
+            return Comparison(False, f"{run.mode} run never called the fused op", {})
     assert bf16.kv_cache is not None and fp8.kv_cache is not None and bf16.qkv is not None
     s = inputs.shape
     checks: dict[str, bool] = {}
@@ -770,7 +1024,24 @@ def compare_runs(inputs: Inputs, bf16: RunResult, fp8: RunResult, native: bool =
     )
 
 
-def check_layer(code: LayerCode, backend: Backend, inputs: Inputs) -> tuple[Comparison, RunResult, RunResult]:
+def check_layer(code: LayerCode, backend: Backend, inputs: Inputs) -> tuple[Comparison, list[RunResult]]:
+    """bf16 against fp8 in eager; for a file that asks ``torch.compiler.is_compiling()``, the same
+    on the path it takes under torch.compile, whose caches must also be eager's (bf16)."""
     bf16 = run_layer(code, backend, inputs, "bf16")
     fp8 = run_layer(code, backend, inputs, "fp8")
-    return compare_runs(inputs, bf16, fp8, native=code.native), bf16, fp8
+    result = compare_runs(inputs, bf16, fp8, native=code.native)
+    if not code.compile_aware or not result.passed:
+        return result, [bf16, fp8]
+    runs = [run_layer(code, backend, inputs, mode + COMPILED) for mode in ("bf16", "fp8")]
+    compiled = compare_runs(inputs, *runs, native=code.native)
+    checks = result.checks | {f"compiled: {name}": ok for name, ok in compiled.checks.items()}
+    if compiled.passed:
+        checks["compiled: caches = eager's (bf16)"] = torch.equal(runs[0].kv_cache, bf16.kv_cache) and torch.equal(
+            runs[0].index_cache, bf16.index_cache
+        )
+    failed = [name for name, ok in checks.items() if not ok]
+    if compiled.gap or (not compiled.passed and not compiled.checks):
+        return replace(compiled, reason=f"compiled path: {compiled.reason}", checks=checks), [bf16, fp8, *runs]
+    if failed:
+        return Comparison(False, "; ".join(failed) + ": no", checks), [bf16, fp8, *runs]
+    return Comparison(True, f"{result.reason}; eager and compiled paths", checks), [bf16, fp8, *runs]
