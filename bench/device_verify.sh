@@ -5,7 +5,7 @@
 # and the files that must fail: the unpatched original (the real kernel's
 # bf16-only assert) and the seed's older bypass (a padded token writes the
 # last index slot).
-# Usage: bench/device_verify.sh PATH/TO/_C.so [OUTDIR]
+# Usage: bench/device_verify.sh PATH/TO/_C.so [OUTDIR [FORKS_DIR]]
 set -uo pipefail
 KERNELS=$1
 OUT=${2:-$(mktemp -d)}
@@ -25,3 +25,24 @@ $PY -m rewriter verify --kernels "$KERNELS" --require-gpu --no-timing --verbose 
 echo "verify (the seed's form) exit ${PIPESTATUS[0]}"
 $PY -m rewriter verify --kernels "$KERNELS" --require-gpu --no-timing fixtures/*/expected.py 2>"$OUT/fixtures.txt"
 echo "verify (every fixture's expected.py) exit $?"; tail -3 "$OUT/fixtures.txt"
+# Optional: a folder of real fork files (never committed; carried for the run): each
+# is copied, rewritten by `run`, then verified with the real ops, padded tokens and
+# the compiled path included. One JSON report per line in $OUT/forks.jsonl.
+FORKS=${3:-}
+if [ -n "$FORKS" ]; then
+  for f in "$FORKS"/*.py; do
+    n=$(basename "$f" .py)
+    cp "$f" "$W/$n.py"
+    $PY -m rewriter run "$W/$n.py" >/dev/null 2>"$W/run.txt"; rc=$?
+    $PY -m rewriter verify --kernels "$KERNELS" --require-gpu --no-timing --verbose --json "$W/$n.py" >"$W/v.json" 2>/dev/null
+    vrc=$?
+    cat "$W/v.json" >>"$OUT/forks.jsonl"
+    $PY - "$W/v.json" "$n" "$rc" "$vrc" <<'PYEOF'
+import json, sys
+report, name, run_rc, verify_rc = json.load(open(sys.argv[1])), *sys.argv[2:]
+levels = {lv["level"]: lv for lv in report["files"][0]["levels"]}
+print(f"{name}: run exit {run_rc}, verify exit {verify_rc}: " + "; ".join(
+    f"{k} {v['status']} ({v['reason'][:150]})" for k, v in levels.items() if k != "import"))
+PYEOF
+  done
+fi
