@@ -548,11 +548,11 @@ class _Projection:
         if self.width is None:
             assert self.full is not None
             return self.full.clone(), None
-        g = torch.Generator(device="cpu").manual_seed(zlib.crc32(repr(self.width).encode()) + self.seed)
+        g = torch.Generator(device="cpu").manual_seed(self.seed)
         out = (torch.randn(x.shape[0], self.width, generator=g) * 2.0).to(torch.bfloat16)
         return out.to(x.device), None
 
-    seed = 0
+    seed = 0  # the stand-in seeds each by the attribute that holds it
 
 
 def _linear_width(name: str, args: tuple, kwargs: dict) -> int | None:
@@ -865,16 +865,16 @@ def _standin(
             owner = getattr(owner, part)
         setattr(owner, chain[-1], value_of[what[0]])  # a tie's first size: its value (LayerCode.fit)
         values.setdefault(chain[0], None)
-    for name in code.called_attrs - set(code.methods):
-        if not hasattr(layer, name):
-            setattr(layer, name, rec.sink)
     # __init__ itself, statement by statement, on the stand-in's sizes (tensor-parallel size 1);
     # what the stand-in set above stays, and a statement that raises is skipped.
     cls.pinned = frozenset(values)
-    local = {
-        name: default for name, default in code.init.params.items()
-    } | {"self": layer, "config": _config(s), "prefix": LAYER_NAME.removesuffix(".attn"), "quant_config": None}
-    local["cache_config"] = types.SimpleNamespace(cache_dtype=cache_dtype_name, block_size=s.block_size)
+    local = code.init.params | {
+        "self": layer,
+        "config": _config(s),
+        "prefix": LAYER_NAME.removesuffix(".attn"),
+        "quant_config": None,
+        "cache_config": types.SimpleNamespace(cache_dtype=cache_dtype_name, block_size=s.block_size),
+    }
     for statement in code.init.statements:
         try:
             with torch.device(dev):  # vLLM builds its layers on the target device
