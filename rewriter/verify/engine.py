@@ -1,0 +1,371 @@
+"""Level 4 (opt-in, ``verify --engine``): serve a tiny MiniMax-M3 built from the file.
+
+The heavy part runs in a subprocess of the target interpreter
+(:mod:`rewriter.verify.engine_child`, which needs only torch and vLLM there):
+vLLM's offline engine (``vllm.LLM``, CUDA graphs on unless ``enforce_eager``,
+block size 128 and the ``TRITON_ATTN`` backend by default) serves a 3-layer
+random-weight model (normal, std 0.02, a safetensors checkpoint in a temp
+folder; no tokenizer, nothing downloaded) whose model class comes from the
+verified file, on one batch of six prompts of mixed lengths (one chunk-prefilled),
+greedy, N new tokens with logprobs: once with ``kv_cache_dtype="auto"`` and once
+with ``"fp8_e4m3"``. Where the installed vLLM's own ``nvidia/model.py`` passes a
+kv-cache dtype to the fused insert (``native``), its fp8 run is served too: the
+bypass (unit scale) against the native insert (unit scale) should give the same
+tokens.
+
+This module compares what the child reports - pure functions, testable on
+recorded outputs - and makes the :class:`~rewriter.verify.LevelResult`:
+
+- **skipped**: no torch, no CUDA GPU, no vLLM, vLLM not importable, or the file
+  defines no model class vLLM can serve (the fork-era example: layer classes only);
+- **failed**: the engine raised in the file's code (with the file's line), the
+  CUDA-graph capture failed, a run raised, or the fp8 run is garbage: its token
+  agreement with the bf16 run is below :data:`MIN_AGREEMENT`;
+- **passed**: both runs complete and agree at least that well.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CHILD = Path(__file__).with_name("engine_child.py")
+TAIL = 8
+DEFAULT_BLOCK_SIZE = 128  # the seed's --block-size
+DEFAULT_BACKEND = "TRITON_ATTN"  # the seed's attention backend
+DEFAULT_NEW_TOKENS = 16
+FP8 = "fp8_e4m3"
+# Garbage below this mean prefix agreement (see prefix_agreement) of the fp8 run with
+# the bf16 run. Provisional: fp8 e4m3 keeps 3 mantissa bits, so with random weights
+# (near-flat logits) a greedy token can flip a few steps in; a broken cache (wrong
+# layout, unwritten slots, padded tokens written over real ones) flips the first
+# token or two of most sequences. The H200 run of bench/vllm024_engine.sh measures
+# 0.24.0's own native fp8 insert against bf16 on the same model: that is the noise
+# floor this number must stay under (the script prints it beside the threshold).
+MIN_AGREEMENT = 0.5
+
+
+# ---- comparison: pure functions on recorded outputs --------------------------------
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where the token sequences differ (a length
+    difference counts at the shorter's end); None when they are identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def prefix_agreement(a: list[int], b: list[int]) -> float:
+    """Share of the positions (of the longer sequence) before the first divergence.
+
+    After a divergence the two runs continue from different contexts, so later
+    matches say nothing about the cache: only the common prefix counts."""
+    n = max(len(a), len(b))
+    if n == 0:
+        return 1.0
+    d = first_divergence(a, b)
+    return 1.0 if d is None else d / n
+
+
+def max_logprob_delta(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """Largest |logprob_a - logprob_b| of the chosen token over the common prefix
+    (same context, same token); None when no position can be compared."""
+    d = first_divergence(a["tokens"], b["tokens"])
+    upto = len(a["tokens"]) if d is None else d
+    deltas = [
+        abs(x - y)
+        for x, y in zip(a.get("logprobs", [])[:upto], b.get("logprobs", [])[:upto])
+        if x is not None and y is not None
+    ]
+    return max(deltas) if deltas else None
+
+
+@dataclass
+class SequenceComparison:
+    agreement: float
+    first_divergence: int | None
+    max_dlogprob: float | None
+
+
+@dataclass
+class Comparison:
+    a: str
+    b: str
+    sequences: list[SequenceComparison] = field(default_factory=list)
+
+    @property
+    def agreement(self) -> float:
+        """Mean prefix agreement over the sequences."""
+        return sum(s.agreement for s in self.sequences) / len(self.sequences) if self.sequences else 0.0
+
+    @property
+    def identical(self) -> int:
+        return sum(1 for s in self.sequences if s.first_divergence is None)
+
+    @property
+    def first_divergence(self) -> int | None:
+        """The earliest divergence over the sequences."""
+        found = [s.first_divergence for s in self.sequences if s.first_divergence is not None]
+        return min(found) if found else None
+
+    @property
+    def max_dlogprob(self) -> float | None:
+        found = [s.max_dlogprob for s in self.sequences if s.max_dlogprob is not None]
+        return max(found) if found else None
+
+    def garbage(self, threshold: float = MIN_AGREEMENT) -> bool:
+        return self.agreement < threshold
+
+    def summary(self) -> str:
+        d = self.max_dlogprob
+        return (
+            f"{self.b} vs {self.a}: {self.identical}/{len(self.sequences)} sequences identical, "
+            f"agreement {self.agreement:.2f}, first divergence "
+            f"{'-' if self.first_divergence is None else self.first_divergence}, "
+            f"max |d logprob| {'-' if d is None else f'{d:.3g}'}"
+        )
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "a": self.a,
+            "b": self.b,
+            "agreement": round(self.agreement, 4),
+            "identical": self.identical,
+            "sequences": len(self.sequences),
+            "first_divergence": self.first_divergence,
+            "max_dlogprob": self.max_dlogprob,
+            "per_sequence": [
+                {
+                    "agreement": round(s.agreement, 4),
+                    "first_divergence": s.first_divergence,
+                    "max_dlogprob": s.max_dlogprob,
+                }
+                for s in self.sequences
+            ],
+        }
+
+
+def compare_outputs(a_label: str, a: list[dict], b_label: str, b: list[dict]) -> Comparison:
+    """Compare two runs' outputs (one ``{"tokens", "logprobs"}`` per prompt, same order)."""
+    if len(a) != len(b):
+        raise ValueError(f"{a_label} has {len(a)} sequences, {b_label} {len(b)}")
+    return Comparison(
+        a_label,
+        b_label,
+        [
+            SequenceComparison(
+                prefix_agreement(x["tokens"], y["tokens"]),
+                first_divergence(x["tokens"], y["tokens"]),
+                max_logprob_delta(x, y),
+            )
+            for x, y in zip(a, b)
+        ],
+    )
+
+
+# ---- the jobs and the child ---------------------------------------------------------
+
+
+@dataclass
+class EngineOptions:
+    block_size: int = DEFAULT_BLOCK_SIZE
+    backend: str | None = DEFAULT_BACKEND
+    enforce_eager: bool = False
+    new_tokens: int = DEFAULT_NEW_TOKENS
+    min_agreement: float = MIN_AGREEMENT
+    timeout: float = 900.0
+
+
+def jobs_for(path: Path, original: Path | None, opts: EngineOptions) -> list[dict[str, object]]:
+    """The child's runs: the file with a bf16 and an fp8 cache, and the installed
+    vLLM's own (native) file with an fp8 cache where there is one."""
+    common = {"block_size": opts.block_size, "backend": opts.backend, "enforce_eager": opts.enforce_eager}
+    jobs = [
+        {"label": "file:auto", "file": str(path), "kv_cache_dtype": "auto", **common},
+        {"label": f"file:{FP8}", "file": str(path), "kv_cache_dtype": FP8, **common},
+    ]
+    if original is not None:
+        jobs.append({"label": f"native:{FP8}", "file": str(original), "kv_cache_dtype": FP8, **common})
+    return jobs
+
+
+def run_child(spec: dict[str, object], python: str | None = None, timeout: float = 900.0) -> dict[str, Any]:
+    """Run the child in the target interpreter; its one JSON line, or a skipped/failed answer."""
+    from rewriter.targets import run_python
+
+    exe = python or sys.executable
+    with tempfile.TemporaryDirectory(prefix="mm3-engine-") as work:
+        spec = {**spec, "workdir": work}
+        spec_file = Path(work, "spec.json")
+        spec_file.write_text(json.dumps(spec), encoding="utf-8")
+        try:
+            proc = run_python([exe, str(CHILD), str(spec_file)], timeout)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return {"status": "failed", "reason": f"{exe}: {exc}", "jobs": []}
+    try:
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        out["status"]
+        return out
+    except (IndexError, json.JSONDecodeError, KeyError, TypeError):
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-TAIL:]
+        return {
+            "status": "failed",
+            "reason": f"{exe} exited {proc.returncode} while serving the model (the engine process crashed)",
+            "jobs": [],
+            "traceback": tail,
+        }
+
+
+def _file_line(job: dict[str, Any], file: Path, sites: list[int]) -> str | None:
+    """Where in the file the run raised: its last frame in the file, else (compiled or
+    captured code has no Python frame of the file) the insert site when the message
+    names the fused op or its dtype check."""
+    real = os.path.realpath(file)
+    own = [n for f, n in job.get("frames", []) if os.path.realpath(f) == real]
+    if own:
+        return f"{file.name}:{own[-1]}"
+    text = " ".join([job.get("message", ""), *job.get("traceback", [])])
+    if sites and ("qknorm_rope_kv_insert" in text or "kv_cache dtype must match" in text):
+        return f"{file.name}:{sites[0]} (the fused insert call; the raise came through compiled code)"
+    return None
+
+
+def judge_job(job: dict[str, Any], file: Path, sites: list[int]) -> tuple[str, str]:
+    """``(passed | failed | skipped, why)`` for one run of the child."""
+    if job.get("status") == "ok":
+        return "passed", f"{job['label']}: completed in {job.get('seconds', 0):.1f} s"
+    if job.get("status") == "not-run":
+        return "skipped", f"{job['label']}: not run: {job.get('message', '')}"
+    error = f"{job.get('exc_type', '?')}: {job.get('message', '')}".rstrip(": ")
+    phase = job.get("phase")
+    if phase == "import":
+        if job.get("exc_type") == "LookupError":
+            return "skipped", f"{job['label']}: {job.get('message')}"
+        from .importcheck import import_lines, judge
+
+        try:
+            imports = import_lines(file.read_text(encoding="utf-8-sig"))
+        except (OSError, UnicodeDecodeError):
+            imports = frozenset()
+        frames = [(f, n) for f, n in job.get("frames", [])]
+        status, why = judge(
+            job.get("exc_type", "?"), job.get("message", ""), frames, str(file), None, imports
+        )
+        return status, f"{job['label']}: loading the file: {why}"
+    where = _file_line(job, file, sites)
+    what = "CUDA-graph capture failed" if job.get("capture") else f"the engine raised ({phase})"
+    at = f" at {where}" if where else ""
+    return "failed", f"{job['label']}: {what}{at}: {error}"
+
+
+@dataclass
+class EngineResult:
+    status: str  # passed / failed / skipped
+    reason: str
+    details: list[str]
+    comparisons: list[Comparison]
+    raw: dict[str, Any]
+
+    def to_json(self) -> dict[str, object]:
+        jobs = [
+            {k: j.get(k) for k in ("label", "status", "phase", "exc_type", "message", "seconds")}
+            for j in self.raw.get("jobs", [])
+        ]
+        return {
+            "status": self.status,
+            "reason": self.reason,
+            "env": self.raw.get("env"),
+            "runs": jobs,
+            "comparisons": [c.to_json() for c in self.comparisons],
+        }
+
+
+def judge_results(
+    results: dict[str, Any], file: Path, sites: list[int] = (), min_agreement: float = MIN_AGREEMENT
+) -> EngineResult:
+    """The level's verdict from the child's report (pure: tests feed recorded reports)."""
+    if results.get("status") != "ok":
+        status = "skipped" if results.get("status") == "skipped" else "failed"
+        return EngineResult(
+            status, results.get("reason", "?"), list(results.get("traceback", [])), [], results
+        )
+    jobs = {j["label"]: j for j in results.get("jobs", [])}
+    details = [f"{label}: {j.get('status')} ({j.get('seconds', 0):.1f} s)" for label, j in jobs.items()]
+    details += [f"note: {n}" for n in (results.get("env") or {}).get("notes", [])]
+    failures, skips = [], []
+    for label, job in jobs.items():
+        status, why = judge_job(job, file, sites)
+        if status == "failed" and label.startswith("native:"):
+            details.append(f"the installed vLLM's own file failed too: {why}")
+            continue
+        (failures if status == "failed" else skips if status == "skipped" else []).append(why)
+        if status != "passed":
+            details += [f"  {line}" for line in job.get("traceback", [])[-TAIL:]]
+    comps: list[Comparison] = []
+
+    def ok(label: str) -> bool:
+        return jobs.get(label, {}).get("status") == "ok"
+
+    base, fp8, native = "file:auto", f"file:{FP8}", f"native:{FP8}"
+    if ok(base) and ok(fp8):
+        c = compare_outputs(base, jobs[base]["outputs"], fp8, jobs[fp8]["outputs"])
+        comps.append(c)
+        if c.garbage(min_agreement):
+            failures.append(f"garbage: {c.summary()} (below {min_agreement:.2f})")
+    if ok(base) and ok(native):
+        comps.append(compare_outputs(base, jobs[base]["outputs"], native, jobs[native]["outputs"]))
+    if ok(fp8) and ok(native):
+        comps.append(compare_outputs(native, jobs[native]["outputs"], fp8, jobs[fp8]["outputs"]))
+    details += [c.summary() for c in comps]
+    if failures:
+        return EngineResult("failed", "; ".join(failures), details, comps, results)
+    if skips:
+        return EngineResult("skipped", "; ".join(skips), details, comps, results)
+    what = "; ".join(c.summary() for c in comps) or "no comparison"
+    env = results.get("env") or {}
+    return EngineResult(
+        "passed", f"vllm {env.get('vllm', '?')} on {env.get('gpu', '?')}: {what}", details, comps, results
+    )
+
+
+def installed_original(path: Path, python: str | None) -> Path | None:
+    """The installed vLLM's own nvidia/model.py, when it is another file whose insert is native."""
+    from codemods.schema import SiteState
+    from rewriter.apply import FileStatus, classify_file
+    from rewriter.targets import (
+        TargetError,
+        nvidia_dir,
+        vllm_install_of_interpreter,
+        vllm_of_current_interpreter,
+    )
+
+    try:
+        pkg = vllm_install_of_interpreter(python)[0] if python else vllm_of_current_interpreter()
+        original = nvidia_dir(pkg, "installed vLLM") / "model.py"
+    except TargetError:
+        return None
+    if not original.is_file() or os.path.realpath(original) == os.path.realpath(path):
+        return None
+    planned = classify_file(original)
+    if planned.status is FileStatus.ERROR:
+        return None
+    return original if any(s.state is SiteState.NATIVE for s in planned.sites) else None
+
+
+def engine_level(path: Path, sites: list[int], python: str | None = None, opts: EngineOptions | None = None):
+    """The engine level's LevelResult for one file (and its JSON, in ``details``' owner)."""
+    from . import LevelResult, Status
+
+    opts = opts or EngineOptions()
+    original = installed_original(path, python)
+    spec = {"jobs": jobs_for(path, original, opts), "new_tokens": opts.new_tokens}
+    res = judge_results(run_child(spec, python, opts.timeout), path, sites, opts.min_agreement)
+    return LevelResult("engine", Status(res.status), res.reason, res.details), res
