@@ -1,0 +1,381 @@
+"""`verify --engine` (rewriter/verify/engine.py): skip paths and the comparison, on CPU.
+
+The engine itself needs a CUDA GPU and vLLM (bench/vllm024_engine.sh runs it on
+the H200). Here: the child's skip answers, reached for real in a subprocess
+with stand-in ``torch`` / ``vllm`` packages on its path; and the comparison and
+the verdict on recorded reports (hand-made below).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from rewriter.verify import Status, engine
+from rewriter.verify.engine import (
+    EngineOptions,
+    compare_outputs,
+    first_divergence,
+    jobs_for,
+    judge_results,
+    max_logprob_delta,
+    prefix_agreement,
+)
+
+FILE = Path("/srv/vllm/vllm/models/minimax_m3/nvidia/model.py")
+
+
+# ---- the comparison -----------------------------------------------------------------
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert first_divergence([7], [8]) == 0
+    assert first_divergence([1, 2], [1, 2, 3]) == 2  # a shorter run diverges where it stops
+    assert first_divergence([], []) is None
+
+
+def test_prefix_agreement_counts_only_the_common_prefix():
+    assert prefix_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert (
+        prefix_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5
+    )  # the match after the divergence does not count
+    assert prefix_agreement([1, 2, 3, 4], [9, 2, 3, 4]) == 0.0
+    assert prefix_agreement([], []) == 1.0
+
+
+def test_max_logprob_delta_over_the_common_prefix():
+    a = {"tokens": [1, 2, 3], "logprobs": [-0.5, -1.0, -2.0]}
+    b = {"tokens": [1, 2, 4], "logprobs": [-0.6, -1.25, -9.0]}  # position 2 differs: not compared
+    assert max_logprob_delta(a, b) == pytest.approx(0.25)
+    c = {"tokens": [5, 2, 3], "logprobs": [-0.1, -1.0, -2.0]}
+    assert max_logprob_delta(a, c) is None
+    d = {"tokens": [1, 2, 3], "logprobs": [None, -1.5, -2.0]}  # a missing logprob is skipped
+    assert max_logprob_delta(a, d) == pytest.approx(0.5)
+
+
+def seqs(*token_lists, lp=-1.0):
+    return [{"tokens": list(t), "logprobs": [lp] * len(t)} for t in token_lists]
+
+
+def test_comparison_aggregates():
+    a = seqs([1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9])
+    b = seqs([1, 2, 3, 4], [5, 6, 0, 8], [0, 9, 9, 9], lp=-1.5)
+    c = compare_outputs("auto", a, "fp8", b)
+    assert [s.first_divergence for s in c.sequences] == [None, 2, 0]
+    assert c.identical == 1
+    assert c.first_divergence == 0
+    assert c.agreement == pytest.approx((1.0 + 0.5 + 0.0) / 3)
+    assert c.max_dlogprob == pytest.approx(0.5)
+    assert c.garbage(0.6) and not c.garbage(0.5)
+    js = c.to_json()
+    assert js["identical"] == 1 and js["sequences"] == 3 and js["first_divergence"] == 0
+    assert "1/3 sequences identical" in c.summary()
+    with pytest.raises(ValueError):
+        compare_outputs("auto", a, "fp8", b[:2])
+
+
+def test_identical_runs():
+    a = seqs([1, 2], [3, 4])
+    c = compare_outputs("native", a, "bypass", a)
+    assert c.identical == 2 and c.first_divergence is None and c.max_dlogprob == 0.0 and c.agreement == 1.0
+
+
+# ---- the verdict, on recorded child reports -------------------------------------------
+
+GOOD = seqs([1, 2, 3, 4, 5, 6, 7, 8], [2, 3, 4, 5, 6, 7, 8, 9], [3, 3, 3, 3, 3, 3, 3, 3])
+NOISY = seqs([1, 2, 3, 4, 5, 6, 0, 0], [2, 3, 4, 5, 6, 7, 8, 9], [3, 3, 3, 3, 3, 3, 3, 3])  # one late flip
+GARBAGE = seqs([0, 0, 0, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0, 0, 0], [0, 3, 3, 3, 3, 3, 3, 3])
+ENV = {"vllm": "0.24.0", "gpu": "NVIDIA H200", "notes": []}
+
+
+def ok(label, outputs, seconds=3.0):
+    return {"label": label, "status": "ok", "phase": "done", "outputs": outputs, "seconds": seconds}
+
+
+def raised(label, phase, exc_type, message, frames=(), tb=(), capture=False):
+    return {
+        "label": label,
+        "status": "raised",
+        "phase": phase,
+        "exc_type": exc_type,
+        "message": message,
+        "frames": [list(f) for f in frames],
+        "traceback": list(tb),
+        "capture": capture,
+        "seconds": 1.0,
+    }
+
+
+def report(*jobs):
+    return {"status": "ok", "reason": "", "env": ENV, "jobs": list(jobs)}
+
+
+def test_passes_when_fp8_agrees_with_bf16():
+    r = judge_results(report(ok("file:auto", GOOD), ok("file:fp8_e4m3", NOISY)), FILE, [591])
+    assert r.status == "passed", r.reason
+    assert "0.24.0" in r.reason and "2/3 sequences identical" in r.reason
+    assert len(r.comparisons) == 1
+
+
+def test_garbage_fails():
+    r = judge_results(report(ok("file:auto", GOOD), ok("file:fp8_e4m3", GARBAGE)), FILE, [591])
+    assert r.status == "failed"
+    assert r.reason.startswith("garbage: ")
+
+
+def test_threshold_is_applied():
+    recorded = report(ok("file:auto", GOOD), ok("file:fp8_e4m3", NOISY))
+    assert judge_results(recorded, FILE, [591], min_agreement=0.95).status == "failed"
+    assert judge_results(recorded, FILE, [591], min_agreement=0.5).status == "passed"
+
+
+def test_raise_in_the_files_code_names_its_line():
+    job = raised(
+        "file:fp8_e4m3",
+        "init",
+        "NameError",
+        "name 'insert_via_fused' is not defined",
+        frames=[("/x/vllm/v1/worker/gpu_model_runner.py", 10), (str(FILE), 604)],
+    )
+    r = judge_results(report(ok("file:auto", GOOD), job), FILE, [591])
+    assert r.status == "failed"
+    assert "model.py:604" in r.reason and "NameError" in r.reason
+
+
+def test_kernel_assert_through_compiled_code_points_at_the_insert_site():
+    job = raised(
+        "file:fp8_e4m3",
+        "init",
+        "RuntimeError",
+        "auto kv_cache dtype must match qkv",
+        frames=[("/x/torch/_ops.py", 1200)],
+        tb=['  File "/x/torch/_ops.py", line 1200', "RuntimeError: auto kv_cache dtype must match qkv"],
+    )
+    r = judge_results(report(ok("file:auto", GOOD), job), FILE, [591])
+    assert r.status == "failed"
+    assert "model.py:591" in r.reason and "fused insert" in r.reason
+
+
+def test_capture_failure_is_reported_as_such():
+    job = raised(
+        "file:fp8_e4m3",
+        "init",
+        "RuntimeError",
+        "CUDA error: operation not permitted when stream is capturing",
+        capture=True,
+    )
+    r = judge_results(report(ok("file:auto", GOOD), job), FILE, [])
+    assert r.status == "failed" and "CUDA-graph capture failed" in r.reason
+
+
+def test_no_model_class_is_skipped():
+    msg = "no model class to serve: MiniMaxM3SparseForCausalLM is not defined in the file"
+    jobs = [raised(label, "import", "LookupError", msg) for label in ("file:auto", "file:fp8_e4m3")]
+    r = judge_results(report(*jobs), FILE, [276])
+    assert r.status == "skipped" and "no model class" in r.reason
+
+
+def test_import_error_of_the_file_is_judged_like_the_import_level():
+    job = raised(
+        "file:auto",
+        "import",
+        "NameError",
+        "name 'foo' is not defined",
+        frames=[("<frozen>", 1), (str(FILE), 12)],
+    )
+    r = judge_results(report(job, ok("file:fp8_e4m3", GOOD)), FILE, [])
+    assert r.status == "failed" and "model.py:12" in r.reason
+
+
+def test_native_run_is_compared_and_its_failure_is_not_the_files():
+    both = report(ok("file:auto", GOOD), ok("file:fp8_e4m3", NOISY), ok("native:fp8_e4m3", NOISY))
+    r = judge_results(both, FILE, [591])
+    assert r.status == "passed"
+    pairs = [(c.a, c.b) for c in r.comparisons]
+    assert ("native:fp8_e4m3", "file:fp8_e4m3") in pairs and ("file:auto", "native:fp8_e4m3") in pairs
+    bypass_vs_native = next(c for c in r.comparisons if c.a == "native:fp8_e4m3")
+    assert bypass_vs_native.identical == 3
+    broken = report(
+        ok("file:auto", GOOD),
+        ok("file:fp8_e4m3", NOISY),
+        raised("native:fp8_e4m3", "init", "RuntimeError", "x"),
+    )
+    r = judge_results(broken, FILE, [591])
+    assert r.status == "passed"
+    assert any("own file failed too" in d for d in r.details)
+
+
+def test_a_run_past_the_deadline_is_skipped_not_failed():
+    late = {
+        "label": "file:fp8_e4m3",
+        "status": "not-run",
+        "phase": "deadline",
+        "message": "the time budget was spent",
+    }
+    r = judge_results(report(ok("file:auto", GOOD), late), FILE, [591])
+    assert r.status == "skipped" and "not run" in r.reason
+
+
+def test_skipped_and_crashed_reports():
+    r = judge_results({"status": "skipped", "reason": "no CUDA GPU for /usr/bin/python3", "jobs": []}, FILE)
+    assert r.status == "skipped" and "no CUDA" in r.reason
+    r = judge_results(
+        {"status": "failed", "reason": "python exited -11", "jobs": [], "traceback": ["Segmentation fault"]},
+        FILE,
+    )
+    assert r.status == "failed" and r.details == ["Segmentation fault"]
+
+
+def test_to_json():
+    r = judge_results(report(ok("file:auto", GOOD), ok("file:fp8_e4m3", NOISY)), FILE, [591])
+    js = json.loads(json.dumps(r.to_json()))
+    assert js["status"] == "passed" and js["runs"][0]["label"] == "file:auto"
+    assert js["comparisons"][0]["identical"] == 2
+
+
+def test_jobs():
+    opts = EngineOptions(block_size=16, backend="FLASH_ATTN", enforce_eager=True)
+    jobs = jobs_for(FILE, None, opts)
+    assert [(j["label"], j["kv_cache_dtype"]) for j in jobs] == [
+        ("file:auto", "auto"),
+        ("file:fp8_e4m3", "fp8_e4m3"),
+    ]
+    assert all(j["block_size"] == 16 and j["backend"] == "FLASH_ATTN" and j["enforce_eager"] for j in jobs)
+    jobs = jobs_for(FILE, Path("/o/model.py"), EngineOptions())
+    assert jobs[-1] == {
+        "label": "native:fp8_e4m3",
+        "file": "/o/model.py",
+        "kv_cache_dtype": "fp8_e4m3",
+        "block_size": 128,
+        "backend": "TRITON_ATTN",
+        "enforce_eager": False,
+    }
+
+
+# ---- the child's skip paths, for real in a subprocess -----------------------------------
+
+FAKE_TORCH = """
+__version__ = "0.0-stub"
+class cuda:
+    @staticmethod
+    def is_available(): return {cuda}
+    @staticmethod
+    def get_device_name(i=0): return "Stub GPU"
+    @staticmethod
+    def get_device_capability(i=0): return (9, 0)
+"""
+
+
+def stub_env(tmp_path, monkeypatch, torch="ok", vllm=None):
+    site = tmp_path / "site"
+    (site / "torch").mkdir(parents=True)
+    if torch == "missing":
+        (site / "torch" / "__init__.py").write_text("raise ImportError('No module named torch (stub)')\n")
+    else:
+        (site / "torch" / "__init__.py").write_text(FAKE_TORCH.format(cuda=torch == "ok"))
+    if vllm is not None:
+        (site / "vllm").mkdir()
+        (site / "vllm" / "__init__.py").write_text(vllm)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("PYTHONNOUSERSITE", "1")
+
+
+def child(spec=None):
+    return engine.run_child(spec or {"jobs": []}, python=sys.executable, timeout=60)
+
+
+@pytest.fixture
+def no_real_vllm():
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this interpreter has a vLLM: the stand-ins would not be the only ones")
+
+
+def test_child_skips_without_torch(tmp_path, monkeypatch):
+    stub_env(tmp_path, monkeypatch, torch="missing")
+    out = child()
+    assert out["status"] == "skipped", out
+    assert "torch is not importable" in out["reason"]
+
+
+def test_child_skips_without_gpu(tmp_path, monkeypatch):
+    stub_env(tmp_path, monkeypatch, torch="nogpu")
+    out = child()
+    assert out["status"] == "skipped" and "no CUDA GPU" in out["reason"], out
+
+
+def test_child_skips_without_vllm(tmp_path, monkeypatch, no_real_vllm):
+    stub_env(tmp_path, monkeypatch, torch="ok")
+    out = child()
+    assert out["status"] == "skipped" and "vllm is not installed" in out["reason"], out
+    assert out["env"]["gpu"] == "Stub GPU"
+
+
+def test_child_skips_when_vllm_cannot_be_imported(tmp_path, monkeypatch):
+    stub_env(
+        tmp_path,
+        monkeypatch,
+        torch="ok",
+        vllm="raise RuntimeError('libcuda.so.1: cannot open shared object file')\n",
+    )
+    out = child()
+    assert out["status"] == "skipped", out
+    assert "vLLM cannot be imported here" in out["reason"] and "libcuda" in out["reason"]
+
+
+def test_engine_level_without_a_gpu_is_skipped(tmp_path, monkeypatch):
+    stub_env(tmp_path, monkeypatch, torch="nogpu")
+    monkeypatch.setattr(engine, "installed_original", lambda path, python: None)
+    level, res = engine.engine_level(FILE, [591], python=sys.executable)
+    assert level.level == "engine" and level.status is Status.SKIPPED
+    assert "no CUDA GPU" in level.reason
+    assert res.to_json()["status"] == "skipped"
+
+
+def test_child_crash_is_a_failure(tmp_path):
+    out = engine.run_child({"jobs": []}, python=str(tmp_path / "no-such-python"), timeout=10)
+    assert out["status"] == "failed"
+
+
+# ---- the tiny checkpoint (needs torch; no vLLM) ------------------------------------------
+
+
+def load_child():
+    spec = importlib.util.spec_from_file_location("mm3_engine_child", engine.CHILD)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_child_keeps_this_folder_off_sys_path():
+    # run as a script its folder would be sys.path[0], and rewriter/verify/kernels.py would
+    # shadow the `kernels` package transformers looks for
+    src = engine.CHILD.read_text()
+    assert "del sys.path[0]" in src.split("def ", 1)[0]
+
+
+def test_checkpoint_names_and_shapes():
+    pytest.importorskip("torch")
+    c = load_child()
+    cfg = c.tiny_config({"num_local_experts": 4}, 256)
+    assert cfg["architectures"] == ["MiniMaxM3SparseForCausalLM"] and cfg["model_type"] == "minimax_m3_text"
+    t = c.checkpoint_tensors(cfg, 0.02, 0)
+    H, hd = cfg["hidden_size"], cfg["head_dim"]
+    assert t["model.layers.0.mlp.gate_proj.weight"].shape == (cfg["dense_intermediate_size"], H)
+    assert "model.layers.0.self_attn.index_k_proj.weight" not in t  # layer 0 is dense attention
+    assert t["model.layers.1.self_attn.index_k_proj.weight"].shape == (128, H)  # one index-key head
+    assert t["model.layers.1.self_attn.index_q_proj.weight"].shape == (2 * 128, H)
+    assert t["model.layers.2.self_attn.k_proj.weight"].shape == (cfg["num_key_value_heads"] * hd, H)
+    assert "model.layers.2.block_sparse_moe.experts.3.w2.weight" in t
+    assert "model.layers.2.block_sparse_moe.experts.4.w2.weight" not in t
+    w = t["model.layers.1.self_attn.q_proj.weight"].float()
+    assert 0.018 < w.std().item() < 0.022  # the realistic scale
+    again = c.checkpoint_tensors(cfg, 0.02, 0)
+    assert all((again[k] == v).all() for k, v in t.items())  # seeded
+    p = c.prompts([5, 1100], 256, 0)
+    assert [len(x) for x in p] == [5, 1100] and all(0 < i < 256 for i in p[1])
