@@ -2,9 +2,11 @@
 # On the GPU machine: import vLLM 0.24.0's nvidia MiniMax-M3 model module for
 # real and run mm3-codemod there with no --kernels (the installed vllm._custom_ops).
 # The parts come from bench/vllm024_pack.sh; one device call each, back to back
-# (files outside the working tree live only while the machine stays warm):
+# (files outside the working tree live only while the machine stays warm), every
+# part but the last stored, the last one run (bench/vllm024_carry.sh installs them):
 #   bash bench/vllm024_device.sh store .gpu/v24_1     # carry [".gpu/v24_1"]
-#   bash bench/vllm024_device.sh run .gpu/v24_2       # carry [".gpu/v24_2"]
+#   bash bench/vllm024_device.sh store .gpu/v24_2     # carry [".gpu/v24_2"] (a 3-part carry)
+#   bash bench/vllm024_device.sh run .gpu/v24_3       # carry [".gpu/v24_3"], the last part
 # `run` exits 3 when an earlier part is missing (a fresh machine): do both again.
 # What it runs, into $OUT/transcript.txt (and every JSON report into
 # $OUT/results.json), then a table:
@@ -25,8 +27,10 @@ PY=${PY:-python3}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$H"
 
+# shellcheck source=bench/vllm024_carry.sh
+. "$REPO/bench/vllm024_carry.sh"
 if [ "$cmd" = store ]; then
-  cp "$dir"/v24.tar.xz.* "$H"/ && ls -l "$H"
+  v24_store "$dir"
   exit $?
 fi
 [ "$cmd" = run ] || { echo "unknown command $cmd" >&2; exit 2; }
@@ -38,27 +42,8 @@ export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-160}
 start=$SECONDS
 step() { echo; echo "=== [$((SECONDS - start))s] $*"; }
 
-# --- reassemble, unpack, install ---------------------------------------------------
-n=$(cat "$dir/v24.parts")
-cp "$dir/v24.tar.xz.$n" "$H/"
-for i in $(seq 1 "$n"); do
-  [ -f "$H/v24.tar.xz.$i" ] || { echo "part $i of $n is not in $H: a fresh machine; run the store call(s) again"; exit 3; }
-done
-if [ ! -f "$SITE/vllm/_C_stable_libtorch.abi3.so" ] || [ ! -f "$SITE/libcst/__init__.py" ]; then
-  step "unpack $n parts"
-  parts=$(for i in $(seq 1 "$n"); do echo "$H/v24.tar.xz.$i"; done)
-  got=$(cat $parts | sha256sum | cut -d' ' -f1)
-  [ "$got" = "$(cat "$dir/v24.sha256")" ] || { echo "sha256 mismatch: $got"; exit 4; }
-  rm -rf "$H/x" && mkdir -p "$H/x"
-  if command -v xz >/dev/null; then
-    cat $parts | xz -dc -T0 | tar -x -C "$H/x"
-  else
-    cat $parts | $PY -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer, 1 << 24)" | tar -x -C "$H/x"
-  fi || { echo "unpack failed"; exit 4; }
-  $PY -m pip install -q --root-user-action=ignore --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$H"/x/whl/*.whl ||
-    { echo "pip install of the carried wheels failed"; exit 4; }
-  cp -a "$H/x/site/." "$SITE/"
-fi
+# --- reassemble, unpack, install (bench/vllm024_carry.sh) ------------------------------
+v24_install "$dir" || exit $?
 export PYTHONPATH="$REPO:$SITE"
 cd "$REPO"
 W=$(mktemp -d)
