@@ -1,0 +1,251 @@
+"""The engine level's experiments on the GPU machine (run by bench/vllm024_engine.sh).
+
+With vLLM 0.24.0 installed from the carry (``--site``):
+  (1) 0.24.0's own nvidia/model.py made fork-era (the sparse fused call's
+      ``kv_cache_dtype`` argument removed; a copy in a temp folder, never
+      committed): before ``mm3-codemod run`` its fp8 engine run must fail with the
+      kernel's bf16-only assert; ``run`` rewrites it; after, the bf16 and the fp8
+      runs complete;
+  (2) the rewritten file's fp8 run against 0.24.0's own file's native fp8 run
+      (both unit scale: the same tokens expected), and each against bf16;
+  (3) the same with enforce_eager=True and with block_size=16.
+Each engine process is rewriter/verify/engine_child.py (one JSON line); the runs
+of (1)-after, (2) and (3) share one process (in that order, under a deadline),
+the failing run of (1)-before has one of its own, last. Any run's failure leaves
+the others; a table at the end, everything in OUT/engine.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from rewriter.verify.engine import MIN_AGREEMENT, compare_outputs, judge_results  # noqa: E402
+
+CHILD = REPO / "rewriter" / "verify" / "engine_child.py"
+FP8 = "fp8_e4m3"
+CONFIGS = {  # name: (block_size, enforce_eager)
+    "graphs,bs128": (128, False),
+    "eager,bs128": (128, True),
+    "graphs,bs16": (16, False),
+}
+
+
+def fork_era(src: Path, dst: Path) -> None:
+    """The sparse call without its kv_cache_dtype argument (the fork's 19-argument call)."""
+    text = src.read_text()
+    new, n = re.subn(r"(\n[ \t]+index_q,\n)[ \t]+self\.kv_cache_dtype,\n([ \t]+\)\n)", r"\1\2", text)
+    if n != 1:
+        raise SystemExit(f"{src}: the sparse call's kv_cache_dtype argument: {n} matches, expected 1")
+    dst.write_text(new)
+
+
+def mm3(*args: str) -> tuple[int, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "mm3_codemod", *args], capture_output=True, text=True, cwd=REPO
+    )
+    return proc.returncode, (proc.stdout + proc.stderr).strip()
+
+
+def child(spec: dict, work: Path, name: str, out: Path, timeout: float) -> dict:
+    spec_file = work / f"{name}.json"
+    spec_file.write_text(json.dumps({**spec, "workdir": str(work / name)}))
+    log = out / f"engine_{name}.log"
+    t = time.time()
+    try:
+        with open(log, "w") as err:
+            proc = subprocess.run(
+                [sys.executable, str(CHILD), str(spec_file)],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                timeout=max(timeout, 1),
+            )
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        res = {"status": "failed", "reason": f"{name}: killed after {timeout:.0f} s", "jobs": []}
+    except (IndexError, json.JSONDecodeError):
+        tail = log.read_text(errors="replace").strip().splitlines()[-6:]
+        res = {
+            "status": "failed",
+            "reason": f"{name}: exited {proc.returncode} with no report",
+            "jobs": [],
+            "tail": tail,
+        }
+    res["wall_s"] = round(time.time() - t, 1)
+    print(f"--- {name}: {res['status']} in {res['wall_s']} s {res.get('reason', '')}", flush=True)
+    for j in res.get("jobs", []):
+        msg = f" {j.get('exc_type')}: {j.get('message', '')[:150]}" if j.get("status") != "ok" else ""
+        print(f"    {j['label']}: {j.get('status')} ({j.get('phase')}) {j.get('seconds')} s{msg}", flush=True)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--site", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget", type=float, default=float(os.environ.get("ENGINE_BUDGET", 500)))
+    a = ap.parse_args()
+    t0 = time.time()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="v24eng-"))
+    orig = Path(a.site, "vllm/models/minimax_m3/nvidia/model.py")
+    before, after = work / "fork_era_model.py", work / "rewritten_model.py"
+    fork_era(orig, before)
+    after.write_text(before.read_text())
+    steps = {}
+    steps["check_before"] = mm3("check", str(before))
+    steps["run"] = mm3("run", str(after))
+    steps["check_after"] = mm3("check", str(after))
+    steps["check_native"] = mm3("check", str(orig))
+    for k, (rc, text) in steps.items():
+        print(f"mm3-codemod {k}: exit {rc}: {text.splitlines()[0] if text else ''}")
+    common = json.loads(os.environ.get("ENGINE_SPEC", "{}"))  # e.g. {"new_tokens": 32}
+    backend = os.environ.get("ENGINE_BACKEND", "TRITON_ATTN")
+
+    def job(label: str, file: Path, dtype: str, cfg: str) -> dict:
+        bs, eager = CONFIGS[cfg]
+        return {
+            "label": f"{label}:{dtype}@{cfg}",
+            "file": str(file),
+            "kv_cache_dtype": dtype,
+            "block_size": bs,
+            "backend": backend,
+            "enforce_eager": eager,
+        }
+
+    main_jobs = []
+    for cfg in CONFIGS:
+        main_jobs += [
+            job("rewritten", after, "auto", cfg),
+            job("rewritten", after, FP8, cfg),
+            job("native", orig, FP8, cfg),
+        ]
+    main_jobs.append(job("native", orig, "auto", "graphs,bs128"))
+    reserve = float(os.environ.get("ENGINE_BEFORE_RESERVE", 110))  # for (1)-before, last
+    results = {}
+    results["main"] = child(
+        {**common, "jobs": main_jobs, "deadline": t0 + a.budget - reserve - 60},
+        work,
+        "main",
+        out,
+        t0 + a.budget - reserve - time.time(),
+    )
+    results["before"] = child(
+        {**common, "jobs": [job("fork-era", before, FP8, "graphs,bs128")], "deadline": t0 + a.budget - 30},
+        work,
+        "before",
+        out,
+        t0 + a.budget - time.time(),
+    )
+    jobs = {j["label"]: j for r in results.values() for j in r.get("jobs", [])}
+
+    def outputs(label):
+        j = jobs.get(label)
+        return j["outputs"] if j and j.get("status") == "ok" else None
+
+    comps = []
+    for cfg in CONFIGS:
+        ra, rf, nf = (f"rewritten:auto@{cfg}", f"rewritten:{FP8}@{cfg}", f"native:{FP8}@{cfg}")
+        pairs = [
+            (ra, rf, "(1)(2) bypass fp8 vs bf16"),
+            (ra, nf, "(2) native fp8 vs bf16"),
+            (nf, rf, "(2) bypass fp8 vs native fp8"),
+        ]
+        if cfg == "graphs,bs128":
+            na = "native:auto@graphs,bs128"
+            pairs += [
+                (na, nf, "native fp8 vs native bf16"),
+                (na, ra, "bf16: rewritten vs native (same path)"),
+            ]
+        for x, y, what in pairs:
+            if outputs(x) is not None and outputs(y) is not None:
+                c = compare_outputs(x, outputs(x), y, outputs(y))
+                comps.append({"config": cfg, "what": what, **c.to_json()})
+            else:
+                comps.append({"config": cfg, "what": what, "a": x, "b": y, "missing": True})
+    verdicts = {}
+    for cfg in CONFIGS:  # the level's own verdict on the rewritten file, per config
+        sub = {"status": "ok", "env": results["main"].get("env"), "jobs": []}
+        for src, dst in (
+            (f"rewritten:auto@{cfg}", "file:auto"),
+            (f"rewritten:{FP8}@{cfg}", f"file:{FP8}"),
+            (f"native:{FP8}@{cfg}", f"native:{FP8}"),
+        ):
+            if src in jobs:
+                sub["jobs"].append({**jobs[src], "label": dst})
+        if results["main"].get("status") == "ok":
+            v = judge_results(sub, after, [])
+            verdicts[cfg] = {"status": v.status, "reason": v.reason}
+    bj = jobs.get(f"fork-era:{FP8}@graphs,bs128", {})
+    exp1_before = (
+        "fails as expected: " + bj.get("message", "")[:160]
+        if bj.get("status") == "raised"
+        and "must match" in bj.get("message", "") + " ".join(bj.get("traceback", []))
+        else f"UNEXPECTED: {bj.get('status')} {bj.get('exc_type', '')}: {bj.get('message', '')[:160]}"
+    )
+    report = {
+        "steps": {k: {"exit": rc, "output": t[-2000:]} for k, (rc, t) in steps.items()},
+        "results": results,
+        "comparisons": comps,
+        "verdicts": verdicts,
+        "exp1_before": exp1_before,
+        "min_agreement": MIN_AGREEMENT,
+        "wall_s": round(time.time() - t0, 1),
+    }
+    (out / "engine.json").write_text(json.dumps(report, indent=1))
+
+    print("\n| run | status | phase | s | error |\n|---|---|---|---:|---|")
+    for label, j in jobs.items():
+        err = f"{j.get('exc_type')}: {j.get('message', '')[:90]}" if j.get("status") != "ok" else ""
+        print(
+            f"| {label} | {j.get('status')} | {j.get('phase')} | {j.get('seconds')} | "
+            f"{err.replace('|', '/')} |"
+        )
+    print(
+        "\n| config | comparison | tokens agreed (identical seqs) | mean agreement "
+        "| first divergence | max abs d logprob |"
+    )
+    print("|---|---|---|---:|---:|---:|")
+    for c in comps:
+        if c.get("missing"):
+            print(f"| {c['config']} | {c['what']} | (a run is missing) | - | - | - |")
+            continue
+        d = c["max_dlogprob"]
+        print(
+            f"| {c['config']} | {c['what']} | {c['identical']}/{c['sequences']} | {c['agreement']:.3f} | "
+            f"{'-' if c['first_divergence'] is None else c['first_divergence']} | "
+            f"{'-' if d is None else f'{d:.4g}'} |"
+        )
+    print(f"\n(1) before `run`, fp8: {exp1_before}")
+    print(
+        f"(1) `run` exit {steps['run'][0]}; check after exit {steps['check_after'][0]}; "
+        f"native file check exit {steps['check_native'][0]}"
+    )
+    for cfg, v in verdicts.items():
+        print(f"engine level on the rewritten file, {cfg}: {v['status']}: {v['reason'][:300]}")
+    floor = [
+        c["agreement"] for c in comps if c.get("what") == "(2) native fp8 vs bf16" and not c.get("missing")
+    ]
+    print(f"threshold MIN_AGREEMENT={MIN_AGREEMENT}; native fp8 vs bf16 agreement measured: {floor}")
+    env = results["main"].get("env") or {}
+    print(
+        "env: "
+        + json.dumps({k: env.get(k) for k in ("vllm", "torch", "gpu", "import_seconds", "notes", "config")})
+    )
+    print(f"engine experiments: {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
