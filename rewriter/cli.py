@@ -116,6 +116,29 @@ VERIFY_OPTIONS = (
     Option("--require-gpu", "require_gpu", "Fail, rather than skip, when the kernel level cannot run."),
     Option("--require-import", "require_import", "Fail, rather than skip, when the import level cannot run."),
     Option("--timing/--no-timing", "timing", "Time the kernels (GPU only).", default=True),
+    Option(
+        "--engine",
+        "engine",
+        "Also serve a tiny random-weight MiniMax-M3 built from the file with vLLM's offline engine, "
+        "bf16 vs fp8 KV cache (CUDA GPU and vLLM; minutes).",
+    ),
+    Option(
+        "--engine-block-size",
+        "engine_block_size",
+        "The engine level's block size.",
+        "N",
+        int,
+        default=128,
+        minimum=1,
+    ),
+    Option(
+        "--engine-backend",
+        "engine_backend",
+        "The engine level's attention backend.",
+        "NAME",
+        default="TRITON_ATTN",
+    ),
+    Option("--engine-eager", "engine_eager", "Run the engine level with enforce_eager (no CUDA graphs)."),
     Option("--verbose -v", "verbose", "Show every check."),
     JSON,
     COLOR,
@@ -268,6 +291,16 @@ def survey(o: SimpleNamespace) -> int:
     return _finish(report, o, err)
 
 
+def _engine_options(o: SimpleNamespace) -> Any:
+    if not o.engine:
+        return None
+    from rewriter.verify.engine import EngineOptions
+
+    return EngineOptions(
+        block_size=o.engine_block_size, backend=o.engine_backend, enforce_eager=o.engine_eager
+    )
+
+
 def verify(o: SimpleNamespace) -> int:
     """Import the rewritten module and run its code: reference ops (CPU) and vLLM's kernels (GPU).
 
@@ -292,6 +325,7 @@ def verify(o: SimpleNamespace) -> int:
             require_gpu=o.require_gpu,
             timing=o.timing,
             require_import=o.require_import,
+            engine=_engine_options(o),
         )
     print_verify(report, stderr(), verbose=o.verbose)
     if o.as_json:

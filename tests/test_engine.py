@@ -379,3 +379,23 @@ def test_checkpoint_names_and_shapes():
     assert all((again[k] == v).all() for k, v in t.items())  # seeded
     p = c.prompts([5, 1100], 256, 0)
     assert [len(x) for x in p] == [5, 1100] and all(0 < i < 256 for i in p[1])
+
+
+# ---- wired into `verify` (--engine) -----------------------------------------------------
+
+
+def test_verify_engine_flag_adds_the_level():
+    """Here (no CUDA GPU, or no torch, and no vLLM) the engine level is there and skipped."""
+    from conftest import FIXTURES, cli
+
+    target = str(FIXTURES / "patched" / "model.py")
+    proc = cli("verify", target, "--engine", "--engine-block-size", "16", "--json")
+    report = json.loads(proc.stdout)
+    levels = {lv["level"]: lv for lv in report["files"][0]["levels"]}
+    assert levels["engine"]["status"] == "skipped", levels["engine"]
+    assert (
+        "no CUDA GPU" in levels["engine"]["reason"] or "torch is not importable" in levels["engine"]["reason"]
+    )
+    assert report["files"][0]["engine"]["status"] == "skipped"
+    plain = json.loads(cli("verify", target, "--json").stdout)
+    assert "engine" not in {lv["level"] for lv in plain["files"][0]["levels"]}

@@ -12,6 +12,9 @@ Three levels per file, each passed / failed / skipped with a reason:
 3. **kernel** - the same with vLLM's real ops on a CUDA GPU of compute
    capability >= 8.9, plus the ops against the references and timings
    (:mod:`rewriter.verify.kernels`).
+4. **engine** (opt-in, ``--engine``) - vLLM's offline engine serves a tiny
+   random-weight MiniMax-M3 built from the file, bf16 vs fp8 cache
+   (:mod:`rewriter.verify.engine`).
 
 torch is imported only inside the semantic and kernel levels; without it they
 are skipped and say so.
@@ -68,6 +71,7 @@ class FileVerification:
     error: str | None = None  # the file could not be read or parsed
     note: str | None = None  # e.g. "needs-bypass at line 276: run `mm3-codemod run` first"
     timings: dict[str, Any] | None = None  # the kernel level's timings of this file's bypass
+    engine: dict[str, Any] | None = None  # the engine level's runs and comparisons (--engine)
 
     @property
     def failed(self) -> bool:
@@ -94,6 +98,7 @@ class FileVerification:
             "sites": self.sites,
             "levels": [level.to_json() for level in self.levels],
             "timings": _timings_json(self.timings) if self.timings else None,
+            "engine": self.engine,
         }
 
 
@@ -247,6 +252,7 @@ def verify_file(
     kernel: KernelContext | None = None,
     require_gpu: bool = False,
     require_import: bool = False,
+    engine: Any = None,  # engine.EngineOptions: run the engine level (--engine)
 ) -> FileVerification:
     path = target.path
     out = FileVerification(path, target.origin)
@@ -292,6 +298,12 @@ def verify_file(
         out.levels.append(LevelResult("kernel", status, reason + (" (--require-gpu)" if require_gpu else "")))
     else:
         out.levels.append(_semantic(path, classes, kernel, out))
+    if engine is not None:
+        from .engine import engine_level
+
+        level, result = engine_level(path, [s.line for s in inserts], python, engine)
+        out.levels.append(level)
+        out.engine = result.to_json()
     return out
 
 
@@ -302,6 +314,9 @@ def verify(
     require_gpu: bool = False,
     timing: bool = True,
     require_import: bool = False,
+    engine: Any = None,
 ) -> VerifyReport:
     ctx = load_kernels(kernels, timing=timing)
-    return VerifyReport([verify_file(t, python, ctx, require_gpu, require_import) for t in targets], ctx)
+    return VerifyReport(
+        [verify_file(t, python, ctx, require_gpu, require_import, engine) for t in targets], ctx
+    )
