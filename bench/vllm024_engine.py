@@ -9,10 +9,10 @@ With vLLM 0.24.0 installed from the carry (``--site``):
   (2) the rewritten file's fp8 run against 0.24.0's own file's native fp8 run
       (both unit scale: the same tokens expected), and each against bf16;
   (3) the same with enforce_eager=True and with block_size=16.
-Each engine process is rewriter/verify/engine_child.py (one JSON line); the runs
-of (1)-after, (2) and (3) share one process (in that order, under a deadline),
-the failing run of (1)-before has one of its own, last. Any run's failure leaves
-the others; a table at the end, everything in OUT/engine.json.
+Each run is one process of rewriter/verify/engine_child.py (one JSON line): the
+first alone (it fills the kernel caches), the others three at a time, under a
+deadline. Any run's failure leaves the others; a table at the end, everything in
+OUT/engine.json and the runs' log tails in OUT/engine_main.log.
 """
 
 from __future__ import annotations
@@ -56,37 +56,55 @@ def mm3(*args: str) -> tuple[int, str]:
     return proc.returncode, (proc.stdout + proc.stderr).strip()
 
 
-def child(spec: dict, work: Path, name: str, out: Path, timeout: float) -> dict:
+def start(spec: dict, work: Path, name: str) -> tuple[subprocess.Popen, Path, float]:
     spec_file = work / f"{name}.json"
     spec_file.write_text(json.dumps({**spec, "workdir": str(work / name)}))
-    log = out / f"engine_{name}.log"
-    t = time.time()
+    log = work / f"{name}.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, str(CHILD), str(spec_file)], stdout=subprocess.PIPE, stderr=err, text=True)
+    return proc, log, time.time()
+
+
+def finish(proc: subprocess.Popen, log: Path, t: float, name: str, end: float) -> dict:
     try:
-        with open(log, "w") as err:
-            proc = subprocess.run(
-                [sys.executable, str(CHILD), str(spec_file)],
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                timeout=max(timeout, 1),
-            )
-        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        stdout, _ = proc.communicate(timeout=max(end - time.time(), 1))
+        res = json.loads(stdout.strip().splitlines()[-1])
     except subprocess.TimeoutExpired:
-        res = {"status": "failed", "reason": f"{name}: killed after {timeout:.0f} s", "jobs": []}
+        proc.kill()
+        proc.communicate()
+        res = {"status": "failed", "reason": f"{name}: killed at the deadline", "jobs": []}
     except (IndexError, json.JSONDecodeError):
         tail = log.read_text(errors="replace").strip().splitlines()[-6:]
-        res = {
-            "status": "failed",
-            "reason": f"{name}: exited {proc.returncode} with no report",
-            "jobs": [],
-            "tail": tail,
-        }
+        res = {"status": "failed", "reason": f"{name}: exited {proc.returncode} with no report", "jobs": [], "tail": tail}
     res["wall_s"] = round(time.time() - t, 1)
-    print(f"--- {name}: {res['status']} in {res['wall_s']} s {res.get('reason', '')}", flush=True)
     for j in res.get("jobs", []):
         msg = f" {j.get('exc_type')}: {j.get('message', '')[:150]}" if j.get("status") != "ok" else ""
         print(f"    {j['label']}: {j.get('status')} ({j.get('phase')}) {j.get('seconds')} s{msg}", flush=True)
+    if not res.get("jobs"):
+        print(f"    {name}: {res['status']} {res.get('reason', '')}", flush=True)
     return res
+
+
+def run_all(common: dict, jobs: list[dict], work: Path, out: Path, end: float, parallel: int) -> dict:
+    """One engine process per job (vLLM does not clean up for a second LLM in a process: seen
+    on the H200, every later LLM raised in init). The first runs alone and fills the Triton and
+    flashinfer caches; the rest `parallel` at a time, each with its share of GPU memory."""
+    results, logs = {}, []
+    waves = [jobs[:1]] + [jobs[i : i + parallel] for i in range(1, len(jobs), parallel)]
+    share = {"gpu_memory_utilization": round(0.8 / parallel, 3)}
+    for wave in waves:
+        if time.time() > end - 60:
+            for j in wave:
+                results[j["label"]] = {"status": "not-run", "jobs": [{"label": j["label"], "status": "not-run"}]}
+            continue
+        started = [(j, *start({**common, **share, "jobs": [j]}, work, f"job{len(logs) + i}")) for i, j in enumerate(wave)]
+        for j, proc, log, t in started:
+            results[j["label"]] = finish(proc, log, t, j["label"], end)
+            logs.append((j["label"], log))
+    with open(out / "engine_main.log", "w") as merged:  # at most 8 files come back: one log
+        for label, log in logs:
+            merged.write(f"===== {label}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-150:]) + "\n")
+    return results
 
 
 def main() -> int:
@@ -124,30 +142,15 @@ def main() -> int:
             "enforce_eager": eager,
         }
 
-    main_jobs = []
-    for cfg in CONFIGS:
-        main_jobs += [
-            job("rewritten", after, "auto", cfg),
-            job("rewritten", after, FP8, cfg),
-            job("native", orig, FP8, cfg),
-        ]
-    main_jobs.append(job("native", orig, "auto", "graphs,bs128"))
-    reserve = float(os.environ.get("ENGINE_BEFORE_RESERVE", 110))  # for (1)-before, last
-    results = {}
-    results["main"] = child(
-        {**common, "jobs": main_jobs, "deadline": t0 + a.budget - reserve - 60},
-        work,
-        "main",
-        out,
-        t0 + a.budget - reserve - time.time(),
-    )
-    results["before"] = child(
-        {**common, "jobs": [job("fork-era", before, FP8, "graphs,bs128")], "deadline": t0 + a.budget - 30},
-        work,
-        "before",
-        out,
-        t0 + a.budget - time.time(),
-    )
+    before_job = job("fork-era", before, FP8, "graphs,bs128")
+    all_jobs = [job("rewritten", after, "auto", "graphs,bs128"), job("rewritten", after, FP8, "graphs,bs128"),
+                job("native", orig, FP8, "graphs,bs128"), before_job]
+    for cfg in ("eager,bs128", "graphs,bs16"):
+        all_jobs += [job("rewritten", after, "auto", cfg), job("rewritten", after, FP8, cfg), job("native", orig, FP8, cfg)]
+    all_jobs.append(job("native", orig, "auto", "graphs,bs128"))
+    parallel = int(os.environ.get("ENGINE_PARALLEL", 3))
+    results = run_all(common, all_jobs, work, out, t0 + a.budget, parallel)
+    first = next((r for r in results.values() if r.get("env")), {})
     jobs = {j["label"]: j for r in results.values() for j in r.get("jobs", [])}
 
     def outputs(label):
@@ -176,7 +179,7 @@ def main() -> int:
                 comps.append({"config": cfg, "what": what, "a": x, "b": y, "missing": True})
     verdicts = {}
     for cfg in CONFIGS:  # the level's own verdict on the rewritten file, per config
-        sub = {"status": "ok", "env": results["main"].get("env"), "jobs": []}
+        sub = {"status": "ok", "env": first.get("env"), "jobs": []}
         for src, dst in (
             (f"rewritten:auto@{cfg}", "file:auto"),
             (f"rewritten:{FP8}@{cfg}", f"file:{FP8}"),
@@ -184,7 +187,7 @@ def main() -> int:
         ):
             if src in jobs:
                 sub["jobs"].append({**jobs[src], "label": dst})
-        if results["main"].get("status") == "ok":
+        if len(sub["jobs"]) == 3 and all(j.get("status") in ("ok", "raised") for j in sub["jobs"]):
             v = judge_results(sub, after, [])
             verdicts[cfg] = {"status": v.status, "reason": v.reason}
     bj = jobs.get(f"fork-era:{FP8}@graphs,bs128", {})
@@ -238,7 +241,7 @@ def main() -> int:
         c["agreement"] for c in comps if c.get("what") == "(2) native fp8 vs bf16" and not c.get("missing")
     ]
     print(f"threshold MIN_AGREEMENT={MIN_AGREEMENT}; native fp8 vs bf16 agreement measured: {floor}")
-    env = results["main"].get("env") or {}
+    env = first.get("env") or {}
     print(
         "env: "
         + json.dumps({k: env.get(k) for k in ("vllm", "torch", "gpu", "import_seconds", "notes", "config")})

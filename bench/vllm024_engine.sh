@@ -10,7 +10,7 @@
 #   bash bench/vllm024_engine.sh store .gpu/v24_2     # carry [".gpu/v24_2"]
 #   bash bench/vllm024_engine.sh run .gpu/v24_3       # carry [".gpu/v24_3"], timeout_s 600
 # `run` exits 3 when an earlier part is missing (a fresh machine): do all again.
-# Out: $OUT/transcript.txt, $OUT/engine.json, $OUT/engine_main.log, $OUT/engine_before.log.
+# Out: $OUT/transcript.txt, $OUT/engine.json, $OUT/engine_main.log (every run's log tail).
 # ENGINE_BUDGET (s, default 500) bounds the experiments; ENGINE_SPEC (JSON) overrides the
 # child's spec (e.g. '{"new_tokens": 32}'); ENGINE_BACKEND the dense layers' backend;
 # MM3_ENGINE_NORM_FALLBACK=1 uses a plain-PyTorch Gemma RMSNorm instead of flashinfer's.

@@ -399,3 +399,25 @@ def test_verify_engine_flag_adds_the_level():
     assert report["files"][0]["engine"]["status"] == "skipped"
     plain = json.loads(cli("verify", target, "--json").stdout)
     assert "engine" not in {lv["level"] for lv in plain["files"][0]["levels"]}
+
+
+def test_each_job_runs_in_a_process_of_its_own_and_a_skip_stops_the_rest(monkeypatch) -> None:
+    """vLLM does not clean up for a second LLM in one process (seen on the H200): one child a job."""
+    specs = []
+
+    def fake(spec, python=None, timeout=0):
+        specs.append(spec)
+        (job,) = spec["jobs"]
+        if job["label"] == "stop":
+            return {"status": "skipped", "reason": "no GPU", "jobs": []}
+        return {"status": "ok", "env": {"n": len(specs)}, "jobs": [{"label": job["label"], "status": "ok"}]}
+
+    monkeypatch.setattr(engine, "run_child", fake)
+    merged = engine.run_jobs([{"label": "a"}, {"label": "b"}], {"new_tokens": 4}, None, 1)
+    assert [s["jobs"] for s in specs] == [[{"label": "a"}], [{"label": "b"}]]
+    assert all(s["new_tokens"] == 4 for s in specs)
+    assert merged["status"] == "ok" and [j["label"] for j in merged["jobs"]] == ["a", "b"]
+    assert merged["env"] == {"n": 1}
+    specs.clear()
+    stopped = engine.run_jobs([{"label": "stop"}, {"label": "never"}], {}, None, 1)
+    assert stopped["status"] == "skipped" and len(specs) == 1

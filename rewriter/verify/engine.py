@@ -224,6 +224,22 @@ def run_child(spec: dict[str, object], python: str | None = None, timeout: float
         }
 
 
+def run_jobs(
+    jobs: list[dict[str, object]], common: dict[str, object], python: str | None, timeout: float
+) -> dict[str, Any]:
+    """Each job in an engine process of its own: vLLM 0.24 does not clean up after an ``LLM``
+    for a second one in the same process (seen on an H200: every later one raised in init).
+    A skipped or crashed child stops the rest; the jobs' results are merged."""
+    merged: dict[str, Any] = {"status": "ok", "jobs": []}
+    for job in jobs:
+        res = run_child({**common, "jobs": [job]}, python, timeout)
+        merged.setdefault("env", res.get("env"))
+        if res.get("status") != "ok":
+            return {**res, "jobs": merged["jobs"] + res.get("jobs", [])}
+        merged["jobs"] += res.get("jobs", [])
+    return merged
+
+
 def _file_line(job: dict[str, Any], file: Path, sites: list[int]) -> str | None:
     """Where in the file the run raised: its last frame in the file, else (compiled or
     captured code has no Python frame of the file) the insert site when the message
@@ -366,6 +382,6 @@ def engine_level(path: Path, sites: list[int], python: str | None = None, opts: 
 
     opts = opts or EngineOptions()
     original = installed_original(path, python)
-    spec = {"jobs": jobs_for(path, original, opts), "new_tokens": opts.new_tokens}
-    res = judge_results(run_child(spec, python, opts.timeout), path, sites, opts.min_agreement)
+    results = run_jobs(jobs_for(path, original, opts), {"new_tokens": opts.new_tokens}, python, opts.timeout)
+    res = judge_results(results, path, sites, opts.min_agreement)
     return LevelResult("engine", Status(res.status), res.reason, res.details), res
