@@ -8,7 +8,13 @@ With vLLM 0.24.0 installed from the carry (``--site``):
       runs complete;
   (2) the rewritten file's fp8 run against 0.24.0's own file's native fp8 run
       (both unit scale: the same tokens expected), and each against bf16;
-  (3) the same with enforce_eager=True and with block_size=16.
+  (3) the same with enforce_eager=True, with block_size=256 (the manager's blocks over
+      the kernels' 128) and block_size=16 (which vLLM 0.24 refuses for MiniMax-M3 itself:
+      its sparse attention and indexer backends take 128-token pages only);
+  (4) what the threshold stands on: the rewritten fp8 run again (is the engine
+      deterministic?) and three known-broken variants of the bypass (MUTANTS: the cache
+      never written, one slot off, padded tokens written to slot 0) against bf16 and
+      against the native fp8 run - garbage, measured beside the noise floor.
 Each run is one process of rewriter/verify/engine_child.py (one JSON line): the
 first fills the kernel caches (~190 s on the H200), the others then take ~14 s
 each, one at a time (processes side by side break vLLM's memory profiling), under a
@@ -30,15 +36,37 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from rewriter.verify.engine import MIN_AGREEMENT, compare_outputs, judge_results  # noqa: E402
+from rewriter.verify.engine import (  # noqa: E402
+    MIN_AGREEMENT,
+    MIN_PROMPT_AGREEMENT,
+    compare_outputs,
+    judge_results,
+)
 
 CHILD = REPO / "rewriter" / "verify" / "engine_child.py"
 FP8 = "fp8_e4m3"
 CONFIGS = {  # name: (block_size, enforce_eager)
     "graphs,bs128": (128, False),
     "eager,bs128": (128, True),
-    "graphs,bs16": (16, False),
+    "graphs,bs256": (256, False),  # the manager's 256-token blocks, the kernels' 128
+    "graphs,bs16": (16, False),  # refused by vLLM 0.24 itself: M3's sparse backends take 128 only
 }
+# Known-broken variants of the rewritten file (edits of the bypass's insert call), served
+# with an fp8 cache: what a broken cache does to the agreement, against the noise floor.
+INSERT_CALL = "self._insert_kv(k, v, index_k, main_slot_mapping, index_slot_mapping)"
+MUTANTS = {
+    "unwritten": "pass  # mutant: the fp8 cache is never written",
+    "shifted": "self._insert_kv(k, v, index_k, torch.where(main_slot_mapping >= 0, "
+    "main_slot_mapping + 1, main_slot_mapping), index_slot_mapping)  # mutant: one slot off",
+    "padded": "self._insert_kv(k, v, index_k, torch.where(main_slot_mapping >= 0, main_slot_mapping, "
+    "main_slot_mapping.max()), index_slot_mapping)  # mutant: padded tokens (slot -1) written over a real one",
+}
+
+
+def mutate(text: str, edit: str) -> str:
+    if text.count(INSERT_CALL) != 1:
+        raise SystemExit(f"the rewritten file's insert call: {text.count(INSERT_CALL)} matches, expected 1")
+    return text.replace(INSERT_CALL, edit)
 
 
 def fork_era(src: Path, dst: Path) -> None:
@@ -131,24 +159,33 @@ def main() -> int:
         print(f"mm3-codemod {k}: exit {rc}: {text.splitlines()[0] if text else ''}")
     common = json.loads(os.environ.get("ENGINE_SPEC", "{}"))  # e.g. {"new_tokens": 32}
     backend = os.environ.get("ENGINE_BACKEND", "TRITON_ATTN")
+    files = {"rewritten": after, "native": orig, "fork-era": before}
+    for name, edit in MUTANTS.items():  # known-broken caches: what garbage measures
+        files[name] = work / f"{name}_model.py"
+        files[name].write_text(mutate(after.read_text(), edit))
 
-    def job(label: str, file: Path, dtype: str, cfg: str) -> dict:
+    def job(label: str, dtype: str, cfg: str, tag: str = "") -> dict:
         bs, eager = CONFIGS[cfg]
         return {
-            "label": f"{label}:{dtype}@{cfg}",
-            "file": str(file),
+            "label": f"{label}:{dtype}@{cfg}{tag}",
+            "file": str(files[label]),
             "kv_cache_dtype": dtype,
             "block_size": bs,
             "backend": backend,
             "enforce_eager": eager,
         }
 
-    before_job = job("fork-era", before, FP8, "graphs,bs128")
-    all_jobs = [job("rewritten", after, "auto", "graphs,bs128"), job("rewritten", after, FP8, "graphs,bs128"),
-                job("native", orig, FP8, "graphs,bs128"), before_job]
-    for cfg in ("eager,bs128", "graphs,bs16"):
-        all_jobs += [job("rewritten", after, "auto", cfg), job("rewritten", after, FP8, cfg), job("native", orig, FP8, cfg)]
-    all_jobs.append(job("native", orig, "auto", "graphs,bs128"))
+    g = "graphs,bs128"
+    all_jobs = [
+        job("rewritten", "auto", g), job("rewritten", FP8, g), job("native", FP8, g),
+        job("fork-era", FP8, g), job("native", "auto", g), job("rewritten", FP8, g, " again"),
+        *(job(m, FP8, g) for m in MUTANTS),
+    ]
+    for cfg in ("eager,bs128", "graphs,bs256"):
+        all_jobs += [job("rewritten", "auto", cfg), job("rewritten", FP8, cfg), job("native", FP8, cfg)]
+    all_jobs += [job("native", FP8, "graphs,bs16"), job("rewritten", FP8, "graphs,bs16")]
+    only = os.environ.get("ENGINE_ONLY")  # a regex: run only the jobs whose label it finds
+    all_jobs = [j for j in all_jobs if not only or re.search(only, j["label"])]
     parallel = int(os.environ.get("ENGINE_PARALLEL", 1))  # 3 at once broke vLLM's memory profiling (H200)
     results = run_all(common, all_jobs, work, out, t0 + a.budget, parallel)
     first = next((r for r in results.values() if r.get("env")), {})
@@ -159,18 +196,19 @@ def main() -> int:
         return j["outputs"] if j and j.get("status") == "ok" else None
 
     comps = []
-    for cfg in CONFIGS:
+    for cfg in ("graphs,bs128", "eager,bs128", "graphs,bs256"):
         ra, rf, nf = (f"rewritten:auto@{cfg}", f"rewritten:{FP8}@{cfg}", f"native:{FP8}@{cfg}")
         pairs = [
-            (ra, rf, "(1)(2) bypass fp8 vs bf16"),
-            (ra, nf, "(2) native fp8 vs bf16"),
-            (nf, rf, "(2) bypass fp8 vs native fp8"),
+            (ra, rf, "bypass fp8 vs bf16"),
+            (ra, nf, "native fp8 vs bf16 (the noise floor)"),
+            (nf, rf, "bypass fp8 vs native fp8"),
         ]
-        if cfg == "graphs,bs128":
-            na = "native:auto@graphs,bs128"
+        if cfg == g:
             pairs += [
-                (na, nf, "native fp8 vs native bf16"),
-                (na, ra, "bf16: rewritten vs native (same path)"),
+                (f"native:auto@{g}", ra, "bf16: rewritten vs native"),
+                (rf, f"{rf} again", "bypass fp8 vs itself, run again"),
+                *((ra, f"{m}:{FP8}@{g}", f"garbage: {m} vs bf16") for m in MUTANTS),
+                *((nf, f"{m}:{FP8}@{g}", f"garbage: {m} vs native fp8") for m in MUTANTS),
             ]
         for x, y, what in pairs:
             if outputs(x) is not None and outputs(y) is not None:
@@ -179,18 +217,19 @@ def main() -> int:
             else:
                 comps.append({"config": cfg, "what": what, "a": x, "b": y, "missing": True})
     verdicts = {}
-    for cfg in CONFIGS:  # the level's own verdict on the rewritten file, per config
-        sub = {"status": "ok", "env": first.get("env"), "jobs": []}
-        for src, dst in (
-            (f"rewritten:auto@{cfg}", "file:auto"),
-            (f"rewritten:{FP8}@{cfg}", f"file:{FP8}"),
-            (f"native:{FP8}@{cfg}", f"native:{FP8}"),
-        ):
-            if src in jobs:
-                sub["jobs"].append({**jobs[src], "label": dst})
-        if len(sub["jobs"]) == 3 and all(j.get("status") in ("ok", "raised") for j in sub["jobs"]):
-            v = judge_results(sub, after, [])
-            verdicts[cfg] = {"status": v.status, "reason": v.reason}
+    for cfg in ("graphs,bs128", "eager,bs128", "graphs,bs256", "graphs,bs16"):
+        for tested in ("rewritten", *(MUTANTS if cfg == g else ())):
+            sub = {"status": "ok", "env": first.get("env"), "jobs": []}
+            for src, dst in (
+                (f"rewritten:auto@{cfg}", "file:auto"),
+                (f"{tested}:{FP8}@{cfg}", f"file:{FP8}"),
+                (f"native:{FP8}@{cfg}", f"native:{FP8}"),
+            ):
+                if src in jobs:
+                    sub["jobs"].append({**jobs[src], "label": dst})
+            if sub["jobs"] and all(j.get("status") in ("ok", "raised") for j in sub["jobs"]):
+                v = judge_results(sub, files[tested], [])
+                verdicts[f"{tested}@{cfg}"] = {"status": v.status, "reason": v.reason}
     bj = jobs.get(f"fork-era:{FP8}@graphs,bs128", {})
     exp1_before = (
         "fails as expected: " + bj.get("message", "")[:160]
@@ -217,19 +256,22 @@ def main() -> int:
             f"{err.replace('|', '/')} |"
         )
     print(
-        "\n| config | comparison | tokens agreed (identical seqs) | mean agreement "
-        "| first divergence | max abs d logprob |"
+        "\n| config | comparison | prompt top-1 agreement | prompt max abs d logprob "
+        "| greedy: identical seqs | greedy agreement | first divergence | greedy max abs d logprob |"
     )
-    print("|---|---|---|---:|---:|---:|")
+    print("|---|---|---:|---:|---|---:|---:|---:|")
+
+    def num(x, f="{:.4g}"):
+        return "-" if x is None else f.format(x)
+
     for c in comps:
         if c.get("missing"):
-            print(f"| {c['config']} | {c['what']} | (a run is missing) | - | - | - |")
+            print(f"| {c['config']} | {c['what']} | (a run is missing) | - | - | - | - | - |")
             continue
-        d = c["max_dlogprob"]
         print(
-            f"| {c['config']} | {c['what']} | {c['identical']}/{c['sequences']} | {c['agreement']:.3f} | "
-            f"{'-' if c['first_divergence'] is None else c['first_divergence']} | "
-            f"{'-' if d is None else f'{d:.4g}'} |"
+            f"| {c['config']} | {c['what']} | {num(c.get('prompt_agreement'), '{:.4f}')} | "
+            f"{num(c.get('prompt_max_dlogprob'))} | {c['identical']}/{c['sequences']} | "
+            f"{c['agreement']:.3f} | {num(c['first_divergence'], '{}')} | {num(c['max_dlogprob'])} |"
         )
     print(f"\n(1) before `run`, fp8: {exp1_before}")
     print(
@@ -238,10 +280,12 @@ def main() -> int:
     )
     for cfg, v in verdicts.items():
         print(f"engine level on the rewritten file, {cfg}: {v['status']}: {v['reason'][:300]}")
-    floor = [
-        c["agreement"] for c in comps if c.get("what") == "(2) native fp8 vs bf16" and not c.get("missing")
-    ]
-    print(f"threshold MIN_AGREEMENT={MIN_AGREEMENT}; native fp8 vs bf16 agreement measured: {floor}")
+    floor = [c["agreement"] for c in comps if c["what"].startswith("native fp8 vs bf16") and not c.get("missing")]
+    junk = [c["agreement"] for c in comps if c["what"].startswith("garbage") and not c.get("missing")]
+    print(f"threshold MIN_AGREEMENT={MIN_AGREEMENT}; measured: noise floor {floor}, garbage {junk}")
+    pfloor = [c.get("prompt_agreement") for c in comps if c["what"].startswith("native fp8 vs bf16") and not c.get("missing")]
+    pjunk = [c.get("prompt_agreement") for c in comps if c["what"].startswith("garbage") and not c.get("missing")]
+    print(f"threshold MIN_PROMPT_AGREEMENT={MIN_PROMPT_AGREEMENT}; measured: noise floor {pfloor}, garbage {pjunk}")
     env = first.get("env") or {}
     print(
         "env: "

@@ -159,6 +159,15 @@ def command_for(verb: str, report: Report, indices: Iterable[int]) -> str:
     return " ".join(["mm3-codemod", verb, *(["--example"] if example else []), *names])
 
 
+# How to launch with the bypass in place: the seed's command line (on SM89 FlashInfer
+# lacks the 128-token block MiniMax-M3's sparse layers page by, so Triton attention).
+FP8_LAUNCH = (
+    "to serve with an fp8 KV cache: vllm serve <model> --kv-cache-dtype fp8_e4m3 "
+    "(on SM89, RTX 4090 class, also --block-size 128 --attention-backend TRITON_ATTN: "
+    "FlashInfer lacks that block size there)"
+)
+
+
 def next_steps(report: Report) -> list[str]:
     """One line per thing left to do, each with the exact command."""
     steps = []
@@ -179,6 +188,7 @@ def next_steps(report: Report) -> list[str]:
         steps.append(f"review the change, then stage it: git add {names}")
     elif written and report.command == "run" and not any(t.origin == "--example" for t in report.targets):
         steps.append(f"to confirm it by running it: {command_for('verify', report, written)}")
+        steps.append(f"then, {FP8_LAUNCH}")
     return steps
 
 

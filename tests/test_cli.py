@@ -136,6 +136,18 @@ def test_run_json_and_backup(copy_fixture) -> None:
     assert target.with_name("model.py.orig").read_bytes() == original
 
 
+def test_run_says_how_to_confirm_and_how_to_launch(copy_fixture) -> None:
+    from rewriter.report import FP8_LAUNCH
+
+    target = copy_fixture("fork_era")
+    proc = cli("run", str(target))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    confirm = next(i for i, line in enumerate(lines) if line.startswith("to confirm it by running it:"))
+    assert lines[confirm + 1] == f"then, {FP8_LAUNCH}"
+    assert cli("run", str(target)).stderr.count(FP8_LAUNCH) == 0  # nothing written: nothing to launch
+
+
 def test_backup_never_overwrites_an_earlier_one(copy_fixture) -> None:
     target = copy_fixture("fork_era")
     target.with_name("model.py.orig").write_text("older backup")

@@ -24,6 +24,7 @@ from rewriter.verify.engine import (
     judge_results,
     max_logprob_delta,
     prefix_agreement,
+    prompt_facts,
 )
 
 FILE = Path("/srv/vllm/vllm/models/minimax_m3/nvidia/model.py")
@@ -72,12 +73,34 @@ def test_comparison_aggregates():
     assert c.first_divergence == 0
     assert c.agreement == pytest.approx((1.0 + 0.5 + 0.0) / 3)
     assert c.max_dlogprob == pytest.approx(0.5)
-    assert c.garbage(0.6) and not c.garbage(0.5)
+    assert c.prompt_agreement is None  # recorded without prompt logprobs: greedy only
+    assert c.garbage(threshold=0.6) and not c.garbage(threshold=0.5)
     js = c.to_json()
     assert js["identical"] == 1 and js["sequences"] == 3 and js["first_divergence"] == 0
     assert "1/3 sequences identical" in c.summary()
     with pytest.raises(ValueError):
         compare_outputs("auto", a, "fp8", b[:2])
+
+
+def test_prompt_positions_are_compared_one_by_one():
+    a = {"prompt_top1": [4, 5, 6, None, 8], "prompt_logprobs": [-1.0, -2.0, None, -3.0, -0.5]}
+    b = {"prompt_top1": [4, 9, 6, 7, 8], "prompt_logprobs": [-1.25, -2.0, -9.0, -3.5, -0.5]}
+    # a flip at one position does not count against the positions after it; a missing one is skipped
+    assert prompt_facts(a, b) == (3, 4, pytest.approx(0.5))
+    assert prompt_facts({"tokens": []}, b) == (0, 0, None)
+
+
+def test_prompt_agreement_decides_garbage_where_greedy_tokens_agree():
+    flat = [{"tokens": [1, 2], "logprobs": [-1.0, -1.0]}] * 2
+    good = [dict(s, prompt_top1=[3, 4, 5, 6, 7], prompt_logprobs=[-1.0] * 5) for s in flat]
+    off = [dict(s, prompt_top1=[3, 0, 0, 0, 7], prompt_logprobs=[-1.0] * 5) for s in flat]
+    c = compare_outputs("auto", good, "fp8", off)
+    assert c.identical == 2 and c.agreement == 1.0
+    assert c.prompt_agreement == pytest.approx(4 / 10)
+    assert c.garbage(prompt_threshold=0.5) and not c.garbage(prompt_threshold=0.4)
+    js = c.to_json()
+    assert js["prompt_agreement"] == 0.4 and js["prompt_positions"] == 10
+    assert "prompt top-1 agreement 0.400" in c.summary()
 
 
 def test_identical_runs():
@@ -209,6 +232,28 @@ def test_native_run_is_compared_and_its_failure_is_not_the_files():
     r = judge_results(broken, FILE, [591])
     assert r.status == "passed"
     assert any("own file failed too" in d for d in r.details)
+
+
+def test_bypass_far_from_the_native_insert_fails():
+    r = judge_results(
+        report(ok("file:auto", GOOD), ok("file:fp8_e4m3", NOISY), ok("native:fp8_e4m3", GARBAGE)),
+        FILE,
+        [591],
+    )
+    assert r.status == "failed"
+    assert "file:fp8_e4m3 vs native:fp8_e4m3" in r.reason
+    assert "native:fp8_e4m3 vs file:auto" not in r.reason  # vLLM's own fp8 run is not judged
+
+
+def test_a_configuration_vllm_refuses_for_its_own_file_is_skipped():
+    msg = "No common block size for 16."
+    refused = [raised(label, "init", "ValueError", msg) for label in ("file:auto", "file:fp8_e4m3", "native:fp8_e4m3")]
+    r = judge_results(report(*refused), FILE, [591])
+    assert r.status == "skipped" and "refuses this configuration for its own file too" in r.reason
+    only_the_file = [raised(label, "init", "ValueError", msg) for label in ("file:auto", "file:fp8_e4m3")]
+    assert judge_results(report(*only_the_file), FILE, [591]).status == "failed"
+    other = report(*refused[:2], raised("native:fp8_e4m3", "init", "ValueError", "another"))
+    assert judge_results(other, FILE, [591]).status == "failed"
 
 
 def test_a_run_past_the_deadline_is_skipped_not_failed():
@@ -421,3 +466,29 @@ def test_each_job_runs_in_a_process_of_its_own_and_a_skip_stops_the_rest(monkeyp
     specs.clear()
     stopped = engine.run_jobs([{"label": "stop"}, {"label": "never"}], {}, None, 1)
     assert stopped["status"] == "skipped" and len(specs) == 1
+
+
+# ---- what to do next ---------------------------------------------------------------
+
+
+def _printed(levels) -> str:
+    import io
+
+    from rich.console import Console
+
+    from rewriter.verify import FileVerification, LevelResult, VerifyReport
+    from rewriter.verify.table import print_verify
+
+    buf = io.StringIO()
+    files = [FileVerification(FILE, "path", levels=[LevelResult(n, s, "why") for n, s in levels])]
+    print_verify(VerifyReport(files), Console(file=buf, width=200))
+    return buf.getvalue()
+
+
+def test_the_launch_line_follows_a_passing_engine_level_only():
+    from rewriter.report import FP8_LAUNCH
+
+    assert "--kv-cache-dtype fp8_e4m3" in FP8_LAUNCH and "--attention-backend TRITON_ATTN" in FP8_LAUNCH
+    assert FP8_LAUNCH in _printed([("import", Status.PASSED), ("engine", Status.PASSED)])
+    assert FP8_LAUNCH not in _printed([("import", Status.PASSED), ("engine", Status.FAILED)])
+    assert FP8_LAUNCH not in _printed([("import", Status.PASSED), ("kernel", Status.PASSED)])

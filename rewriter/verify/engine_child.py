@@ -15,7 +15,8 @@ registered under vLLM's own architecture name. The spec's other keys: see
     {"status": "ok" | "skipped", "reason", "env": {...},
      "jobs": [{"label", "status": "ok" | "raised", "phase", "exc_type", "message",
                "frames": [[file, line], ...], "traceback": [...],
-               "outputs": [{"tokens": [...], "logprobs": [...]}], "seconds", "notes"}]}
+               "outputs": [{"tokens": [...], "logprobs": [...], "prompt_top1": [...],
+                            "prompt_logprobs": [...]}], "seconds", "notes"}]}
 
 The parent (:mod:`rewriter.verify.engine`) compares the jobs' outputs.
 """
@@ -42,10 +43,10 @@ DEFAULTS = {
     "seed": 0,
     "gpu_memory_utilization": 0.25,
     "max_model_len": 2048,
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 512,  # the 1100-token prompt is prefilled in 3 chunks
-    "capture_sizes": [1, 2, 4, 8],  # 6 prompts decode as a batch padded to 8
-    "prompt_lengths": [5, 17, 64, 130, 300, 1100],
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 512,  # prompts over 512 tokens are prefilled in chunks
+    "capture_sizes": [1, 2, 4, 8, 16],  # 14 prompts decode as a batch padded to 16
+    "prompt_lengths": [5, 9, 17, 33, 64, 100, 130, 200, 257, 300, 400, 640, 900, 1100],
     "vocab": 1024,
     "std": 0.02,
     "config": {},  # overrides of the tiny config below
@@ -237,6 +238,27 @@ def load_model_class(path: str) -> type:
     return cls
 
 
+def sequence_facts(out, prompt: list[int]) -> dict:
+    """One request's output: the greedy tokens and their logprobs, and per prompt position
+    after the first the model's top-1 token and the prompt token's logprob (prefill with
+    the cache - chunked for long prompts - so a wrong cache shows at every position)."""
+
+    def logprob(d, tok):
+        return float(d[tok].logprob) if d and tok in d else None
+
+    c = out.outputs[0]
+    top1, plps = [], []
+    for tok, d in zip(prompt[1:], list(out.prompt_logprobs or [])[1:]):
+        top1.append(int(min(d.items(), key=lambda kv: kv[1].rank)[0]) if d else None)
+        plps.append(logprob(d, tok))
+    return {
+        "tokens": list(c.token_ids),
+        "logprobs": [logprob(d, tok) for tok, d in zip(c.token_ids, c.logprobs or [])],
+        "prompt_top1": top1,
+        "prompt_logprobs": plps,
+    }
+
+
 def cleanup(llm) -> None:
     import torch
 
@@ -293,16 +315,15 @@ def run_job(job: dict, spec: dict, ckpt: str, batch: list[list[int]]) -> dict:
         llm = LLM(**kwargs)
         phase = "generate"
         sp = SamplingParams(
-            temperature=0.0, max_tokens=spec["new_tokens"], logprobs=0, ignore_eos=True, detokenize=False
+            temperature=0.0,
+            max_tokens=spec["new_tokens"],
+            logprobs=0,
+            prompt_logprobs=1,  # teacher-forced: every prompt position, read back through the cache
+            ignore_eos=True,
+            detokenize=False,
         )
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
-        res["outputs"] = []
-        for o in outs:
-            c = o.outputs[0]
-            lps = []
-            for tok, lp in zip(c.token_ids, c.logprobs or []):
-                lps.append(float(lp[tok].logprob) if lp and tok in lp else None)
-            res["outputs"].append({"tokens": list(c.token_ids), "logprobs": lps})
+        res["outputs"] = [sequence_facts(o, p) for o, p in zip(outs, batch)]
         res["status"] = "ok"
         res["phase"] = "done"
     except BaseException as exc:

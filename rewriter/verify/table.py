@@ -7,6 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from ..report import FP8_LAUNCH
 from . import Status, VerifyReport
 
 STYLE = {Status.PASSED: "green", Status.FAILED: "red", Status.SKIPPED: "yellow"}
@@ -73,6 +74,8 @@ def print_verify(report: VerifyReport, err: Console, verbose: bool = False) -> N
     for f in report.files:
         if f.timings:
             print_timings(f.path, f.timings, err)
+    if any(lv.level == "engine" and lv.status is Status.PASSED for f in report.files for lv in f.levels):
+        err.print(FP8_LAUNCH, soft_wrap=True)
     passed = sum(1 for f in report.files if f.levels and not f.failed and not f.error)
     failed = sum(1 for f in report.files if f.failed)
     errors = sum(1 for f in report.files if f.error)
