@@ -20,7 +20,8 @@ recorded outputs - and makes the :class:`~rewriter.verify.LevelResult`:
   defines no model class vLLM can serve (the fork-era example: layer classes only);
 - **failed**: the engine raised in the file's code (with the file's line), the
   CUDA-graph capture failed, a run raised, or the fp8 run is garbage: its token
-  agreement with the bf16 run is below :data:`MIN_AGREEMENT`;
+  prompt top-1 or greedy agreement with the bf16 run (or the native fp8 run) is
+  below :data:`MIN_PROMPT_AGREEMENT` or :data:`MIN_AGREEMENT`;
 - **passed**: both runs complete and agree at least that well.
 """
 
@@ -41,14 +42,16 @@ DEFAULT_BLOCK_SIZE = 128  # the seed's --block-size
 DEFAULT_BACKEND = "TRITON_ATTN"  # the seed's attention backend
 DEFAULT_NEW_TOKENS = 16
 FP8 = "fp8_e4m3"
-# Garbage below this mean prefix agreement (see prefix_agreement) of the fp8 run with
-# the bf16 run. Provisional: fp8 e4m3 keeps 3 mantissa bits, so with random weights
-# (near-flat logits) a greedy token can flip a few steps in; a broken cache (wrong
-# layout, unwritten slots, padded tokens written over real ones) flips the first
-# token or two of most sequences. The H200 run of bench/vllm024_engine.sh measures
-# 0.24.0's own native fp8 insert against bf16 on the same model: that is the noise
-# floor this number must stay under (the script prints it beside the threshold).
-MIN_AGREEMENT = 0.5
+# Garbage thresholds. Measured on the H200 (vLLM 0.24.0, this tiny model, 14 prompts x 16
+# greedy tokens, graphs, block 128): greedy prefix agreement with bf16 of 0.24.0's own
+# native fp8 insert 0.482 and of the bypass 0.451 (random weights give near-flat
+# logits: fp8's 3 mantissa bits flip a greedy token every ~12 steps, and a flip ends
+# the comparable prefix); the bypass run again: identical (the engine is
+# deterministic); known-broken bypasses: cache never written 0.000, one slot off
+# 0.268. The greedy limit is a coarse catch under the noise floor; the teacher-forced
+# prompt top-1 agreement (every prompt position compared on its own, so one flip does
+# not carry over) is the finer one - provisional, its H200 measurement is pending.
+MIN_AGREEMENT = 0.2
 MIN_PROMPT_AGREEMENT = 0.8
 
 
