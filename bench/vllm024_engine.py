@@ -13,7 +13,7 @@ With vLLM 0.24.0 installed from the carry (``--site``):
       its sparse attention and indexer backends take 128-token pages only);
   (4) what the threshold stands on: the rewritten fp8 run again (is the engine
       deterministic?) and three known-broken variants of the bypass (MUTANTS: the cache
-      never written, one slot off, padded tokens written to slot 0) against bf16 and
+      never written, one slot off, padded tokens written over a real token's slot) against bf16 and
       against the native fp8 run - garbage, measured beside the noise floor.
 Each run is one process of rewriter/verify/engine_child.py (one JSON line): the
 first fills the kernel caches (~190 s on the H200), the others then take ~14 s
@@ -280,12 +280,17 @@ def main() -> int:
     )
     for cfg, v in verdicts.items():
         print(f"engine level on the rewritten file, {cfg}: {v['status']}: {v['reason'][:300]}")
-    floor = [c["agreement"] for c in comps if c["what"].startswith("native fp8 vs bf16") and not c.get("missing")]
-    junk = [c["agreement"] for c in comps if c["what"].startswith("garbage") and not c.get("missing")]
-    print(f"threshold MIN_AGREEMENT={MIN_AGREEMENT}; measured: noise floor {floor}, garbage {junk}")
-    pfloor = [c.get("prompt_agreement") for c in comps if c["what"].startswith("native fp8 vs bf16") and not c.get("missing")]
-    pjunk = [c.get("prompt_agreement") for c in comps if c["what"].startswith("garbage") and not c.get("missing")]
-    print(f"threshold MIN_PROMPT_AGREEMENT={MIN_PROMPT_AGREEMENT}; measured: noise floor {pfloor}, garbage {pjunk}")
+    def measured(what: str, key: str) -> list:
+        return [c.get(key) for c in comps if c["what"].startswith(what) and not c.get("missing")]
+
+    for name, limit, key in (
+        ("MIN_AGREEMENT", MIN_AGREEMENT, "agreement"),
+        ("MIN_PROMPT_AGREEMENT", MIN_PROMPT_AGREEMENT, "prompt_agreement"),
+    ):
+        print(
+            f"threshold {name}={limit}; measured: noise floor {measured('native fp8 vs bf16', key)}, "
+            f"garbage {measured('garbage', key)}"
+        )
     env = first.get("env") or {}
     print(
         "env: "

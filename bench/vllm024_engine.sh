@@ -6,7 +6,8 @@
 # rewritten file's fp8 against 0.24.0's native fp8, each against bf16, (3) the
 # same eager and with block sizes 256 and 16, (4) a repeat and known-broken
 # variants of the bypass; first, bench/fp8_rounding.py on the kernels. How:
-# bench/vllm024_engine.py. The carry is bench/vllm024_pack.sh's (three parts), installed by bench/vllm024_carry.sh:
+# bench/vllm024_engine.py. The carry is bench/vllm024_pack.sh's (three parts),
+# installed by bench/vllm024_carry.sh:
 #   bash bench/vllm024_engine.sh store .gpu/v24_1     # carry [".gpu/v24_1"]
 #   bash bench/vllm024_engine.sh store .gpu/v24_2     # carry [".gpu/v24_2"]
 #   bash bench/vllm024_engine.sh run .gpu/v24_3       # carry [".gpu/v24_3"], timeout_s 600

@@ -79,17 +79,18 @@ def prefix_agreement(a: list[int], b: list[int]) -> float:
     return 1.0 if d is None else d / n
 
 
+def _max_abs_delta(xs: list[float | None], ys: list[float | None]) -> float | None:
+    """Largest |x - y| over the positions both have a value for; None when there is none."""
+    deltas = [abs(x - y) for x, y in zip(xs, ys) if x is not None and y is not None]
+    return max(deltas) if deltas else None
+
+
 def max_logprob_delta(a: dict[str, Any], b: dict[str, Any]) -> float | None:
     """Largest |logprob_a - logprob_b| of the chosen token over the common prefix
     (same context, same token); None when no position can be compared."""
     d = first_divergence(a["tokens"], b["tokens"])
     upto = len(a["tokens"]) if d is None else d
-    deltas = [
-        abs(x - y)
-        for x, y in zip(a.get("logprobs", [])[:upto], b.get("logprobs", [])[:upto])
-        if x is not None and y is not None
-    ]
-    return max(deltas) if deltas else None
+    return _max_abs_delta(a.get("logprobs", [])[:upto], b.get("logprobs", [])[:upto])
 
 
 def prompt_facts(a: dict[str, Any], b: dict[str, Any]) -> tuple[int, int, float | None]:
@@ -97,12 +98,8 @@ def prompt_facts(a: dict[str, Any], b: dict[str, Any]) -> tuple[int, int, float 
     of the prompt token)``. Both runs see the same context at every position, so unlike
     the greedy tokens, one flip does not carry over into the positions after it."""
     pairs = [(x, y) for x, y in zip(a.get("prompt_top1") or [], b.get("prompt_top1") or []) if None not in (x, y)]
-    deltas = [
-        abs(x - y)
-        for x, y in zip(a.get("prompt_logprobs") or [], b.get("prompt_logprobs") or [])
-        if x is not None and y is not None
-    ]
-    return sum(1 for x, y in pairs if x == y), len(pairs), max(deltas) if deltas else None
+    delta = _max_abs_delta(a.get("prompt_logprobs") or [], b.get("prompt_logprobs") or [])
+    return sum(1 for x, y in pairs if x == y), len(pairs), delta
 
 
 @dataclass
@@ -142,9 +139,13 @@ class Comparison:
         return max(found) if found else None
 
     @property
+    def prompt_positions(self) -> int:
+        return sum(s.prompt_positions for s in self.sequences)
+
+    @property
     def prompt_agreement(self) -> float | None:
         """Share of the teacher-forced prompt positions whose top-1 token agrees."""
-        n = sum(s.prompt_positions for s in self.sequences)
+        n = self.prompt_positions
         return sum(s.prompt_agreed for s in self.sequences) / n if n else None
 
     @property
@@ -167,6 +168,7 @@ class Comparison:
         )
 
     def to_json(self) -> dict[str, object]:
+        p = self.prompt_agreement
         return {
             "a": self.a,
             "b": self.b,
@@ -175,8 +177,8 @@ class Comparison:
             "sequences": len(self.sequences),
             "first_divergence": self.first_divergence,
             "max_dlogprob": self.max_dlogprob,
-            "prompt_agreement": None if self.prompt_agreement is None else round(self.prompt_agreement, 4),
-            "prompt_positions": sum(s.prompt_positions for s in self.sequences),
+            "prompt_agreement": None if p is None else round(p, 4),
+            "prompt_positions": self.prompt_positions,
             "prompt_max_dlogprob": self.prompt_max_dlogprob,
             "per_sequence": [
                 {
