@@ -492,3 +492,66 @@ def test_the_launch_line_follows_a_passing_engine_level_only():
     assert FP8_LAUNCH in _printed([("import", Status.PASSED), ("engine", Status.PASSED)])
     assert FP8_LAUNCH not in _printed([("import", Status.PASSED), ("engine", Status.FAILED)])
     assert FP8_LAUNCH not in _printed([("import", Status.PASSED), ("kernel", Status.PASSED)])
+
+
+# ---- the verdict on a real device run's outputs -------------------------------------
+# bench/vllm024_engine.py with vLLM 0.24.0 on an H100 (its outputs bit-identical to the
+# H200's), trimmed by bench/engine_testdata.py: the rewritten file's bf16 and fp8 runs,
+# 0.24.0's own file's native fp8 run, the fork-era file's fp8 run, and known-broken
+# bypasses (cache never written; written one slot off).
+
+RECORDED = json.loads((Path(__file__).parent / "data" / "engine_h100_v024.json").read_text())
+
+
+def recorded(tmp_path, fp8: str = "rewritten:fp8_e4m3") -> tuple[dict, Path]:
+    """A child's report from the recorded runs, ``fp8`` as the file's fp8 run; the frames
+    in the verified file point at a file of the test's own."""
+    file = tmp_path / "model.py"
+    file.write_text("# the verified file\n")
+    runs = RECORDED["runs"]
+
+    def job(run: str, label: str) -> dict:
+        j = json.loads(json.dumps(runs[run]).replace("<file>", str(file)))
+        return {**j, "label": label}
+
+    jobs = [job("rewritten:auto", "file:auto"), job(fp8, "file:fp8_e4m3"), job("native:fp8_e4m3", "native:fp8_e4m3")]
+    return {"status": "ok", "reason": "", "env": RECORDED["env"], "jobs": jobs}, file
+
+
+def test_recorded_the_rewritten_file_passes(tmp_path):
+    res, file = recorded(tmp_path)
+    r = judge_results(res, file, [591])
+    assert r.status == "passed", r.reason
+    assert "vllm 0.24.0" in r.reason
+
+
+@pytest.mark.parametrize("broken", ["unwritten:fp8_e4m3", "shifted:fp8_e4m3"])
+def test_recorded_broken_caches_are_garbage(tmp_path, broken):
+    res, file = recorded(tmp_path, broken)
+    r = judge_results(res, file, [591])
+    assert r.status == "failed" and r.reason.startswith("garbage: "), r.reason
+
+
+def test_recorded_limits_lie_between_the_fp8_noise_and_a_cache_one_slot_off():
+    """The prompt limit catches what the greedy limit cannot: one slot off keeps a greedy
+    prefix over the greedy limit, yet falls under the prompt one; the native insert's own
+    fp8 noise clears both."""
+    runs = {k: v.get("outputs") for k, v in RECORDED["runs"].items()}
+    bf16 = runs["rewritten:auto"]
+    floor = compare_outputs("bf16", bf16, "native", runs["native:fp8_e4m3"])
+    bypass = compare_outputs("bf16", bf16, "bypass", runs["rewritten:fp8_e4m3"])
+    shifted = compare_outputs("bf16", bf16, "shifted", runs["shifted:fp8_e4m3"])
+    for fp8 in (floor, bypass):
+        assert fp8.prompt_agreement >= engine.MIN_PROMPT_AGREEMENT and fp8.agreement >= engine.MIN_AGREEMENT
+    assert shifted.agreement >= engine.MIN_AGREEMENT > 0
+    assert shifted.prompt_agreement < engine.MIN_PROMPT_AGREEMENT
+    assert shifted.prompt_positions == floor.prompt_positions == sum(len(o["prompt_top1"]) for o in bf16)
+
+
+def test_recorded_fork_era_fp8_run_fails_at_the_insert_call(tmp_path):
+    """0.24.0's file made fork-era (no kv_cache_dtype argument): the kernel's bf16-only
+    assert, raised while vLLM captured the model, reported at the file's line."""
+    res, file = recorded(tmp_path, "fork-era:fp8_e4m3")
+    r = judge_results(res, file, [591])
+    assert r.status == "failed"
+    assert "model.py:591" in r.reason and "kv_cache dtype must match qkv" in r.reason

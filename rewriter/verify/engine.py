@@ -6,12 +6,15 @@ vLLM's offline engine (``vllm.LLM``, CUDA graphs on unless ``enforce_eager``,
 block size 128 and the ``TRITON_ATTN`` backend by default) serves a 3-layer
 random-weight model (normal, std 0.02, a safetensors checkpoint in a temp
 folder; no tokenizer, nothing downloaded) whose model class comes from the
-verified file, on one batch of six prompts of mixed lengths (one chunk-prefilled),
-greedy, N new tokens with logprobs: once with ``kv_cache_dtype="auto"`` and once
-with ``"fp8_e4m3"``. Where the installed vLLM's own ``nvidia/model.py`` passes a
-kv-cache dtype to the fused insert (``native``), its fp8 run is served too: the
-bypass (unit scale) against the native insert (unit scale) should give the same
-tokens.
+verified file, on one batch of 14 prompts of 5 to 1100 tokens (those over 512
+prefilled in chunks; decode padded to a captured size), greedy, N new tokens with
+logprobs, the prompts' top-1 tokens teacher-forced: once with
+``kv_cache_dtype="auto"`` and once with ``"fp8_e4m3"``. Where the installed vLLM's
+own ``nvidia/model.py`` passes a kv-cache dtype to the fused insert (``native``),
+its fp8 run is served too and the bypass is judged against it as well. The two are
+close, not identical: the native kernel rounds its float32 result to e4m3, the
+bypass the bf16 value the op left in ``qkv`` (on the H200, 3.1 % of K bytes one
+e4m3 step apart; docs/engine.md).
 
 This module compares what the child reports - pure functions, testable on
 recorded outputs - and makes the :class:`~rewriter.verify.LevelResult`:
@@ -42,17 +45,22 @@ DEFAULT_BLOCK_SIZE = 128  # the seed's --block-size
 DEFAULT_BACKEND = "TRITON_ATTN"  # the seed's attention backend
 DEFAULT_NEW_TOKENS = 16
 FP8 = "fp8_e4m3"
-# Garbage thresholds. Measured on the H200 (vLLM 0.24.0, this tiny model, 14 prompts x 16
-# greedy tokens, graphs, block 128): greedy prefix agreement with bf16 of 0.24.0's own
-# native fp8 insert 0.482 and of the bypass 0.451 (random weights give near-flat
-# logits: fp8's 3 mantissa bits flip a greedy token every ~12 steps, and a flip ends
-# the comparable prefix); the bypass run again: identical (the engine is
-# deterministic); known-broken bypasses: cache never written 0.000, one slot off
-# 0.268. The greedy limit is a coarse catch under the noise floor; the teacher-forced
-# prompt top-1 agreement (every prompt position compared on its own, so one flip does
-# not carry over) is the finer one - provisional, its H200 measurement is pending.
+# Garbage thresholds, measured with vLLM 0.24.0 on this tiny model (14 prompts, 4,141
+# teacher-forced prompt positions, 16 greedy tokens each; graphs, block 128, TRITON_ATTN;
+# the H100's outputs are bit-identical to the H200's; tests/data/engine_h100_v024.json):
+#                                   prompt top-1 vs bf16   greedy vs bf16
+#   native fp8 insert (noise floor)        0.882               0.482
+#   the bypass                             0.882               0.451
+#   cache never written                    0.013               0.000
+#   cache written one slot off             0.814               0.268
+# Random weights give near-flat logits: fp8's 3 mantissa bits flip a greedy token every
+# ~12 steps, and a flip ends the comparable prefix, so the greedy limit is a coarse catch
+# well under the floor. The prompt positions are compared one by one (one flip does not
+# carry over): 0.85 sits between the floor and the one-slot-off cache. A bypass that
+# writes padded tokens to a real slot does not show here (0.882); the semantic level
+# checks every slot bit for bit.
 MIN_AGREEMENT = 0.2
-MIN_PROMPT_AGREEMENT = 0.8
+MIN_PROMPT_AGREEMENT = 0.85
 
 
 # ---- comparison: pure functions on recorded outputs --------------------------------
