@@ -28,10 +28,8 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import fp8_kv_bypass as bp
-from codemods.fp8_kv_bypass import Unsupported
-from codemods import schema
-from codemods.schema import DTYPE_ATTR, SLOTS_FORMS, Action, InsertSite
+from codemods import codegen, proofs, schema, sites
+from codemods.schema import DTYPE_ATTR, SLOTS_FORMS, Unsupported
 
 
 # The metadata classes the attn_metadata ``_insert_kv`` asserts on.
@@ -65,7 +63,7 @@ def _template_comments(template: str) -> tuple[str, ...]:
     return tuple(_comment_text(line) for line in lines if line.startswith("#"))
 
 
-BYPASS_COMMENTS = (_template_comments(bp.FLAG), _template_comments(bp.GUARD), *SEED_COMMENTS)
+BYPASS_COMMENTS = (_template_comments(codegen.FLAG), _template_comments(codegen.GUARD), *SEED_COMMENTS)
 
 
 def strip_bypass_comments(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]:
@@ -108,47 +106,16 @@ class RevertPlan:
     dead: list[cst.BaseStatement] = field(default_factory=list)  # module code only the bypass used
 
 
-# revert's analysis is the rewrite's, holding RevertPlans; the rewrite applies them.
-RevertAnalysis = bp.FileAnalysis
-revert = bp.rewrite
-
-
-def analyze_revert(module: cst.Module) -> RevertAnalysis:
-    """Find every call of the fused op; plan the removal of a bypass around it."""
-    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    finder = bp.CallFinder(a.pass_through_wrappers(module))
-    wrapper.visit(finder)
-    positions = wrapper.resolve(PositionProvider)
-    for found in finder.found:  # the finder leaves numbering to its caller
-        found.line = positions[found.call].start.line
-
-    sites: list[InsertSite] = []
-    plans: list[RevertPlan | None] = []
-    functions = a.module_functions(module)
-    for found in finder.found:
-        site, _ = bp.classify(module, found, functions)
-        plan = failure = None
-        try:
-            plan = _plan_site(module, found, positions, functions)
-        except Unsupported as exc:
-            failure = str(exc)
-        sites.append(schema.reverted(site, _revert_reason(plan) if plan else None, failure))
-        plans.append(plan)
-    sites = schema.one_revert(sites)
-    kept = [plan for plan, site in zip(plans, sites) if plan is not None and site.action is Action.REVERT]
-    return RevertAnalysis(module, sites, kept)
-
-
-def plan_strip(module: cst.Module, found: bp.FoundCall, functions: dict[str, cst.FunctionDef]) -> RevertPlan:
+def plan_strip(module: cst.Module, found: sites.FoundCall, functions: dict[str, cst.FunctionDef]) -> RevertPlan:
     """``run`` on a native call that carries bypass pieces: the revert of that site."""
     positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
-    plan = _plan_site(module, found, positions, functions)
+    plan = plan_site(module, found, positions, functions)
     if plan is None:
         raise Unsupported("no bypass piece could be delimited")
     return plan
 
 
-def _revert_reason(plan: RevertPlan) -> str:
+def revert_reason(plan: RevertPlan) -> str:
     have = ", ".join(k for k, v in plan.pieces.items() if v) or "a read of self._fp8_kv"
     what = {
         "restore": "_insert_kv back to its attn_metadata form",
@@ -160,20 +127,20 @@ def _revert_reason(plan: RevertPlan) -> str:
     return f"fp8 bypass ({have}) taken out: plain cache arguments, {what}"
 
 
-def _plan_site(
-    module: cst.Module, found: bp.FoundCall, positions, functions: dict[str, cst.FunctionDef]
+def plan_site(
+    module: cst.Module, found: sites.FoundCall, positions, functions: dict[str, cst.FunctionDef]
 ) -> RevertPlan | None:
     """None when there is no bypass around this call; ``Unsupported`` when one cannot be proven.
     ``functions``: the module's top-level defs."""
     cls, method, op = found.cls, found.method, found.op
-    facts, slot = bp.call_facts(found)
+    facts, slot = sites.call_facts(found)
     if cls is None or method is None or facts.star_args or not facts.has_cache:
         return None  # not a site the bypass is written around (schema.verdict)
     if facts.nested_in is not None:
         if any(a.self_attr(n) == schema.FP8_FLAG for n in a.walk_all(cls.body)):
             raise Unsupported("the call is not directly in a method: its bypass cannot be delimited")
         return None
-    pieces = bp.collect_pieces(cls, method, op, slot, functions)
+    pieces = sites.collect_pieces(cls, method, op, slot, functions)
     if not pieces.any_bypass():
         return None
     if slot is None:
@@ -209,7 +176,7 @@ def _plan_site(
     post = _post_call_block(method, slot, guards)
     if post is not None:
         remove.append(post)
-        guard = bp.block_guard(post)
+        guard = sites.block_guard(post)
         if guard is not None and guard != schema.FP8_FLAG:
             guards.add(guard)
 
@@ -256,11 +223,11 @@ def _post_call_block(method: cst.FunctionDef, slot: a.StatementSlot, guards: set
     not <guard>:``) after the call: slices and asserts, then ``self._insert_kv(...)`` - on
     the compiled path maybe a custom op instead (``if torch.compiler.is_compiling(): ...``)."""
     for index, stmt in enumerate(slot.after()):
-        if not any(bp.is_insert_kv_call(n) for n in a.walk_all(stmt)):
+        if not any(sites.is_insert_kv_call(n) for n in a.walk_all(stmt)):
             continue
         if not isinstance(stmt, cst.If) or stmt.orelse is not None:
             raise Unsupported("the post-call `self._insert_kv(...)` is not in an `if not <guard>:` block")
-        if bp.block_guard(stmt) not in {schema.FP8_FLAG, schema.GUARD_NAME, *guards}:
+        if sites.block_guard(stmt) not in {schema.FP8_FLAG, schema.GUARD_NAME, *guards}:
             raise Unsupported("the post-call `self._insert_kv(...)` is not under `if not <guard>:`")
         assigned: set[str] = set()
         if _block_inserts(stmt.body, assigned) != 1:
@@ -285,7 +252,7 @@ def _block_inserts(suite: cst.BaseSuite, assigned: set[str]) -> int:
         call = a.expression_call(inner)
         if pair is not None and isinstance(pair[0], cst.Name):
             assigned.add(pair[0].value)
-        elif call is not None and bp.is_insert_kv_call(call):
+        elif call is not None and sites.is_insert_kv_call(call):
             inserts += 1
         elif isinstance(inner, cst.SimpleStatementLine) and all(isinstance(x, cst.Assert) for x in inner.body):
             continue
@@ -306,7 +273,7 @@ def _is_compile_branch(stmt: cst.BaseStatement) -> bool:
         return False
     body = stmt.body.body if isinstance(stmt.body, cst.IndentedBlock) else ()
     return (
-        bp.matches(stmt.test, schema.is_compiling)
+        sites.matches(stmt.test, schema.is_compiling)
         and bool(body)
         and all(a.expression_call(x) is not None for x in body)
     )
@@ -335,7 +302,7 @@ def _check_nothing_left(
 
 def _plan_insert_kv(
     module: cst.Module,
-    found: bp.FoundCall,
+    found: sites.FoundCall,
     slot: a.StatementSlot,
     post: cst.If | None,
     plan: RevertPlan,
@@ -348,7 +315,7 @@ def _plan_insert_kv(
     fn = plan.old_insert_kv = a.find_method(cls, schema.INSERT_KV)
     assert fn is not None
     allowed = {id(n) for n in a.nodes_in(post)} if post is not None else set()
-    if bp.other_insert_kv_call(cls, allowed) is not None:
+    if sites.other_insert_kv_call(cls, allowed) is not None:
         raise Unsupported("`_insert_kv` is also called outside the bypass: its signature must stay")
     imports = a.module_imports(module)
     metadata = [
@@ -377,12 +344,12 @@ def _plan_insert_kv(
     init = a.find_method(cls, "__init__")
     if init is None:
         raise Unsupported(f"class {cls.name.value} has no __init__")
-    caches, _ = bp.cache_args(op, method, slot)
+    caches, _ = proofs.cache_args(op, method, slot)
     init_attrs = a.self_assignments(init)
-    w = bp.widths(op, method, slot, init_attrs)
+    w = proofs.widths(op, method, slot, init_attrs)
     if DTYPE_ATTR not in init_attrs:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
-    namespace = bp.op_namespace(op, imports)
+    namespace = proofs.op_namespace(op, imports)
     if namespace is None and not any(i.bound == schema.RESHAPE_OP for i in imports):
         raise Unsupported(f"`{schema.RESHAPE_OP}` is not imported: cannot restore the attn_metadata _insert_kv")
     reshape = schema.RESHAPE_OP if namespace is None else f"{namespace}.{schema.RESHAPE_OP}"
@@ -395,8 +362,8 @@ def _plan_insert_kv(
     plan.add_imports = [n for n in (INDEX_METADATA, MAIN_METADATA) if n not in bound]
     plan.insert_kv = "restore"
     plan.also_remove = _exclusive_delegates(module, cls, fn)
-    plan.insert_kv_code = bp.render(
-        bp.INSERT_KV_METADATA,
+    plan.insert_kv_code = codegen.render(
+        codegen.INSERT_KV_METADATA,
         module,
         len(found.outer) + 1,
         main_key=_metadata_key(method, op, schema.SLOT_MAPPING, slot),
@@ -512,7 +479,7 @@ class Fp8KvRevert(cst.CSTTransformer):
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         if self.plan.insert_kv == "restore" and original is self.plan.old_insert_kv:
-            (new,) = bp.parse_statements(self.plan.insert_kv_code, self.module)
+            (new,) = codegen.parse_statements(self.plan.insert_kv_code, self.module)
             assert isinstance(new, cst.FunctionDef)
             return new.with_changes(leading_lines=original.leading_lines, decorators=original.decorators)
         return updated
@@ -584,4 +551,4 @@ def apply_revert(module: cst.Module, plan: RevertPlan) -> cst.Module:
     # Imports that only removed code used (the compiled path's registration helper, say).
     removed = [*plan.dead, *plan.also_remove] + ([plan.old_insert_kv] if plan.insert_kv == "remove" else [])
     candidates = plan.drop_imports | {n for node in removed if node is not None for n in a.names_read(node)}
-    return bp.remove_unused_imports(new, candidates)
+    return codegen.remove_unused_imports(new, candidates)

@@ -79,6 +79,10 @@ def bind_arg(param: OpParam, positional: Sequence[T], keywords: Sequence[tuple[s
     return None
 
 
+class Unsupported(Exception):
+    """The change cannot be proven safe; the message says what was missing."""
+
+
 # --- states -------------------------------------------------------------------------
 
 

@@ -33,8 +33,7 @@ from rewriter import testhook
 if TYPE_CHECKING:
     import libcst as cst
 
-    from codemods.fp8_kv_bypass import FileAnalysis
-    from codemods.fp8_kv_revert import RevertAnalysis
+    from codemods.analysis import FileAnalysis, RevertAnalysis
 
 BOM = b"\xef\xbb\xbf"
 
@@ -143,26 +142,26 @@ def _through_proc(path: Path) -> bool:
 
 def analyze(module: cst.Module, source: bytes | None = None) -> FileAnalysis:
     """The LibCST codemod's analysis (imported here, on first need)."""
-    from codemods.fp8_kv_bypass import analyze as analyze_module
+    from codemods.analysis import analyze as analyze_module
 
     return analyze_module(module, source)
 
 
 def rewrite(analysis: FileAnalysis) -> cst.Module:
-    from codemods.fp8_kv_bypass import rewrite as rewrite_module
+    from codemods.analysis import rewrite as rewrite_module
 
     return rewrite_module(analysis)
 
 
 def analyze_revert(module: cst.Module, source: bytes | None = None) -> RevertAnalysis:
     """Like ``analyze`` (``source`` unused), for taking the bypass out again."""
-    from codemods.fp8_kv_revert import analyze_revert as analyze_module
+    from codemods.analysis import analyze_revert as analyze_module
 
     return analyze_module(module)
 
 
 def revert_module(analysis: RevertAnalysis) -> cst.Module:
-    from codemods.fp8_kv_revert import revert
+    from codemods.analysis import revert
 
     return revert(analysis)
 

@@ -50,7 +50,7 @@ def survey_targets(
     else:
         chunksize = max(1, math.ceil(len(paths) / (jobs * CHUNKS_PER_JOB)))
         # LibCST and the codemod, imported once before the fork rather than in each worker.
-        import codemods.fp8_kv_bypass  # noqa: F401
+        import codemods.analysis  # noqa: F401
 
         context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else None)
         with context.Pool(jobs, initializer=_leave_interrupt_to_parent) as pool:

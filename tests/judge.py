@@ -40,7 +40,7 @@ import warnings
 import libcst as cst
 from mutations import FUSED_OP, INDEX_CACHE, INDEX_SLOT_MAPPING, KV_CACHE, SCHEMA, SLOT_MAPPING
 
-from codemods.fp8_kv_bypass import analyze
+from codemods.analysis import analyze
 from codemods.schema import SiteState
 
 FLAG = "_fp8_kv"

@@ -7,7 +7,7 @@ import textwrap
 import libcst as cst
 import pytest
 
-from codemods.fp8_kv_bypass import analyze, rewrite
+from codemods.analysis import analyze, rewrite
 from codemods.schema import Action, SiteState
 
 BEFORE = """\
@@ -443,7 +443,7 @@ def test_call_in_class_body_is_refused() -> None:
     ],
 )
 def test_remove_unused_imports(before: str, after: str) -> None:
-    from codemods.fp8_kv_bypass import remove_unused_imports
+    from codemods.codegen import remove_unused_imports
 
     assert remove_unused_imports(cst.parse_module(before), {"Gone"}).code == after
 

@@ -19,7 +19,9 @@ from conftest import FIXTURES, ROOT
 from test_prefilter import NATIVE_LAYOUTS, PATCHED_LAYOUTS, wheel_files  # noqa: F401 (fixture)
 
 from codemods import anchors as a
-from codemods.fp8_kv_bypass import find_calls, analyze
+from codemods.analysis import analyze
+from codemods.sites import find_calls
+from codemods.sourcemap import SourceMap
 
 CORPUS = sorted({p.resolve() for p in FIXTURES.glob("*/*.py")})
 
@@ -46,7 +48,7 @@ def sources() -> dict[str, Callable[[], bytes]]:
     return out
 
 
-def found(module: cst.Module, source_map: a.SourceMap | None) -> list[tuple[int, int]]:
+def found(module: cst.Module, source_map: SourceMap | None) -> list[tuple[int, int]]:
     wrappers = a.pass_through_wrappers(module)
     return [(id(f.call), f.line) for f in find_calls(module, source_map, wrappers).found]
 
@@ -58,7 +60,7 @@ SOURCES = sources()
 def test_calls_and_lines_as_position_provider_gives_them(name: str) -> None:
     body = SOURCES[name]().removeprefix(b"\xef\xbb\xbf")
     module = cst.parse_module(body)
-    source_map = a.SourceMap.of(module, body)
+    source_map = SourceMap.of(module, body)
     assert source_map is not None  # the short cut is taken
     assert found(module, source_map) == found(module, None)
 
@@ -66,7 +68,7 @@ def test_calls_and_lines_as_position_provider_gives_them(name: str) -> None:
 def test_real_files_too(wheel_files: list[Path]) -> None:  # noqa: F811
     for path in wheel_files:
         module = cst.parse_module(path.read_bytes())
-        source_map = a.SourceMap.of(module, path.read_bytes())
+        source_map = SourceMap.of(module, path.read_bytes())
         assert source_map is not None
         assert found(module, source_map) == found(module, None)
 
@@ -76,7 +78,7 @@ def test_a_wrong_statement_map_falls_back() -> None:
     source = (FIXTURES / "fork_era" / "model.py").read_bytes()
     module = cst.parse_module(source)
     good = found(module, None)
-    source_map = a.SourceMap.of(module, source)
+    source_map = SourceMap.of(module, source)
     assert source_map is not None
     source_map.spans = {
         k: (stmt, first + 10_000, last + 10_000) for k, (stmt, first, last) in source_map.spans.items()

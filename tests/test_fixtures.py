@@ -9,7 +9,7 @@ import libcst as cst
 import pytest
 from conftest import FIXTURES, cli
 
-from codemods.fp8_kv_bypass import analyze
+from codemods.analysis import analyze
 from codemods.schema import SiteState
 from rewriter.apply import FileStatus, plan_file
 from rewriter.commands import write_targets

@@ -16,7 +16,7 @@ import libcst as cst
 import pytest
 from conftest import FIXTURES, syntax_tree
 
-from codemods.fp8_kv_bypass import analyze, rewrite
+from codemods.analysis import analyze, rewrite
 from codemods.schema import SiteState
 
 

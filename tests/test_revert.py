@@ -11,9 +11,9 @@ import pytest
 from conftest import FIXTURES, cli
 from test_codemod import AFTER, BEFORE, variant
 
-from codemods.fp8_kv_bypass import analyze, rewrite
+from codemods.analysis import analyze, analyze_revert, revert, rewrite
 from codemods.schema import Action, SiteState
-from codemods.fp8_kv_revert import add_import_alias, analyze_revert, revert
+from codemods.fp8_kv_revert import add_import_alias
 from rewriter import commands
 from rewriter.apply import FileStatus, plan_revert_file
 from rewriter.targets import Target

@@ -1,0 +1,148 @@
+"""The entry points: ``analyze`` classifies every call of the fused op in a module and plans
+the change of the one that needs it (a ``BypassPlan``, or a ``RevertPlan`` stripping a
+bypass from a native call); ``analyze_revert`` plans taking the bypass out; ``rewrite``
+applies either analysis's plans. Finding is ``sites``', proving ``proofs``', the
+decision ``schema``'s, planning and writing ``fp8_kv_bypass``'s and ``fp8_kv_revert``'s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from codemods import anchors as a
+from codemods import schema
+from codemods.fp8_kv_bypass import BypassPlan, apply_plan, plan_bypass
+from codemods.fp8_kv_revert import RevertPlan, apply_revert, plan_site, plan_strip, revert_reason
+from codemods.schema import CHANGING, Action, InsertSite, SiteState, Unsupported
+from codemods.sites import CallFinder, FoundCall, FoundPieces, call_facts, collect_pieces, find_calls
+from codemods.sourcemap import SourceMap
+
+
+@dataclass
+class FileAnalysis:
+    """Each site with its action, and the plans of the changes (``revert``'s too: RevertPlans)."""
+
+    module: cst.Module
+    sites: list[InsertSite]
+    plans: list[BypassPlan | RevertPlan]  # a RevertPlan strips a bypass from a native call
+    source_map: SourceMap | None = None
+
+    @property
+    def patched_after(self) -> int:
+        """How many sites the rewrite leaves ``patched`` (a stripped one ends ``native``)."""
+        return sum(1 for p in self.plans if isinstance(p, BypassPlan))
+
+    @property
+    def needs_rewrite(self) -> bool:
+        return bool(self.plans)  # a site left to change always has its plan
+
+    @property
+    def refused(self) -> list[InsertSite]:
+        return [s for s in self.sites if s.action is Action.REFUSE]
+
+
+def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalysis:
+    """Classify every call of the fused op in ``module`` (and plan what needs work);
+    ``source``: the text it was parsed from, where the caller has it (else generated again)."""
+    if source is None:
+        source = module.code
+    source_map = SourceMap.of(module, source)
+    finder = find_calls(module, source_map, a.pass_through_wrappers(module))
+    found_calls = finder.found
+    flag = schema.FP8_FLAG if isinstance(source, str) else schema.FP8_FLAG.encode()
+    mentions_flag = flag in source  # type: ignore[operator]
+    functions = a.module_functions(module)
+    classified = [classify(module, f, functions, mentions_flag) for f in found_calls]
+    strays = [_stray_site(stmt, source_map) for _, stmt in finder.strays()]
+    sites = schema.one_candidate([site for site, _ in classified] + strays)
+    plans = [plan for (_, plan), site in zip(classified, sites) if plan is not None and site.action in CHANGING]
+    return FileAnalysis(module, sites, plans, source_map)
+
+
+def _stray_site(stmt: cst.CSTNode | None, source_map: SourceMap | None) -> InsertSite:
+    """The op named where its calls cannot be followed: the file cannot be called safe."""
+    assert stmt is not None  # a name sits in a statement, which the finder visits first
+    span = source_map.span(stmt) if source_map is not None else None
+    # the statement itself (not the comments above it; a block's header line)
+    text = a.code(stmt.with_changes(leading_lines=[]))
+    shown = " ".join((text if isinstance(stmt, cst.SimpleStatementLine) else text.splitlines()[0]).split())
+    if len(shown) > 100:
+        shown = shown[:97] + "..."
+    reason = (
+        f"the op is named without being called by that name (`{shown}`): calls through an "
+        f"import alias, a local or getattr cannot be followed, so whether this file needs the bypass "
+        f"cannot be told. Call it as `ops.{schema.FUSED_OP}(…)` (or import it without `as`), then run again"
+    )
+    return InsertSite(None, "<module>", span[0] if span else 0, SiteState.UNSUPPORTED, Action.REFUSE, reason)
+
+
+def classify(
+    module: cst.Module,
+    found: FoundCall,
+    functions: dict[str, cst.FunctionDef],
+    mentions_flag: bool = True,
+) -> tuple[InsertSite, BypassPlan | RevertPlan | None]:
+    facts, slot = call_facts(found)
+    found_pieces: list[FoundPieces] = []
+
+    def collect() -> FoundPieces:
+        assert found.cls is not None and found.method is not None
+        found_pieces.append(collect_pieces(found.cls, found.method, found.op, slot, functions, mentions_flag))
+        return found_pieces[-1]
+
+    decided = schema.verdict(facts, collect)
+    plan: BypassPlan | RevertPlan | None = None
+    failure = None
+    try:
+        if decided.action is Action.STRIP:  # the strip is the revert of that one site
+            plan = plan_strip(module, found, functions)
+        elif decided.action in CHANGING:
+            assert slot is not None
+            plan = plan_bypass(module, found, slot, found_pieces[-1], functions)
+    except Unsupported as exc:
+        failure = str(exc)
+    return schema.planned(decided, failure), plan
+
+
+def rewrite(analysis: FileAnalysis) -> cst.Module:
+    module = analysis.module
+    assert len(analysis.plans) <= 1, "the analyses refuse files with several sites to change"
+    for plan in analysis.plans:
+        if isinstance(plan, BypassPlan):
+            module = apply_plan(module, plan, analysis.source_map)
+        else:
+            module = apply_revert(module, plan)
+    return module
+
+
+# revert's analysis is the rewrite's, holding RevertPlans; the rewrite applies them.
+RevertAnalysis = FileAnalysis
+revert = rewrite
+
+
+def analyze_revert(module: cst.Module) -> RevertAnalysis:
+    """Find every call of the fused op; plan the removal of a bypass around it."""
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    finder = CallFinder(a.pass_through_wrappers(module))
+    wrapper.visit(finder)
+    positions = wrapper.resolve(PositionProvider)
+    for found in finder.found:  # the finder leaves numbering to its caller
+        found.line = positions[found.call].start.line
+
+    sites: list[InsertSite] = []
+    plans: list[RevertPlan | None] = []
+    functions = a.module_functions(module)
+    for found in finder.found:
+        site, _ = classify(module, found, functions)
+        plan = failure = None
+        try:
+            plan = plan_site(module, found, positions, functions)
+        except Unsupported as exc:
+            failure = str(exc)
+        sites.append(schema.reverted(site, revert_reason(plan) if plan else None, failure))
+        plans.append(plan)
+    sites = schema.one_revert(sites)
+    kept = [plan for plan, site in zip(plans, sites) if plan is not None and site.action is Action.REVERT]
+    return RevertAnalysis(module, sites, kept)

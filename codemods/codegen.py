@@ -1,0 +1,215 @@
+"""Generated code: the templates the rewrite and the revert fill in from names proven in the
+file (``FLAG`` to ``INSERT_KV_METADATA``), filling and parsing them in the file's own indent
+and newline, and removing the imports a change left unused."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import libcst as cst
+
+from codemods import anchors as a
+
+
+FLAG = """\
+# fp8 KV cache: the fused qknorm+rope+kv-insert op writes bf16 caches only;
+# forward() then runs it norm+rope-only and writes the cache via _insert_kv().
+self._fp8_kv = "fp8" in {dtype}
+"""
+
+SCALE = """\
+self._fp8_kv_scale = torch.ones((), dtype=torch.float32)  # identity: x / 1
+"""
+
+SCALE_READ = "self._fp8_kv_scale"
+SCALE_LOCAL = """\
+{scale} = self._fp8_kv_scale  # identity: stores x / 1
+"""
+
+GUARD = """\
+# fp8 KV cache: cache arguments None -> the fused op only norms/ropes in place.
+{guard} = not self._fp8_kv
+"""
+
+NATIVE_GUARD = """\
+# fp8 KV cache, torch.compile-aware: in eager the native kernel writes the cache
+# (fp8 included, padded slots skipped); while compiling the slot mappings are
+# None, so the cache arguments are too and the post-call block writes the cache.
+{guard} = not torch.compiler.is_compiling()
+"""
+
+POST_INSERT = """\
+if not {guard}:
+{I}# {qkv} is [q | k | v | index_q | index_k]: the fused op left k and index_k
+{I}# normed/roped in place and v raw; write them (strided views) to the cache.
+{I}{n_kv} = {kv_width}
+{I}{n_k0} = {q_width}
+{I}{n_ik0} = {n_k0} + 2 * {n_kv} + {index_q_width}
+{I}{n_k} = {qkv}[:, {n_k0} : {n_k0} + {n_kv}]
+{I}{n_v} = {qkv}[:, {n_k0} + {n_kv} : {n_k0} + 2 * {n_kv}]
+{I}{n_index_k} = {qkv}[:, {n_ik0} : {n_ik0} + {idx_head_dim}]  # one index-key head
+{I}self._insert_kv({n_k}, {n_v}, {n_index_k}, {main_slots}, {index_slots})
+"""
+
+# The index key as the key and value of a one-slot-per-block view of the index
+# cache: reshape_and_cache_flash skips slot -1 (a padded token) as the fused op does.
+INDEX_WRITE = """\
+# Index-key cache: one head per token, written by reshape_and_cache_flash,
+# which skips padded tokens (slot -1) as the fused op does.
+{idx_key} = {index_key}.view(-1, 1, {idx_head_dim})
+{idx_cache} = {index_cache}.view(-1, 1, 1, {idx_head_dim})
+assert {idx_cache}.dtype == {idx_key}.dtype  # the index cache stays bf16
+{reshape}(
+{I}{idx_key},
+{I}{idx_key},
+{I}{idx_cache},
+{I}{idx_cache},
+{I}{index_slots},
+{I}"auto",
+{I}{scale},
+{I}{scale},
+)
+"""
+
+INSERT_KV_METHOD = '''\
+def _insert_kv(
+{I}self,
+{I}key: torch.Tensor,
+{I}value: torch.Tensor,
+{I}index_key: torch.Tensor,
+{I}main_slot_mapping: torch.Tensor,
+{I}index_slot_mapping: torch.Tensor,
+) -> None:
+{I}"""Write main K/V (fp8-quantizing) and index-K into their paged caches.
+
+{D}Used only on the fp8-KV path, where the bf16-only fused op runs in
+{D}norm+rope-only mode: ``reshape_and_cache_flash`` honours kv_cache_dtype.
+{D}The index cache stays bf16 (no quantization).
+{D}"""
+{I}key_cache, value_cache = {kv_cache}.unbind(1)
+{I}scale = self._fp8_kv_scale  # identity: stores x / 1
+{I}{reshape}(
+{I}{I}key.view(-1, {num_kv_heads}, {head_dim}),
+{I}{I}value.view(-1, {num_kv_heads}, {head_dim}),
+{I}{I}key_cache,
+{I}{I}value_cache,
+{I}{I}main_slot_mapping,
+{I}{I}{dtype},
+{I}{I}scale,
+{I}{I}scale,
+{I})
+{index_write}'''
+
+
+# What `revert` puts back: the fork-era `_insert_kv`, reading the slot mappings from the
+# forward context's metadata (names filled in from the file like the templates above).
+INSERT_KV_METADATA = '''\
+def _insert_kv(
+{I}self, key: torch.Tensor, value: torch.Tensor, index_key: torch.Tensor
+) -> None:
+{I}"""Write main K/V and index-K into their paged caches.
+
+{D}No-op during the profiling run, where caches are not yet bound and
+{D}``attn_metadata`` is None.
+{D}"""
+{I}attn_metadata = get_forward_context().attn_metadata
+{I}if not isinstance(attn_metadata, dict):
+{I}{I}return
+{I}main_meta = attn_metadata[{main_key}]
+{I}index_meta = attn_metadata[{index_key}]
+{I}assert isinstance(main_meta, {main_metadata})
+{I}assert isinstance(index_meta, {index_metadata})
+
+{I}# Identity scale: unused for the bf16 cache, required arg of the op.
+{I}key_cache, value_cache = {kv_cache}.unbind(1)
+{I}scale = torch.ones((), device=key.device)
+{I}{reshape}(
+{I}{I}key.view(-1, {num_kv_heads}, {head_dim}),
+{I}{I}value.view(-1, {num_kv_heads}, {head_dim}),
+{I}{I}key_cache,
+{I}{I}value_cache,
+{I}{I}main_meta.slot_mapping,
+{I}{I}{dtype},
+{I}{I}scale,
+{I}{I}scale,
+{I})
+
+{I}# Index-key cache: single vector per token, scatter by slot.
+{I}idx_cache = {index_cache}.view(-1, {idx_head_dim})
+{I}idx_cache[index_meta.slot_mapping] = index_key.to(idx_cache.dtype)
+'''
+
+def indented(text: str, indent: str) -> str:
+    return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
+
+
+def render(template: str, module: cst.Module, depth: int = 1, **names: str) -> str:
+    """Fill a template in the file's indent and newline; ``{I}`` is one indent step, ``{D}``
+    a docstring line of a method in a class ``depth`` blocks deep (its text is not re-indented)."""
+    text = template.format(I=module.default_indent, D=module.default_indent * (depth + 1), **names)
+    return text.replace("\n", module.default_newline)
+
+
+def parse_statements(text: str, module: cst.Module) -> list[cst.BaseStatement]:
+    """Parse generated code with the file's indent and newline; comments included."""
+    # A leading `pass` keeps the first comment lines on the first statement
+    # instead of the module header.
+    parsed = cst.parse_module("pass" + module.default_newline + text, config=module.config_for_parsing)
+    return list(parsed.body[1:])
+
+
+# --- imports ------------------------------------------------------------------------------
+
+
+_STATEMENT_CONTAINERS = (
+    cst.Module,
+    cst.IndentedBlock,
+    cst.BaseCompoundStatement,
+    cst.Else,
+    cst.ExceptHandler,
+    cst.ExceptStarHandler,
+    cst.Finally,
+    cst.MatchCase,
+)
+
+
+def remove_unused_imports(
+    module: cst.Module, candidates: set[str], silent: Sequence[cst.CSTNode] = ()
+) -> cst.Module:
+    """Remove from-import aliases among ``candidates`` that nothing reads any more.
+
+    ``silent``: statements known to mention none of them (not visited).
+    """
+    if not candidates:
+        return module
+    uses = a.name_uses(module, skip=silent)
+    unused = {n for n in candidates if uses.get(n, 0) == 0}
+    if not unused:
+        return module
+
+    class Remove(cst.CSTTransformer):
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            # Only statements hold imports; expressions and one-line statements need no visit.
+            return isinstance(node, _STATEMENT_CONTAINERS)
+
+        def leave_SimpleStatementLine(
+            self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
+        ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
+            if len(updated.body) != 1 or not isinstance(updated.body[0], cst.ImportFrom):
+                return updated
+            imp = updated.body[0]
+            if isinstance(imp.names, cst.ImportStar):
+                return updated
+            names = list(imp.names)
+            keep = [n for n in names if n.asname is not None or a.code(n.name) not in unused]
+            if len(keep) == len(names):
+                return updated
+            if not keep:
+                if any(line.comment for line in updated.leading_lines):
+                    return updated  # keep it rather than lose its comment
+                return cst.RemoveFromParent()
+            if names[-1] not in keep:  # the removed last alias hands its comma on
+                keep[-1] = keep[-1].with_changes(comma=names[-1].comma)
+            return updated.with_changes(body=[imp.with_changes(names=keep)])
+
+    return module.visit(Remove())

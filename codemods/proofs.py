@@ -1,0 +1,261 @@
+"""Proving the values the bypass relies on, from the file: the caches ``_insert_kv`` can
+reach, the fused buffer and slot mappings, each width of the buffer's layout, where the
+flag goes in ``__init__``, and where ``reshape_and_cache_flash`` is. Each either returns
+code that names what it proved or raises ``Unsupported`` saying what was missing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import libcst as cst
+
+from codemods import anchors as a
+from codemods import schema
+from codemods.schema import Unsupported
+from codemods.sites import guard_of, unguarded
+
+
+def _custom_ops(imports: list[a.ImportedName]) -> str | None:
+    """The code that names ``vllm._custom_ops`` in this module (``ops`` of ``from vllm import
+    _custom_ops as ops``), where ``reshape_and_cache_flash`` is; None if it is not imported."""
+    for imp in imports:
+        statement = imp.statement.body[0] if len(imp.statement.body) == 1 else None
+        name = a.code(imp.alias.name).replace(" ", "")
+        if isinstance(statement, cst.ImportFrom) and statement.module is not None:
+            module = a.code(statement.module).replace(" ", "")
+            if statement.relative or f"{module}.{name}" != "vllm._custom_ops":
+                continue
+            return imp.bound
+        if isinstance(statement, cst.Import) and name == "vllm._custom_ops":
+            return imp.bound if imp.alias.asname is not None else name
+    return None
+
+
+def op_namespace(op: a.OpCall, imports: list[a.ImportedName]) -> str | None:
+    """Where ``reshape_and_cache_flash`` is, proven from how the module reaches the fused op:
+    ``torch.ops._C`` -> ``torch.ops._C_cache_ops``; ``vllm._custom_ops`` under any name -> that
+    name; a bare name -> None (imported beside it, ``bare_import``). Any other namespace
+    (``torch.ops.vllm``, a fork's own module) is not known to hold it: the module's
+    ``vllm._custom_ops``, else ``Unsupported``."""
+    func = op.call.func
+    if op.wrapper is None and isinstance(func, cst.Attribute):
+        if a.code(func.value).replace(" ", "") == "torch.ops._C":
+            return "torch.ops._C_cache_ops"
+    elif op.wrapper is None and isinstance(func, cst.Name):
+        return None
+    namespace = _custom_ops(imports)
+    if namespace is None:
+        shown = a.code(func) if op.wrapper is None else f"wrapper `{op.wrapper.name}`"
+        raise Unsupported(
+            f"the op is called through {shown}, and the module does not import `vllm._custom_ops`, "
+            f"where `{schema.RESHAPE_OP}` is: add `from vllm import _custom_ops as ops`, then run again"
+        )
+    return namespace
+
+
+def cache_args(
+    op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot
+) -> tuple[dict[str, str], list[schema.OpParam]]:
+    """The cache expressions `_insert_kv` can reach, and which arguments still need the guard."""
+    caches: dict[str, str] = {}
+    wrap: list[schema.OpParam] = []
+    for param in (schema.KV_CACHE, schema.INDEX_CACHE):
+        arg = op.arg(param)
+        if arg is None or a.is_none(arg.value):
+            raise Unsupported(f"the call passes no `{param.keyword}` argument to guard")
+        if isinstance(arg.value, cst.IfExp) and guard_of(arg) is None:
+            raise Unsupported(
+                f"`{param.keyword}` is a conditional that cannot be guarded: {a.code(arg.value)}"
+            )
+        if guard_of(arg) is None:
+            wrap.append(param)
+        value = unguarded(arg)
+        resolved = a.resolve_self_expr(method, value, slot)
+        if resolved is None:
+            raise Unsupported(
+                f"`{param.keyword}` argument `{a.code(value)}` is not a `self.` attribute "
+                "(or a local proven to hold one on every path to the call) that _insert_kv can reach"
+            )
+        caches[param.keyword] = a.code(resolved)
+    return caches, wrap
+
+
+def qkv_and_slots(op: a.OpCall) -> tuple[str, str, str]:
+    """The fused buffer and the two slot-mapping expressions, safe to use again after the call."""
+    qkv = op.arg(schema.QKV)
+    if qkv is None or not isinstance(qkv.value, cst.Name):
+        raise Unsupported("the fused qkv argument is not a plain local name")
+    slots = []
+    for param in (schema.SLOT_MAPPING, schema.INDEX_SLOT_MAPPING):
+        arg = op.arg(param)
+        if arg is None or a.is_none(arg.value) or not a.is_pure(arg.value):
+            shown = a.code(arg.value) if arg is not None else "nothing"
+            raise Unsupported(
+                f"`{param.keyword}` ({shown}) is not a name or attribute that can be passed again"
+            )
+        slots.append(a.code(arg.value))
+    return qkv.value.value, slots[0], slots[1]
+
+
+@dataclass
+class _Widths:
+    """Code for the widths of the fused buffer's parts: [q | k | v | index_q | index_k]."""
+
+    q: str
+    kv: str
+    index_q: str
+    head_dim: str
+    idx_head_dim: str  # also the width of index_k: a single head
+    num_kv_heads: str
+
+
+_NORM_WEIGHTS = {  # the norms whose weights the call passes, by the head size they are built with
+    "head_dim": (schema.OP_PARAMS[1], schema.OP_PARAMS[2]),  # q_norm_weight, k_norm_weight
+    "idx_head_dim": (schema.OP_PARAMS[9], schema.OP_PARAMS[10]),  # index_q_norm_weight, index_k_norm_weight
+}
+
+
+def widths(
+    op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments
+) -> _Widths:
+    """Each size by what it is in the fused buffer's layout, never by the first product that fits.
+
+    The head counts are what the call passes. A head size is what the norms of that part
+    are built with (``self.q_norm = Norm(self.head_dim, …)``, whose ``.weight`` the call
+    passes); without that, the one size that multiplies both the q and the kv head count
+    in ``__init__`` (for the index part: the index head count). A width is a
+    ``self.W = <count> * <size>`` of ``__init__`` assigned once, else that product itself.
+    """
+    counts: dict[str, cst.BaseExpression] = {}
+    for param in (schema.NUM_HEADS, schema.NUM_KV_HEADS, schema.NUM_INDEX_HEADS):
+        arg = op.arg(param)
+        resolved = a.resolve_self_expr(method, arg.value, slot) if arg is not None else None
+        if resolved is None:
+            raise Unsupported(f"`{param.keyword}` is not a `self.` attribute (or a local proven to hold one)")
+        counts[param.keyword] = resolved
+    products = _products(init_attrs)
+
+    def size(what: str, label: str, *count_names: str) -> str:
+        built = _norm_sizes(op, method, slot, init_attrs, _NORM_WEIGHTS[what])
+        if len(built) > 1:
+            raise Unsupported(f"the norms of one part are built with different sizes: {sorted(built)}")
+        if built:
+            return built.pop()
+        # The sizes each count multiplies; the first count's narrowed by the next ones'.
+        found = [f for n in count_names if (f := {d for w, c, d in products if a.same_expr(c, counts[n])})]
+        candidates = found[0] if found else set()
+        for more in found[1:]:
+            if len(candidates) > 1 and candidates & more:
+                candidates &= more
+        if len(candidates) != 1:
+            could = sorted(candidates)
+            raise Unsupported(
+                f"cannot tell the {label} ({what}): "
+                + (f"{', '.join(could)} could each be it" if could else "no norm is built with it and no "
+                   f"`self.<width> = <{count_names[0]}> * self.<size>` is in __init__")
+                + f"; build the norms with it (`self.q_norm = RMSNorm(self.{what}, …)`), then run again"
+            )
+        return candidates.pop()
+
+    head_dim = size("head_dim", "head size", "num_heads", "num_kv_heads")
+    idx_head_dim = size("idx_head_dim", "index head size", "num_index_heads")
+
+    def width(count: cst.BaseExpression, dim: str) -> str:
+        for attr, c, d in products:
+            if a.same_expr(c, count) and d == dim:
+                return f"self.{attr}"
+        return f"{a.code(count)} * {dim}"
+
+    return _Widths(
+        q=width(counts["num_heads"], head_dim),
+        kv=width(counts["num_kv_heads"], head_dim),
+        index_q=width(counts["num_index_heads"], idx_head_dim),
+        head_dim=head_dim,
+        idx_head_dim=idx_head_dim,
+        num_kv_heads=a.code(counts["num_kv_heads"]),
+    )
+
+
+def _products(init_attrs: a.Assignments) -> list[tuple[str, cst.BaseExpression, str]]:
+    """``self.W = <count> * self.D`` assigned once in __init__ (either order): (W, count, "self.D")."""
+    found = []
+    for attr, defs in init_attrs.items():
+        value = defs[0][1] if len(defs) == 1 else None
+        if not (isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Multiply)):
+            continue
+        for count, dim in ((value.left, value.right), (value.right, value.left)):
+            if a.self_attr(dim) is not None:
+                found.append((attr, count, a.code(dim)))
+    return found
+
+
+def _norm_sizes(
+    op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments, params
+) -> set[str]:
+    """The ``self.D`` that the norms passed as ``params`` are built with: ``self.N = Norm(self.D, …)``
+    in __init__ (assigned once), ``self.N.weight`` passed."""
+    sizes = set()
+    for param in params:
+        arg = op.arg(param)
+        weight = a.resolve_self_expr(method, arg.value, slot) if arg is not None else None
+        if not (isinstance(weight, cst.Attribute) and weight.attr.value == "weight"):
+            continue
+        owner = a.self_attr(weight.value)
+        defs = init_attrs.get(owner, []) if owner is not None else []
+        ctor = defs[0][1] if len(defs) == 1 else None
+        if isinstance(ctor, cst.Call):
+            first = next((x for x in ctor.args if x.keyword is None and not x.star), None)
+            if first is not None and a.self_attr(first.value) is not None:
+                sizes.add(a.code(first.value))
+    return sizes
+
+
+def dtype_anchor(init: cst.FunctionDef, attrs: a.Assignments) -> a.StatementSlot | None:
+    """The statement after which the flag goes; None where __init__ does not set the dtype.
+
+    The flag is made from the main cache's dtype, ``self.kv_cache_dtype`` (what vLLM's
+    backends read; the indexer's own dtype is another attribute), after the last statement
+    of __init__'s body that assigns it - and after the torch dtype made from it, if one
+    follows (that statement, not one in a lambda or nested def)."""
+    defs = attrs.get(schema.DTYPE_ATTR)
+    if not defs:
+        return None
+    top = a.slot_chain(init, defs[-1][0])[0]
+    for i in range(top.index + 1, len(top.block.body)):
+        if any(_is_dtype_conversion(n) for n in a.nodes_in(top.block.body[i], scope_only=True)):
+            return a.StatementSlot(top.block, i)
+    return top
+
+
+def _is_dtype_conversion(node: cst.CSTNode) -> bool:
+    """``kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, …)``."""
+    return (
+        isinstance(node, cst.Call)
+        and a.callee_name(node) == "kv_cache_dtype_str_to_dtype"
+        and bool(node.args)
+        and a.self_attr(node.args[0].value) == schema.DTYPE_ATTR
+    )
+
+
+def bare_import(
+    module: cst.Module, imports: list[a.ImportedName]
+) -> tuple[cst.SimpleStatementLine, cst.ImportFrom] | None:
+    """For a bare ``fused_…(…)`` callee: ``from vllm._custom_ops import fused_…``, beside which
+    ``reshape_and_cache_flash`` is imported."""
+    if any(i.bound == schema.RESHAPE_OP for i in imports):
+        return None
+    for imp in imports:
+        if imp.bound == schema.FUSED_OP and imp.alias.asname is None:
+            for small in imp.statement.body:
+                if (
+                    isinstance(small, cst.ImportFrom)
+                    and imp.alias in small.names
+                    and not small.relative
+                    and small.module is not None
+                    and a.code(small.module).replace(" ", "") == "vllm._custom_ops"
+                ):
+                    return imp.statement, small
+    raise Unsupported(
+        f"`{schema.FUSED_OP}` is called by a bare name that `from vllm._custom_ops import …` does not bring in: "
+        f"where `{schema.RESHAPE_OP}` is cannot be told; import both from `vllm._custom_ops`, then run again"
+    )
