@@ -44,7 +44,7 @@ sys.path[0] = sys.argv[2]
 # after it is safe). Not in the other: a fork copies torch's page tables, 20-30 ms a call.
 import warnings
 if sys.argv[3] == "torch":
-    # One thread, as the judge runs the same harness: verify's tensors are tiny, and a
+    # One thread, as the judge runs the same semantic level: verify's tensors are tiny, and a
     # pool of threads only spins on a machine the other test workers keep busy.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with warnings.catch_warnings():

@@ -22,7 +22,7 @@ site patched and nothing to do):
 5. with ``reference`` (the rewrite of the unmutated file): the generated
    pieces are the same code, up to local names;
 6. it does the same thing: the semantic level of ``mm3-codemod verify``
-   (``rewriter.verify.harness``) runs the layer class's own ``forward`` and
+   (``rewriter.verify.semantic``) runs the layer class's own ``forward`` and
    ``_insert_kv`` with plain-PyTorch reference ops, once with a bf16 cache and
    once with an fp8 cache, and the two must agree (q, index_q, index cache
    identical; fp8 cache = e4m3 of the bf16 cache at every written slot, no
@@ -77,22 +77,22 @@ def _semantic(after_src: str) -> list[str]:
             import torch
         except ImportError:
             return ["torch is not installed: the semantic check cannot run (pip install '.[test]')"]
-        from rewriter.verify import harness
+        from rewriter.verify import layercode, semantic, standin
 
     problems = []
-    shapes = (harness.Shape(), harness.DISTINCT)
+    shapes = (layercode.Shape(), layercode.DISTINCT)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: a thread pool only spins on a busy CI machine
     try:
-        for name in harness.layer_classes(after_src):
+        for name in layercode.layer_classes(after_src):
             try:
-                code = harness.load_layer("<after>", name, source=after_src)
-            except (harness.HarnessError, SyntaxError) as exc:
+                code = layercode.load_layer("<after>", name, source=after_src)
+            except (layercode.HarnessError, SyntaxError) as exc:
                 problems.append(f"semantic: {name}: {exc}")
                 continue
             for shape in shapes:
-                inputs = harness.Inputs.random(code.fit(shape), "cpu")
-                result, _ = harness.check_layer(code, harness.REFERENCE, inputs)
+                inputs = standin.Inputs.random(code.fit(shape), "cpu")
+                result, _ = semantic.check_layer(code, standin.REFERENCE, inputs)
                 if not result.passed:
                     problems.append(f"semantic: {name} ({inputs.shape}): {result.reason}")
     finally:

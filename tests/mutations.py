@@ -21,8 +21,8 @@ import libcst as cst
 import libcst.matchers as m
 
 FUSED_OP = "fused_minimax_m3_qknorm_rope_kv_insert"
-# The fork-era op's parameters by position (vllm._custom_ops names, as the
-# verify harness's reference op takes them: keyword calls must bind there too).
+# The fork-era op's parameters by position (vllm._custom_ops names, as
+# verify's reference op (refops) takes them: keyword calls must bind there too).
 SCHEMA = (
     "qkv",
     "q_norm_weight",

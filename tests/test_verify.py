@@ -22,7 +22,8 @@ from rewriter.targets import Target
 
 torch = pytest.importorskip("torch")
 
-from rewriter.verify import Status, harness, kernels, refops, verify  # noqa: E402
+from rewriter.verify import Status, kernels, layercode, refops, standin, verify  # noqa: E402
+from rewriter.verify.semantic import check_layer  # noqa: E402
 
 # Every fixture file whose code ends in the `patched` state.
 PATCHED = [
@@ -438,8 +439,8 @@ def test_the_stand_in_tells_each_size_from_the_file_and_keeps_its_ties(tmp_path:
     source = source.replace("self.idx_head_dim", "self.ihd").replace("self.head_dim", "self.hd")
     path = tmp_path / "model.py"
     path.write_text(source)
-    code = harness.load_layer(path, "MiniMaxM3SparseAttention")
-    sizes = {chain: held for chain, held in code.bindings.items() if set(held) & set(harness.SIZES)}
+    code = layercode.load_layer(path, "MiniMaxM3SparseAttention")
+    sizes = {chain: held for chain, held in code.bindings.items() if set(held) & set(layercode.SIZES)}
     assert sizes == {
         ("num_heads",): ("num_heads",),
         ("num_kv_heads",): ("num_kv_heads", "num_idx_heads"),
@@ -448,7 +449,7 @@ def test_the_stand_in_tells_each_size_from_the_file_and_keeps_its_ties(tmp_path:
         ("hd",): ("head_dim",),
         ("ihd",): ("idx_head_dim",),
     }
-    distinct = harness.DISTINCT
+    distinct = layercode.DISTINCT
     assert code.fit(distinct) == replace(distinct, num_idx_heads=distinct.num_kv_heads)
     level, _ = semantic(path)
     assert level.status is Status.PASSED, level.reason + "\n" + "\n".join(level.details)
@@ -457,7 +458,7 @@ def test_the_stand_in_tells_each_size_from_the_file_and_keeps_its_ties(tmp_path:
     # the index norms built with head_dim: the op's index head size is head_dim, so the two stay equal
     tied = EXPECTED.replace("GemmaRMSNorm(self.idx_head_dim", "GemmaRMSNorm(self.head_dim")
     path.write_text(tied)
-    code = harness.load_layer(path, "MiniMaxM3SparseAttention")
+    code = layercode.load_layer(path, "MiniMaxM3SparseAttention")
     assert code.fit(distinct) == replace(distinct, idx_head_dim=distinct.head_dim)
     assert semantic(path)[0].status is Status.PASSED
 
@@ -555,7 +556,7 @@ def test_reference_fp8_store_saturates_and_rounds_like_e4m3() -> None:
 
 
 def test_reference_fused_insert_refuses_a_non_bf16_cache() -> None:
-    inputs = harness.Inputs.random(harness.Shape(tokens=4))
+    inputs = standin.Inputs.random(layercode.Shape(tokens=4))
     s = inputs.shape
     cache = torch.zeros(s.num_blocks, 2, s.block_size, s.num_kv_heads, s.head_dim, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="bf16 cache only"):
@@ -600,17 +601,17 @@ def _fake_ops(layout: str) -> kernels.KernelOps:
 
 def test_adapter_detects_the_cache_layout_and_the_bypass_agrees_through_it() -> None:
     ops = _fake_ops("hnd")
-    inputs = harness.Inputs.random(harness.Shape(tokens=40, num_blocks=8), seed=3)
+    inputs = standin.Inputs.random(layercode.Shape(tokens=40, num_blocks=8), seed=3)
     assert kernels.detect_layout(ops, inputs).name == "[blocks, heads, block, 2*dim]"
     checks = kernels.check_against_references(ops, inputs)
     assert checks and all(c.passed for c in checks), checks
-    code = harness.load_layer(FIXTURES / "fork_era" / "expected.py", "MiniMaxM3SparseAttention")
-    comparison, _ = harness.check_layer(code, ops.backend, inputs)
+    code = layercode.load_layer(FIXTURES / "fork_era" / "expected.py", "MiniMaxM3SparseAttention")
+    comparison, _ = check_layer(code, ops.backend, inputs)
     assert comparison.passed, comparison.reason
 
 
 def test_adapter_refuses_a_library_whose_insert_matches_no_layout() -> None:
-    inputs = harness.Inputs.random(harness.Shape(tokens=8), seed=1)
+    inputs = standin.Inputs.random(layercode.Shape(tokens=8), seed=1)
     with pytest.raises(kernels.KernelUnavailable, match="no known cache layout"):
         kernels.detect_layout(_fake_ops("none"), inputs)
 
@@ -626,8 +627,8 @@ def test_kernel_level_without_a_gpu_is_skipped_with_the_reason() -> None:
 def test_timing_plan_runs_the_files_own_insert_kv_at_every_size() -> None:
     """The timed closures on the CPU (one call each instead of a CUDA graph)."""
     ops = _fake_ops("hnd")
-    kernels.detect_layout(ops, harness.Inputs.random(harness.Shape(tokens=16, num_blocks=8), seed=2))
-    code = harness.load_layer(FIXTURES / "fork_era" / "expected.py", "MiniMaxM3SparseAttention")
+    kernels.detect_layout(ops, standin.Inputs.random(layercode.Shape(tokens=16, num_blocks=8), seed=2))
+    code = layercode.load_layer(FIXTURES / "fork_era" / "expected.py", "MiniMaxM3SparseAttention")
     calls: list[str] = []
     written: list[int] = []
     real_reshape = ops.reshape_raw
@@ -923,7 +924,7 @@ def test_adapter_passes_a_native_calls_dtype_through_a_20_argument_library() -> 
         seen.append((len(args), args[19]))
 
     ops = kernels.KernelOps("0.24.0", raw, refops.reshape_and_cache_flash, extra)
-    inputs = harness.Inputs.random(harness.Shape(tokens=4))
+    inputs = standin.Inputs.random(layercode.Shape(tokens=4))
     args = kernels._op_args(inputs, inputs.qkv.clone(), *kernels._outs(inputs))
     ops.fused(**args)
     ops.fused(**args, kv_cache_dtype="fp8_e4m3")

@@ -8,7 +8,7 @@ Three levels per file, each passed / failed / skipped with a reason:
    the cause.
 2. **semantic** - the class's own ``forward``/``_insert_kv`` run on a stand-in
    with plain-PyTorch reference ops, bf16 cache vs fp8 cache
-   (:mod:`rewriter.verify.harness`, CPU).
+   (:mod:`rewriter.verify.semantic`, CPU).
 3. **kernel** - the same with vLLM's real ops on a CUDA GPU of compute
    capability >= 8.9, plus the ops against the references and timings
    (:mod:`rewriter.verify.kernels`).
@@ -169,13 +169,13 @@ def load_kernels(kernels: str | None, timing: bool = True) -> KernelContext:
     if not torch_available():
         return KernelContext(skipped="torch is not installed (pip install 'mm3-codemod[verify]')")
     _import_torch()
-    from . import harness
     from . import kernels as k
+    from . import layercode, standin
 
     try:
         device = k.cuda_device()
         ops = k.load_ops(kernels)
-        inputs = harness.Inputs.random(harness.Shape(tokens=257, num_blocks=64), device, seed=7)
+        inputs = standin.Inputs.random(layercode.Shape(tokens=257, num_blocks=64), device, seed=7)
         k.detect_layout(ops, inputs)
     except k.KernelUnavailable as exc:
         return KernelContext(skipped=str(exc))
@@ -201,24 +201,24 @@ def _semantic(
     path: Path, classes: list[str], ctx: KernelContext | None, out: FileVerification | None = None
 ) -> LevelResult:
     level = "kernel" if ctx is not None else "semantic"
-    from . import harness
+    from . import layercode, semantic, standin
 
     if ctx is not None:
         backend, device = ctx.ops.backend, "cuda"
-        shape = harness.Shape(tokens=257, num_blocks=64)
+        shape = layercode.Shape(tokens=257, num_blocks=64)
     else:
-        backend, device, shape = harness.REFERENCE, "cpu", harness.DISTINCT
+        backend, device, shape = standin.REFERENCE, "cpu", layercode.DISTINCT
     details: list[str] = []
     failures: list[str] = []
     gaps: list[str] = []
     compiled = False
     for name in classes:
         try:
-            code = harness.load_layer(path, name)
-        except (harness.HarnessError, SyntaxError) as exc:
+            code = layercode.load_layer(path, name)
+        except (layercode.HarnessError, SyntaxError) as exc:
             return LevelResult(level, Status.FAILED, str(exc))
-        inputs = harness.Inputs.random(code.fit(shape), device)
-        result, runs = harness.check_layer(code, backend, inputs)
+        inputs = standin.Inputs.random(code.fit(shape), device)
+        result, runs = semantic.check_layer(code, backend, inputs)
         compiled = compiled or code.compile_aware
         details.append(f"{name}: sizes: {inputs.shape}")
         details += [f"{name}: {check}: {'yes' if ok else 'NO'}" for check, ok in result.checks.items()]

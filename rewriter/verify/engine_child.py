@@ -32,7 +32,7 @@ import tempfile
 import time
 import traceback
 
-# Run as a script, this folder is sys.path[0]: its kernels.py, harness.py ... would
+# Run as a script, this folder is sys.path[0]: its kernels.py, semantic.py ... would
 # shadow the installed packages of those names (transformers imports `kernels`).
 if sys.path and os.path.realpath(sys.path[0] or os.curdir) == os.path.dirname(os.path.realpath(__file__)):
     del sys.path[0]

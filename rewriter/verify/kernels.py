@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from . import harness, refops
+from . import layercode, refops, standin
 
-FORK_PARAMS = list(harness.FUSED_SIGNATURE.parameters)[:19]
+FORK_PARAMS = list(standin.FUSED_SIGNATURE.parameters)[:19]
 # Parameters after the fork's 19 that vLLM 0.33's schema adds, and the value
 # that keeps the fork's meaning (bf16 insert, index branch on, no fp8 q, no nvfp4).
 EXTRA_DEFAULTS: dict[str, Any] = {
@@ -89,13 +89,13 @@ class KernelOps:
     layout: Layout | None = None
 
     def fused_call(self, bound: dict[str, Any], cache: torch.Tensor | None) -> None:
-        args = [bound.get(name, harness.FUSED_SIGNATURE.parameters[name].default) for name in FORK_PARAMS]
+        args = [bound.get(name, standin.FUSED_SIGNATURE.parameters[name].default) for name in FORK_PARAMS]
         args[FORK_PARAMS.index("kv_cache")] = cache
         self.fused_raw(*args, *(bound.get(name, value) for name, value in self.extra))
 
     def fused(self, *args: Any, **kwargs: Any) -> None:
         """The fork's Python signature, adapted to the library's schema and layout."""
-        bound = harness.FUSED_SIGNATURE.bind(*args, **kwargs)
+        bound = standin.FUSED_SIGNATURE.bind(*args, **kwargs)
         bound.apply_defaults()
         values = dict(bound.arguments)
         fork_cache = values.get("kv_cache")
@@ -109,8 +109,8 @@ class KernelOps:
         fork_cache.copy_(self.layout.to_fork(native))
 
     @property
-    def backend(self) -> harness.Backend:
-        return harness.Backend(f"kernels ({self.source})", self.fused, self.reshape_raw)
+    def backend(self) -> standin.Backend:
+        return standin.Backend(f"kernels ({self.source})", self.fused, self.reshape_raw)
 
 
 def cuda_device() -> str:
@@ -173,7 +173,7 @@ def schema_extras(source: str, arguments: list[Any]) -> list[tuple[str, Any]]:
 # --- probes and checks ---------------------------------------------------------
 
 
-def _sync(inputs: harness.Inputs) -> None:
+def _sync(inputs: standin.Inputs) -> None:
     if inputs.device != "cpu":
         torch.cuda.synchronize()
 
@@ -187,7 +187,7 @@ def _bf16_steps(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float(((actual.float() - e).abs() / ulp).max())
 
 
-def _op_args(inputs: harness.Inputs, qkv: torch.Tensor, q_out, iq_out, **kw: Any) -> dict[str, Any]:
+def _op_args(inputs: standin.Inputs, qkv: torch.Tensor, q_out, iq_out, **kw: Any) -> dict[str, Any]:
     s, w = inputs.shape, inputs.weights
     return dict(
         qkv=qkv,
@@ -209,7 +209,7 @@ def _op_args(inputs: harness.Inputs, qkv: torch.Tensor, q_out, iq_out, **kw: Any
 
 
 def _insert_args(
-    inputs: harness.Inputs, qkv: torch.Tensor, q, iq, index_cache: torch.Tensor, main=None, index=None
+    inputs: standin.Inputs, qkv: torch.Tensor, q, iq, index_cache: torch.Tensor, main=None, index=None
 ) -> dict[str, Any]:
     """Insert-mode arguments (the main cache is passed separately, by the adapter)."""
     return _op_args(
@@ -224,14 +224,14 @@ def _insert_args(
     )
 
 
-def _outs(inputs: harness.Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+def _outs(inputs: standin.Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     s, dev = inputs.shape, inputs.device
     q = torch.zeros(s.tokens, s.num_heads * s.head_dim, dtype=torch.bfloat16, device=dev)
     iq = torch.zeros(s.tokens, s.num_idx_heads * s.idx_head_dim, dtype=torch.bfloat16, device=dev)
     return q, iq
 
 
-def detect_layout(ops: KernelOps, inputs: harness.Inputs) -> Layout:
+def detect_layout(ops: KernelOps, inputs: standin.Inputs) -> Layout:
     """Insert once into each candidate layout; keep the one holding k|v at the slots."""
     s = inputs.shape
     k0, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -268,7 +268,7 @@ class Check:
     detail: str
 
 
-def check_against_references(ops: KernelOps, inputs: harness.Inputs) -> list[Check]:
+def check_against_references(ops: KernelOps, inputs: standin.Inputs) -> list[Check]:
     """Real ops vs the references: norm+rope within one bf16 step, fp8 bit-exact."""
     s, dev = inputs.shape, inputs.device
     k0, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -376,9 +376,9 @@ class Timing:
     how: str
 
 
-def timing_shape(tokens: int) -> harness.Shape:
+def timing_shape(tokens: int) -> layercode.Shape:
     """A MiniMax-M3 sparse layer on one GPU of a TP group: 16 q heads, 4 kv heads x 128."""
-    return harness.Shape(
+    return layercode.Shape(
         tokens=tokens,
         num_heads=16,
         num_kv_heads=4,
@@ -390,7 +390,7 @@ def timing_shape(tokens: int) -> harness.Shape:
 
 def timings(
     ops: KernelOps,
-    code: harness.LayerCode,
+    code: layercode.LayerCode,
     sizes: tuple[int, ...] = SIZES,
     device: str = "cuda",
     timer: Callable[..., tuple[float, str]] | None = None,
@@ -401,7 +401,7 @@ def timings(
     timer = timer or gpu_time_us
     rows: list[Timing] = []
     for n in sizes:
-        inputs = harness.Inputs.random(timing_shape(n), device, seed=1)
+        inputs = standin.Inputs.random(timing_shape(n), device, seed=1)
         # Zero norm weights: re-running norm+rope in place on the same qkv (every
         # replay) then keeps k as it is. With random weights, hundreds of replays
         # drive most of k to denormals, and the fp8 conversion's division takes
@@ -418,7 +418,7 @@ def timings(
         )
         insert = _insert_args(inputs, qkv, q, iq, bf16_index)
         rope_only = _op_args(inputs, qkv, q, iq)
-        layer, _, _ = harness._standin(code, ops.backend, inputs, "fp8")
+        layer, _, _ = standin._standin(code, ops.backend, inputs, "fp8")
         k0, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         ik0 = k0 + 2 * kv + s.num_idx_heads * s.idx_head_dim
         k, v = qkv[:, k0 : k0 + kv], qkv[:, k0 + kv : k0 + 2 * kv]

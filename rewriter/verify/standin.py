@@ -1,0 +1,482 @@
+"""The stand-in a layer's compiled methods run on: its tensors, collaborators and ops.
+
+:func:`_standin` builds the layer for one run: a class of the file's methods in a
+namespace where the file's imports are stand-ins - the fused op and the reshape op
+of a :class:`Backend` (the plain-PyTorch references of :mod:`rewriter.verify.refops`
+or vLLM's kernels), the forward context, linear layers answering seeded outputs of
+the width they are built with, tensor-parallel size 1, anything else a value that
+answers nothing. It sets what ``forward`` reads from :class:`Inputs` (projections,
+norms, rotary cache, caches, indexer, attention impl, quant scales), then runs
+``__init__`` statement by statement on MiniMax-M3's config in the stand-in's sizes.
+The collaborators record what reaches attention; :func:`_gap` tells a failure that
+is the stand-in's limit from the file's fault.
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import re
+import types
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from codemods import schema
+from codemods.schema import FUSED_OP, RESHAPE_OP
+
+from . import refops
+from .layercode import SIZES, LayerCode, Shape
+
+
+class StandInGap(Exception):
+    """What the file needs here is something the stand-in does not model: not the file's fault."""
+
+
+@dataclass
+class Backend:
+    """The two ops, with the fork's Python signatures (positional or keyword)."""
+
+    name: str
+    fused: Callable[..., None]
+    reshape_and_cache_flash: Callable[..., None]
+
+
+REFERENCE = Backend(
+    "reference", refops.fused_minimax_m3_qknorm_rope_kv_insert, refops.reshape_and_cache_flash
+)
+
+
+FUSED_SIGNATURE = inspect.signature(refops.fused_minimax_m3_qknorm_rope_kv_insert)
+
+
+class _Recorder:
+    """Collaborators of the layer: record what reaches attention, return shapes."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.qkv: torch.Tensor | None = None  # the buffer the fused op was handed
+        self.query: torch.Tensor | None = None
+        self.index_query: torch.Tensor | None = None
+        self.q_out: torch.Tensor | None = None
+        self.index_q_out: torch.Tensor | None = None
+
+    def fused(self, op: Callable[..., None]) -> Callable[..., None]:
+        """The op, noting the buffer it reads and the q / index_q buffers it writes."""
+
+        def call(*args: Any, **kwargs: Any) -> None:
+            try:
+                bound = FUSED_SIGNATURE.bind(*args, **kwargs).arguments
+            except TypeError as exc:
+                raise StandInGap(f"the call passes what the fork's 20-argument op does not take ({exc})") from exc
+            qkv = bound.get("qkv")
+            if isinstance(qkv, torch.Tensor) and qkv.shape[-1] != self.width:
+                raise StandInGap(
+                    f"the file's projections build a {qkv.shape[-1]}-wide buffer where the stand-in's "
+                    f"[q | k | v | index_q | index_k] is {self.width} wide: its projections are not modelled"
+                )
+            self.qkv = qkv if self.qkv is None else self.qkv
+            self.q_out = bound.get("q_out", self.q_out)
+            self.index_q_out = bound.get("index_q_out", self.index_q_out)
+            op(*args, **kwargs)
+
+        return call
+
+    def sink(self, *args: Any, **kwargs: Any) -> Any:
+        """A collaborator the file calls but does not define (attention, say)."""
+        return next((x for x in args if isinstance(x, torch.Tensor)), None)
+
+
+class _Indexer:
+    def __init__(self, rec: _Recorder, index_cache: Any) -> None:
+        self._rec = rec
+        self.index_cache = index_cache
+
+    def __call__(self, index_query: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self._rec.index_query = index_query.clone()
+
+    forward_with_cache = __call__  # the compiled path's attention op hands the cache over too
+
+
+class _Impl:
+    def __init__(self, rec: _Recorder) -> None:
+        self._rec = rec
+
+    def forward(self, layer: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self._rec.query = query.clone()
+        return next((x for x in reversed(args) if isinstance(x, torch.Tensor)), None)  # the output buffer
+
+
+class _Imported:
+    """A name the file imports and the stand-in does not model: called, it hands back the string it
+    is given (vLLM's layer-name helpers), else another such value; anything else it cannot answer."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args and isinstance(args[0], str):
+            return args[0]
+        return _Imported(f"{self._name}(...)")
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Imported(f"{self._name}.{attr}")
+
+    def __getitem__(self, key: Any) -> Any:
+        return _Imported(f"{self._name}[...]")
+
+    def __contains__(self, item: Any) -> bool:
+        return False
+
+    def __iter__(self) -> Any:
+        raise StandInGap(f"`{self._name}` is not modelled by the stand-in")
+
+    def __repr__(self) -> str:
+        return f"<stand-in for {self._name}>"
+
+
+class _Projection:
+    """A linear layer the file builds in __init__: ``(output, None)`` of the width it builds it
+    with (seeded by its name, so every run reads the same), or the whole fused buffer."""
+
+    def __init__(self, width: int | None) -> None:
+        self.width = width
+        self.full: torch.Tensor | None = None  # set by the stand-in: the whole [q|k|v|index_q|index_k]
+
+    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if self.width is None:
+            assert self.full is not None
+            return self.full.clone(), None
+        g = torch.Generator(device="cpu").manual_seed(self.seed)
+        out = (torch.randn(x.shape[0], self.width, generator=g) * 2.0).to(torch.bfloat16)
+        return out.to(x.device), None
+
+    seed = 0  # the stand-in seeds each by the attribute that holds it
+
+
+def _linear_width(name: str, args: tuple, kwargs: dict) -> int | None:
+    """The output width of vLLM's linear layers at tensor-parallel size 1, from their arguments."""
+
+    def arg(i: int, key: str, default: Any = None) -> Any:
+        return args[i] if len(args) > i else kwargs.get(key, default)
+
+    try:
+        if name == "QKVParallelLinear":
+            head, heads = int(arg(1, "head_size")), int(arg(2, "total_num_heads"))
+            kv = int(arg(3, "total_num_kv_heads") or heads)
+            return (heads + kv) * head + kv * int(kwargs.get("v_head_size") or head)
+        if name in ("ReplicatedLinear", "ColumnParallelLinear", "RowParallelLinear"):
+            return int(arg(1, "output_size"))
+        if name == "MergedColumnParallelLinear":
+            return sum(int(x) for x in arg(1, "output_sizes"))
+    except (TypeError, ValueError):
+        return None
+    return None
+
+
+class _LinearClass:
+    """An imported ``…Linear…`` class: building one gives a ``_Projection``."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Projection:
+        return _Projection(_linear_width(self._name, args, kwargs))
+
+
+# The stand-in runs as tensor-parallel rank 0 of 1.
+_TP = {"get_tensor_model_parallel_world_size": 1, "get_tensor_model_parallel_rank": 0}
+
+
+def _ops_namespace(backend: Backend) -> types.SimpleNamespace:
+    return types.SimpleNamespace(**{FUSED_OP: backend.fused, RESHAPE_OP: backend.reshape_and_cache_flash})
+
+
+class _Compiler(types.ModuleType):
+    """``torch.compiler`` / ``torch._dynamo`` answering ``is_compiling()`` for the run's path."""
+
+    def __init__(self, real: Any, compiling: bool) -> None:
+        super().__init__(real.__name__)
+        self._real = real
+        self.is_compiling = lambda: compiling
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class _TorchProxy(types.ModuleType):
+    """``torch`` with ``torch.ops._C.<fused>`` / ``torch.ops._C_cache_ops.<reshape>`` redirected;
+    ``torch.ops.vllm`` (where forks register custom ops) holds the fused op and the file's own ops;
+    ``torch.compiler.is_compiling()`` says which path the run takes."""
+
+    def __init__(self, backend: Backend, compiling: bool = False) -> None:
+        super().__init__("torch")
+        ns = _ops_namespace(backend)
+        self.ops = types.SimpleNamespace(_C=ns, _C_cache_ops=ns, vllm=types.SimpleNamespace(**{FUSED_OP: backend.fused}))
+        self._compiling = compiling
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("compiler", "_dynamo"):  # looked up only when the file asks (dynamo is heavy)
+            return _Compiler(getattr(torch, name), self._compiling)
+        return getattr(torch, name)
+
+
+@dataclass
+class Inputs:
+    """One set of random inputs; every run gets its own clones."""
+
+    shape: Shape
+    device: str
+    qkv: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    weights: dict[str, torch.Tensor]
+    main_slots: torch.Tensor
+    index_slots: torch.Tensor
+
+    @property
+    def valid_main(self) -> torch.Tensor:
+        return self.main_slots >= 0
+
+    @property
+    def valid_index(self) -> torch.Tensor:
+        return self.index_slots >= 0
+
+    @classmethod
+    def random(cls, shape: Shape, device: str = "cpu", seed: int = 0) -> Inputs:
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        slots_total = shape.num_blocks * shape.block_size
+        if shape.tokens >= slots_total:
+            raise ValueError("more tokens than cache slots")
+
+        def slots() -> torch.Tensor:
+            # Never the last slot, where a padded token's write would land
+            # (index -1); padded tokens at the end of the batch, as vLLM pads.
+            chosen = torch.randperm(slots_total - 1, generator=g)[: shape.tokens]
+            chosen[shape.tokens - shape.padded :] = -1
+            return chosen.to(device)
+
+        def rand(*size: int, scale: float = 1.0) -> torch.Tensor:
+            return (torch.randn(*size, generator=g) * scale).to(torch.bfloat16).to(device)
+
+        inv = 1.0 / (10000 ** (torch.arange(0, shape.rotary_dim, 2).float() / shape.rotary_dim))
+        freqs = torch.arange(shape.max_position).float()[:, None] * inv[None, :]
+        cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(torch.bfloat16).to(device)
+        return cls(
+            shape=shape,
+            device=device,
+            qkv=rand(shape.tokens, shape.width, scale=2.0),
+            positions=torch.randint(0, shape.max_position, (shape.tokens,), generator=g).to(device),
+            cos_sin_cache=cos_sin,
+            weights={
+                name: rand(dim, scale=0.1)
+                for name, dim in (
+                    ("q_norm", shape.head_dim),
+                    ("k_norm", shape.head_dim),
+                    ("index_q_norm", shape.idx_head_dim),
+                    ("index_k_norm", shape.idx_head_dim),
+                )
+            },
+            main_slots=slots(),
+            index_slots=slots(),
+        )
+
+
+MODES = {"bf16": ("auto", torch.bfloat16), "fp8": ("fp8", torch.uint8)}
+COMPILED = " compiled"  # a mode's suffix: the run takes the torch.compile path (is_compiling() is True)
+LAYER_NAME = "model.layers.3.self_attn.attn"
+INDEX_PREFIX = "model.layers.3.self_attn.attn.indexer.k_cache"
+
+
+def _config(s: Shape) -> types.SimpleNamespace:
+    """MiniMax-M3's config, in the stand-in's sizes (what ``__init__`` reads them from)."""
+    return types.SimpleNamespace(
+        hidden_size=s.hidden_size,
+        num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        rms_norm_eps=s.eps,
+        max_position_embeddings=s.max_position,
+        rope_theta=10000.0,
+        partial_rotary_factor=s.rotary_dim / s.head_dim,
+        sparse_attention_config={
+            "sparse_num_index_heads": s.num_idx_heads,
+            "sparse_index_dim": s.idx_head_dim,
+            "sparse_topk_blocks": 4,
+            "sparse_block_size": s.block_size,
+        },
+    )
+
+
+def _pinned_setattr(self: Any, name: str, value: Any) -> None:
+    if name not in type(self).pinned:
+        object.__setattr__(self, name, value)
+
+
+def _standin(
+    code: LayerCode, backend: Backend, inputs: Inputs, mode: str
+) -> tuple[Any, _Recorder, dict]:
+    s, dev = inputs.shape, inputs.device
+    compiling = mode.endswith(COMPILED)
+    cache_dtype_name, cache_dtype = MODES[mode.removesuffix(COMPILED)]
+    rec = _Recorder(s.width)
+    qkv = inputs.qkv.clone()
+    kv_cache = torch.zeros(
+        s.num_blocks, 2, s.block_size, s.num_kv_heads, s.head_dim, dtype=cache_dtype, device=dev
+    )
+    index_cache = torch.zeros(s.num_blocks, s.block_size, s.idx_head_dim, dtype=torch.bfloat16, device=dev)
+    meta = types.SimpleNamespace
+    ctx = meta(
+        slot_mapping={LAYER_NAME: inputs.main_slots, INDEX_PREFIX: inputs.index_slots},
+        attn_metadata={
+            LAYER_NAME: meta(slot_mapping=inputs.main_slots),
+            INDEX_PREFIX: meta(slot_mapping=inputs.index_slots),
+        },
+        no_compile_layers={},
+    )
+    backend = Backend(backend.name, rec.fused(backend.fused), backend.reshape_and_cache_flash)
+    torch_proxy = _TorchProxy(backend, compiling)
+    namespace: dict[str, Any] = {"__builtins__": builtins, "__name__": f"mm3_standin_{code.class_name}"}
+    for name in code.module_names:
+        namespace[name] = _Imported(name)
+    for name, origin in code.imported.items():
+        if origin.endswith("." + FUSED_OP):
+            namespace[name] = backend.fused
+        elif origin.endswith("." + RESHAPE_OP):
+            namespace[name] = backend.reshape_and_cache_flash
+        elif name == "get_forward_context":
+            namespace[name] = lambda: ctx
+        elif name.endswith("Metadata"):
+            namespace[name] = meta  # the isinstance() asserts of attn_metadata readers
+        elif name in _TP:
+            namespace[name] = (lambda value: lambda *a, **k: value)(_TP[name])
+        elif "Linear" in name:
+            namespace[name] = _LinearClass(name)
+        else:
+            namespace[name] = _Imported(name)
+    namespace["torch"] = torch_proxy
+    for alias in code.ops_aliases:
+        namespace[alias] = _ops_namespace(backend)
+    for fn_code in code.functions.values():
+        exec(fn_code, namespace)  # the module's own helpers and wrappers, as the file defines them
+    for op_name, fn_name in code.custom_ops.items():  # torch.ops.vllm.<op>: the file's own body runs
+        setattr(torch_proxy.ops.vllm, op_name, namespace[fn_name])
+    attrs: dict[str, Any] = {"pinned": frozenset(), "__setattr__": _pinned_setattr}
+    for name, fn_code in code.methods.items():
+        exec(fn_code, namespace)  # defines the function under its own name
+        fn = namespace.pop(name)
+        for deco in code.decorators[name]:
+            fn = getattr(builtins, deco)(fn)
+        attrs[name] = fn
+    cls = type(f"{code.class_name}StandIn", (), attrs)
+    namespace[code.class_name] = cls  # `isinstance(layer, <the class>)` in the file's own ops
+    layer = cls()
+    ctx.no_compile_layers[LAYER_NAME] = layer
+    weights = inputs.weights
+    norm = types.SimpleNamespace
+    full = _Projection(None)
+    full.full = qkv
+    values: dict[str, Any] = {
+        "hidden_size": s.hidden_size,
+        "scaling": s.head_dim**-0.5,
+        "layer_name": LAYER_NAME,
+        "kv_cache_dtype": cache_dtype_name,
+        "kv_cache_torch_dtype": cache_dtype,
+        "q_norm": norm(weight=weights["q_norm"], variance_epsilon=s.eps),
+        "k_norm": norm(weight=weights["k_norm"], variance_epsilon=s.eps),
+        "index_q_norm": norm(weight=weights["index_q_norm"], variance_epsilon=s.eps),
+        "index_k_norm": norm(weight=weights["index_k_norm"], variance_epsilon=s.eps),
+        "rotary_emb": norm(cos_sin_cache=inputs.cos_sin_cache, rotary_dim=s.rotary_dim, head_size=s.head_dim),
+        "kv_cache": kv_cache,
+        "indexer": _Indexer(rec, norm(prefix=INDEX_PREFIX, kv_cache=index_cache, dtype=index_cache.dtype)),
+        "impl": _Impl(rec),
+        "o_proj": lambda x: (x, None),
+    }
+    # What vLLM's set_default_quant_scales(layer) gives a layer in __init__ (a call
+    # the stand-in does not run): identity scales, on the device and on the host.
+    for scale in ("_q_scale", "_k_scale", "_v_scale", "_prob_scale"):
+        values[scale] = torch.ones((), dtype=torch.float32, device=dev)
+        values[f"{scale}_float"] = 1.0
+    for name, value in values.items():
+        setattr(layer, name, value)
+    value_of = {
+        "q_norm_weight": weights["q_norm"],
+        "k_norm_weight": weights["k_norm"],
+        "cos_sin_cache": inputs.cos_sin_cache,
+        "eps": s.eps,
+        "index_q_norm_weight": weights["index_q_norm"],
+        "index_k_norm_weight": weights["index_k_norm"],
+        "kv_cache": kv_cache,
+        "index_cache": index_cache,
+        **{size: getattr(s, size) for size in SIZES},
+    }
+    for chain, what in code.bindings.items():
+        owner = layer
+        for part in chain[:-1]:
+            if not hasattr(owner, part):
+                setattr(owner, part, types.SimpleNamespace())
+            owner = getattr(owner, part)
+        setattr(owner, chain[-1], value_of[what[0]])  # a tie's first size: its value (LayerCode.fit)
+        values.setdefault(chain[0], None)
+    # __init__ itself, statement by statement, on the stand-in's sizes (tensor-parallel size 1);
+    # what the stand-in set above stays, and a statement that raises is skipped.
+    cls.pinned = frozenset(values)
+    local = code.init.params | {
+        "self": layer,
+        "config": _config(s),
+        "prefix": LAYER_NAME.removesuffix(".attn"),
+        "quant_config": None,
+        "cache_config": types.SimpleNamespace(cache_dtype=cache_dtype_name, block_size=s.block_size),
+    }
+    for statement in code.init.statements:
+        try:
+            with torch.device(dev):  # vLLM builds its layers on the target device
+                exec(statement, namespace, local)
+        except Exception:  # builds something the stand-in does not model
+            continue
+    cls.pinned = frozenset()
+    if not isinstance(getattr(layer, "qkv_proj", None), _Projection):
+        layer.qkv_proj = full  # one fused projection: the whole buffer
+    for name, value in vars(layer).items():
+        if isinstance(value, _Projection):
+            value.full, value.seed = qkv, zlib.crc32(name.encode())
+    for name in code.called_attrs - set(code.methods):
+        if not hasattr(layer, name):
+            setattr(layer, name, rec.sink)
+    return layer, rec, {"kv_cache": kv_cache, "index_cache": index_cache}
+
+
+# The bypass's own attributes: a missing one is the file's bug, never the stand-in's.
+_BYPASS_ATTRS = (schema.FP8_FLAG, schema.FP8_SCALE)
+
+
+def _made_here(value: Any) -> bool:
+    """A value the stand-in made up for something it does not model."""
+    return isinstance(value, _Imported) or getattr(value, "__func__", None) is _Recorder.sink
+
+
+def _gap(exc: BaseException, layer: Any, frame: types.FrameType | None) -> str | None:
+    """Why ``exc`` is the stand-in's limit rather than the file's fault, if it is."""
+    if isinstance(exc, StandInGap):
+        return str(exc)
+    if isinstance(exc, AttributeError) and exc.obj is layer and exc.name not in _BYPASS_ATTRS:
+        return f"the stand-in lacks `self.{exc.name}` (set by __init__ code it does not run)"
+    if frame is None:
+        return None
+    # The failing line reads a name or `self.` attribute the stand-in made up.
+    line = inspect.getframeinfo(frame).code_context or [""]
+    here = frame.f_locals
+    for name in set(re.findall(r"\bself\.(\w+)", line[0])):
+        owner = here.get("self")
+        if owner is not None and _made_here(owner.__dict__.get(name)):
+            return f"`self.{name}` is not modelled by the stand-in"
+    for name in set(re.findall(r"\b(\w+)\b", line[0])):
+        value = here.get(name, frame.f_globals.get(name))
+        if _made_here(value):
+            return f"`{name}` is not modelled by the stand-in"
+    return None
