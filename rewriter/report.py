@@ -58,16 +58,21 @@ def to_json(report: Report) -> dict[str, object]:
         report.exit_code,
         report.error,
         report.note,
-        [f.to_json() | _target_fields(report, t) for t, f in zip(report.targets, report.files)],
+        [f.to_json() | _target_fields(report, t, f) for t, f in zip(report.targets, report.files)],
         {status.value: report.count(status) for status in FileStatus},
     )
 
 
-def _target_fields(report: Report, target: Target) -> dict[str, object]:
+def _target_fields(report: Report, target: Target, result: FileResult) -> dict[str, object]:
     fields: dict[str, object] = {"origin": target.origin}
     if report.command == "survey":
-        fields["vllm_version"] = target.vllm_version or "unknown"
+        fields["vllm_version"] = shown_version(target, result)
     return fields
+
+
+def shown_version(target: Target, result: FileResult) -> str | None:
+    """survey's vLLM version of a target: None where there is no vLLM at all."""
+    return None if result.status is FileStatus.NO_VLLM else target.vllm_version or "unknown"
 
 
 def print_json(report: Report) -> None:
@@ -119,7 +124,7 @@ def print_human(report: Report, err: Console, show_all: bool = False) -> None:
                 err.print(line, soft_wrap=True)
                 say(err, f"    {site.reason}")
     for result in report.files:
-        if result.error:
+        if result.error and result.failed:
             say(err, f"error: {result.path}: {result.error}", style="red")
         if result.backup:
             say(err, f"backup: {result.backup}")
@@ -203,8 +208,9 @@ def summary_line(report: Report) -> str:
         FileStatus.REFUSED: "refused",
         FileStatus.ERROR: "failed",
     }
-    counts = [(report.count(status), word) for status, word in words.items()]
-    parts = [f"{n} file{'s' if n != 1 else ''} {word}" for n, word in counts if n]
+    counts = [(report.count(status), "file", word) for status, word in words.items()]
+    counts.append((report.count(FileStatus.NO_VLLM), "environment", "without vLLM"))
+    parts = [f"{n} {noun}{'s' if n != 1 else ''} {word}" for n, noun, word in counts if n]
     if not parts:
         return "no files"
     if all(f.status is FileStatus.NO_SITES for f in report.files):
@@ -284,10 +290,10 @@ def survey_rows(report: Report, show_all: bool = False) -> list[tuple[str, list[
     """Each file listed, with one row per insert site; a file without one shows why
     (its not-a-site calls, or its status)."""
     files = []
-    for index, result in enumerate(report.files):
+    for target, result in zip(report.targets, report.files):
         if result.status is FileStatus.NO_SITES and not result.sites and not show_all:
             continue
-        version = report.targets[index].vllm_version or "unknown"
+        version = shown_version(target, result) or "-"
         rows: list[Row] = []
         if result.status is FileStatus.ERROR or not result.sites:
             state = Text(result.status.value, style="red" if result.failed else "dim")

@@ -128,15 +128,19 @@ else:
 
 
 class VllmNotInstalled(TargetError):
-    """The interpreter asked has no vLLM."""
+    """The interpreter asked has no vLLM, or none its import system can locate; ``reason`` says which."""
+
+    def __init__(self, who: str, reason: str) -> None:
+        super().__init__(f"{who}: {reason}")
+        self.reason = reason
 
 
 def _vllm_from_report(report: dict[str, object], who: str) -> Path:
     if "error" in report:
-        raise TargetError(f"{who}: cannot look up vllm: {report['error']}")
+        raise VllmNotInstalled(who, f"cannot look up vllm: {report['error']}")
     locations = report.get("locations") or []
     if not locations:
-        raise VllmNotInstalled(f"{who}: vLLM is not installed in this environment")
+        raise VllmNotInstalled(who, "vLLM is not installed in this environment")
     return Path(str(locations[0]))  # type: ignore[index]
 
 
@@ -304,9 +308,11 @@ def resolve(
     pythons: Sequence[str] = (),
     vllm_roots: Sequence[Path] = (),
     example: bool = False,
+    no_vllm: dict[str, str] | None = None,
 ) -> list[Target]:
     """All files to process, each file once (the first name it is given by), in a stable order;
-    with nothing given, ``default_targets``."""
+    with nothing given, ``default_targets``. Given ``no_vllm``, an interpreter without a vLLM
+    is put there (interpreter -> why) rather than being an error."""
     targets: list[Target] = []
     for path in paths:
         if path.is_dir():
@@ -324,7 +330,13 @@ def resolve(
         version = dist_version_beside(folder.parents[len(NVIDIA_PARTS) - 1])
         targets += [Target(f, f"--vllm-root {root}", version, root) for f in python_files(folder)]
     for python in pythons:
-        package, version = vllm_install_of_interpreter(python)
+        try:
+            package, version = vllm_install_of_interpreter(python)
+        except VllmNotInstalled as exc:
+            if no_vllm is None:
+                raise
+            no_vllm[python] = exc.reason
+            continue
         folder = nvidia_dir(package, f"vLLM of {python}")
         targets += [Target(f, f"--python {python}", version, package.parent) for f in python_files(folder)]
     if example:

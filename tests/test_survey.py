@@ -295,3 +295,45 @@ def test_readable_at_every_width(tmp_path: Path, wheel_sites: dict[str, Path], w
     assert lines[1].split() == ["vLLM", "site", "state", "why"]
     for version in VERSIONS:
         assert re.search(rf"^{re.escape(version)} +MiniMaxM3SparseAttention\.", table, re.M), version
+
+
+def interpreter(path: Path, body: str) -> str:
+    """An executable script standing in for another environment's python."""
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_an_environment_without_vllm_is_a_row_not_an_abort(tmp_path: Path) -> None:
+    """Several --python: one without vLLM, one whose vLLM cannot be looked up, one with a fork's:
+    the first two are no-vllm rows (nothing to do there), the third is surveyed as ever."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this interpreter has a real vLLM installed")
+    fork, empty = tmp_path / "fork", tmp_path / "empty"
+    model = (FIXTURES / "fork_era" / "model.py").read_bytes()
+    make_vllm_tree(fork, {"model.py": model}, POISON.format("vllm"))
+    empty.mkdir()
+    with_vllm = interpreter(tmp_path / "with-vllm", f'PYTHONPATH={fork} exec {sys.executable} "$@"')
+    without = interpreter(tmp_path / "without", f'PYTHONPATH={empty} exec {sys.executable} "$@"')
+    broken = interpreter(tmp_path / "broken", """echo '{"error": "ValueError: vllm.__spec__ is None"}'""")
+    args = ["--python", without, "--python", with_vllm, "--python", broken]
+    proc = cli("survey", "--json", *args)
+    assert proc.returncode == 1, proc.stderr  # the fork's needs-bypass, as if the others were not named
+    report = json.loads(proc.stdout)
+    files = by_file(report)
+    assert insert_states(files[str(fork / PREFIX / "model.py")]) == ["needs-bypass"]
+    assert files[without]["status"] == files[broken]["status"] == "no-vllm"
+    assert files[without]["origin"] == f"--python {without}" and files[without]["vllm_version"] is None
+    assert files[without]["error"] == "vLLM is not installed in this environment"
+    assert files[broken]["error"] == "cannot look up vllm: ValueError: vllm.__spec__ is None"
+    assert report["summary"]["no-vllm"] == 2 and report["exit_code"] == 1
+    rows = {r["file"]: r for r in table_rows(cli("survey", *args, env={"COLUMNS": "200"}).stderr)}
+    assert (rows[without]["vLLM"], rows[without]["state"]) == ("-", "no-vllm")
+    assert rows[broken]["why"].startswith("cannot look up vllm")
+    alone = cli("survey", "--python", without)
+    assert alone.returncode == 0, alone.stderr  # nothing to rewrite there, as no-sites
+    assert "1 environment without vLLM." in alone.stderr and "error" not in alone.stderr
+    # check has no such row: its targets are files, and one it cannot find is an error.
+    assert cli("check", *args).returncode == 2
