@@ -170,7 +170,9 @@ def _targets(
     no_vllm: dict[str, str] | None = None,
 ) -> tuple[list[Target], Report | None]:
     try:
-        return resolve(paths, pythons, roots, example=example, no_vllm=no_vllm), None
+        # survey alone shows versions: the others do not ask git for one
+        versions = command == "survey"
+        return resolve(paths, pythons, roots, example, no_vllm, versions), None
     except TargetError as exc:
         return [], Report(command, [], error=str(exc))
 
