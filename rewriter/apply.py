@@ -45,6 +45,7 @@ class FileStatus(str, enum.Enum):
     REWRITTEN = "rewritten"
     REFUSED = "refused"  # unsupported structure or a site that must not be rewritten
     ERROR = "error"  # unreadable, not Python, failed validation, write failed
+    NO_VLLM = "no-vllm"  # survey: a --python environment without vLLM (the path is the interpreter)
 
 
 class FileError(Exception):

@@ -162,10 +162,17 @@ def stderr(wide: bool = False) -> Console:
 
 
 def _targets(
-    command: str, paths: list[Path], pythons: list[str], roots: list[Path], example: bool = False
+    command: str,
+    paths: list[Path],
+    pythons: list[str],
+    roots: list[Path],
+    example: bool = False,
+    no_vllm: dict[str, str] | None = None,
 ) -> tuple[list[Target], Report | None]:
     try:
-        return resolve(paths, pythons, roots, example=example), None
+        # survey alone shows versions: the others do not ask git for one
+        versions = command == "survey"
+        return resolve(paths, pythons, roots, example, no_vllm, versions), None
     except TargetError as exc:
         return [], Report(command, [], error=str(exc))
 
@@ -269,11 +276,13 @@ PROGRESS_MIN_TARGETS = 8
 def survey(o: SimpleNamespace) -> int:
     """One table of every target: vLLM version, file, each site's state, what run would do and why.
 
-    Exit codes as check: 0 nothing to do, 1 a rewrite is needed, 2 a target could not be handled.
+    Exit codes as check: 0 nothing to do, 1 a rewrite is needed, 2 a target could not be handled;
+    an environment without vLLM is a row of its own (no-vllm), nothing to do there.
     """
     from rewriter.survey import survey_targets
 
-    targets, failed = _targets("survey", o.paths, o.pythons, o.roots)
+    no_vllm: dict[str, str] = {}  # an environment without vLLM is a row, not an error
+    targets, failed = _targets("survey", o.paths, o.pythons, o.roots, no_vllm=no_vllm)
     err = stderr(wide=True)
     if failed:
         report = failed
@@ -284,10 +293,10 @@ def survey(o: SimpleNamespace) -> int:
         with Progress(console=err, transient=True, auto_refresh=False) as progress:
             task = progress.add_task("surveying", total=len(targets))
             report = survey_targets(
-                targets, o.jobs, advance=lambda: progress.update(task, advance=1, refresh=True)
+                targets, o.jobs, lambda: progress.update(task, advance=1, refresh=True), no_vllm
             )
     else:
-        report = survey_targets(targets, o.jobs)
+        report = survey_targets(targets, o.jobs, no_vllm=no_vllm)
     return _finish(report, o, err)
 
 

@@ -6,7 +6,7 @@ import json
 import os
 import re
 import shlex
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from rich import box
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
@@ -58,16 +58,21 @@ def to_json(report: Report) -> dict[str, object]:
         report.exit_code,
         report.error,
         report.note,
-        [f.to_json() | _target_fields(report, t) for t, f in zip(report.targets, report.files)],
+        [f.to_json() | _target_fields(report, t, f) for t, f in zip(report.targets, report.files)],
         {status.value: report.count(status) for status in FileStatus},
     )
 
 
-def _target_fields(report: Report, target: Target) -> dict[str, object]:
+def _target_fields(report: Report, target: Target, result: FileResult) -> dict[str, object]:
     fields: dict[str, object] = {"origin": target.origin}
     if report.command == "survey":
-        fields["vllm_version"] = target.vllm_version or "unknown"
+        fields["vllm_version"] = shown_version(target, result)
     return fields
+
+
+def shown_version(target: Target, result: FileResult) -> str | None:
+    """survey's vLLM version of a target: None where there is no vLLM at all."""
+    return None if result.status is FileStatus.NO_VLLM else target.vllm_version or "unknown"
 
 
 def print_json(report: Report) -> None:
@@ -119,7 +124,7 @@ def print_human(report: Report, err: Console, show_all: bool = False) -> None:
                 err.print(line, soft_wrap=True)
                 say(err, f"    {site.reason}")
     for result in report.files:
-        if result.error:
+        if result.error and result.failed:
             say(err, f"error: {result.path}: {result.error}", style="red")
         if result.backup:
             say(err, f"backup: {result.backup}")
@@ -203,8 +208,9 @@ def summary_line(report: Report) -> str:
         FileStatus.REFUSED: "refused",
         FileStatus.ERROR: "failed",
     }
-    counts = [(report.count(status), word) for status, word in words.items()]
-    parts = [f"{n} file{'s' if n != 1 else ''} {word}" for n, word in counts if n]
+    counts = [(report.count(status), "file", word) for status, word in words.items()]
+    counts.append((report.count(FileStatus.NO_VLLM), "environment", "without vLLM"))
+    parts = [f"{n} {noun}{'s' if n != 1 else ''} {word}" for n, noun, word in counts if n]
     if not parts:
         return "no files"
     if all(f.status is FileStatus.NO_SITES for f in report.files):
@@ -258,7 +264,7 @@ def brief_reason(site: InsertSite) -> str:
 # survey's columns, under a line naming each file; "state" also says what run would do.
 # No vertical rules: 80 columns are few.
 _COLUMNS = ("vLLM", "site", "state", "why")
-_GAP = 2
+COLUMN_GAP = 2
 _WHY_MIN = 12  # narrower, the reason becomes a word per line
 _CUT_MIN = 8  # where even whole names do not fit: cut, but keep this much of the column
 
@@ -278,16 +284,18 @@ def _fit(minimum: list[int], maximum: list[int], available: int) -> list[int]:
 
 
 Row = tuple[str, Folded, Text, str]
+# A file in a table of files: the lines that name it, then its rows.
+Section = tuple[list[RenderableType], list[tuple[RenderableType, ...]]]
 
 
 def survey_rows(report: Report, show_all: bool = False) -> list[tuple[str, list[Row]]]:
     """Each file listed, with one row per insert site; a file without one shows why
     (its not-a-site calls, or its status)."""
     files = []
-    for index, result in enumerate(report.files):
+    for target, result in zip(report.targets, report.files):
         if result.status is FileStatus.NO_SITES and not result.sites and not show_all:
             continue
-        version = report.targets[index].vllm_version or "unknown"
+        version = shown_version(target, result) or "-"
         rows: list[Row] = []
         if result.status is FileStatus.ERROR or not result.sites:
             state = Text(result.status.value, style="red" if result.failed else "dim")
@@ -315,7 +323,23 @@ def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
             widest = [len(version), len(site.text), state_width, len(why)]
             minimum = [max(a, b) for a, b in zip(minimum, narrowest)]
             maximum = [max(a, b) for a, b in zip(maximum, widest)]
-    widths = _fit(minimum, maximum, width - _GAP * (len(_COLUMNS) - 1))
+    widths = _fit(minimum, maximum, width - COLUMN_GAP * (len(_COLUMNS) - 1))
+    sections: list[Section] = [
+        (
+            [Folded(path, "/", style="bold")],
+            [(Text(version), site, state, Folded(why, " =.")) for version, site, state, why in rows],
+        )
+        for path, rows in files
+    ]
+    return file_sections("mm3-codemod survey", _COLUMNS, widths, sections)
+
+
+def file_sections(
+    title: str, headers: Sequence[str], widths: Sequence[int], sections: list[Section]
+) -> Group:
+    """``title``, the column headers, then each file: the lines that name it (its path on a line
+    of its own, never in a column that would cut it), and its rows in columns of ``widths``
+    throughout (survey's table and verify's). No vertical rules: 80 columns are few."""
 
     def columns(header: bool) -> Table:
         table = Table(
@@ -324,17 +348,17 @@ def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
             header_style="bold",
             show_edge=False,
             pad_edge=False,
-            padding=(0, _GAP - 1, 0, 0),
+            padding=(0, COLUMN_GAP - 1, 0, 0),
         )
-        for name, column_width in zip(_COLUMNS, widths):
+        for name, column_width in zip(headers, widths):
             table.add_column(name, width=column_width, overflow="fold")
         return table
 
-    parts: list[RenderableType] = [Text("mm3-codemod survey", style="bold"), columns(header=True)]
-    for path, rows in files:
-        parts.append(Folded(path, "/", style="bold"))
+    parts: list[RenderableType] = [Text(title, style="bold"), columns(header=True)]
+    for head, rows in sections:
+        parts += head
         table = columns(header=False)
-        for version, site, state, why in rows:
-            table.add_row(Text(version), site, state, Folded(why, " =."))
+        for row in rows:
+            table.add_row(*row)
         parts.append(table)
     return Group(*parts)

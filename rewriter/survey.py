@@ -9,10 +9,10 @@ import multiprocessing
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from rewriter.apply import FileResult, plan_file
+from rewriter.apply import FileResult, FileStatus, plan_file
 from rewriter.commands import Report
 from rewriter.targets import Target
 
@@ -37,9 +37,11 @@ def survey_targets(
     targets: list[Target],
     jobs: int | None = None,
     advance: Callable[[], None] | None = None,
+    no_vllm: Mapping[str, str] | None = None,
 ) -> Report:
-    """Plan every target (nothing is written); ``advance`` is called after each file."""
-    jobs = max(1, min(jobs or default_jobs(), len(targets)))
+    """Plan every target (nothing is written); ``advance`` is called after each file. Each
+    interpreter in ``no_vllm`` (-> why) is one more entry, ``no-vllm``, named by its path."""
+    jobs = max(1, min(jobs or default_jobs(), len(targets) or 1))
     paths = [t.path for t in targets]
     tick = advance or (lambda: None)
     files: list[FileResult] = []
@@ -57,6 +59,9 @@ def survey_targets(
             for result in pool.imap(survey_file, paths, chunksize):
                 files.append(result)
                 tick()
+    for python, why in (no_vllm or {}).items():
+        targets = [*targets, Target(Path(python), f"--python {python}")]
+        files.append(FileResult(Path(python), FileStatus.NO_VLLM, error=why))
     return Report("survey", targets, files)
 
 

@@ -57,6 +57,69 @@ def dist_version_beside(package: Path) -> str | None:
     return versions.pop() if len(versions) == 1 else None
 
 
+def tree_version(package: Path, thorough: bool) -> str | None:
+    """The version of the vLLM whose package folder is ``package``: the metadata beside it; with
+    ``thorough`` (survey shows versions, the other commands need not pay for them), else the
+    tree's version file, else ``git describe --tags`` of the checkout it is the top of."""
+    version = dist_version_beside(package)
+    if thorough:
+        version = version or version_in_file(package) or git_describe(package.parent)
+    return version
+
+
+# Where a vLLM tree says its version: setuptools-scm writes _version.py (`__version__ = version
+# = '0.9.1.dev3+g…'`); older trees kept a literal `__version__ = "0.6.1"` in version.py.
+VERSION_FILES = ("_version.py", "version.py")
+VERSION_NAMES = ("__version__", "version")
+
+
+def version_in_file(package: Path) -> str | None:
+    """The string a top-level ``__version__`` / ``version`` is set to in the package's version
+    file (read, never imported); None where no such file sets one."""
+    import ast
+
+    for name in VERSION_FILES:
+        try:
+            module = ast.parse((package / name).read_bytes())
+        except (OSError, SyntaxError, ValueError, RecursionError):
+            continue
+        for node in module.body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Constant):
+                names = node.targets if isinstance(node, ast.Assign) else [node.target]
+                value = node.value.value
+                if any(isinstance(n, ast.Name) and n.id in VERSION_NAMES for n in names):
+                    if isinstance(value, str) and value.strip():
+                        return value.strip()
+    return None
+
+
+# How long `git describe` may take before the version is "unknown".
+GIT_TIMEOUT = 10.0
+
+
+def git_describe(checkout: Path) -> str | None:
+    """``git describe --tags`` of a git checkout whose top is ``checkout`` (not a site-packages
+    somewhere inside another repository), a leading ``v`` dropped (``v0.9.1-3-gabc`` is
+    ``0.9.1-3-gabc``); None where git is missing, fails, has no tag to tell or takes too long."""
+    if not (checkout / ".git").exists():  # a folder, or a file in a worktree
+        return None
+    try:
+        proc = subprocess.run(
+            ["git", "-C", str(checkout), "describe", "--tags"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=GIT_TIMEOUT,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    described = proc.stdout.strip()
+    if proc.returncode != 0 or not described or len(described.split()) != 1:
+        return None
+    return described[1:] if described[:1] == "v" and described[1:2].isdigit() else described
+
+
 def _metadata_headers(path: Path) -> dict[str, str]:
     """``Name:`` / ``Version:`` of a core-metadata file (the header block only)."""
     headers: dict[str, str] = {}
@@ -128,15 +191,19 @@ else:
 
 
 class VllmNotInstalled(TargetError):
-    """The interpreter asked has no vLLM."""
+    """The interpreter asked has no vLLM, or none its import system can locate; ``reason`` says which."""
+
+    def __init__(self, who: str, reason: str) -> None:
+        super().__init__(f"{who}: {reason}")
+        self.reason = reason
 
 
 def _vllm_from_report(report: dict[str, object], who: str) -> Path:
     if "error" in report:
-        raise TargetError(f"{who}: cannot look up vllm: {report['error']}")
+        raise VllmNotInstalled(who, f"cannot look up vllm: {report['error']}")
     locations = report.get("locations") or []
     if not locations:
-        raise VllmNotInstalled(f"{who}: vLLM is not installed in this environment")
+        raise VllmNotInstalled(who, "vLLM is not installed in this environment")
     return Path(str(locations[0]))  # type: ignore[index]
 
 
@@ -218,9 +285,10 @@ def shown_path(path: Path) -> str:
     return str(absolute)
 
 
-def default_targets() -> list[Target]:
+def default_targets(versions: bool = False) -> list[Target]:
     """No target named: the vLLM source tree the working folder is in, else this
-    interpreter's vLLM; both, when they are different trees, is a question for the user."""
+    interpreter's vLLM; both, when they are different trees, is a question for the user.
+    ``versions``: tell a source tree's version as ``tree_version``'s thorough look does."""
     tree = source_tree_around(Path.cwd())
     try:
         package: Path | None = vllm_of_current_interpreter()
@@ -237,7 +305,7 @@ def default_targets() -> list[Target]:
             )
     if tree is not None:
         folder = tree.joinpath("vllm", *NVIDIA_PARTS)
-        version = dist_version_beside(tree / "vllm")
+        version = tree_version(tree / "vllm", versions)
         return [Target(f, f"source tree {tree}", version, tree) for f in python_files(folder)]
     if package is None:
         raise TargetError(
@@ -304,9 +372,13 @@ def resolve(
     pythons: Sequence[str] = (),
     vllm_roots: Sequence[Path] = (),
     example: bool = False,
+    no_vllm: dict[str, str] | None = None,
+    versions: bool = False,
 ) -> list[Target]:
     """All files to process, each file once (the first name it is given by), in a stable order;
-    with nothing given, ``default_targets``."""
+    with nothing given, ``default_targets``. Given ``no_vllm``, an interpreter without a vLLM
+    is put there (interpreter -> why) rather than being an error. ``versions``: a source tree's
+    version from its version file or git too (``tree_version``)."""
     targets: list[Target] = []
     for path in paths:
         if path.is_dir():
@@ -321,16 +393,22 @@ def resolve(
             raise TargetError(f"{path}: no such file or directory")
     for root in vllm_roots:
         folder = nvidia_dir(root, "--vllm-root")
-        version = dist_version_beside(folder.parents[len(NVIDIA_PARTS) - 1])
+        version = tree_version(folder.parents[len(NVIDIA_PARTS) - 1], versions)
         targets += [Target(f, f"--vllm-root {root}", version, root) for f in python_files(folder)]
     for python in pythons:
-        package, version = vllm_install_of_interpreter(python)
+        try:
+            package, version = vllm_install_of_interpreter(python)
+        except VllmNotInstalled as exc:
+            if no_vllm is None:
+                raise
+            no_vllm[python] = exc.reason
+            continue
         folder = nvidia_dir(package, f"vLLM of {python}")
         targets += [Target(f, f"--python {python}", version, package.parent) for f in python_files(folder)]
     if example:
         targets.append(Target(example_path(), "--example", root=example_path().parent))
     if not (paths or pythons or vllm_roots or example):
-        targets += default_targets()
+        targets += default_targets(versions)
     unique: dict[object, Target] = {}
     for target in targets:
         unique.setdefault(_same_file_key(target.path), target)

@@ -92,6 +92,61 @@ def test_cli_verify_example_fails_with_the_crash_and_exit_1() -> None:
     assert "kv_cache dtype must match qkv" in proc.stderr  # the human table says it too
 
 
+def test_the_table_reads_at_100_columns_without_cutting_a_path_or_a_word(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each path on a line of its own, whole; reasons wrap between words, never inside one
+    (a long import path, the op's name); every line fits; -v still shows every check."""
+    import io
+
+    from rich.console import Console
+
+    from rewriter.verify import FileVerification, LevelResult, VerifyReport
+    from rewriter.verify.table import verify_table
+
+    monkeypatch.chdir(tmp_path)
+    nvidia = "vllm/models/minimax_m3/nvidia/model.py"
+    fork = Path(f"forks/minimax-m3-fp8-kv-cache-bypass-rebased/{nvidia}")  # shown relative
+    site = Path(f"/opt/envs/vllm-0.34.0/lib/python3.12/site-packages/{nvidia}")  # shown absolute
+    op = "fused_minimax_m3_qknorm_rope_kv_insert"
+    reasons = {
+        "import": f"cannot import name '{op}' from 'vllm._custom_ops' "
+        "(/opt/envs/vllm-0.34.0/lib/python3.12/site-packages/vllm/_custom_ops.py)",
+        "semantic": "MiniMaxM3SparseAttention: fp8 run failed: RuntimeError: kv_cache dtype must "
+        "match qkv (bf16 cache only) (at model.py:276 in forward)",
+        "kernel": "no CUDA GPU visible to torch",
+    }
+    details = [
+        f"MiniMaxM3SparseAttention fp8 run: model.py:276 in forward: ops.{op}(",
+        "MiniMaxM3SparseAttention: _insert_kv takes the slot mappings: yes",  # shown with -v only
+    ]
+    statuses = {"import": Status.FAILED, "semantic": Status.FAILED, "kernel": Status.SKIPPED}
+    levels = [LevelResult(name, statuses[name], why, details) for name, why in reasons.items()]
+    note = "needs-bypass at line 276: run `mm3-codemod run` first (the fork-era call writes bf16 only)"
+    files = [
+        FileVerification(tmp_path / fork, "test", levels=levels, note=note),
+        FileVerification(site, "test", levels=levels),
+    ]
+
+    def rendered(verbose: bool) -> list[str]:
+        out = io.StringIO()
+        table = verify_table(VerifyReport(files), 100, verbose)
+        Console(file=out, width=100, color_system=None).print(table)
+        return [line.rstrip() for line in out.getvalue().splitlines()]
+
+    lines = rendered(verbose=False)
+    assert max(len(line) for line in lines) <= 100
+    assert str(fork) in lines and str(site) in lines  # each on a line of its own, whole
+    assert lines[1].split() == ["level", "result", "why"]
+    words = {word for line in lines for word in line.split()}
+    for text in [*reasons.values(), details[0], note]:
+        assert set(text.split()) <= words, set(text.split()) - words  # no word split across lines
+    starts = [line.split()[:2] for line in lines if line.startswith(tuple(reasons))]
+    assert starts == 2 * [["import", "failed"], ["semantic", "failed"], ["kernel", "skipped"]]
+    assert "yes" not in words
+    assert set(details[1].split()) <= {word for line in rendered(verbose=True) for word in line.split()}
+
+
 def test_cli_verify_after_run_passes(tmp_path: Path) -> None:
     target = tmp_path / "model.py"
     shutil.copyfile(ROOT / "rewriter" / "data" / "example_model.py", target)

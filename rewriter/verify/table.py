@@ -1,46 +1,49 @@
-"""verify's human output: one rich table of files x levels, then the kernel facts."""
+"""verify's human output: one table of files x levels (laid out as survey's), then the kernel facts."""
 
 from __future__ import annotations
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ..report import FP8_LAUNCH
+from ..report import COLUMN_GAP, FP8_LAUNCH, Folded, Section, file_sections
+from ..targets import shown_path
 from . import Status, VerifyReport
 
 STYLE = {Status.PASSED: "green", Status.FAILED: "red", Status.SKIPPED: "yellow"}
+COLUMNS = ("level", "result", "why")
+WHY_MIN = 20  # a narrower terminal: the table goes past its edge rather than a word a line
+
+
+def verify_table(report: VerifyReport, width: int, verbose: bool = False) -> Group:
+    """Each file's path on a line of its own (whole: folded only after a ``/`` where it is wider
+    than the terminal), its note, then a row per level; reasons wrap between words, and the
+    ``why`` column takes what the level and result columns leave."""
+    sections: list[Section] = []
+    for f in report.files:
+        head: list[RenderableType] = [Folded(shown_path(f.path), "/", style="bold")]
+        if f.note:
+            head.append(Text(f.note, style="yellow"))
+        rows = [(Text("-"), Text("error", style="red"), Text(f.error))] if f.error else []
+        for level in f.levels:
+            why = level.reason
+            if verbose or level.status is Status.FAILED:
+                shown = [d for d in level.details if verbose or not (d.endswith(": yes") or ": ok (" in d)]
+                why += "".join(f"\n  {d}" for d in shown)
+            rows.append((Text(level.level), Text(level.status.value, style=STYLE[level.status]), Text(why)))
+        sections.append((head, rows))
+    cells = [row for _, rows in sections for row in rows]
+    widths = [max([len(name), *(len(row[i].plain) for row in cells)]) for i, name in enumerate(COLUMNS[:2])]
+    widths.append(max(WHY_MIN, width - sum(widths) - COLUMN_GAP * (len(COLUMNS) - 1)))
+    return file_sections("mm3-codemod verify", COLUMNS, widths, sections)
 
 
 def print_verify(report: VerifyReport, err: Console, verbose: bool = False) -> None:
     if report.error:
         err.print(Text(f"error: {report.error}", style="red"), soft_wrap=True)
         return
-    table = Table(title="mm3-codemod verify", show_lines=True)
-    table.add_column("file", overflow="fold")
-    table.add_column("level")
-    table.add_column("result")
-    table.add_column("why", overflow="fold")
-    for f in report.files:
-        if f.error:
-            table.add_row(escape(str(f.path)), "-", Text("error", style="red"), Text(f.error))
-            continue
-        for i, level in enumerate(f.levels):
-            why = level.reason
-            if verbose or level.status is Status.FAILED:
-                shown = [d for d in level.details if verbose or not (d.endswith(": yes") or ": ok (" in d)]
-                why += "".join(f"\n  {d}" for d in shown)
-            label = Text(str(f.path))
-            if f.note:
-                label.append(f"\n{f.note}", style="yellow")
-            table.add_row(
-                label if i == 0 else "",
-                level.level,
-                Text(level.status.value, style=STYLE[level.status]),
-                Text(why),
-            )
-    err.print(table)
+    err.print(verify_table(report, err.width, verbose))
     for f in report.files:  # one unwrapped line per failure, for logs and hooks
         if f.error:
             err.print(Text(f"{f.path}: {f.error}", style="red"), soft_wrap=True)
@@ -52,7 +55,7 @@ def print_verify(report: VerifyReport, err: Console, verbose: bool = False) -> N
                     Text(f"{f.path}: {level.level} failed: {level.reason}", style="red"), soft_wrap=True
                 )
             elif level.level == "import" and level.status is Status.SKIPPED:
-                # why the import could not say anything, whole (the table folds it)
+                # why the import could not say anything, on one line (the table wraps it)
                 err.print(Text(f"{f.path}: import skipped: {level.reason}", style="yellow"), soft_wrap=True)
     ctx = report.kernel
     if ctx is not None and ctx.ops is not None:
