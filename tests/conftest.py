@@ -415,3 +415,21 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     if changed:
         print("\nfixtures changed by the tests: " + ", ".join(changed))
         session.exitstatus = 1
+
+
+# ---- the inner loop: `pytest -m "not slow"` ---------------------------------------------
+# Every test function runs in it, with its first parametrized case; the other cases, a real
+# pre-commit hook environment (its file), the property test's hundreds of random edits and
+# the bench scripts' whole runs are `slow`: the full suite (the README's test command, CI)
+# runs all.
+SLOW_FILES = {"test_pre_commit.py", "test_properties.py"}
+SLOW_TESTS = {"test_bench_runs_and_writes_every_row"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    seen: set[tuple[str, str]] = set()
+    for item in items:
+        key = (item.path.name, getattr(item, "originalname", item.name))
+        if item.path.name in SLOW_FILES or key[1] in SLOW_TESTS or key in seen:
+            item.add_marker(pytest.mark.slow)
+        seen.add(key)
