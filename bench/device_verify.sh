@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Level 3 of `mm3-codemod verify` on a CUDA machine with a vLLM kernel library
-# (see README "Verify"): rewrite a copy of the bundled before-state example,
+# (see docs/h200.md): rewrite a copy of the bundled before-state example,
 # then verify it - padded tokens included, timed at N = 16, 128, 1024, 8192 -
 # and the files that must fail: the unpatched original (the real kernel's
 # bf16-only assert) and the seed's older bypass (a padded token writes the

@@ -23,7 +23,7 @@ baseline of the same file measured in the same rounds.
 The tool's modules are byte-compiled first, as ``pip install`` leaves them.
 Results go to ``$XDG_CACHE_HOME/mm3-codemod/bench/results.json`` (default
 ``~/.cache/...``), never into the checkout unless asked: ``--json
-bench/results.json`` updates the committed run the README's table comes from;
+bench/results.json`` updates the committed run docs/performance.md's table comes from;
 ``--markdown`` also prints that table.
 """
 
@@ -223,7 +223,7 @@ def ratios(by_key: dict[str, Measure], files: int) -> list[dict[str, object]]:
 
 
 def markdown(result: dict) -> str:
-    """The README's table, from a results JSON (so the README can be checked against it)."""
+    """docs/performance.md's table, from a results JSON (so the page can be checked against it)."""
     sizes, measures = result["file_sizes"], result["measures"]
 
     def kb(name: str) -> str:
@@ -293,7 +293,7 @@ def main() -> None:
         default=default_results(),
         help="where the results go (default: %(default)s; bench/results.json is the committed run)",
     )
-    parser.add_argument("--markdown", action="store_true", help="also print the README's table")
+    parser.add_argument("--markdown", action="store_true", help="also print docs/performance.md's table")
     parser.add_argument("--survey-files", type=int, default=50, help="files for survey (default 50)")
     parser.add_argument(
         "--warm-up", type=int, default=1, help="uncounted rounds first (default 1; the tests use 0)"

@@ -7,7 +7,7 @@
 # (two for the model import alone, V24_ENGINE=0; three with the offline engine's
 # carry, the default: see bench/vllm024_engine.sh).
 #
-#   bash bench/vllm024_pack.sh          # then the two device calls: see README,
+#   bash bench/vllm024_pack.sh          # then the two device calls: see docs/h200.md,
 #                                       # "Verified against vLLM 0.24.0"
 #
 # One tar, xz-compressed and split, holding:

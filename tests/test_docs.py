@@ -4,10 +4,14 @@ insert site says why instead of only "1 file left unchanged"."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from conftest import FIXTURES, ROOT, cli
 from test_fixtures import VARIANTS
 
@@ -101,3 +105,74 @@ def test_every_state_survey_and_check_print_is_documented(tmp_path: Path) -> Non
     documented = readme_section("Site states") + readme_section("`survey` — every environment at once")
     for state in shown:
         assert f"`{state}`" in documented, state
+
+
+# ---- the commands the README and docs/ show, run as written -----------------------------
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def code_blocks(text: str) -> list[str]:
+    """The text of each fenced code block (its fence line left out)."""
+    blocks, current = [], None
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if current is None:
+                current = []
+            else:
+                blocks.append("\n".join(current))
+                current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def shown_commands() -> list[tuple[str, str, list[str], int | None]]:
+    """Each `$ mm3-codemod …` in a page's code blocks whose paths are this repository's (or
+    `--example`): (page, command, the output lines shown under it but for those shortened
+    with "…", the exit code a following `$ echo $?` shows)."""
+    found = []
+    for page in PAGES:
+        for block in code_blocks(page.read_text()):
+            lines = block.splitlines()
+            for i, line in enumerate(lines):
+                if not line.startswith("$ mm3-codemod "):
+                    continue
+                command = line[2:].split("  #")[0].strip()
+                words = [w for w in command.split() if "/" in w and not w.startswith("'")]
+                paths = [w for w in words if not w.startswith(("(", "--"))]
+                if not ("--example" in command or paths) or not all((ROOT / p).exists() for p in paths):
+                    continue
+                out, code = [], None
+                for after in lines[i + 1 :]:
+                    if after.startswith("$ echo $?"):
+                        continue
+                    if after.startswith("$ "):
+                        break
+                    if after.strip().isdigit() and code is None:
+                        code = int(after)
+                        continue
+                    if after.strip() and "…" not in after:
+                        out.append(after)
+                found.append((page.name, command, out, code))
+    return found
+
+
+def test_some_shown_commands_are_runnable_here() -> None:
+    assert {c for _, c, _, _ in shown_commands()} >= {
+        "mm3-codemod run fixtures/two_candidates/model.py",
+        "mm3-codemod verify --example",
+    }
+
+
+@pytest.mark.parametrize("page, command, out, code", shown_commands(), ids=lambda x: str(x)[:60])
+def test_shown_commands_print_what_the_page_shows(page, command, out, code) -> None:
+    proc = subprocess.run(
+        command.replace("mm3-codemod", f"{sys.executable} -m rewriter", 1).replace("python -c", f"{sys.executable} -c"),
+        shell=True, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"},
+    )
+    printed = (proc.stdout + proc.stderr).splitlines()
+    for line in out:
+        assert line in printed, f"{page}: `{command}` no longer prints: {line}"
+    if code is not None:
+        assert proc.returncode == code, f"{page}: `{command}` exits {proc.returncode}"

@@ -113,12 +113,14 @@ def fork_repo(root: Path, files: dict[str, Path]) -> Path:
 
 
 README = (ROOT / "README.md").read_text()
+FORK_WORKFLOW = (ROOT / "docs" / "fork-workflow.md").read_text()  # pinned hooks, the walk-through
 MODEL = f"{NVIDIA}/model.py"
 
 
 def readme_snippet(marker: str) -> str:
-    """The README's one `.pre-commit-config.yaml` snippet that contains ``marker``."""
-    (snippet,) = [b for b in re.findall(r"```yaml\n(.*?)```", README, re.S) if marker in b]
+    """The one `.pre-commit-config.yaml` snippet of the README and the fork-workflow page that
+    contains ``marker``."""
+    (snippet,) = [b for b in re.findall(r"```yaml\n(.*?)```", README + FORK_WORKFLOW, re.S) if marker in b]
     return snippet
 
 
@@ -288,7 +290,7 @@ def test_pre_commit_run(
 def walkthrough() -> list[list[tuple[str, list[str]]]]:
     """The README's walk-through: per code block, each `$ command` with the output lines
     shown under it (blank lines and lines shortened with "…" left out)."""
-    section = README.split("**Walk-through.**", 1)[1].split("\n### ", 1)[0]
+    section = FORK_WORKFLOW.split("**Walk-through.**", 1)[1].split("\n## ", 1)[0]
     blocks = []
     for block in re.findall(r"```\n(.*?)```", section, re.S):
         steps: list[tuple[str, list[str]]] = []
