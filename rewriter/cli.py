@@ -168,10 +168,9 @@ def _targets(
     roots: list[Path],
     example: bool = False,
     no_vllm: dict[str, str] | None = None,
+    versions: bool = False,
 ) -> tuple[list[Target], Report | None]:
     try:
-        # survey alone shows versions: the others do not ask git for one
-        versions = command == "survey"
         return resolve(paths, pythons, roots, example, no_vllm, versions), None
     except TargetError as exc:
         return [], Report(command, [], error=str(exc))
@@ -282,7 +281,8 @@ def survey(o: SimpleNamespace) -> int:
     from rewriter.survey import survey_targets
 
     no_vllm: dict[str, str] = {}  # an environment without vLLM is a row, not an error
-    targets, failed = _targets("survey", o.paths, o.pythons, o.roots, no_vllm=no_vllm)
+    # survey alone shows versions: only it asks a source tree's version file or git for one
+    targets, failed = _targets("survey", o.paths, o.pythons, o.roots, no_vllm=no_vllm, versions=True)
     err = stderr(wide=True)
     if failed:
         report = failed

@@ -59,9 +59,9 @@ def survey_targets(
             for result in pool.imap(survey_file, paths, chunksize):
                 files.append(result)
                 tick()
-    for python, why in (no_vllm or {}).items():
-        targets = [*targets, Target(Path(python), f"--python {python}")]
-        files.append(FileResult(Path(python), FileStatus.NO_VLLM, error=why))
+    environments = (no_vllm or {}).items()
+    targets = [*targets, *(Target(Path(python), f"--python {python}") for python, _ in environments)]
+    files += [FileResult(Path(python), FileStatus.NO_VLLM, error=why) for python, why in environments]
     return Report("survey", targets, files)
 
 

@@ -139,8 +139,7 @@ def shown_commands() -> list[tuple[str, str, list[str], int | None]]:
                 if not line.startswith("$ mm3-codemod "):
                     continue
                 command = line[2:].split("  #")[0].strip()
-                words = [w for w in command.split() if "/" in w and not w.startswith("'")]
-                paths = [w for w in words if not w.startswith(("(", "--"))]
+                paths = [w for w in command.split() if "/" in w and not w.startswith(("'", "(", "--"))]
                 if not ("--example" in command or paths) or not all((ROOT / p).exists() for p in paths):
                     continue
                 out, code = [], None

@@ -87,10 +87,15 @@ def prefix_agreement(a: list[int], b: list[int]) -> float:
     return 1.0 if d is None else d / n
 
 
+def _largest(values) -> float | None:
+    """The largest of the values that are not None; None when there is none."""
+    found = [v for v in values if v is not None]
+    return max(found) if found else None
+
+
 def _max_abs_delta(xs: list[float | None], ys: list[float | None]) -> float | None:
     """Largest |x - y| over the positions both have a value for; None when there is none."""
-    deltas = [abs(x - y) for x, y in zip(xs, ys) if x is not None and y is not None]
-    return max(deltas) if deltas else None
+    return _largest(abs(x - y) for x, y in zip(xs, ys) if x is not None and y is not None)
 
 
 def max_logprob_delta(a: dict[str, Any], b: dict[str, Any]) -> float | None:
@@ -143,8 +148,7 @@ class Comparison:
 
     @property
     def max_dlogprob(self) -> float | None:
-        found = [s.max_dlogprob for s in self.sequences if s.max_dlogprob is not None]
-        return max(found) if found else None
+        return _largest(s.max_dlogprob for s in self.sequences)
 
     @property
     def prompt_positions(self) -> int:
@@ -158,8 +162,7 @@ class Comparison:
 
     @property
     def prompt_max_dlogprob(self) -> float | None:
-        found = [s.prompt_max_dlogprob for s in self.sequences if s.prompt_max_dlogprob is not None]
-        return max(found) if found else None
+        return _largest(s.prompt_max_dlogprob for s in self.sequences)
 
     def garbage(self, prompt_threshold: float = MIN_PROMPT_AGREEMENT, threshold: float = MIN_AGREEMENT) -> bool:
         p = self.prompt_agreement
