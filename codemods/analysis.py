@@ -89,7 +89,7 @@ def classify(
 
     def collect() -> FoundPieces:
         assert found.cls is not None and found.method is not None
-        found_pieces.append(collect_pieces(found.cls, found.method, found.op, slot, functions, mentions_flag))
+        found_pieces.append(collect_pieces(found.cls, found.method, found.op, slot, functions, mentions_flag, module))
         return found_pieces[-1]
 
     decided = schema.verdict(facts, collect)

@@ -14,7 +14,7 @@ from codemods import anchors as a
 FLAG = """\
 # fp8 KV cache: the fused qknorm+rope+kv-insert op writes bf16 caches only;
 # forward() then runs it norm+rope-only and writes the cache via _insert_kv().
-self._fp8_kv = "fp8" in {dtype}
+self.{flag} = "fp8" in {dtype}
 """
 
 SCALE = """\
@@ -28,7 +28,7 @@ SCALE_LOCAL = """\
 
 GUARD = """\
 # fp8 KV cache: cache arguments None -> the fused op only norms/ropes in place.
-{guard} = not self._fp8_kv
+{guard} = not self.{flag}
 """
 
 NATIVE_GUARD = """\
@@ -48,7 +48,7 @@ if not {guard}:
 {I}{n_k} = {qkv}[:, {n_k0} : {n_k0} + {n_kv}]
 {I}{n_v} = {qkv}[:, {n_k0} + {n_kv} : {n_k0} + 2 * {n_kv}]
 {I}{n_index_k} = {qkv}[:, {n_ik0} : {n_ik0} + {idx_head_dim}]  # one index-key head
-{I}self._insert_kv({n_k}, {n_v}, {n_index_k}, {main_slots}, {index_slots})
+{I}self.{insert_kv}({n_k}, {n_v}, {n_index_k}, {main_slots}, {index_slots})
 """
 
 # The index key as the key and value of a one-slot-per-block view of the index
@@ -72,7 +72,7 @@ assert {idx_cache}.dtype == {idx_key}.dtype  # the index cache stays bf16
 """
 
 INSERT_KV_METHOD = '''\
-def _insert_kv(
+def {name}(
 {I}self,
 {I}key: torch.Tensor,
 {I}value: torch.Tensor,

@@ -111,11 +111,12 @@ def plan_bypass(
         raise Unsupported(
             "`_insert_kv` exists in a form that is neither the attn_metadata one nor the slot-mapping one"
         )
-    old_insert_kv = a.find_method(cls, schema.INSERT_KV)
-    # Only the post-call insert may call `_insert_kv`: the rewrite gives it the slot-mapping
+    name = p.insert_method  # the write method, by its role: what the post-call block calls
+    old_insert_kv = a.find_method(cls, name)
+    # Only the post-call insert may call it: the rewrite gives it the slot-mapping
     # signature; a call elsewhere is a caller it would break, or a stale piece of a bypass.
     own = a.nodes_in(old_insert_kv) if old_insert_kv is not None else []
-    call = other_insert_kv_call(cls, {id(p.post_insert_call), *map(id, own)})
+    call = other_insert_kv_call(cls, {id(p.post_insert_call), *map(id, own)}, name)
     if call is not None:
         raise Unsupported(
             f"`{' '.join(a.code(call).split())}` is called elsewhere than right after the insert call: "
@@ -127,8 +128,13 @@ def plan_bypass(
     native = op.arg(schema.KV_CACHE_DTYPE) is not None
     if native and p.flag_read and not p.flag_set:
         raise Unsupported(
-            f"`self.{schema.FP8_FLAG}` is read but never set: set it in __init__ "
-            f'(`self.{schema.FP8_FLAG} = "fp8" in self.{schema.DTYPE_ATTR}`) or drop its reads, then run again'
+            f"`self.{p.flag_attr}` is read but never set: set it in __init__ "
+            f'(`self.{p.flag_attr} = "fp8" in self.{schema.DTYPE_ATTR}`), then run again'
+        )
+    if p.guard_inline is not None and not p.post_insert:
+        raise Unsupported(
+            f"the cache arguments carry the guard inline (`{p.guard_inline}`) but no post-call block "
+            "writes the cache where they are None: the bypass cannot be completed around an inlined guard"
         )
     taken = a.bound_names(method)
     guard = _guard_name(p, taken)
@@ -156,7 +162,7 @@ def plan_bypass(
     reads_scale = insert_kv in ("add", "replace") or p.scale_read or any(SCALE_READ in code for _, code in edits)
     scale_code = render(SCALE, module) if reads_scale and not p.scale_set else ""
     if p.flag_set and scale_code:
-        flag_slot = init_attrs[schema.FP8_FLAG][-1][0]  # the scale goes right after the existing flag
+        flag_slot = init_attrs[p.flag_attr][-1][0]  # the scale goes right after the existing flag
     add_flag = not p.flag_set and not native
     local = {f"n_{k}": _fresh(k, taken) for k in ("kv", "k0", "ik0", "k", "v", "index_k")}
     return BypassPlan(
@@ -165,8 +171,8 @@ def plan_bypass(
         op=op,
         call_slot=slot,
         guard=guard,
-        add_guard=p.guard_assigned is None,
-        guard_code=render(NATIVE_GUARD if native else GUARD, module, guard=guard),
+        add_guard=p.guard_assigned is None and p.guard_inline is None,
+        guard_code=render(NATIVE_GUARD if native else GUARD, module, guard=guard, flag=p.flag_attr),
         wrap_args=wrap,
         add_post_insert=not p.post_insert,
         post_insert_code=render(
@@ -180,15 +186,17 @@ def plan_bypass(
             idx_head_dim=w.idx_head_dim,
             main_slots=main_slots,
             index_slots=index_slots,
+            insert_kv=name,
             **local,
         ),
         flag_slot=flag_slot if (add_flag or scale_code) else None,
-        flag_code=(render(FLAG, module, dtype=dtype_attr) if add_flag else "") + scale_code,
+        flag_code=(render(FLAG, module, dtype=dtype_attr, flag=p.flag_attr) if add_flag else "") + scale_code,
         insert_kv=insert_kv,
         insert_kv_code=render(
             INSERT_KV_METHOD,
             module,
             len(found.outer) + 1,
+            name=name,
             kv_cache=caches[schema.KV_CACHE.keyword],
             num_kv_heads=w.num_kv_heads,
             head_dim=w.head_dim,
@@ -315,11 +323,11 @@ def _guard_name(p: schema.Pieces, taken: set[str]) -> str:
     if len(set(p.guard_args)) > 1:
         raise Unsupported(f"cache arguments are guarded by different names: {sorted(set(p.guard_args))}")
     if p.guard_other:
-        raise Unsupported("the guard name is assigned something other than `not self._fp8_kv`")
+        raise Unsupported(f"the guard name is assigned something other than `not self.{p.flag_attr}`")
     if p.post_insert and not p.post_insert_wired:
         raise Unsupported(
-            "a post-call `self._insert_kv(...)` exists but is not under `if not <guard>:` "
-            "or is not passed the call's own slot mappings"
+            f"a post-call `self.{p.insert_method}(...)` exists but does not run exactly where the fused op "
+            "did not write (`if not <guard>:`), or is not passed the call's own slot mappings"
         )
     if p.guard_args:
         return p.guard_args[0]

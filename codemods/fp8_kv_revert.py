@@ -140,7 +140,7 @@ def plan_site(
         if any(a.self_attr(n) == schema.FP8_FLAG for n in a.walk_all(cls.body)):
             raise Unsupported("the call is not directly in a method: its bypass cannot be delimited")
         return None
-    pieces = sites.collect_pieces(cls, method, op, slot, functions)
+    pieces = sites.collect_pieces(cls, method, op, slot, functions, module=module)
     if not pieces.any_bypass():
         return None
     if slot is None:
@@ -154,15 +154,15 @@ def plan_site(
 
     guards = set(pieces.guard_args) | ({pieces.guard_assigned} if pieces.guard_assigned else set())
     if pieces.guard_other:
-        raise Unsupported("the guard name is assigned something other than `not self._fp8_kv`")
+        raise Unsupported(f"the guard name is assigned something other than `not self.{pieces.flag_attr}`")
 
     remove: list[cst.BaseStatement] = []
     init = a.find_method(cls, "__init__")
     if init is not None:
         attrs = a.self_assignments(init)
-        for flag_slot, value in attrs.get(schema.FP8_FLAG, []):
+        for flag_slot, value in attrs.get(pieces.flag_attr, []):
             if any(isinstance(n, cst.Call) for n in a.walk_all(value)):
-                raise Unsupported("`self._fp8_kv` is assigned a call, which removing would skip")
+                raise Unsupported(f"`self.{pieces.flag_attr}` is assigned a call, which removing would skip")
             remove.append(flag_slot.statement)
         remove += [scale_slot.statement for scale_slot, _ in attrs.get(schema.FP8_SCALE, [])]
     if pieces.guard_assigned is not None:
@@ -173,18 +173,15 @@ def plan_site(
             and isinstance(pair[0], cst.Name)
             and pair[0].value == pieces.guard_assigned
         ]
-    post = _post_call_block(method, slot, guards)
+    post = _post_call_block(slot, pieces)
     if post is not None:
         remove.append(post)
-        guard = sites.block_guard(post)
-        if guard is not None and guard != schema.FP8_FLAG:
-            guards.add(guard)
 
-    # `X if G else None` cache arguments, and any other argument the guard
-    # decides (a merge's `self.kv_cache.size(2) if G else 0` block size).
-    unwrap = [arg for arg in op.call.args if _guarded_by(arg, guards)]
+    # `X if G else None` cache arguments (or the inlined `None if self.F else X`), and any
+    # other argument the guard decides (a merge's `self.kv_cache.size(2) if G else 0` block size).
+    unwrap = [arg for arg in op.call.args if _guarded_by(arg, guards, pieces.guard_inline)]
 
-    _check_nothing_left(cls, method, remove, unwrap, guards, positions)
+    _check_nothing_left(cls, method, remove, unwrap, guards, positions, pieces.flag_attr)
     dead = _dead_module_code(module, remove)
     removed = {id(s) for s in remove}
     for fn in a.methods(cls):
@@ -199,7 +196,7 @@ def plan_site(
         dead=dead,
     )
     if pieces.insert_kv in SLOTS_FORMS:
-        _plan_insert_kv(module, found, slot, post, plan, native=op.arg(schema.KV_CACHE_DTYPE) is not None)
+        _plan_insert_kv(module, found, slot, post, plan, pieces.insert_method, op.arg(schema.KV_CACHE_DTYPE) is not None)
     elif pieces.insert_kv == "other" and post is not None:
         raise Unsupported(
             "`_insert_kv` is neither the attn_metadata form nor the slot-mapping one: cannot restore it"
@@ -207,9 +204,12 @@ def plan_site(
     return plan
 
 
-def _guarded_by(arg: cst.Arg, guards: set[str]) -> bool:
-    """``X if G else <None or a number>`` with ``G`` one of the bypass's guards."""
+def _guarded_by(arg: cst.Arg, guards: set[str], inline: str | None) -> bool:
+    """``X if G else <None or a number>`` with ``G`` one of the bypass's guards, or a cache
+    argument under the bypass's inlined condition."""
     value = arg.value
+    if inline is not None and sites.guard_of(arg) == inline:
+        return True
     return (
         isinstance(value, cst.IfExp)
         and isinstance(value.test, cst.Name)
@@ -218,20 +218,21 @@ def _guarded_by(arg: cst.Arg, guards: set[str]) -> bool:
     )
 
 
-def _post_call_block(method: cst.FunctionDef, slot: a.StatementSlot, guards: set[str]) -> cst.If | None:
-    """``if not <guard>:`` (or ``if self._fp8_kv:``, or ``if torch.compiler.is_compiling() or
-    not <guard>:``) after the call: slices and asserts, then ``self._insert_kv(...)`` - on
-    the compiled path maybe a custom op instead (``if torch.compiler.is_compiling(): ...``)."""
+def _post_call_block(slot: a.StatementSlot, pieces: sites.FoundPieces) -> cst.If | None:
+    """The post-call block (``sites``: the ``if`` that runs where the fused op did not write,
+    however its test is written): slices and asserts, then ``self.<write>(...)`` - on the
+    compiled path maybe a custom op instead (``if torch.compiler.is_compiling(): ...``)."""
+    name = pieces.insert_method
     for index, stmt in enumerate(slot.after()):
-        if not any(sites.is_insert_kv_call(n) for n in a.walk_all(stmt)):
+        if not any(n is pieces.post_insert_call for n in a.walk_all(stmt)):
             continue
         if not isinstance(stmt, cst.If) or stmt.orelse is not None:
-            raise Unsupported("the post-call `self._insert_kv(...)` is not in an `if not <guard>:` block")
-        if sites.block_guard(stmt) not in {schema.FP8_FLAG, schema.GUARD_NAME, *guards}:
-            raise Unsupported("the post-call `self._insert_kv(...)` is not under `if not <guard>:`")
+            raise Unsupported(f"the post-call `self.{name}(...)` is not in an `if not <guard>:` block")
+        if not pieces.post_insert_wired:
+            raise Unsupported(f"the post-call `self.{name}(...)` is not under `if not <guard>:`")
         assigned: set[str] = set()
-        if _block_inserts(stmt.body, assigned) != 1:
-            raise Unsupported("the post-call block does not hold exactly one `self._insert_kv(...)`")
+        if _block_inserts(stmt.body, assigned, name) != 1:
+            raise Unsupported(f"the post-call block does not hold exactly one `self.{name}(...)`")
         later = set()
         for after in slot.after()[index + 1 :]:
             later |= a.names_read(after)
@@ -243,7 +244,7 @@ def _post_call_block(method: cst.FunctionDef, slot: a.StatementSlot, guards: set
     return None
 
 
-def _block_inserts(suite: cst.BaseSuite, assigned: set[str]) -> int:
+def _block_inserts(suite: cst.BaseSuite, assigned: set[str], name: str) -> int:
     """How many ``self._insert_kv(...)`` a post-call block holds, once it is proven to hold
     nothing else: slices (``assigned``), asserts, and a compiled-path branch of calls."""
     inserts = 0
@@ -252,16 +253,16 @@ def _block_inserts(suite: cst.BaseSuite, assigned: set[str]) -> int:
         call = a.expression_call(inner)
         if pair is not None and isinstance(pair[0], cst.Name):
             assigned.add(pair[0].value)
-        elif call is not None and sites.is_insert_kv_call(call):
+        elif call is not None and sites.is_insert_kv_call(call, name):
             inserts += 1
         elif isinstance(inner, cst.SimpleStatementLine) and all(isinstance(x, cst.Assert) for x in inner.body):
             continue
         elif _is_compile_branch(inner):
             assert isinstance(inner, cst.If) and isinstance(inner.orelse, cst.Else)
-            inserts += _block_inserts(inner.orelse.body, assigned)
+            inserts += _block_inserts(inner.orelse.body, assigned, name)
         else:
             raise Unsupported(
-                "the post-call block holds more than slices, asserts and `self._insert_kv(...)`: "
+                f"the post-call block holds more than slices, asserts and `self.{name}(...)`: "
                 f"`{' '.join(a.code(inner).split())[:80]}` - it cannot be removed as a whole"
             )
     return inserts
@@ -286,14 +287,15 @@ def _check_nothing_left(
     unwrap: list[cst.Arg],
     guards: set[str],
     positions,
+    flag: str,
 ) -> None:
-    """After the removal no read of the flag or of a guard may remain."""
+    """After the removal no read of the flag (``self.<flag>``) or of a guard may remain."""
     gone: list[cst.CSTNode] = [*remove, *(arg.value.test for arg in unwrap)]  # type: ignore[attr-defined]
     removed_nodes = {id(n) for root in gone for n in a.walk_all(root)}
     for node in a.walk_all(cls.body):
-        if id(node) not in removed_nodes and a.self_attr(node) == schema.FP8_FLAG:
+        if id(node) not in removed_nodes and a.self_attr(node) == flag:
             line = positions[node].start.line if node in positions else "?"
-            raise Unsupported(f"`self._fp8_kv` is also used at line {line}, outside the bypass")
+            raise Unsupported(f"`self.{flag}` is also used at line {line}, outside the bypass")
     for node in a.walk_scope(method.body):
         if id(node) not in removed_nodes and isinstance(node, cst.Name) and node.value in guards:
             line = positions[node].start.line if node in positions else "?"
@@ -306,17 +308,18 @@ def _plan_insert_kv(
     slot: a.StatementSlot,
     post: cst.If | None,
     plan: RevertPlan,
+    name: str,
     native: bool,
 ) -> None:
     """Restore the attn_metadata ``_insert_kv``, or remove the one the rewrite added
     (on a native call always: the kernel writes the cache, upstream has no ``_insert_kv``)."""
     cls, method, op = found.cls, found.method, found.op
     assert cls is not None and method is not None
-    fn = plan.old_insert_kv = a.find_method(cls, schema.INSERT_KV)
+    fn = plan.old_insert_kv = a.find_method(cls, name)
     assert fn is not None
     allowed = {id(n) for n in a.nodes_in(post)} if post is not None else set()
-    if sites.other_insert_kv_call(cls, allowed) is not None:
-        raise Unsupported("`_insert_kv` is also called outside the bypass: its signature must stay")
+    if sites.other_insert_kv_call(cls, allowed, name) is not None:
+        raise Unsupported(f"`{name}` is also called outside the bypass: its signature must stay")
     imports = a.module_imports(module)
     metadata = [
         i
@@ -474,7 +477,8 @@ class Fp8KvRevert(cst.CSTTransformer):
     def leave_Arg(self, original: cst.Arg, updated: cst.Arg) -> cst.Arg:
         if any(original is arg for arg in self.plan.unwrap_args):
             assert isinstance(updated.value, cst.IfExp)
-            return updated.with_changes(value=updated.value.body)
+            kept = updated.value.orelse if a.is_none(updated.value.body) else updated.value.body
+            return updated.with_changes(value=kept)
         return updated
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:

@@ -4,8 +4,9 @@
 are vLLM's own (native) ones. Here Python's ``ast`` reads only the facts it can
 read exactly - where each call sits and what it passes - and ``schema.verdict``
 decides, as for every other file. Anything else (a bypass name in the text, a
-fork-era call, the op named other than as a callee, a dtype not written as a
-plain ``self.…``) returns None and the LibCST analysis answers.
+fork-era call, a cache argument under a condition - a bypass's guard by whatever
+name -, the op named other than as a callee, a dtype not written as a plain
+``self.…``) returns None and the LibCST analysis answers.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def _site(call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str]) -> schem
     args = list(call.args)
     keywords = [(k.arg, k.value) for k in call.keywords if k.arg is not None]
     kv = schema.bind_arg(schema.KV_CACHE, args, keywords)
+    index = schema.bind_arg(schema.INDEX_CACHE, args, keywords)
+    if isinstance(kv, ast.IfExp) or isinstance(index, ast.IfExp):
+        raise _Defer  # a cache argument under a condition: a bypass's guard, whatever it is called
     dtype = schema.bind_arg(schema.KV_CACHE_DTYPE, args, keywords)
     has_cache = kv is not None and not (isinstance(kv, ast.Constant) and kv.value is None)
     if has_cache and (dtype is None or not _plain(dtype, lines)):

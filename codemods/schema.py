@@ -160,6 +160,7 @@ class CallFacts:
     dtype: str | None  # source of the kv-cache dtype argument; None when not passed
     dtype_is_auto: bool  # it is the string literal "auto"
     in_block: bool  # the call is a statement of its own in a block of the method
+    is_async: bool = False  # the method holding the call is an `async def`
 
 
 @dataclass
@@ -184,6 +185,16 @@ class Pieces:
     # and the call's slot mappings are None there: the block's compiled branch (a custom op, say)
     # is the only cache write under torch.compile (a torch.compile-aware fork's own design)
     compiled_write: bool = False
+    # The roles' names in this file (``roles``): the flag the guard reads, the method the
+    # post-call block hands the write to; the bypass's own names where the file has none.
+    flag_attr: str = FP8_FLAG
+    insert_method: str = INSERT_KV
+    guard_inline: str | None = None  # the cache arguments' condition, where no local holds it
+    flag_unproven: str | None = None  # what the guard's flag is set to, where that is no fp8 flag
+    flag_from_file: bool = False  # the flag is the file's (read by its guard, or the one set from the dtype)
+    insert_from_file: bool = False  # the write method is the one the file's post-call block calls
+    # the file's own pieces used otherwise than a bypass does (what they hold at the call is not proven)
+    role_problems: list[str] = field(default_factory=list)
 
     def present(self, native: bool = False) -> dict[str, bool]:
         """Which pieces are there; on a native call the flag is a piece only where it is read
@@ -191,8 +202,8 @@ class Pieces:
         flag_needed = not native or self.flag_read or self.flag_set
         return {
             "flag": (self.flag_set or not flag_needed) and (self.scale_set or not self.scale_read),
-            "guard": self.guard_assigned is not None,
-            "guarded-args": len(self.guard_args) == 2,
+            "guard": self.guard_assigned is not None or self.guard_inline is not None,
+            "guarded-args": len(self.guard_args) == 2 or self.guard_inline is not None,
             "post-insert": self.post_insert and self.post_insert_wired,
             "insert-kv": self.insert_kv in SLOTS_FORMS,
         }
@@ -203,6 +214,7 @@ class Pieces:
             or self.flag_read
             or bool(self.guard_args)
             or self.guard_assigned is not None
+            or self.guard_inline is not None
             or self.post_insert
             or self.insert_kv in SLOTS_FORMS
             or self.scale_set
@@ -378,14 +390,23 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
             f"the call sits inside nested `{f.nested_in}`, not directly in a method",
         )
 
+    if f.is_async:
+        return site(
+            SiteState.UNSUPPORTED,
+            Action.REFUSE,
+            f"the call is in `async def {f.method}`: vLLM calls a layer's forward synchronously, "
+            "and the bypass is proven only in a plain `def`",
+        )
     p = pieces()
     present = p.present()
+    if p.role_problems or p.flag_unproven is not None:
+        return site(SiteState.UNSUPPORTED, Action.REFUSE, _unproven_roles(p), present)
     taken = site(
         SiteState.UNSUPPORTED,
         Action.REFUSE,
-        "names the bypass uses are taken: "
+        "names the bypass would write are used for something else: "
         + "; ".join(p.taken)
-        + ". Rename the file's own use (or delete a stale bypass line), then run again",
+        + ". Rename that other use (every place the name appears), then run again",
         present,
     )
     if f.dtype is not None:
@@ -452,6 +473,23 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
         Action.REWRITE,
         "fork-era insert call (no kv_cache_dtype): the fused op would assert on an fp8 cache",
         present,
+    )
+
+
+def _unproven_roles(p: Pieces) -> str:
+    """A piece of the file's own bypass whose role cannot be proven: what, and nothing to delete."""
+    if p.flag_unproven is not None:
+        return (
+            f"the guard reads `self.{p.flag_attr}`, set in __init__ to `{p.flag_unproven}`, which cannot be "
+            f'proven true for "fp8", "fp8_e4m3", "fp8_e5m2" and false for "{AUTO_DTYPE}" from '
+            f"`self.{DTYPE_ATTR}` alone: the flag's role is not proven, nothing was changed. If it is meant "
+            f'to be true for the fp8 cache dtypes, write it as `"fp8" in self.{DTYPE_ATTR}` (or a helper '
+            "returning that), then run again"
+        )
+    return (
+        "the file's own fp8 bypass cannot be proven: "
+        + "; ".join(p.role_problems)
+        + ". Nothing was changed; no piece of it is the tool's to remove"
     )
 
 

@@ -10,6 +10,8 @@ bypass pieces there (flag, scale, guard, post-call insert, ``_insert_kv``'s form
 from __future__ import annotations
 
 import ast
+import builtins
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,8 +19,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import schema
-from codemods.schema import GUARD_NAME
+from codemods import roles, schema
 from codemods.sourcemap import SourceMap
 
 
@@ -209,6 +210,7 @@ def call_facts(found: FoundCall) -> tuple[schema.CallFacts, a.StatementSlot | No
             and dtype.value.evaluated_value == schema.AUTO_DTYPE
         ),
         in_block=slot is not None,
+        is_async=found.method is not None and found.method.asynchronous is not None,
     )
     return facts, slot
 
@@ -223,19 +225,37 @@ class FoundPieces(schema.Pieces):
     post_insert_call: cst.Call | None = None
 
 
-def guard_of(arg: cst.Arg | None) -> str | None:
-    """``X if G else None`` -> ``"G"``."""
+def _condition(arg: cst.Arg | None) -> tuple[cst.BaseExpression, str] | None:
+    """``X if C else None`` -> (X, "C"); ``None if C else X`` -> (X, "not (C)"): the argument
+    and the condition under which the fused op gets it."""
     value = arg.value if arg is not None else None
-    if isinstance(value, cst.IfExp) and isinstance(value.test, cst.Name) and a.is_none(value.orelse):
-        return value.test.value
+    if not isinstance(value, cst.IfExp):
+        return None
+    if a.is_none(value.orelse) and not a.is_none(value.body):
+        return value.body, a.code(value.test)
+    if a.is_none(value.body) and not a.is_none(value.orelse):
+        return value.orelse, f"not ({a.code(value.test)})"
     return None
 
 
+def guard_of(arg: cst.Arg | None) -> str | None:
+    """The condition under which the fused op gets a cache argument: ``X if G else None`` ->
+    ``"G"``, ``None if self.F else X`` -> ``"not (self.F)"``; None for a plain argument."""
+    found = _condition(arg)
+    return found[1] if found is not None else None
+
+
 def unguarded(arg: cst.Arg) -> cst.BaseExpression:
-    value = arg.value
-    if isinstance(value, cst.IfExp) and guard_of(arg) is not None:
-        return value.body
-    return value
+    found = _condition(arg)
+    return found[0] if found is not None else arg.value
+
+
+def _local(condition: str) -> str | None:
+    """The local a condition reads, where it is ``G`` or ``not G``."""
+    tree = schema.expression(condition)
+    while isinstance(tree, ast.UnaryOp) and isinstance(tree.op, ast.Not):
+        tree = tree.operand
+    return tree.id if isinstance(tree, ast.Name) else None
 
 
 def _insert_kv_form(
@@ -250,13 +270,63 @@ def _insert_kv_form(
     return schema.insert_kv_form(reads_metadata, len(a.param_names(fn)) - 1, scatter)
 
 
-def is_insert_kv_call(node: cst.CSTNode) -> bool:
-    return isinstance(node, cst.Call) and a.self_attr(node.func) == schema.INSERT_KV
+def is_insert_kv_call(node: cst.CSTNode, name: str = schema.INSERT_KV) -> bool:
+    return isinstance(node, cst.Call) and a.self_attr(node.func) == name
 
 
-def other_insert_kv_call(cls: cst.ClassDef, allowed: set[int]) -> cst.CSTNode | None:
-    """The first ``self._insert_kv(...)`` in the class that is none of the ``allowed`` nodes (by id)."""
-    return a.first_in(cls.body, lambda n: is_insert_kv_call(n) and id(n) not in allowed)
+def other_insert_kv_call(cls: cst.ClassDef, allowed: set[int], name: str = schema.INSERT_KV) -> cst.CSTNode | None:
+    """The first ``self.<name>(...)`` in the class that is none of the ``allowed`` nodes (by id)."""
+    return a.first_in(cls.body, lambda n: is_insert_kv_call(n, name) and id(n) not in allowed)
+
+
+def scope_of(cls: cst.ClassDef, functions: dict[str, cst.FunctionDef], module: cst.Module | None) -> roles.Scope:
+    """What a flag's expression may call (``roles.Scope``), as Python's own trees."""
+
+    def tree(fn: cst.FunctionDef) -> ast.FunctionDef | None:
+        try:
+            node = ast.parse(textwrap.dedent(a.code(fn.with_changes(leading_lines=[], decorators=[])))).body[0]
+        except (SyntaxError, ValueError, IndexError):
+            return None
+        return node if isinstance(node, ast.FunctionDef) else None
+
+    vllm = frozenset(
+        i.bound
+        for i in (a.module_imports(module) if module is not None else [])
+        if any(
+            isinstance(s, cst.ImportFrom) and s.module is not None and a.code(s.module).startswith("vllm")
+            or isinstance(s, cst.Import) and a.code(i.alias.name).startswith("vllm")
+            for s in i.statement.body
+        )
+    )
+    return roles.Scope(
+        {n: t for n, f in functions.items() if (t := tree(f)) is not None},
+        {f.name.value: t for f in a.methods(cls) if (t := tree(f)) is not None},
+        vllm,
+    )
+
+
+def _flags(
+    cls: cst.ClassDef, init_attrs: a.Assignments, functions: dict[str, cst.FunctionDef], scope: Callable[[], roles.Scope]
+) -> dict[str, bool]:
+    """``__init__``'s ``self.<attr> = <value>`` that read the cache dtype (or call a helper
+    that does): whether each is a flag - assigned once, true for every fp8 dtype and false
+    for "auto" (``roles.fp8_flag``)."""
+    helpers = {
+        name
+        for name, fn in [*functions.items(), *((f.name.value, f) for f in a.methods(cls))]
+        if schema.DTYPE_ATTR in a.code(fn.body)
+    }
+    found = {}
+    for attr, defs in init_attrs.items():
+        texts = [a.code(value) for _, value in defs]
+        called = {a.callee_name(v) for _, v in defs if isinstance(v, cst.Call)}
+        if not any(schema.DTYPE_ATTR in t for t in texts) and not called & helpers:
+            continue
+        tree = schema.expression(texts[0]) if len(defs) == 1 else None
+        found[attr] = tree is not None and (
+            roles.fp8_flag(tree) or any(isinstance(n, ast.Call) for n in ast.walk(tree)) and roles.fp8_flag(tree, scope())
+        )
+    return found
 
 
 def collect_pieces(
@@ -266,60 +336,132 @@ def collect_pieces(
     slot: a.StatementSlot | None,
     functions: dict[str, cst.FunctionDef],
     mentions_flag: bool = True,
+    module: cst.Module | None = None,
 ) -> FoundPieces:
-    """``functions``: the module's top-level defs (``_insert_kv`` may hand its work to one).
-    ``mentions_flag``: the file's text holds the flag's name at all (else no walk for it)."""
+    """Each piece by its role (``roles``), whatever the file calls it. ``functions``: the
+    module's top-level defs (``_insert_kv`` may hand its work to one; a flag may be one's
+    value). ``mentions_flag``: the file's text holds the bypass's own flag name at all."""
     p = FoundPieces()
-    init = a.find_method(cls, "__init__")
-    assigned = a.self_assignments(init) if init is not None and mentions_flag else {}
-    p.taken = _taken_names(cls, assigned)
-    flag = assigned.get(schema.FP8_FLAG, [])
-    p.flag_set = len(flag) == 1 and matches(flag[0][1], schema.is_flag_value)
-    p.scale_set = schema.FP8_SCALE in assigned
-    if mentions_flag:
-        attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
-        # Once set, whether the flag is also read decides nothing (schema.Pieces.any_bypass).
-        p.flag_read = not p.flag_set and schema.FP8_FLAG in attrs
-        p.scale_read = schema.FP8_SCALE in attrs
-    conditions = [(arg, guard_of(arg)) for arg in (op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE))]
-    p.guard_args = [g for _, g in conditions if g]
-    p.insert_kv = _insert_kv_form(a.find_method(cls, schema.INSERT_KV), cls, functions)
     native = op.arg(schema.KV_CACHE_DTYPE) is not None
-    if slot is not None:
-        guard_names = set(p.guard_args) | {GUARD_NAME}
-        for stmt in slot.before():
-            pair = a.simple_assignment(stmt)
-            if pair and isinstance(pair[0], cst.Name) and pair[0].value in guard_names:
-                is_guard = matches(pair[1], lambda t: schema.is_guard_value(t, native))
-                schema.note_guard_assignment(p, pair[0].value, is_guard)
-    # A condition is the bypass's guard only if the bypass could have written it: the
-    # name is assigned `not self._fp8_kv` in the call's block before the call (and bound
-    # nowhere else but there and as a parameter), or it is the bypass's own name, read
-    # but never bound (a half-applied merge). Any other condition is the caller's.
+    init = a.find_method(cls, "__init__")
+    init_attrs = a.self_assignments(init) if init is not None else {}
+    scopes: list[roles.Scope] = []
+
+    def scope() -> roles.Scope:
+        if not scopes:
+            scopes.append(scope_of(cls, functions, module))
+        return scopes[0]
+
+    # The guard: what the cache arguments are conditioned on.
+    conditions = [(arg, guard_of(arg)) for arg in (op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE))]
+    guarded = [c for _, c in conditions if c]
     bound = a.bindings(method)
-    if p.guard_assigned is not None and not _bound_only_in(bound[p.guard_assigned], slot.block):  # type: ignore[union-attr]
-        p.guard_assigned = None  # also bound elsewhere: what it holds at the call is not proven
-    own = {g for g in p.guard_args if g == p.guard_assigned or (g.startswith(GUARD_NAME) and g not in bound)}
-    # (and a condition of the caller's under the bypass's own guard: `(X if C else None) if G else None`)
+    guard = guard_flag = None
+    if guarded and len(set(guarded)) == 1:
+        condition = guarded[0]
+        local = _local(condition)
+        fused_when = schema.expression(condition)
+        value = None
+        if local is not None and slot is not None:
+            for stmt in slot.before():
+                pair = a.simple_assignment(stmt)
+                if pair and isinstance(pair[0], cst.Name) and pair[0].value == local:
+                    value = schema.expression(a.code(pair[1]))
+            if value is not None and not _bound_only_in(bound[local], slot.block):
+                value = None  # also bound elsewhere: what it holds at the call is not proven
+        lost = local is not None and local not in bound and not _module_binds(module, local)
+        if fused_when is not None and (local is None or value is not None or lost):
+            guard = roles.Guard(fused_when, local, value)
+            guard_flag = roles.guard_flag(guard, native)
+            if local is not None and value is not None and guard_flag is None:
+                guard = None
+                p.guard_other = True  # the local the cache arguments test holds something else
+            elif local is None and guard_flag is None:
+                guard = None  # an inlined condition that is not the bypass's: the caller's
+    if guard is not None:
+        if guard.local is not None:
+            p.guard_args = [guard.local] * len(guarded)
+            p.guard_assigned = guard.local if guard.value is not None else None
+        else:
+            p.guard_inline = guarded[0]
+            p.guard_args = []
+    elif p.guard_other:
+        p.guard_args = [_local(c) or c for c in guarded]
     p.user_conditions = [
         a.code(arg.value)
-        for arg, g in conditions
-        if g and (g not in own or isinstance(unguarded(arg), cst.IfExp))  # type: ignore[arg-type]
+        for arg, c in conditions
+        if c and (guard is None or isinstance(unguarded(arg), cst.IfExp))  # type: ignore[arg-type]
     ]
-    p.guard_args = [g for g in p.guard_args if g in own]
+    if len(set(guarded)) > 1:
+        p.user_conditions = []
+        p.guard_args = [_local(c) or c for c in guarded]
+
+    # The flag: the attribute the guard reads, else the one __init__ sets from the dtype.
+    flags = _flags(cls, init_attrs, functions, scope)
+    proven = [attr for attr, ok in flags.items() if ok]
+    if guard_flag:
+        p.flag_attr = guard_flag
+    elif len(proven) == 1:
+        p.flag_attr = proven[0]
+    p.flag_from_file = bool(guard_flag) or len(proven) == 1
+    p.flag_set = flags.get(p.flag_attr) is True and len(init_attrs.get(p.flag_attr, [])) == 1
+    if guard_flag and p.flag_attr in init_attrs and not p.flag_set:
+        p.flag_unproven = a.code(init_attrs[p.flag_attr][-1][1])  # the guard's flag, set to what?
+    p.scale_set = schema.FP8_SCALE in init_attrs
+    attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
+    # Once set, whether the flag is also read decides nothing (schema.Pieces.any_bypass).
+    p.flag_read = not p.flag_set and p.flag_attr in attrs and p.flag_unproven is None
+    p.scale_read = schema.FP8_SCALE in attrs
+
     if slot is None:
-        return p
+        return _finish(p, cls, init_attrs, functions, mentions_flag)
+    # The post-call block: the `if` after the call that hands the call's slot mappings to a
+    # method when the fused op did not write - whatever the method and the test are called.
+    main, index = op.arg(schema.SLOT_MAPPING), op.arg(schema.INDEX_SLOT_MAPPING)
     for stmt in slot.after():
-        node = a.first_in(stmt, is_insert_kv_call)
-        if isinstance(node, cst.Call):
-            p.post_insert, p.post_insert_call = True, node
-            # under `if not G:` (G the guard) or `if self._fp8_kv:`, passed the call's slot mappings
-            guards = {schema.FP8_FLAG, *p.guard_args, p.guard_assigned or GUARD_NAME}
-            guarded = isinstance(stmt, cst.If) and block_guard(stmt) in guards
-            p.post_insert_wired = guarded and _insert_is_wired(node, op)
-            p.compiled_write = guarded and matches(stmt.test, schema.runs_compiling) and _slots_none_somewhere(method, op)  # type: ignore[attr-defined]
-            break
+        node = a.first_in(stmt, lambda n: _passes_slots(n, main, index))
+        node = node or a.first_in(stmt, is_insert_kv_call)
+        if not isinstance(node, cst.Call):
+            continue
+        p.post_insert, p.post_insert_call = True, node
+        p.insert_method = a.self_attr(node.func) or schema.INSERT_KV
+        p.insert_from_file = _passes_slots(node, main, index)
+        test = schema.expression(a.code(stmt.test)) if isinstance(stmt, cst.If) else None
+        block_guard = guard
+        if block_guard is None and p.flag_set and not guarded:
+            block_guard = roles.Guard(ast.parse(f"not self.{p.flag_attr}", mode="eval").body)
+        post = roles.post_block(test, block_guard, guard_flag or p.flag_attr) if test and block_guard else None
+        p.post_insert_wired = post is not None and _insert_is_wired(node, op)
+        p.compiled_write = (
+            p.post_insert_wired and post is not None and post.while_compiling and _slots_none_somewhere(method, op)
+        )
+        break
+    return _finish(p, cls, init_attrs, functions, mentions_flag)
+
+
+def _finish(
+    p: FoundPieces,
+    cls: cst.ClassDef,
+    init_attrs: a.Assignments,
+    functions: dict[str, cst.FunctionDef],
+    mentions_flag: bool,
+) -> FoundPieces:
+    p.insert_kv = _insert_kv_form(a.find_method(cls, p.insert_method), cls, functions)
+    _taken_names(cls, init_attrs if mentions_flag or p.flag_from_file else {}, p)
     return p
+
+
+def _passes_slots(node: cst.CSTNode, main: cst.Arg | None, index: cst.Arg | None) -> bool:
+    """``self.<m>(…, <the call's slot mappings>)``: a method handed what the fused op would write by."""
+    if not (isinstance(node, cst.Call) and a.self_attr(node.func) is not None) or main is None or index is None:
+        return False
+    values = [arg.value for arg in node.args]
+    return any(a.same_expr(v, main.value) for v in values) and any(a.same_expr(v, index.value) for v in values)
+
+
+def _module_binds(module: cst.Module | None, name: str) -> bool:
+    """The module binds ``name`` at its top level (or cannot be asked: assume it does)."""
+    return module is None or hasattr(builtins, name) or name in a.scope_bindings(module)
 
 
 def _slots_none_somewhere(method: cst.FunctionDef, op: a.OpCall) -> bool:
@@ -350,47 +492,44 @@ def matches(expr: cst.BaseExpression, test: Callable[[ast.expr], bool]) -> bool:
     return tree is not None and test(tree)
 
 
-def block_guard(block: cst.If) -> str | None:
-    """What the ``if`` around the post-call insert tests (``schema.post_block_guard``)."""
-    test = schema.expression(a.code(block.test))
-    return schema.post_block_guard(test) if test is not None else None
-
-
-# What the bypass sets its names to (anything else there is the file's own use of them).
-_OWN_VALUES = {schema.FP8_FLAG: schema.is_flag_value, schema.FP8_SCALE: schema.is_scale_value}
-
-
-def _taken_names(cls: cst.ClassDef, init_attrs: a.Assignments) -> list[str]:
-    """How the class uses the bypass's names for something else, in words (none: free).
+def _taken_names(cls: cst.ClassDef, init_attrs: a.Assignments, p: schema.Pieces) -> None:
+    """How the class uses the names the bypass relies on - its flag and write method by their
+    roles (``p``), the scale by its own name - otherwise than the bypass does, in words: in
+    ``p.taken`` where ``run`` would write the name (a clash), in ``p.role_problems`` where the
+    name is the file's own bypass piece (what it holds at the call is then not proven).
     ``init_attrs``: ``__init__``'s ``self.`` assignments (none where the file never names the flag)."""
-    taken = []
+    own_roles = {name for name, own in ((p.flag_attr, p.flag_from_file), (p.insert_method, p.insert_from_file)) if own}
+
+    def note(name: str, text: str) -> None:
+        (p.role_problems if name in own_roles else p.taken).append(text)
+
     at_class = a.scope_bindings(cls.body)
-    for name in (schema.FP8_FLAG, schema.FP8_SCALE):
+    for name in (p.flag_attr, schema.FP8_SCALE):
         if name in at_class:
-            taken.append(f"`{name}` is defined in the class body (a property, method or class attribute)")
+            note(name, f"`{name}` is defined in the class body (a property, method or class attribute)")
     if "__slots__" in at_class:
-        taken.append("the class declares `__slots__`, which leaves no room for `self._fp8_kv`")
-    insert_kv = at_class.get(schema.INSERT_KV, [])
+        p.taken.append(f"the class declares `__slots__`, which leaves no room for `self.{p.flag_attr}`")
+    insert_kv = at_class.get(p.insert_method, [])
     if len(insert_kv) > 1 or any(not isinstance(n, cst.FunctionDef) or n.decorators for n in insert_kv):
-        taken.append(f"`{schema.INSERT_KV}` is bound in the class body other than by one plain `def`")
-    own = set()  # the values of the first flag and scale assignments in __init__, if they are the bypass's
-    for name, is_own in _OWN_VALUES.items():
-        first = init_attrs.get(name, [])[:1]
-        if first and matches(first[0][1], is_own):
-            own.add(id(first[0][1]))
+        note(p.insert_method, f"`{p.insert_method}` is bound in the class body other than by one plain `def`")
+    # the values of the first flag and scale assignments in __init__, where they are the bypass's
+    own = set()
+    flag = init_attrs.get(p.flag_attr, [])[:1]
+    if flag and p.flag_set:
+        own.add(id(flag[0][1]))
+    scale = init_attrs.get(schema.FP8_SCALE, [])[:1]
+    if scale and matches(scale[0][1], schema.is_scale_value):
+        own.add(id(scale[0][1]))
     for method in a.methods(cls):
         for node in a.all_statements(method.body):
             stored = {a.self_attr(t) for t in _store_targets(node)}
-            if schema.INSERT_KV in stored:
-                taken.append(f"`self.{schema.INSERT_KV}` is assigned in {method.name.value}, hiding the method")
-            names = stored & set(_OWN_VALUES)
-            if names and id(getattr(node, "value", None)) not in own:
+            if p.insert_method in stored:
+                note(p.insert_method, f"`self.{p.insert_method}` is assigned in {method.name.value}, hiding the method")
+            for name in sorted(stored & {p.flag_attr, schema.FP8_SCALE}):
+                if id(getattr(node, "value", None)) in own or (name == p.flag_attr and p.flag_unproven is not None):
+                    continue
                 shown = " ".join(a.code(node).split())
-                taken.append(
-                    f"`{shown}` in {method.name.value} (the bypass sets `self.{min(names)}` once, in __init__, "
-                    f"to its own value)"
-                )
-    return taken
+                note(name, f"`{shown}` in {method.name.value} (the bypass relies on `self.{name}` being set once, in __init__)")
 
 
 def _store_targets(stmt: cst.CSTNode) -> list[cst.BaseExpression]:

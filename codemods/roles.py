@@ -1,0 +1,289 @@
+"""The roles of a bypass, proven from what its expressions do, never from how they are spelled.
+
+A fork's own bypass may name every piece differently, and write every condition
+another way round. Each piece is known here by its role:
+
+- *flag*: a ``self.<attr>`` set in ``__init__`` from ``self.kv_cache_dtype`` alone, true
+  for ``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"`` and false for ``"auto"``:
+  ``fp8_flag`` evaluates the expression on those strings (``"fp8" in d``,
+  ``d.startswith("fp8")``, ``d != "auto"``, a membership test, vLLM's
+  ``is_quantized_kv_cache(d)``, a module or ``self`` function that returns one of
+  those);
+- *guard*: what the cache arguments are conditioned on, a local or inlined
+  (``None if self.<flag> else X``); ``guard_flag`` reads its truth table over
+  "compiling" and the flag: ``not flag``, ``not compiling and not flag`` or (a
+  native call) ``not compiling``;
+- *post-call block*: the ``if`` after the call that runs when the guard is false,
+  its test read as a truth table too (``post_block``), so ``not G``, ``G is
+  False``, ``torch.compiler.is_compiling() or not G`` in either order are one role.
+
+Everything here works on Python's own ``ast`` and imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from codemods import schema
+
+FP8_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+DTYPE = f"self.{schema.DTYPE_ATTR}"
+COMPILING = "<compiling>"  # the truth tables' name for torch.compiler.is_compiling()
+# vLLM's helper: true for every quantized cache dtype (``kv_cache_dtype != "auto"``).
+VLLM_HELPERS = {"is_quantized_kv_cache": lambda dtype: dtype != schema.AUTO_DTYPE}
+_STR_METHODS = {"startswith", "endswith", "lower", "upper", "strip", "casefold"}
+_DEPTH = 3  # helper functions calling helper functions: how deep a flag is followed
+
+
+class Unknown(Exception):
+    """The expression holds something the reading cannot evaluate."""
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What an expression's calls can reach: the module's functions, the class's methods
+    (``ast`` defs by name) and the names imported from vLLM."""
+
+    functions: Mapping[str, ast.FunctionDef]
+    methods: Mapping[str, ast.FunctionDef]
+    vllm_names: frozenset[str] = frozenset()
+
+
+NO_SCOPE = Scope({}, {})
+
+
+def evaluate(node: ast.expr, env: Mapping[str, object], scope: Scope = NO_SCOPE, depth: int = 0) -> object:
+    """The value of ``node`` where ``env`` gives names, ``self.`` attributes (dotted) and
+    ``COMPILING``; ``Unknown`` for anything else."""
+
+    def ev(n: ast.expr) -> object:
+        return evaluate(n, env, scope, depth)
+
+    if isinstance(node, ast.Constant):
+        return node.value
+    dotted = schema.dotted(node) if isinstance(node, (ast.Name, ast.Attribute)) else None
+    if dotted is not None:
+        if dotted in env:
+            return env[dotted]
+        raise Unknown(dotted)
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return tuple(ev(e) for e in node.elts)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return not ev(node.operand)
+    if isinstance(node, ast.BoolOp):
+        value: object = None
+        for item in node.values:
+            value = ev(item)
+            if bool(value) is isinstance(node.op, ast.Or):
+                return value
+        return value
+    if isinstance(node, ast.IfExp):
+        return ev(node.body) if ev(node.test) else ev(node.orelse)
+    if isinstance(node, ast.Compare):
+        left = ev(node.left)
+        for op, right_node in zip(node.ops, node.comparators):
+            right = ev(right_node)
+            if not _compare(op, left, right):
+                return False
+            left = right
+        return True
+    if isinstance(node, ast.Call):
+        return _call(node, env, scope, depth)
+    raise Unknown(type(node).__name__)
+
+
+def _compare(op: ast.cmpop, left: object, right: object) -> bool:
+    if isinstance(op, (ast.In, ast.NotIn)):
+        if not isinstance(right, (str, tuple)) or (isinstance(right, str) and not isinstance(left, str)):
+            raise Unknown("in")
+        return (left in right) is isinstance(op, ast.In)
+    if isinstance(op, (ast.Eq, ast.NotEq)):
+        return (left == right) is isinstance(op, ast.Eq)
+    if isinstance(op, (ast.Is, ast.IsNot)):  # `G is False`: only on bools and None, where it is ==
+        if not all(v is None or isinstance(v, bool) for v in (left, right)):
+            raise Unknown("is")
+        return (left is right) is isinstance(op, ast.Is)
+    raise Unknown(type(op).__name__)
+
+
+def _call(node: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -> object:
+    if schema.is_compiling(node):
+        if COMPILING in env:
+            return env[COMPILING]
+        raise Unknown("is_compiling")
+    if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+        raise Unknown("*args")
+    func = node.func
+    args = [evaluate(a, env, scope, depth) for a in node.args]
+    kwargs = {k.arg: evaluate(k.value, env, scope, depth) for k in node.keywords if k.arg is not None}
+    if isinstance(func, ast.Attribute) and func.attr in _STR_METHODS and schema.dotted(func.value) != "self":
+        owner = evaluate(func.value, env, scope, depth)
+        if isinstance(owner, str) and not kwargs and all(isinstance(a, (str, tuple)) for a in args):
+            return getattr(owner, func.attr)(*args)
+        raise Unknown(func.attr)
+    name = schema.dotted(func)
+    if name in ("bool", "str") and len(args) == 1 and not kwargs:
+        return bool(args[0]) if name == "bool" else str(args[0])
+    if name is not None:
+        last = name.rpartition(".")[2]
+        if name.startswith("self.") and name.count(".") == 1 and last in scope.methods:
+            return _helper(scope.methods[last], args, kwargs, env, scope, depth, skip_self=True)
+        if "." not in name and name in scope.functions:
+            return _helper(scope.functions[name], args, kwargs, env, scope, depth, skip_self=False)
+        root = name.partition(".")[0]
+        if last in VLLM_HELPERS and (root in scope.vllm_names or root == "vllm") and len(args) == 1:
+            if not isinstance(args[0], str):
+                raise Unknown(last)
+            return VLLM_HELPERS[last](args[0])
+    raise Unknown(name or "call")
+
+
+def _helper(
+    fn: ast.FunctionDef,
+    args: list[object],
+    kwargs: dict[str, object],
+    env: Mapping[str, object],
+    scope: Scope,
+    depth: int,
+    skip_self: bool,
+) -> object:
+    """A small function's value: its body is one ``return <expr>`` (after a docstring)."""
+    if depth >= _DEPTH:
+        raise Unknown("too deep")
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None:
+        raise Unknown(fn.name)
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)][1 if skip_self else 0 :]
+    if fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs or len(args) > len(params):
+        raise Unknown(fn.name)
+    bound = dict(zip(params, args))
+    bound.update(kwargs)
+    defaults = fn.args.defaults
+    for param, default in zip(params[len(params) - len(defaults) :], defaults):
+        bound.setdefault(param, evaluate(default, {}, scope, depth + 1))
+    if set(bound) != set(params):
+        raise Unknown(fn.name)
+    inner: dict[str, object] = {k: v for k, v in env.items() if k.startswith("self.") or k == COMPILING}
+    if not skip_self:
+        inner = {}
+    inner.update(bound)
+    return evaluate(body[0].value, inner, scope, depth + 1)
+
+
+# --- the flag ---------------------------------------------------------------------------
+
+
+def fp8_flag(value: ast.expr, scope: Scope = NO_SCOPE) -> bool:
+    """``value`` (of ``self.<flag> = value`` in __init__) reads ``self.kv_cache_dtype`` alone
+    and is true for each fp8 dtype, false for ``"auto"``."""
+    try:
+        return all(bool(evaluate(value, {DTYPE: d}, scope)) for d in FP8_DTYPES) and not bool(
+            evaluate(value, {DTYPE: schema.AUTO_DTYPE}, scope)
+        )
+    except (Unknown, TypeError, ValueError, RecursionError):
+        return False
+
+
+# --- the guard and the post-call block: truth tables ---------------------------------------
+
+
+def self_attrs(node: ast.expr) -> set[str]:
+    """The ``self.<attr>`` names an expression reads (one level: ``self.a``, not ``self.a.b``)."""
+    found = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+            found.add(n.attr)
+    return found
+
+
+@dataclass(frozen=True)
+class Guard:
+    """What the cache arguments are conditioned on: ``fused_when``, true where the fused op
+    gets the caches (``G`` of ``X if G else None``, ``not C`` of ``None if C else X``);
+    ``local``: the local it reads (None: inlined); ``value``: what the local holds before
+    the call (None: bound nowhere, a lost guard)."""
+
+    fused_when: ast.expr
+    local: str | None = None
+    value: ast.expr | None = None
+
+    def atoms(self, flag: str | None) -> tuple[list[str], dict[str, ast.expr]]:
+        atoms = [COMPILING] + ([f"self.{flag}"] if flag else [])
+        if self.local is not None and self.value is None:
+            atoms.append(self.local)
+        derived = {self.local: self.value} if self.local is not None and self.value is not None else {}
+        return atoms, derived
+
+    def reads(self) -> set[str]:
+        """The ``self.`` attributes the guard reads (its value's where it has one)."""
+        return self_attrs(self.fused_when) | (self_attrs(self.value) if self.value is not None else set())
+
+
+def _table(expr: ast.expr, atoms: list[str], derived: Mapping[str, ast.expr]) -> list[bool] | None:
+    """``expr``'s truth value for every assignment of ``atoms`` (``COMPILING`` first), in
+    ``itertools.product`` order; ``derived``: locals whose value is an expression over the
+    atoms. None: not a function of those alone."""
+    table = []
+    for values in itertools.product((False, True), repeat=len(atoms)):
+        env: dict[str, object] = dict(zip(atoms, values))
+        try:
+            for name, value in derived.items():
+                env[name] = bool(evaluate(value, env))
+            table.append(bool(evaluate(expr, env)))
+        except (Unknown, TypeError, ValueError, RecursionError):
+            return None
+    return table
+
+
+def _rows(atoms: list[str]) -> list[dict[str, bool]]:
+    return [dict(zip(atoms, values)) for values in itertools.product((False, True), repeat=len(atoms))]
+
+
+def guard_flag(guard: Guard, native: bool) -> str | None:
+    """The flag a guard reads, where it is a guard: the fused op writes where ``not F`` or
+    ``not compiling and not F`` -> ``"F"``; on a native call also ``not compiling`` -> ``""``
+    (in eager the kernel writes fp8 itself). None: not a bypass's guard (or a lost one)."""
+    if guard.local is not None and guard.value is None:
+        return None
+    attrs = guard.reads()
+    if len(attrs) > 1:
+        return None
+    flag = next(iter(attrs), None)
+    atoms, derived = guard.atoms(flag)
+    table = _table(guard.fused_when, atoms, derived)
+    if table is None:
+        return None
+    rows = _rows(atoms)
+    if flag is None:
+        return "" if native and table == [not r[COMPILING] for r in rows] else None
+    f = f"self.{flag}"
+    if table in ([not r[f] for r in rows], [not r[COMPILING] and not r[f] for r in rows]):
+        return flag
+    return None
+
+
+@dataclass(frozen=True)
+class PostBlock:
+    """An ``if`` after the call that runs exactly when the fused op did not write."""
+
+    while_compiling: bool  # it runs while compiling, whatever the flag
+
+
+def post_block(test: ast.expr, guard: Guard, flag: str | None) -> PostBlock | None:
+    """Whether ``test`` is the post-call block's: true exactly where the fused op did not
+    write (``not G``, ``G is False``, ``self.F`` where ``G = not self.F``), or where it did
+    not or the model is compiling (``torch.compiler.is_compiling() or not G``, either order)."""
+    atoms, derived = guard.atoms(flag)
+    table = _table(test, atoms, derived)
+    fused = _table(guard.fused_when, atoms, derived)
+    if table is None or fused is None:
+        return None
+    compiling = [r[COMPILING] for r in _rows(atoms)]
+    if table == [not w for w in fused]:
+        return PostBlock(all(t for t, c in zip(table, compiling) if c))
+    if table == [c or not w for c, w in zip(compiling, fused)]:
+        return PostBlock(True)
+    return None
