@@ -36,6 +36,7 @@ VARIANTS = {
     "separate_projections": ([SiteState.NEEDS_BYPASS], 1),
     "compiled_native": ([SiteState.OUTDATED], 1),
     "compiled_native_lost_guard": ([SiteState.HALF_APPLIED], 1),
+    "amd_fork_era": ([SiteState.OUTDATED], 1),
 }
 
 

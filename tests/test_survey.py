@@ -80,7 +80,7 @@ def test_survey_fixtures_and_real_wheels(tmp_path: Path, wheel_sites: dict[str, 
         native_rows = [r for r in rows if r["vLLM"] == version and r["state"] == "native"]
         assert [r["site"].split(":")[0] for r in native_rows] == ["MiniMaxM3SparseAttention.forward"]
         assert native_rows[0]["run would"] == "nothing"
-    fork = next(r for r in rows if r["file"].endswith("fork_era/model.py"))
+    fork = next(r for r in rows if r["file"].endswith("/fork_era/model.py"))
     assert fork["vLLM"] == "unknown" and fork["site"] == "MiniMaxM3SparseAttention.forward:276"
     assert (fork["state"], fork["run would"]) == ("needs-bypass", "rewrite")
     assert fork["why"].startswith("fork-era insert call")
