@@ -13,7 +13,18 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-NVIDIA_PARTS = ("models", "minimax_m3", "nvidia")
+# The one list of the model folders the tool finds by itself, under ``vllm/``: MiniMax-M3 ships
+# one per platform, each with the same sparse layer and fused insert op. --vllm-root, --python,
+# the installed vLLM, the source tree around the working folder and survey all look in every one
+# of them (in this order); the pre-commit hooks' ``files:`` pattern is ``HOOK_FILES``, made from it.
+MODEL_PACKAGE = ("models", "minimax_m3")
+PLATFORMS = ("nvidia", "amd")
+MODEL_DIRS = tuple((*MODEL_PACKAGE, platform) for platform in PLATFORMS)
+NVIDIA_PARTS = MODEL_DIRS[PLATFORMS.index("nvidia")]
+# How messages name them: "vllm/models/minimax_m3/nvidia/ or amd/".
+MODEL_DIRS_SHOWN = "/".join(("vllm", *MODEL_PACKAGE, "")) + "/ or ".join(PLATFORMS) + "/"
+# The hooks' `files:` regex (.pre-commit-hooks.yaml, the README's snippet): every .py under them.
+HOOK_FILES = "/".join(("vllm", *MODEL_PACKAGE)) + "/(" + "|".join(PLATFORMS) + r")/.*\.py$"
 
 
 class TargetError(Exception):
@@ -141,21 +152,40 @@ def example_path() -> Path:
     return Path(str(resources.files("rewriter") / "data" / "example_model.py"))
 
 
-def nvidia_dir(root: Path, origin: str) -> Path:
-    """``vllm/models/minimax_m3/nvidia`` under a checkout, site-packages or the package."""
+def model_dirs(root: Path, origin: str) -> list[Path]:
+    """The model folders (``MODEL_DIRS``) that exist under a checkout, site-packages or the
+    ``vllm`` package folder itself, in ``PLATFORMS`` order; a TargetError if there is none."""
     if not root.is_dir():
         raise TargetError(f"{root}: {origin}: no such directory")
     for base in (root / "vllm", root):
-        candidate = base.joinpath(*NVIDIA_PARTS)
-        if candidate.is_dir():
-            return candidate
+        found = [base.joinpath(*parts) for parts in MODEL_DIRS if base.joinpath(*parts).is_dir()]
+        if found:
+            return found
     if (root / "vllm").is_dir() or (root / "__init__.py").is_file():
-        raise TargetError(
-            f"{root}: {origin}: this vLLM has no MiniMax-M3 NVIDIA model (no vllm/models/minimax_m3/nvidia/)"
-        )
+        raise TargetError(f"{root}: {origin}: this vLLM has no MiniMax-M3 model (no {MODEL_DIRS_SHOWN})")
     raise TargetError(
-        f"{root}: {origin}: not a vLLM checkout, site-packages or package (no vllm/models/minimax_m3/nvidia/)"
+        f"{root}: {origin}: not a vLLM checkout, site-packages or package (no {MODEL_DIRS_SHOWN})"
     )
+
+
+def nvidia_dir(root: Path, origin: str) -> Path:
+    """``vllm/models/minimax_m3/nvidia`` under a checkout, site-packages or the package."""
+    for folder in model_dirs(root, origin):
+        if folder.name == NVIDIA_PARTS[-1]:
+            return folder
+    raise TargetError(
+        f"{root}: {origin}: this vLLM has no MiniMax-M3 NVIDIA model (no vllm/{'/'.join(NVIDIA_PARTS)}/)"
+    )
+
+
+def package_of(folder: Path) -> Path:
+    """The ``vllm`` package folder a model folder (one of ``MODEL_DIRS``) is in."""
+    return folder.parents[len(MODEL_PACKAGE)]
+
+
+def model_files(folders: Sequence[Path]) -> list[Path]:
+    """Every ``*.py`` under the model folders, folder by folder (``python_files``)."""
+    return [path for folder in folders for path in python_files(folder)]
 
 
 def python_files(folder: Path) -> list[Path]:
@@ -267,10 +297,10 @@ def vllm_of_current_interpreter() -> Path:
 
 def source_tree_around(folder: Path) -> Path | None:
     """The vLLM source tree ``folder`` is in: the nearest folder, ``folder`` or above,
-    that holds ``vllm/models/minimax_m3/nvidia/``."""
+    that holds one of the model folders (``vllm/models/minimax_m3/nvidia/`` or ``amd/``)."""
     folder = Path(os.path.abspath(folder))
     for candidate in (folder, *folder.parents):
-        if candidate.joinpath("vllm", *NVIDIA_PARTS).is_dir():
+        if any(candidate.joinpath("vllm", *parts).is_dir() for parts in MODEL_DIRS):
             return candidate
     return None
 
@@ -295,7 +325,11 @@ def default_targets(versions: bool = False) -> list[Target]:
         missing: TargetError | None = None
     except VllmNotInstalled as exc:
         package, missing = None, exc
-    installed = package if package is not None and package.joinpath(*NVIDIA_PARTS).is_dir() else None
+    installed = (
+        package
+        if package is not None and any(package.joinpath(*parts).is_dir() for parts in MODEL_DIRS)
+        else None
+    )
     if tree is not None and installed is not None:
         if os.path.realpath(installed) != os.path.realpath(tree / "vllm"):
             raise TargetError(
@@ -304,19 +338,19 @@ def default_targets(versions: bool = False) -> list[Target]:
                 f"or --python {sys.executable} (the installed one)"
             )
     if tree is not None:
-        folder = tree.joinpath("vllm", *NVIDIA_PARTS)
+        folders = model_dirs(tree, f"source tree {tree}")
         version = tree_version(tree / "vllm", versions)
-        return [Target(f, f"source tree {tree}", version, tree) for f in python_files(folder)]
+        return [Target(f, f"source tree {tree}", version, tree) for f in model_files(folders)]
     if package is None:
         raise TargetError(
             f"{missing}, and {Path.cwd()} is not inside a vLLM source tree"
-            " (no vllm/models/minimax_m3/nvidia/); "
+            f" (no {MODEL_DIRS_SHOWN}); "
             "name the files (PATH...), a fork checkout or site-packages (--vllm-root DIR), "
             "or another environment (--python EXE)"
         )
-    folder = nvidia_dir(package, f"vLLM of {sys.executable}")
+    folders = model_dirs(package, f"vLLM of {sys.executable}")
     version = installed_version(package)
-    return [Target(f, "current interpreter", version, package.parent) for f in python_files(folder)]
+    return [Target(f, "current interpreter", version, package.parent) for f in model_files(folders)]
 
 
 def installed_version(package: Path) -> str | None:
@@ -392,9 +426,9 @@ def resolve(
         else:
             raise TargetError(f"{path}: no such file or directory")
     for root in vllm_roots:
-        folder = nvidia_dir(root, "--vllm-root")
-        version = tree_version(folder.parents[len(NVIDIA_PARTS) - 1], versions)
-        targets += [Target(f, f"--vllm-root {root}", version, root) for f in python_files(folder)]
+        folders = model_dirs(root, "--vllm-root")
+        version = tree_version(package_of(folders[0]), versions)
+        targets += [Target(f, f"--vllm-root {root}", version, root) for f in model_files(folders)]
     for python in pythons:
         try:
             package, version = vllm_install_of_interpreter(python)
@@ -403,8 +437,8 @@ def resolve(
                 raise
             no_vllm[python] = exc.reason
             continue
-        folder = nvidia_dir(package, f"vLLM of {python}")
-        targets += [Target(f, f"--python {python}", version, package.parent) for f in python_files(folder)]
+        folders = model_dirs(package, f"vLLM of {python}")
+        targets += [Target(f, f"--python {python}", version, package.parent) for f in model_files(folders)]
     if example:
         targets.append(Target(example_path(), "--example", root=example_path().parent))
     if not (paths or pythons or vllm_roots or example):

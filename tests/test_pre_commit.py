@@ -150,7 +150,8 @@ def test_manifest() -> None:
         assert hook["language"] == "python" and hook["require_serial"] is True
         files = re.compile(hook["files"])
         assert files.search(f"{NVIDIA}/model.py") and files.search(f"{NVIDIA}/ops/fused.py")
-        assert not files.search("vllm/models/minimax_m3/amd/model.py")
+        assert files.search("vllm/models/minimax_m3/amd/model.py")
+        assert not files.search("vllm/models/minimax_m3/common/indexer.py")
         assert not files.search(f"{NVIDIA}/README.md")
     assert hooks["mm3-codemod"]["entry"].split()[:2] == ["mm3-codemod", "run"]
     assert "--exit-non-zero-on-fix" in hooks["mm3-codemod"]["entry"]
