@@ -422,3 +422,77 @@ def test_git_describe_without_git_or_a_repository_or_a_tag(tmp_path: Path, monke
     assert git_describe(tmp_path) == "1.2.3"
     monkeypatch.setenv("PATH", str(tmp_path / "no-git-here"))
     assert git_describe(tmp_path) is None  # git absent: unknown, no failure
+
+
+# --- the AMD model file beside the NVIDIA one -------------------------------------------------
+
+
+def test_a_fork_era_tree_with_both_model_files(tmp_path: Path) -> None:
+    """A fork-era checkout holding nvidia/model.py (no bypass) and amd/model.py (the seed's
+    bypass): survey lists both, with the checkout's version; after run, both are patched."""
+    from test_targets import two_platform_tree
+
+    fork = tmp_path / "fork"
+    two_platform_tree(fork)
+    git(fork, "init", "-q")
+    git(fork, "add", "-A")
+    git(fork, "commit", "-qm", "fork era")
+    git(fork, "tag", "v0.24.0")
+    proc = cli("survey", "--json", "--vllm-root", str(fork))
+    assert proc.returncode == 1, proc.stderr
+    files = by_file(json.loads(proc.stdout))
+    nvidia = files[str(fork / "vllm/models/minimax_m3/nvidia/model.py")]
+    amd = files[str(fork / "vllm/models/minimax_m3/amd/model.py")]
+    assert nvidia["vllm_version"] == amd["vllm_version"] == "0.24.0"
+    assert insert_states(nvidia) == ["needs-bypass"] and insert_states(amd) == ["outdated"]
+    rows = table_rows(cli("survey", "--vllm-root", str(fork), env={"COLUMNS": "240"}).stderr)
+    shown = {(Path(r["file"]).parent.name, r["state"], r["run would"]) for r in rows}
+    assert shown == {("nvidia", "needs-bypass", "rewrite"), ("amd", "outdated", "upgrade")}
+    assert cli("run", "--vllm-root", str(fork)).returncode == 0
+    rows = table_rows(cli("survey", "--vllm-root", str(fork), env={"COLUMNS": "240"}).stderr)
+    assert {(Path(r["file"]).parent.name, r["state"]) for r in rows} == {("nvidia", "patched"), ("amd", "patched")}
+
+
+AMD_PREFIX = PREFIX.replace("/nvidia/", "/amd/")
+# Native sites of each release's AMD model.py: 0.34.0 has two (its plain call with and without
+# the index branch), beside norm+rope-only calls whose cache aiter or NVFP4 code writes.
+AMD_NATIVE = {"0.24.0": 1, "0.34.0": 2}
+
+
+@pytest.fixture(scope="module", params=VERSIONS)
+def amd_site(request, tmp_path_factory) -> tuple[str, Path]:
+    """A real wheel as a site-packages with both model folders, amd/ (every file) beside nvidia/."""
+    version = request.param
+    root = tmp_path_factory.mktemp(f"site-packages-amd-{version}")
+    with zipfile.ZipFile(vllm_wheel(version)) as wheel:
+        for name in wheel.namelist():
+            if (name.startswith((PREFIX, AMD_PREFIX)) and name.endswith(".py")) or name.endswith(
+                ".dist-info/METADATA"
+            ):
+                wheel.extract(name, root)
+    (root / "vllm" / "__init__.py").write_text(POISON.format("vllm"))
+    assert (root / AMD_PREFIX / "model.py").stat().st_size > 40_000
+    return version, root
+
+
+def test_real_wheels_amd_files_are_native_or_not_a_site(amd_site: tuple[str, Path]) -> None:
+    """PyPI's AMD model files are native: every fused call is native or a not-a-site call with
+    its reason, nothing in amd/ needs a rewrite, and run writes nothing."""
+    version, root = amd_site
+    proc = cli("survey", "--json", "--vllm-root", str(root))
+    assert proc.returncode == 0, proc.stderr
+    files = by_file(json.loads(proc.stdout))
+    amd = {p: f for p, f in files.items() if f"/{AMD_PREFIX}" in p}
+    assert len(amd) > 1 and all(f["vllm_version"] == version for f in amd.values())
+    assert all(f["status"] in ("unchanged", "no-sites") for f in files.values())
+    model = amd[str(root / AMD_PREFIX / "model.py")]
+    assert insert_states(model) == ["native"] * AMD_NATIVE[version]
+    for site in model["sites"]:
+        assert site["action"] == "none" and site["reason"]
+        if site["state"] == "native":
+            assert site["class"] == "MiniMaxM3SparseAttention" and "--kv-cache-dtype fp8" in site["reason"]
+        else:
+            assert site["state"] == "not-a-site" and "norm+rope-only" in site["reason"]
+    before = {p: p.read_bytes() for p in root.rglob("*.py")}
+    assert cli("run", "--vllm-root", str(root)).returncode == 0
+    assert {p: p.read_bytes() for p in root.rglob("*.py")} == before
