@@ -53,19 +53,26 @@ if not {guard}:
 
 # The index key as the key and value of a one-slot-per-block view of the index
 # cache: reshape_and_cache_flash skips slot -1 (a padded token) as the fused op does.
+# The cache's dtype picks the store: a bf16 one copies, an fp8 e4m3 one (vLLM's
+# indexer_kv_dtype "fp8") stores x / 1, saturating, as the fused op stores it.
 INDEX_WRITE = """\
 # Index-key cache: one head per token, written by reshape_and_cache_flash,
 # which skips padded tokens (slot -1) as the fused op does.
 {idx_key} = {index_key}.view(-1, 1, {idx_head_dim})
 {idx_cache} = {index_cache}.view(-1, 1, 1, {idx_head_dim})
-assert {idx_cache}.dtype == {idx_key}.dtype  # the index cache stays bf16
+if {idx_cache}.dtype == {idx_key}.dtype:
+{I}{idx_dtype} = "auto"  # a bf16 index cache: copied as is
+elif {idx_cache}.dtype == torch.float8_e4m3fn:
+{I}{idx_dtype} = "fp8_e4m3"  # an fp8 index cache: x / 1, saturating
+else:
+{I}raise ValueError(f"index cache dtype {{{idx_cache}.dtype}}: neither {{{idx_key}.dtype}} nor fp8 e4m3")
 {reshape}(
 {I}{idx_key},
 {I}{idx_key},
 {I}{idx_cache},
 {I}{idx_cache},
 {I}{index_slots},
-{I}"auto",
+{I}{idx_dtype},
 {I}{scale},
 {I}{scale},
 )
@@ -84,7 +91,7 @@ def {name}(
 
 {D}Used only on the fp8-KV path, where the bf16-only fused op runs in
 {D}norm+rope-only mode: ``reshape_and_cache_flash`` honours kv_cache_dtype.
-{D}The index cache stays bf16 (no quantization).
+{D}The index cache is copied (bf16) or stored x / 1 (fp8 e4m3), as the fused op does.
 {D}"""
 {I}key_cache, value_cache = {kv_cache}.unbind(1)
 {I}scale = self._fp8_kv_scale  # identity: stores x / 1

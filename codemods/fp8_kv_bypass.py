@@ -207,6 +207,7 @@ def plan_bypass(
                     I=module.default_indent,
                     idx_key="idx_key",
                     idx_cache="idx_cache",
+                    idx_dtype="idx_dtype",
                     index_key="index_key",
                     index_cache=caches[schema.INDEX_CACHE.keyword],
                     idx_head_dim=w.idx_head_dim,
@@ -263,6 +264,7 @@ def _scatter_edits(
         module,
         idx_key=_fresh("idx_key", taken),
         idx_cache=target.value.value if isinstance(target.value, cst.Name) else _fresh("idx_cache", taken),
+        idx_dtype=_fresh("idx_dtype", taken),
         index_key=key.value,
         index_cache=a.code(view.func.value),  # type: ignore[attr-defined]
         idx_head_dim=a.code(view.args[1].value),  # type: ignore[attr-defined]

@@ -406,7 +406,7 @@ def collect_pieces(
     p.flag_from_file = bool(guard_flag) or len(proven) == 1
     p.flag_set = flags.get(p.flag_attr) is True and len(init_attrs.get(p.flag_attr, [])) == 1
     if guard_flag and p.flag_attr in init_attrs and not p.flag_set:
-        p.flag_unproven = a.code(init_attrs[p.flag_attr][-1][1])  # the guard's flag, set to what?
+        p.flag_unproven = "`, then `".join(a.code(v) for _, v in init_attrs[p.flag_attr])  # set to what?
     p.scale_set = schema.FP8_SCALE in init_attrs
     attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
     # Once set, whether the flag is also read decides nothing (schema.Pieces.any_bypass).

@@ -330,7 +330,20 @@ def _flag_and_insert_kv(cls: ast.ClassDef, where: str) -> list[str]:
     ]
     params = [a.arg for a in insert_kv.args.args]
     main = [w for w in writes if _self_attr(w.args[5]) == dtype]
-    index = [w for w in writes if isinstance(w.args[5], ast.Constant) and w.args[5].value == "auto"]
+    # the index key's store: "auto" (a bf16 index cache), or a local that is only ever
+    # assigned "auto" or "fp8_e4m3" (picked by the index cache's dtype)
+    assigned: dict[str, set[object]] = {}
+    for node in ast.walk(insert_kv):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            value = node.value.value if isinstance(node.value, ast.Constant) else None
+            assigned.setdefault(node.targets[0].id, set()).add(value)
+    stores = {name for name, values in assigned.items() if values <= {"auto", "fp8_e4m3"}}
+    index = [
+        w
+        for w in writes
+        if isinstance(w.args[5], ast.Constant) and w.args[5].value == "auto"
+        or isinstance(w.args[5], ast.Name) and w.args[5].id in stores
+    ]
     if len(writes) != 2 or len(main) != 1 or len(index) != 1:
         problems.append(
             f"{where}: `_insert_kv` does not write k/v with reshape_and_cache_flash(..., self.{dtype}, ...) "

@@ -282,8 +282,9 @@ END_OF_INIT = "        self.kv_cache = torch.tensor([])  # replaced by bind_kv_c
     "source, why",
     [
         (edit(FORK_ERA, (END_OF_INIT, END_OF_INIT + "        self._fp8_kv = False\n")), "`self._fp8_kv = False` in __init__"),
-        (edit(PATCHED, (END_OF_INIT, END_OF_INIT + "        self._fp8_kv = False\n")), "`self._fp8_kv = False` in __init__"),
-        (edit(PATCHED, ('self._fp8_kv = "fp8" in self.kv_cache_dtype', 'self._fp8_kv = "fp8" in self.indexer_kv_dtype')), "indexer_kv_dtype` in __init__"),
+        # the patched file's own flag (its guard reads it), set otherwise: its role is not proven
+        (edit(PATCHED, (END_OF_INIT, END_OF_INIT + "        self._fp8_kv = False\n")), 'set in __init__ to `"fp8" in self.kv_cache_dtype`, then `False`'),
+        (edit(PATCHED, ('self._fp8_kv = "fp8" in self.kv_cache_dtype', 'self._fp8_kv = "fp8" in self.indexer_kv_dtype')), 'set in __init__ to `"fp8" in self.indexer_kv_dtype`, which cannot be proven'),
         (edit(FORK_ERA, (FORWARD, "    @property\n    def _fp8_kv(self) -> bool:\n        return False\n\n" + FORWARD)), "`_fp8_kv` is defined in the class body"),
         (edit(FORK_ERA, ("    def _run_attention(", "    _insert_kv = None\n\n    def _run_attention(")), "`_insert_kv` is bound in the class body"),
         (edit(PATCHED, ("    def _run_attention(", "    _insert_kv = staticmethod(lambda *args: None)\n\n    def _run_attention(")), "`_insert_kv` is bound in the class body"),

@@ -70,7 +70,7 @@ class Layer:
 
         Used only on the fp8-KV path, where the bf16-only fused op runs in
         norm+rope-only mode: ``reshape_and_cache_flash`` honours kv_cache_dtype.
-        The index cache stays bf16 (no quantization).
+        The index cache is copied (bf16) or stored x / 1 (fp8 e4m3), as the fused op does.
         \"\"\"
         key_cache, value_cache = self.kv_cache.unbind(1)
         scale = self._fp8_kv_scale  # identity: stores x / 1
@@ -88,14 +88,19 @@ class Layer:
         # which skips padded tokens (slot -1) as the fused op does.
         idx_key = index_key.view(-1, 1, self.idx_head_dim)
         idx_cache = self.index_cache.view(-1, 1, 1, self.idx_head_dim)
-        assert idx_cache.dtype == idx_key.dtype  # the index cache stays bf16
+        if idx_cache.dtype == idx_key.dtype:
+            idx_dtype = "auto"  # a bf16 index cache: copied as is
+        elif idx_cache.dtype == torch.float8_e4m3fn:
+            idx_dtype = "fp8_e4m3"  # an fp8 index cache: x / 1, saturating
+        else:
+            raise ValueError(f"index cache dtype {idx_cache.dtype}: neither {idx_key.dtype} nor fp8 e4m3")
         ops.reshape_and_cache_flash(
             idx_key,
             idx_key,
             idx_cache,
             idx_cache,
             index_slot_mapping,
-            "auto",
+            idx_dtype,
             scale,
             scale,
         )
