@@ -215,7 +215,8 @@ def test_try_repo(tmp_path: Path, hook_repo: tuple[Path, str], pre_commit_home: 
         f"{NVIDIA}/patched.py": FIXTURES / "patched" / "model.py",
         f"{NVIDIA}/half_applied.py": FIXTURES / "half_applied" / "model.py",
         f"{NVIDIA}/native.py": FIXTURES / "native" / "model.py",
-        "vllm/models/minimax_m3/amd/model.py": FIXTURES / "fork_era" / "model.py",  # not a hook file
+        "vllm/models/minimax_m3/amd/model.py": FIXTURES / "amd_fork_era" / "model.py",  # the AMD file too
+        "vllm/models/minimax_m3/common/indexer.py": FIXTURES / "fork_era" / "model.py",  # not a hook file
     }
     fork = fork_repo(tmp_path / "fork", files)
     repo, _ = hook_repo
@@ -224,12 +225,13 @@ def test_try_repo(tmp_path: Path, hook_repo: tuple[Path, str], pre_commit_home: 
     assert proc.returncode == 1, out
     fixer, checker = out.split("mm3-codemod (fp8 KV-cache bypass)")[1].split("mm3-codemod check (fp8")
     assert "Failed" in fixer and "- exit code: 1" in fixer and "files were modified by this hook" in fixer
-    assert "2 files rewritten, 2 files left unchanged." in fixer
-    assert "amd" not in out
+    assert "3 files rewritten, 2 files left unchanged." in fixer
+    assert "common" not in out
     assert "Passed" in checker  # the fixer left nothing to fix
     expected = {
         f"{NVIDIA}/model.py": FIXTURES / "fork_era" / "expected.py",
         f"{NVIDIA}/half_applied.py": FIXTURES / "half_applied" / "expected.py",
+        "vllm/models/minimax_m3/amd/model.py": FIXTURES / "amd_fork_era" / "expected.py",
     }
     for name, source in files.items():
         assert (fork / name).read_bytes() == expected.get(name, source).read_bytes(), name
