@@ -145,7 +145,7 @@ def plan_site(
         return None
     if slot is None:
         raise Unsupported("the call is not a statement of its own in a block")
-    if pieces.compiled_write and op.arg(schema.KV_CACHE_DTYPE) is not None:
+    if (pieces.compiled_write or pieces.compiled_branch) and op.arg(schema.KV_CACHE_DTYPE) is not None:
         raise Unsupported(
             f"on this native call the bypass is torch.compile's cache write ({schema.COMPILED_DESIGN}): "
             "taking it out would leave the compiled path writing no token. Keep it: in eager the "

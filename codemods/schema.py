@@ -185,6 +185,9 @@ class Pieces:
     # and the call's slot mappings are None there: the block's compiled branch (a custom op, say)
     # is the only cache write under torch.compile (a torch.compile-aware fork's own design)
     compiled_write: bool = False
+    # the post-call block holds a compiled-path write (an `is_compiling()` branch or a registered
+    # op's call), wired or not: never the bypass's to take out
+    compiled_branch: bool = False
     # The roles' names in this file (``roles``): the flag the guard reads, the method the
     # post-call block hands the write to; the bypass's own names where the file has none.
     flag_attr: str = FP8_FLAG
@@ -420,7 +423,7 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
             )
         if p.any_bypass() and p.taken:
             return taken  # which pieces are the bypass's cannot be told
-        if p.any_bypass() and p.compiled_write:
+        if p.any_bypass() and (p.compiled_write or p.compiled_branch):
             return _compiled_bypass(f, p, site)
         if p.any_bypass():
             have = ", ".join(k for k, v in present.items() if v) or f"a read of self.{FP8_FLAG}"

@@ -435,6 +435,7 @@ def collect_pieces(
         p.compiled_write = (
             p.post_insert_wired and post is not None and post.while_compiling and _slots_none_somewhere(method, op)
         )
+        p.compiled_branch = a.first_in(stmt, _compiled_path_write) is not None
         break
     return _finish(p, cls, init_attrs, functions, mentions_flag)
 
@@ -449,6 +450,14 @@ def _finish(
     p.insert_kv = _insert_kv_form(a.find_method(cls, p.insert_method), cls, functions)
     _taken_names(cls, init_attrs if mentions_flag or p.flag_from_file else {}, p)
     return p
+
+
+def _compiled_path_write(node: cst.CSTNode) -> bool:
+    """A branch on ``torch.compiler.is_compiling()``, or a call of a registered op
+    (``torch.ops.<namespace>.<op>(...)``): the compiled path's cache write."""
+    if isinstance(node, cst.If):
+        return matches(node.test, schema.is_compiling)
+    return isinstance(node, cst.Call) and a.code(node.func).replace(" ", "").startswith("torch.ops.")
 
 
 def _passes_slots(node: cst.CSTNode, main: cst.Arg | None, index: cst.Arg | None) -> bool:

@@ -345,49 +345,54 @@ def no_temp_folder_left(tmp_path_factory):
     assert not left, f"temporary files left behind: {left}"
 
 
-# The mutation corpus's results, gathered from the test reports: under pytest-xdist the tests
-# run in worker processes, and what reaches this (controlling) process is their reports.
-_CORPUS_PROPERTY = "mutation-corpus"
-_CORPUS_RESULTS: list[tuple] = []
+# The mutation corpus's and the spelling variants' results, gathered from the test reports:
+# under pytest-xdist the tests run in worker processes, and what reaches this (controlling)
+# process is their reports. Each module's RESULTS: (fixture, kinds, outcome, reason).
+_OUTCOMES = {
+    "mutations": ("mutation corpus", ("rewritten", "refused", "wrong")),
+    "variants": ("spelling variants", ("right", "refused", "wrong", "harmful advice")),
+}
+_RESULTS: dict[str, list[tuple]] = {name: [] for name in _OUTCOMES}
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    """A corpus test's result (tests/mutations.py's RESULTS) rides on its report."""
-    mutations = sys.modules.get("mutations")
-    results = getattr(mutations, "RESULTS", None)
-    count = len(results) if results is not None else 0
+    """A corpus or variant test's results (RESULTS of tests/mutations.py, tests/variants.py)
+    ride on its report."""
+    lists = {name: getattr(sys.modules.get(name), "RESULTS", None) for name in _OUTCOMES}
+    counts = {name: len(r) if r is not None else 0 for name, r in lists.items()}
     yield
-    if results is not None and len(results) > count:
-        index = item.session.items.index(item)  # the same in every xdist worker: all collect alike
-        for fixture, kinds, result, reason in results[count:]:
-            item.user_properties.append((_CORPUS_PROPERTY, (index, fixture, list(kinds), result, reason)))
+    for name, results in lists.items():
+        if results is not None and len(results) > counts[name]:
+            index = item.session.items.index(item)  # the same in every xdist worker: all collect alike
+            for fixture, kinds, result, reason in results[counts[name] :]:
+                item.user_properties.append((name, (index, fixture, list(kinds), result, reason)))
 
 
 def pytest_runtest_logreport(report) -> None:
     for name, value in report.user_properties:
-        if name == _CORPUS_PROPERTY and report.when == "call":
-            _CORPUS_RESULTS.append(tuple(value))
+        if name in _RESULTS and report.when == "call":
+            _RESULTS[name].append(tuple(value))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """The mutation corpus counts: rewritten / refused / wrong, by mutation kind."""
-    results = [r[1:] for r in sorted(_CORPUS_RESULTS, key=lambda r: r[0])]  # in collection order
-    if not results:
-        return
-    outcomes = ("rewritten", "refused", "wrong")
+    """The counts of the mutation corpus and of the spelling variants, by kind."""
     write = terminalreporter.write_line
-    terminalreporter.section("mutation corpus")
-    total = {o: sum(1 for r in results if r[2] == o) for o in outcomes}
-    write(f"{len(results)} variants: " + ", ".join(f"{total[o]} {o}" for o in outcomes))
-    kinds = sorted({k for r in results for k in r[1]})
-    write(f"{'kind (in a variant)':24} " + " ".join(f"{o:>9}" for o in outcomes))
-    for kind in kinds:
-        counts = [sum(1 for r in results if kind in r[1] and r[2] == o) for o in outcomes]
-        write(f"{kind:24} " + " ".join(f"{n:>9}" for n in counts))
-    for fixture, kinds_, outcome, reason in results:
-        if outcome == "refused":
-            write(f"refused: {fixture} {'+'.join(kinds_)}: {reason}")
+    for name, (title, outcomes) in _OUTCOMES.items():
+        results = [r[1:] for r in sorted(_RESULTS[name], key=lambda r: r[0])]  # in collection order
+        if not results:
+            continue
+        terminalreporter.section(title)
+        total = {o: sum(1 for r in results if r[2] == o) for o in outcomes}
+        write(f"{len(results)} variants: " + ", ".join(f"{total[o]} {o}" for o in outcomes))
+        kinds = sorted({k for r in results for k in r[1]})
+        write(f"{'kind (in a variant)':40} " + " ".join(f"{o:>14}" for o in outcomes))
+        for kind in kinds:
+            counts = [sum(1 for r in results if kind in r[1] and r[2] == o) for o in outcomes]
+            write(f"{kind:40} " + " ".join(f"{n:>14}" for n in counts))
+        for fixture, kinds_, outcome, reason in results:
+            if outcome != outcomes[0]:
+                write(f"{outcome}: {fixture} {'+'.join(kinds_)}: {reason}")
 
 
 def syntax_tree(source: str) -> str:
