@@ -103,7 +103,7 @@ def classify(
             plan = plan_bypass(module, found, slot, found_pieces[-1], functions)
     except Unsupported as exc:
         failure = str(exc)
-    return schema.planned(decided, failure), plan
+    return schema.planned(decided, failure, found_pieces[-1] if found_pieces else None), plan
 
 
 def rewrite(analysis: FileAnalysis) -> cst.Module:

@@ -559,16 +559,27 @@ def _half_applied_reason(p: Pieces, present: dict[str, bool]) -> str:
 # --- once the changes are planned --------------------------------------------------------
 
 
-def planned(site: InsertSite, failure: str | None) -> InsertSite:
-    """A changing verdict whose plan could not be proven safe (``failure`` says why) is refused."""
+def planned(site: InsertSite, failure: str | None, pieces: Pieces | None = None) -> InsertSite:
+    """A changing verdict whose plan could not be proven safe (``failure`` says why) is refused.
+    A strip it cannot prove advises no deletion: what else the file's post-call block and write
+    method do is not proven (they may write a cache, or be read elsewhere); the way out it names
+    (serving without an fp8 cache, the guard restored where it was lost) changes no line of the
+    fork's own."""
     if failure is None or site.action not in CHANGING:
         return site
     if site.action is Action.STRIP:
+        p = pieces or Pieces()
+        way_out = "serve this file without --kv-cache-dtype fp8 (with a bf16 cache the fused op writes and the bypass is skipped)"
+        if p.guard_args and p.guard_assigned is None:
+            way_out = (
+                f"restore the lost guard before the call, `{p.guard_args[0]} = not self.{p.flag_attr}`"
+                + ("" if p.flag_set else f' (and `self.{p.flag_attr} = "fp8" in self.{DTYPE_ATTR}` in __init__)')
+                + ", then " + way_out
+            )
         reason = (
             f"{site.reason.split('; `run` takes')[0]}; `run` cannot take the bypass out: {failure}. "
-            f"By hand: in the call at line {site.line} pass each `X if <guard> else ...` argument "
-            "as `X`, delete the post-call block that calls `self._insert_kv` and the `_insert_kv` "
-            "method, then run `mm3-codemod check` on the file"
+            f"What else the post-call block and `{p.insert_method}` do is not proven, so no line is "
+            f"advised for deletion and nothing was changed. Until the bypass's author takes it out: {way_out}"
         )
         return replace(site, state=SiteState.HALF_APPLIED, action=Action.REFUSE, reason=reason)
     return replace(site, state=SiteState.UNSUPPORTED, action=Action.REFUSE, reason=failure)
