@@ -37,6 +37,7 @@ VARIANTS = {
     "compiled_native": ([SiteState.OUTDATED], 1),
     "compiled_native_lost_guard": ([SiteState.HALF_APPLIED], 1),
     "amd_fork_era": ([SiteState.OUTDATED], 1),
+    "fp8_index": ([SiteState.OUTDATED], 1),
 }
 
 

@@ -9,9 +9,15 @@ on any device, CPU included:
   are rewritten in place in ``qkv``, q and index_q go to ``q_out`` /
   ``index_q_out`` (in place without them). With a cache it also scatters k/v
   into ``[num_blocks, 2, block_size, kv_heads, head_dim]`` and index_k by its
-  own slots, and - like the fork kernel - it accepts bf16 caches only.
-- ``reshape_and_cache_flash``: ``"auto"`` copies; ``"fp8"``/``"fp8_e4m3"``
-  stores ``x / scale`` as saturating float8_e4m3fn bits in a uint8 cache.
+  own slots, and - like the fork kernel - it accepts bf16 main caches only. The
+  index cache is of the qkv dtype (copied) or float8_e4m3fn (``indexer_kv_dtype``
+  "fp8"), where index_k is stored as the forks' kernel stores it: clamped to
+  +-448, then converted (saturating, no scale).
+- ``reshape_and_cache_flash``: ``"auto"`` copies into a cache of the key's dtype;
+  ``"fp8"``/``"fp8_e4m3"`` stores ``x / scale`` as saturating float8_e4m3fn bits
+  in a 1-byte cache, uint8 or float8_e4m3fn alike (the real kernel never checks
+  the cache's dtype: it writes through the data pointer as bytes). What the real
+  op would garble (``"auto"`` into a cache of another dtype) is refused.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from __future__ import annotations
 import torch
 
 FP8_DTYPES = ("fp8", "fp8_e4m3")
+# The caches an fp8 store writes: 1-byte storage the kernel fills with e4m3 bits.
+FP8_CACHE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
 E4M3_MAX = 448.0
 BF16_ONLY = "kv_cache dtype must match qkv (bf16 cache only)"
 
@@ -43,6 +51,11 @@ def to_e4m3_bits(x: torch.Tensor, scale: torch.Tensor | float = 1.0) -> torch.Te
     """``x / scale`` as saturating float8_e4m3fn, returned as its uint8 bits."""
     y = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX)
     return y.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """A 1-byte cache as the uint8 storage the kernels write (a view: writes land in ``cache``)."""
+    return cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
 
 
 def e4m3_steps(bits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -125,11 +138,14 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
 
     if kv_cache is None:
         return
-    # The fork's op writes bf16 caches only; a native one (kv_cache_dtype passed)
-    # also stores k/v as e4m3 (scale 1) in a uint8 cache. The index cache stays bf16.
+    # The fork's op writes bf16 main caches only; a native one (kv_cache_dtype passed)
+    # also stores k/v as e4m3 (scale 1) in a uint8 cache. The index cache is of the
+    # qkv dtype, or float8_e4m3fn where the fork allows an fp8 index cache.
     main_dtype = qkv.dtype if kv_cache_dtype == "auto" else torch.uint8
-    if kv_cache.dtype != main_dtype or (index_cache is not None and index_cache.dtype != qkv.dtype):
+    if kv_cache.dtype != main_dtype:
         raise RuntimeError(BF16_ONLY if kv_cache_dtype == "auto" else f"{kv_cache_dtype} needs a uint8 kv_cache")
+    if index_cache is not None and index_cache.dtype not in (qkv.dtype, torch.float8_e4m3fn):
+        raise RuntimeError(f"index cache dtype must be {qkv.dtype} or Float8_e4m3fn, got {index_cache.dtype}")
     assert slot_mapping is not None
     if kv_cache.shape[2] != block_size:
         raise RuntimeError(f"block_size {block_size} does not match the cache ({kv_cache.shape[2]})")
@@ -137,7 +153,10 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
         _scatter_into(kv_cache[:, half], slot_mapping, rows if kv_cache_dtype == "auto" else to_e4m3_bits(rows))
     if index_cache is not None and index_k is not None:
         slots = index_slot_mapping if index_slot_mapping is not None else slot_mapping
-        _scatter_rows(index_cache.view(-1, index_k.shape[-1]), slots, index_k)
+        if index_cache.dtype == torch.float8_e4m3fn:  # clamp to +-448, convert: e4m3 of x / 1
+            _scatter_rows(_bytes(index_cache).view(-1, index_k.shape[-1]), slots, to_e4m3_bits(index_k))
+        else:
+            _scatter_rows(index_cache.view(-1, index_k.shape[-1]), slots, index_k)
 
 
 def reshape_and_cache_flash(
@@ -158,9 +177,11 @@ def reshape_and_cache_flash(
                 )
             rows = x
         elif kv_cache_dtype in FP8_DTYPES:
-            if cache.dtype != torch.uint8:
-                raise RuntimeError(f"reshape_and_cache_flash: fp8 needs a uint8 cache, got {cache.dtype}")
-            rows = to_e4m3_bits(x, scale)
+            if cache.dtype not in FP8_CACHE_DTYPES:
+                raise RuntimeError(
+                    f"reshape_and_cache_flash: fp8 needs a 1-byte (uint8 or float8_e4m3fn) cache, got {cache.dtype}"
+                )
+            rows, cache = to_e4m3_bits(x, scale), _bytes(cache)
         else:
             raise NotImplementedError(f"reference op: kv_cache_dtype={kv_cache_dtype!r}")
         _scatter_into(cache, slot_mapping, rows)

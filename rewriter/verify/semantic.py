@@ -3,8 +3,11 @@
 One run with a bf16 cache (``kv_cache_dtype="auto"``, the fused insert) and one with
 an fp8 cache (``"fp8"``, uint8 storage, the bypass) on the same inputs, padded tokens
 included, are compared by :func:`compare_runs`; :func:`check_layer` does the same on
-the path a file takes under torch.compile when it asks ``is_compiling()``. A run the
-stand-in cannot carry to the end is neither passed nor failed.
+the path a file takes under torch.compile when it asks ``is_compiling()``, and, for a
+layer that reads the attention config's indexer dtype (``indexer_kv_dtype``), once more
+with a float8_e4m3fn index cache: both runs must store the same e4m3 bits, those of the
+bf16 index cache converted. A run the stand-in cannot carry to the end is neither passed
+nor failed.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import torch
 
 from . import refops
 from .layercode import LayerCode
-from .standin import COMPILED, Backend, Inputs, _gap, _standin
+from .standin import COMPILED, FP8_INDEX, Backend, Inputs, _gap, _standin
+
+INDEXER_DTYPE = "indexer_kv_dtype"  # a layer whose code names it may get an fp8 index cache
 
 
 @dataclass
@@ -54,7 +59,8 @@ def _last_file_frame(exc: BaseException, path: str) -> types.FrameType | None:
 
 def run_layer(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> RunResult:
     """Run the layer's ``forward`` once with a ``mode`` cache ("bf16" or "fp8", eager; with
-    `` compiled`` the path it takes under torch.compile)."""
+    `` fp8-index`` a float8_e4m3fn index cache; with `` compiled`` the path it takes under
+    torch.compile)."""
     layer, rec, state = _standin(code, backend, inputs, mode)
     hidden = torch.zeros(
         inputs.shape.tokens, inputs.shape.hidden_size, dtype=torch.bfloat16, device=inputs.device
@@ -97,9 +103,17 @@ class Comparison:
     gap: bool = False  # not run to the end for the stand-in's sake: neither passed nor failed
 
 
-def compare_runs(inputs: Inputs, bf16: RunResult, fp8: RunResult, native: bool = False) -> Comparison:
+def _bits(cache: torch.Tensor) -> torch.Tensor:
+    """A cache as comparable data: a float8 one as its bytes (torch compares no float8)."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+
+
+def compare_runs(
+    inputs: Inputs, bf16: RunResult, fp8: RunResult, native: bool = False, index_of: RunResult | None = None
+) -> Comparison:
     """The bypass (fp8 run) must store what the fused insert (bf16 run) stores, quantized;
-    ``native``: the call passes kv_cache_dtype, the kernel quantizes by itself."""
+    ``native``: the call passes kv_cache_dtype, the kernel quantizes by itself. ``index_of``:
+    the runs have an fp8 index cache, which must hold e4m3 of that (bf16 index) run's cache."""
     for run in (bf16, fp8):
         if run.gap is not None:
             return Comparison(False, run.gap, {}, gap=True)
@@ -116,7 +130,8 @@ def compare_runs(inputs: Inputs, bf16: RunResult, fp8: RunResult, native: bool =
         checks["q identical"] = torch.equal(bf16.query, fp8.query)
     if checks["attention got index_q"]:
         checks["index_q identical"] = torch.equal(bf16.index_query, fp8.index_query)
-    checks["index cache identical"] = torch.equal(bf16.index_cache, fp8.index_cache)
+    assert bf16.index_cache is not None and fp8.index_cache is not None
+    checks["index cache identical"] = torch.equal(_bits(bf16.index_cache), _bits(fp8.index_cache))
 
     valid = inputs.valid_main
     slots = inputs.main_slots[valid].long()
@@ -144,18 +159,26 @@ def compare_runs(inputs: Inputs, bf16: RunResult, fp8: RunResult, native: bool =
     checks["unwritten slots untouched"] = bool(
         (ref_rows[~written] == 0).all() and (fp8_rows[~written] == 0).all()
     )
+    index_rows = s.num_blocks * s.block_size
+    index_slots = inputs.index_slots[inputs.valid_index].long()
+    index_written = torch.zeros(index_rows, dtype=torch.bool, device=slots.device)
+    index_written[index_slots] = True
+    if index_of is not None and index_of.index_cache is not None:
+        # The fused op stores index_k clamped to +-448 and converted; the bypass x / 1
+        # saturating: either way e4m3 of what the bf16 index cache holds, bit for bit.
+        ref_index = index_of.index_cache.reshape(index_rows, -1)[index_slots]
+        checks["index cache = e4m3(bf16 index cache) at every written slot"] = torch.equal(
+            _bits(fp8.index_cache).reshape(index_rows, -1)[index_slots], refops.to_e4m3_bits(ref_index)
+        )
     if s.padded:
         # What the fused op does with slot -1 (nothing) the bypass must do too:
         # a padded token's write lands in the last row of a cache indexed by slot.
-        index_rows = s.num_blocks * s.block_size
-        index_written = torch.zeros(index_rows, dtype=torch.bool, device=slots.device)
-        index_written[inputs.index_slots[inputs.valid_index].long()] = True
         checks[f"padded tokens (slot -1, last {s.padded}) wrote nothing"] = all(
             bool((rows[~mask] == 0).all())
             for rows, mask in (
                 (fp8_rows, written),
-                (fp8.index_cache.reshape(index_rows, -1), index_written),
-                (bf16.index_cache.reshape(index_rows, -1), index_written),
+                (_bits(fp8.index_cache).reshape(index_rows, -1), index_written),
+                (_bits(bf16.index_cache).reshape(index_rows, -1), index_written),
             )
         )
     failed = [name for name, ok in checks.items() if not ok]
@@ -168,20 +191,38 @@ def compare_runs(inputs: Inputs, bf16: RunResult, fp8: RunResult, native: bool =
     )
 
 
-def check_layer(code: LayerCode, backend: Backend, inputs: Inputs) -> tuple[Comparison, list[RunResult]]:
+def reads_indexer_dtype(code: LayerCode) -> bool:
+    """The layer class's code names the attention config's indexer dtype (``indexer_kv_dtype``,
+    ``resolve_indexer_kv_dtype(...)``, ``getattr(..., "indexer_kv_dtype", ...)``): its index
+    cache may be an fp8 one, and the layer is run with one too."""
+
+    def names(co: types.CodeType) -> bool:
+        words = [*co.co_names, *(c for c in co.co_consts if isinstance(c, str))]
+        return any(INDEXER_DTYPE in w for w in words) or any(
+            names(c) for c in co.co_consts if isinstance(c, types.CodeType)
+        )
+
+    return any(names(co) for co in [*code.methods.values(), *code.init.statements])
+
+
+def _check_paths(
+    code: LayerCode, backend: Backend, inputs: Inputs, index: str = "", index_of: RunResult | None = None
+) -> tuple[Comparison, list[RunResult]]:
     """bf16 against fp8 in eager; for a file that asks ``torch.compiler.is_compiling()``, the same
-    on the path it takes under torch.compile, whose caches must also be eager's (bf16)."""
-    bf16 = run_layer(code, backend, inputs, "bf16")
-    fp8 = run_layer(code, backend, inputs, "fp8")
-    result = compare_runs(inputs, bf16, fp8, native=code.native)
+    on the path it takes under torch.compile, whose caches must also be eager's (bf16). ``index``:
+    the modes' index-cache suffix (``FP8_INDEX``), ``index_of`` the bf16-index run it is judged by."""
+    bf16 = run_layer(code, backend, inputs, "bf16" + index)
+    fp8 = run_layer(code, backend, inputs, "fp8" + index)
+    result = compare_runs(inputs, bf16, fp8, native=code.native, index_of=index_of)
     if not code.compile_aware or not result.passed:
         return result, [bf16, fp8]
-    runs = [run_layer(code, backend, inputs, mode + COMPILED) for mode in ("bf16", "fp8")]
-    compiled = compare_runs(inputs, *runs, native=code.native)
+    runs = [run_layer(code, backend, inputs, mode + index + COMPILED) for mode in ("bf16", "fp8")]
+    compiled = compare_runs(inputs, *runs, native=code.native, index_of=index_of)
     checks = result.checks | {f"compiled: {name}": ok for name, ok in compiled.checks.items()}
     if compiled.passed:
+        assert runs[0].kv_cache is not None and runs[0].index_cache is not None and bf16.index_cache is not None
         checks["compiled: caches = eager's (bf16)"] = torch.equal(runs[0].kv_cache, bf16.kv_cache) and torch.equal(
-            runs[0].index_cache, bf16.index_cache
+            _bits(runs[0].index_cache), _bits(bf16.index_cache)
         )
     failed = [name for name, ok in checks.items() if not ok]
     if compiled.gap or (not compiled.passed and not compiled.checks):
@@ -189,3 +230,23 @@ def check_layer(code: LayerCode, backend: Backend, inputs: Inputs) -> tuple[Comp
     if failed:
         return Comparison(False, "; ".join(failed) + ": no", checks), [bf16, fp8, *runs]
     return Comparison(True, f"{result.reason}; eager and compiled paths", checks), [bf16, fp8, *runs]
+
+
+FP8_INDEX_CHECK = "fp8 index cache: "  # the prefix of the fp8-index runs' checks
+
+
+def check_layer(code: LayerCode, backend: Backend, inputs: Inputs) -> tuple[Comparison, list[RunResult]]:
+    """bf16 against fp8 in eager, and on the compiled path where the file has one; for a layer that
+    reads the indexer dtype (and a backend whose fused op takes an fp8 index cache), all of it
+    again with a float8_e4m3fn index cache, judged also against the bf16 index cache."""
+    result, runs = _check_paths(code, backend, inputs)
+    if not (result.passed and backend.fp8_index and reads_indexer_dtype(code)):
+        return result, runs
+    fp8_index, more = _check_paths(code, backend, inputs, FP8_INDEX, index_of=runs[0])
+    checks = result.checks | {FP8_INDEX_CHECK + name: ok for name, ok in fp8_index.checks.items()}
+    if fp8_index.gap or (not fp8_index.passed and not fp8_index.checks):
+        return replace(fp8_index, reason=FP8_INDEX_CHECK + fp8_index.reason, checks=checks), [*runs, *more]
+    failed = [name for name, ok in checks.items() if not ok]
+    if failed:
+        return Comparison(False, "; ".join(failed) + ": no", checks), [*runs, *more]
+    return Comparison(True, f"{result.reason}; an fp8 index cache too", checks), [*runs, *more]

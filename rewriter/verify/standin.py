@@ -4,8 +4,9 @@
 namespace where the file's imports are stand-ins - the fused op and the reshape op
 of a :class:`Backend` (the plain-PyTorch references of :mod:`rewriter.verify.refops`
 or vLLM's kernels), the forward context, linear layers answering seeded outputs of
-the width they are built with, tensor-parallel size 1, anything else a value that
-answers nothing. It sets what ``forward`` reads from :class:`Inputs` (projections,
+the width they are built with, tensor-parallel size 1, the few vLLM helpers of
+``VLLM_HELPERS`` and the attention config's indexer dtype as vLLM defines them,
+anything else a value that answers nothing. It sets what ``forward`` reads from :class:`Inputs` (projections,
 norms, rotary cache, caches, indexer, attention impl, quant scales), then runs
 ``__init__`` statement by statement on MiniMax-M3's config in the stand-in's sizes.
 The collaborators record what reaches attention; :func:`_gap` tells a failure that
@@ -20,7 +21,7 @@ import re
 import types
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -43,10 +44,13 @@ class Backend:
     name: str
     fused: Callable[..., None]
     reshape_and_cache_flash: Callable[..., None]
+    # The fused op takes a float8_e4m3fn index cache (the forks that allow indexer_kv_dtype
+    # "fp8"): the layer can be run with one. Known of the references only.
+    fp8_index: bool = False
 
 
 REFERENCE = Backend(
-    "reference", refops.fused_minimax_m3_qknorm_rope_kv_insert, refops.reshape_and_cache_flash
+    "reference", refops.fused_minimax_m3_qknorm_rope_kv_insert, refops.reshape_and_cache_flash, fp8_index=True
 )
 
 
@@ -112,10 +116,12 @@ class _Impl:
 
 class _Imported:
     """A name the file imports and the stand-in does not model: called, it hands back the string it
-    is given (vLLM's layer-name helpers), else another such value; anything else it cannot answer."""
+    is given (vLLM's layer-name helpers), else another such value; anything else it cannot answer.
+    ``known`` are the attributes it does model (the attention config of the current vLLM config)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, known: dict[str, Any] | None = None) -> None:
         self._name = name
+        self._known = known or {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if args and isinstance(args[0], str):
@@ -123,8 +129,10 @@ class _Imported:
         return _Imported(f"{self._name}(...)")
 
     def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__"):
+        if attr.startswith("__") or attr == "_known":
             raise AttributeError(attr)
+        if attr in self._known:
+            return self._known[attr]
         return _Imported(f"{self._name}.{attr}")
 
     def __getitem__(self, key: Any) -> Any:
@@ -191,6 +199,36 @@ class _LinearClass:
 
 # The stand-in runs as tensor-parallel rank 0 of 1.
 _TP = {"get_tensor_model_parallel_world_size": 1, "get_tensor_model_parallel_rank": 0}
+
+
+def _is_quantized_kv_cache(kv_cache_dtype: Any) -> bool:
+    """vLLM's ``is_quantized_kv_cache``: ``kv_cache_dtype != "auto"`` (vllm/attention/backends);
+    later versions map the dtype to a quantization mode, which agrees on every dtype the
+    stand-in runs ("auto", the fp8 ones). Another one is not modelled."""
+    if kv_cache_dtype == "auto":
+        return False
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        return True
+    raise StandInGap(f"is_quantized_kv_cache({kv_cache_dtype!r}) is not modelled by the stand-in")
+
+
+# vLLM helpers the stand-in runs as vLLM defines them, by the name vLLM gives them (a file may
+# import one under another name); any other imported name is a made-up `_Imported`.
+VLLM_HELPERS: dict[str, Callable[..., Any]] = {"is_quantized_kv_cache": _is_quantized_kv_cache}
+
+
+def _vllm_config(index_dtype_name: str) -> _Imported:
+    """What ``get_current_vllm_config()`` gives: its attention config says the run's indexer
+    dtype (``indexer_kv_dtype``, "auto" unless the run has an fp8 index cache); the rest is made up."""
+
+    def resolve_indexer_kv_dtype(default: Any) -> Any:  # "auto" is the caller's default
+        return default if index_dtype_name == "auto" else index_dtype_name
+
+    attention = _Imported(
+        "vllm_config.attention_config",
+        {"indexer_kv_dtype": index_dtype_name, "resolve_indexer_kv_dtype": resolve_indexer_kv_dtype},
+    )
+    return _Imported("vllm_config", {"attention_config": attention})
 
 
 def _ops_namespace(backend: Backend) -> types.SimpleNamespace:
@@ -288,7 +326,11 @@ class Inputs:
 
 
 MODES = {"bf16": ("auto", torch.bfloat16), "fp8": ("fp8", torch.uint8)}
-COMPILED = " compiled"  # a mode's suffix: the run takes the torch.compile path (is_compiling() is True)
+# A mode's suffixes, in this order: the index cache is float8_e4m3fn, as vLLM allocates it
+# for --attention-config '{"indexer_kv_dtype": "fp8"}' (else bf16, "auto");
+FP8_INDEX = " fp8-index"
+# the run takes the torch.compile path (is_compiling() is True).
+COMPILED = " compiled"
 LAYER_NAME = "model.layers.3.self_attn.attn"
 INDEX_PREFIX = "model.layers.3.self_attn.attn.indexer.k_cache"
 
@@ -323,13 +365,16 @@ def _standin(
 ) -> tuple[Any, _Recorder, dict]:
     s, dev = inputs.shape, inputs.device
     compiling = mode.endswith(COMPILED)
-    cache_dtype_name, cache_dtype = MODES[mode.removesuffix(COMPILED)]
+    fp8_index = mode.removesuffix(COMPILED).endswith(FP8_INDEX)
+    cache_dtype_name, cache_dtype = MODES[mode.removesuffix(COMPILED).removesuffix(FP8_INDEX)]
+    index_dtype_name, index_dtype = ("fp8", torch.float8_e4m3fn) if fp8_index else ("auto", torch.bfloat16)
+    vllm_config = _vllm_config(index_dtype_name)
     rec = _Recorder(s.width)
     qkv = inputs.qkv.clone()
     kv_cache = torch.zeros(
         s.num_blocks, 2, s.block_size, s.num_kv_heads, s.head_dim, dtype=cache_dtype, device=dev
     )
-    index_cache = torch.zeros(s.num_blocks, s.block_size, s.idx_head_dim, dtype=torch.bfloat16, device=dev)
+    index_cache = torch.zeros(s.num_blocks, s.block_size, s.idx_head_dim, dtype=index_dtype, device=dev)
     meta = types.SimpleNamespace
     ctx = meta(
         slot_mapping={LAYER_NAME: inputs.main_slots, INDEX_PREFIX: inputs.index_slots},
@@ -339,7 +384,7 @@ def _standin(
         },
         no_compile_layers={},
     )
-    backend = Backend(backend.name, rec.fused(backend.fused), backend.reshape_and_cache_flash)
+    backend = replace(backend, fused=rec.fused(backend.fused))
     torch_proxy = _TorchProxy(backend, compiling)
     namespace: dict[str, Any] = {"__builtins__": builtins, "__name__": f"mm3_standin_{code.class_name}"}
     for name in code.module_names:
@@ -351,6 +396,10 @@ def _standin(
             namespace[name] = backend.reshape_and_cache_flash
         elif name == "get_forward_context":
             namespace[name] = lambda: ctx
+        elif name == "get_current_vllm_config":
+            namespace[name] = lambda: vllm_config
+        elif origin.startswith("vllm.") and origin.rsplit(".", 1)[1] in VLLM_HELPERS:
+            namespace[name] = VLLM_HELPERS[origin.rsplit(".", 1)[1]]
         elif name.endswith("Metadata"):
             namespace[name] = meta  # the isinstance() asserts of attn_metadata readers
         elif name in _TP:
@@ -432,6 +481,7 @@ def _standin(
         "prefix": LAYER_NAME.removesuffix(".attn"),
         "quant_config": None,
         "cache_config": types.SimpleNamespace(cache_dtype=cache_dtype_name, block_size=s.block_size),
+        "vllm_config": vllm_config,
     }
     for statement in code.init.statements:
         try:
