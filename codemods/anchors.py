@@ -513,6 +513,36 @@ def raw_scatters(fn: cst.FunctionDef) -> list[StatementSlot]:
     return found
 
 
+def bf16_index_writes(fn: cst.FunctionDef) -> list[tuple[StatementSlot, StatementSlot]]:
+    """``assert C.dtype == K.dtype`` followed in its block by ``reshape_and_cache_flash(K, K, C,
+    C, slots, "auto", …)``: an index write that asserts a bf16 index cache (an fp8 one, vLLM's
+    indexer_kv_dtype "fp8", then raises). (the assert, the call) of each."""
+    found = []
+    for slot in statement_slots(fn):
+        stmt = slot.statement
+        if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assert)):
+            continue
+        test = stmt.body[0].test
+        if not (isinstance(test, cst.Comparison) and len(test.comparisons) == 1 and isinstance(test.comparisons[0].operator, cst.Equal)):
+            continue
+        sides = [test.left, test.comparisons[0].comparator]
+        if not all(isinstance(x, cst.Attribute) and x.attr.value == "dtype" and isinstance(x.value, cst.Name) for x in sides):
+            continue
+        cache, key = (x.value.value for x in sides)  # type: ignore[attr-defined]
+        for later in range(slot.index + 1, len(slot.block.body)):
+            call = expression_call(slot.block.body[later])
+            if call is None or callee_name(call) != schema.RESHAPE_OP or len(call.args) != 8:
+                continue
+            names = [code(arg.value) for arg in call.args]
+            dtype = call.args[5].value
+            if names[0] == names[1] == key and names[2] == names[3] == cache and (
+                isinstance(dtype, cst.SimpleString) and dtype.evaluated_value == schema.AUTO_DTYPE
+            ):
+                found.append((slot, StatementSlot(slot.block, later)))
+                break
+    return found
+
+
 # --- imports ------------------------------------------------------------------
 
 

@@ -53,19 +53,23 @@ if not {guard}:
 
 # The index key as the key and value of a one-slot-per-block view of the index
 # cache: reshape_and_cache_flash skips slot -1 (a padded token) as the fused op does.
-# The cache's dtype picks the store: a bf16 one copies, an fp8 e4m3 one (vLLM's
-# indexer_kv_dtype "fp8") stores x / 1, saturating, as the fused op stores it.
-INDEX_WRITE = """\
-# Index-key cache: one head per token, written by reshape_and_cache_flash,
-# which skips padded tokens (slot -1) as the fused op does.
-{idx_key} = {index_key}.view(-1, 1, {idx_head_dim})
-{idx_cache} = {index_cache}.view(-1, 1, 1, {idx_head_dim})
+# The cache's dtype picks the store (INDEX_STORE): a bf16 one copies, an fp8 e4m3
+# one (vLLM's indexer_kv_dtype "fp8") stores x / 1, saturating, as the fused op does.
+INDEX_STORE = """\
 if {idx_cache}.dtype == {idx_key}.dtype:
 {I}{idx_dtype} = "auto"  # a bf16 index cache: copied as is
 elif {idx_cache}.dtype == torch.float8_e4m3fn:
 {I}{idx_dtype} = "fp8_e4m3"  # an fp8 index cache: x / 1, saturating
 else:
 {I}raise ValueError(f"index cache dtype {{{idx_cache}.dtype}}: neither {{{idx_key}.dtype}} nor fp8 e4m3")
+"""
+
+INDEX_WRITE = """\
+# Index-key cache: one head per token, written by reshape_and_cache_flash,
+# which skips padded tokens (slot -1) as the fused op does.
+{idx_key} = {index_key}.view(-1, 1, {idx_head_dim})
+{idx_cache} = {index_cache}.view(-1, 1, 1, {idx_head_dim})
+""" + INDEX_STORE + """\
 {reshape}(
 {I}{idx_key},
 {I}{idx_key},
@@ -77,6 +81,7 @@ else:
 {I}{scale},
 )
 """
+
 
 INSERT_KV_METHOD = '''\
 def {name}(

@@ -32,6 +32,7 @@ from codemods import schema
 from codemods.codegen import (
     FLAG,
     GUARD,
+    INDEX_STORE,
     INDEX_WRITE,
     INSERT_KV_METHOD,
     NATIVE_GUARD,
@@ -106,7 +107,9 @@ def plan_bypass(
     imports = a.module_imports(module)
     if not any(i.bound == "torch" and a.code(i.alias.name) == "torch" for i in imports):
         raise Unsupported("the module does not `import torch`, which the bypass uses")
-    insert_kv = {"absent": "add", "metadata": "replace", "slots": "keep", "scatter": "upgrade"}.get(p.insert_kv)
+    insert_kv = {"absent": "add", "metadata": "replace", "slots": "keep"}.get(p.insert_kv)
+    if p.insert_kv in schema.OLDER_FORMS:
+        insert_kv = "upgrade"
     if insert_kv is None:
         raise Unsupported(
             "`_insert_kv` exists in a form that is neither the attn_metadata one nor the slot-mapping one"
@@ -159,6 +162,8 @@ def plan_bypass(
     for fn in upgraded:
         for scatter in a.raw_scatters(fn):
             edits += _scatter_edits(fn, scatter, module)
+        for check, write in a.bf16_index_writes(fn):
+            edits += _bf16_index_edits(fn, check, write, module)
     reads_scale = insert_kv in ("add", "replace") or p.scale_read or any(SCALE_READ in code for _, code in edits)
     scale_code = render(SCALE, module) if reads_scale and not p.scale_set else ""
     if p.flag_set and scale_code:
@@ -277,6 +282,23 @@ def _scatter_edits(
     if scale is not None and a.param_names(fn)[:1] == ["self"]:
         edits.append((scale.statement, render(SCALE_LOCAL, module, scale=a.code(scale_arg.value))))
     return edits
+
+
+def _bf16_index_edits(
+    fn: cst.FunctionDef, check: a.StatementSlot, write: a.StatementSlot, module: cst.Module
+) -> list[tuple[cst.BaseStatement, str]]:
+    """``assert C.dtype == K.dtype`` + ``reshape_and_cache_flash(..., "auto", ...)`` (the index
+    write ``run`` wrote before 0.2) -> the store picked by the index cache's dtype."""
+    call = a.expression_call(write.statement)
+    assert call is not None
+    key, cache = a.code(call.args[0].value), a.code(call.args[2].value)
+    idx_dtype = _fresh("idx_dtype", a.bound_names(fn))
+    store = render(INDEX_STORE, module, idx_cache=cache, idx_key=key, idx_dtype=idx_dtype)
+    args = list(call.args)
+    args[5] = args[5].with_changes(value=cst.Name(idx_dtype))
+    new_call = write.statement.with_changes(body=[write.statement.body[0].with_changes(value=call.with_changes(args=args))])  # type: ignore[attr-defined]
+    # the comment on the assert's line said the cache stays bf16: it goes with the assert
+    return [(check.statement, store), (write.statement, a.code(new_call.with_changes(leading_lines=[])))]
 
 
 def _is_method_call(node: cst.BaseExpression, name: str) -> bool:

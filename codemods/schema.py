@@ -186,7 +186,8 @@ class Pieces:
     # is the only cache write under torch.compile (a torch.compile-aware fork's own design)
     compiled_write: bool = False
     # the post-call block holds a compiled-path write (an `is_compiling()` branch or a registered
-    # op's call), wired or not: never the bypass's to take out
+    # op's call), wired or not, and the call's slot mappings are None somewhere (while compiling):
+    # the compiled path may need that write, so it is never taken out
     compiled_branch: bool = False
     # The roles' names in this file (``roles``): the flag the guard reads, the method the
     # post-call block hands the write to; the bypass's own names where the file has none.
@@ -340,14 +341,20 @@ def note_guard_assignment(p: Pieces, name: str, not_flag: bool) -> None:
 # `_insert_kv` taking the slot mappings: the current form, and the older one whose
 # raw index scatter `idx_cache[index_slot_mapping] = ...` writes padded tokens
 # (slot -1) into the last index slot.
-SLOTS_FORMS = ("slots", "scatter")
+SLOTS_FORMS = ("slots", "scatter", "bf16-index")
 PADDING_BUG = (
     "its index-key write `idx_cache[<slots>] = ...` sends padded tokens (slot -1, CUDA-graph "
     "padding) to the last index slot, corrupting whichever sequence owns it"
 )
+BF16_INDEX_BUG = (
+    "its index-key write asserts a bf16 index cache (this tool's own earlier output): with an fp8 "
+    "index cache (--attention-config '{\"indexer_kv_dtype\": \"fp8\"}') every forward raises"
+)
+# The older forms `run` upgrades in place, and what is wrong with each.
+OLDER_FORMS = {"scatter": PADDING_BUG, "bf16-index": BF16_INDEX_BUG}
 
 
-def insert_kv_form(reads_metadata: bool, params_after_self: int, raw_scatter: bool) -> str:
+def insert_kv_form(reads_metadata: bool, params_after_self: int, raw_scatter: bool, bf16_index: bool = False) -> str:
     """Which `_insert_kv` the class has (``fp8_kv_bypass`` says when it has none, "absent"):
     the fork-era one, the bypass one (current or with the raw scatter), or other.
 
@@ -356,7 +363,7 @@ def insert_kv_form(reads_metadata: bool, params_after_self: int, raw_scatter: bo
     if reads_metadata and params_after_self == INSERT_KV_METADATA_PARAMS:
         return "metadata"
     if not reads_metadata and params_after_self == INSERT_KV_SLOTS_PARAMS:
-        return "scatter" if raw_scatter else "slots"
+        return "scatter" if raw_scatter else "bf16-index" if bf16_index else "slots"
     return "other"
 
 
@@ -423,7 +430,7 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
             )
         if p.any_bypass() and p.taken:
             return taken  # which pieces are the bypass's cannot be told
-        if p.any_bypass() and (p.compiled_write or p.compiled_branch):
+        if p.any_bypass() and p.compiled_write:
             return _compiled_bypass(f, p, site)
         if p.any_bypass():
             have = ", ".join(k for k, v in present.items() if v) or f"a read of self.{FP8_FLAG}"
@@ -461,11 +468,11 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
             present,
         )
     if all(present.values()):
-        if p.insert_kv == "scatter":
+        if p.insert_kv in OLDER_FORMS:
             return site(
                 SiteState.OUTDATED,
                 Action.UPGRADE,
-                f"fp8 bypass in an older form: {PADDING_BUG}; `run` upgrades it",
+                f"fp8 bypass in an older form: {OLDER_FORMS[p.insert_kv]}; `run` upgrades it",
                 present,
             )
         return site(SiteState.PATCHED, Action.NONE, "fp8 bypass present and wired", present)
@@ -508,11 +515,11 @@ def _compiled_bypass(f: CallFacts, p: Pieces, site: Callable[..., InsertSite]) -
     present = p.present(native=True)
     what = f"native call (kv_cache_dtype={f.dtype}) with a torch.compile-aware fp8 bypass ({COMPILED_DESIGN})"
     if all(present.values()):
-        if p.insert_kv == "scatter":
+        if p.insert_kv in OLDER_FORMS:
             return site(
                 SiteState.OUTDATED,
                 Action.UPGRADE,
-                f"{what}, in an older form: {PADDING_BUG}, on the eager and the compiled path alike; "
+                f"{what}, in an older form: {OLDER_FORMS[p.insert_kv]}, on the eager and the compiled path alike; "
                 "`run` upgrades that write where it is",
                 present,
             )
@@ -522,8 +529,8 @@ def _compiled_bypass(f: CallFacts, p: Pieces, site: Callable[..., InsertSite]) -
         "the native kernel writes the cache (fp8 included, padded slots skipped), while compiling "
         "the file's own cache-update path still writes it"
     )
-    if p.insert_kv == "scatter":
-        fix += ", and upgrades its index-key write (" + PADDING_BUG + ")"
+    if p.insert_kv in OLDER_FORMS:
+        fix += ", and upgrades its index-key write (" + OLDER_FORMS[p.insert_kv] + ")"
     return site(SiteState.HALF_APPLIED, Action.COMPLETE, f"{what}, partial: {_broken_now(p, f.line)}; {fix}", present)
 
 
@@ -548,8 +555,8 @@ def _half_applied_reason(p: Pieces, present: dict[str, bool]) -> str:
         problems.append(f"`self.{FP8_FLAG}` is read but never set (AttributeError at runtime)")
     if p.scale_read and not p.scale_set:
         problems.append(f"`self.{FP8_SCALE}` is read but never set (AttributeError at runtime)")
-    if p.insert_kv == "scatter":
-        problems.append(f"`{INSERT_KV}` is in an older form: {PADDING_BUG}")
+    if p.insert_kv in OLDER_FORMS:
+        problems.append(f"`{p.insert_method}` is in an older form: {OLDER_FORMS[p.insert_kv]}")
     if p.post_insert and not p.post_insert_wired:
         problems.append(f"the post-call `{INSERT_KV}` is not guarded or not passed the call's slot mappings")
     text = "partial fp8 bypass; missing: " + "; ".join(missing)

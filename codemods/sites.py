@@ -266,8 +266,10 @@ def _insert_kv_form(
     reads_metadata = any(
         isinstance(n, cst.Attribute) and n.attr.value == schema.METADATA_ATTR for n in a.nodes_in(fn.body)
     )
-    scatter = any(a.raw_scatters(f) for f in (fn, *a.delegates(fn, cls, functions)))
-    return schema.insert_kv_form(reads_metadata, len(a.param_names(fn)) - 1, scatter)
+    writers = (fn, *a.delegates(fn, cls, functions))
+    scatter = any(a.raw_scatters(f) for f in writers)
+    bf16_index = any(a.bf16_index_writes(f) for f in writers)
+    return schema.insert_kv_form(reads_metadata, len(a.param_names(fn)) - 1, scatter, bf16_index)
 
 
 def is_insert_kv_call(node: cst.CSTNode, name: str = schema.INSERT_KV) -> bool:
@@ -435,7 +437,7 @@ def collect_pieces(
         p.compiled_write = (
             p.post_insert_wired and post is not None and post.while_compiling and _slots_none_somewhere(method, op)
         )
-        p.compiled_branch = a.first_in(stmt, _compiled_path_write) is not None
+        p.compiled_branch = a.first_in(stmt, _compiled_path_write) is not None and _slots_none_somewhere(method, op)
         break
     return _finish(p, cls, init_attrs, functions, mentions_flag)
 

@@ -37,6 +37,8 @@ VARIANTS = {
     "compiled_native": ([SiteState.OUTDATED], 1),
     "compiled_native_lost_guard": ([SiteState.HALF_APPLIED], 1),
     "amd_fork_era": ([SiteState.OUTDATED], 1),
+    "compiled_native_vllm_flag": ([SiteState.OUTDATED], 1),
+    "bf16_index_form": ([SiteState.OUTDATED], 1),
     "fp8_index": ([SiteState.OUTDATED], 1),
 }
 

@@ -26,6 +26,7 @@ REVERTED = {
     "patched": "fork_era",
     "seed_form": "fork_era",
     "old_form": "fork_era",
+    "bf16_index_form": "fork_era",
     "half_applied": "fork_era",
     "patch_fuzz": "fork_era",
     "native_stale_bypass": "native",
@@ -34,7 +35,7 @@ REVERTED = {
 # Native calls carrying a bypass: `run` takes it out, which is what `revert` does.
 NATIVE_STRIPS = ["native_stale_bypass", "half_native", "half_native_plain", "wrapper_native"]
 # On these native calls the bypass is torch.compile's only cache write: revert refuses.
-COMPILED = ["compiled_native", "compiled_native_lost_guard"]
+COMPILED = ["compiled_native", "compiled_native_lost_guard", "compiled_native_vllm_flag", "fp8_index"]
 ALL = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and p.name not in COMPILED)
 
 
