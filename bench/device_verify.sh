@@ -25,24 +25,41 @@ $PY -m rewriter verify --kernels "$KERNELS" --require-gpu --no-timing --verbose 
 echo "verify (the seed's form) exit ${PIPESTATUS[0]}"
 $PY -m rewriter verify --kernels "$KERNELS" --require-gpu --no-timing fixtures/*/expected.py 2>"$OUT/fixtures.txt"
 echo "verify (every fixture's expected.py) exit $?"; tail -3 "$OUT/fixtures.txt"
-# Optional: a folder of real fork files (never committed; carried for the run): each
-# is copied, rewritten by `run`, then verified with the real ops, padded tokens and
-# the compiled path included. One JSON report per line in $OUT/forks.jsonl.
+# The index write `run` generates, on the real reshape_and_cache_flash: bf16 and fp8 e4m3
+# index caches, padded tokens skipped (bench/fp8_index_probe.py).
+$PY bench/fp8_index_probe.py --kernels "$KERNELS" >"$OUT/fp8_index_probe.json"
+echo "fp8 index probe exit $?"; cat "$OUT/fp8_index_probe.json"
+# Optional: a folder of files to rewrite and verify (real fork files, generated spelling
+# variants; never committed, carried for the run): each is copied and rewritten by `run`,
+# then all are verified in one process with the real ops, padded tokens and the compiled
+# path included. The reports: $OUT/forks_run.jsonl (one `run --json` a line), $OUT/forks.json.
 FORKS=${3:-}
 if [ -n "$FORKS" ]; then
-  for f in "$FORKS"/*.py; do
-    n=$(basename "$f" .py)
-    cp "$f" "$W/$n.py"
-    $PY -m rewriter run "$W/$n.py" >/dev/null 2>"$W/run.txt"; rc=$?
-    $PY -m rewriter verify --kernels "$KERNELS" --require-gpu --no-timing --verbose --json "$W/$n.py" >"$W/v.json" 2>/dev/null
-    vrc=$?
-    cat "$W/v.json" >>"$OUT/forks.jsonl"
-    $PY - "$W/v.json" "$n" "$rc" "$vrc" <<'PYEOF'
-import json, sys
-report, name, run_rc, verify_rc = json.load(open(sys.argv[1])), *sys.argv[2:]
-levels = {lv["level"]: lv for lv in report["files"][0]["levels"]}
-print(f"{name}: run exit {run_rc}, verify exit {verify_rc}: " + "; ".join(
-    f"{k} {v['status']} ({v['reason'][:150]})" for k, v in levels.items() if k != "import"))
-PYEOF
+  mkdir -p "$W/forks"
+  cp "$FORKS"/*.py "$W/forks/"
+  for f in "$W"/forks/*.py; do
+    $PY -m rewriter run --json "$f" >>"$OUT/forks_run.jsonl" 2>/dev/null
   done
+  $PY -m rewriter verify --kernels "$KERNELS" --require-gpu --no-timing --verbose --json "$W"/forks/*.py \
+    >"$OUT/forks.json" 2>"$W/verify.txt"
+  echo "verify (forks) exit $?"
+  $PY - "$OUT/forks_run.jsonl" "$OUT/forks.json" <<'PYEOF'
+import json, sys
+from pathlib import Path
+ran = {}
+for line in open(sys.argv[1]):
+    report = json.loads(line)
+    for f in report["files"]:
+        sites = [s for s in f.get("sites", []) if s["state"] != "not-a-site"]
+        ran[Path(f["path"]).name] = ", ".join(f"{s['state']} -> {s['action']}" for s in sites) or f["status"]
+for f in json.load(open(sys.argv[2]))["files"]:
+    name = Path(f["path"]).name
+    levels = {lv["level"]: lv for lv in f["levels"]}
+    shown = "; ".join(f"{k} {v['status']}" + ("" if v["status"] == "passed" else f" ({v['reason'][:120]})")
+                      for k, v in levels.items() if k != "import")
+    compiled = any("compiled" in d for lv in f["levels"] for d in lv.get("details", []))
+    padded = [d.endswith(": yes") for lv in f["levels"] if lv["level"] == "kernel" for d in lv.get("details", []) if "padded tokens" in d]
+    print(f"| {name} | {ran.get(name, '?')} | {shown} | {'both' if compiled else 'eager'} | "
+          f"{sum(padded)}/{len(padded)} padded-token checks yes |")
+PYEOF
 fi
