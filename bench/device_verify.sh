@@ -32,7 +32,7 @@ echo "fp8 index probe exit $?"; cat "$OUT/fp8_index_probe.json"
 # Optional: a folder of files to rewrite and verify (real fork files, generated spelling
 # variants; never committed, carried for the run): each is copied and rewritten by `run`,
 # then all are verified in one process with the real ops, padded tokens and the compiled
-# path included. The reports: $OUT/forks_run.jsonl (one `run --json` a line), $OUT/forks.json.
+# path included. The reports: $OUT/forks_run.jsonl (the `run --json` reports), $OUT/forks.json.
 FORKS=${3:-}
 if [ -n "$FORKS" ]; then
   mkdir -p "$W/forks"
@@ -46,9 +46,10 @@ if [ -n "$FORKS" ]; then
   $PY - "$OUT/forks_run.jsonl" "$OUT/forks.json" <<'PYEOF'
 import json, sys
 from pathlib import Path
-ran = {}
-for line in open(sys.argv[1]):
-    report = json.loads(line)
+ran, raw, at = {}, open(sys.argv[1]).read(), 0
+decoder = json.JSONDecoder()
+while raw[at:].strip():  # one `run --json` report after another
+    report, at = decoder.raw_decode(raw, len(raw) - len(raw[at:].lstrip()))
     for f in report["files"]:
         sites = [s for s in f.get("sites", []) if s["state"] != "not-a-site"]
         ran[Path(f["path"]).name] = ", ".join(f"{s['state']} -> {s['action']}" for s in sites) or f["status"]
