@@ -130,6 +130,7 @@ class InsertSite:
     action: Action
     reason: str
     pieces: dict[str, bool] = field(default_factory=dict)
+    write_method: str = INSERT_KV  # the method the bypass writes the cache with (the fork's name for it)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -140,6 +141,7 @@ class InsertSite:
             "action": self.action.value,
             "reason": self.reason,
             "pieces": dict(self.pieces),
+            "write_method": self.write_method,
         }
 
 
@@ -371,11 +373,14 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
     """The site of one call, in its state. ``pieces`` is asked only for a call in a method.
     A changing verdict still needs a plan (``planned``)."""
 
+    found: list[Pieces] = []
+
     def site(
         state: SiteState, action: Action, reason: str, present: dict[str, bool] | None = None
     ) -> InsertSite:
         method = f.method if f.class_name is not None else f.module_function
-        return InsertSite(f.class_name, method, f.line, state, action, reason, dict(present or {}))
+        write = found[0].insert_method if found else INSERT_KV
+        return InsertSite(f.class_name, method, f.line, state, action, reason, dict(present or {}), write)
 
     if f.star_args:
         return site(
@@ -408,6 +413,7 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
             "and the bypass is proven only in a plain `def`",
         )
     p = pieces()
+    found.append(p)
     present = p.present()
     if p.role_problems or p.flag_unproven is not None:
         return site(SiteState.UNSUPPORTED, Action.REFUSE, _unproven_roles(p), present)

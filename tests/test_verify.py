@@ -564,6 +564,26 @@ def test_import_level_passes_on_a_rewritten_module(tmp_path: Path) -> None:
     assert "main_slot_mapping" in levels["import"].reason
 
 
+def test_import_level_checks_a_forks_write_method_by_its_role_and_the_amd_file(tmp_path: Path) -> None:
+    """A fork's write method under its own name (the post-call block's `_write_kv_fp8`) is
+    the one inspected, and a file in the AMD model folder is imported like an NVIDIA one."""
+    import sys as _sys
+
+    _sys.path.insert(0, str(Path(__file__).parent))
+    from variants import RESPELLINGS
+
+    (renamed,) = [r for r in RESPELLINGS if r.name == "write-renamed"]
+    source = renamed((FIXTURES / "seed_form" / "expected.py").read_text()).encode()
+    nvidia = make_vllm_tree(tmp_path, {}, init=STUB_VLLM)
+    amd = nvidia.parent / "amd"
+    amd.mkdir()
+    (amd / "model.py").write_bytes(source)
+    _, levels = semantic(amd / "model.py")
+    assert levels["import"].status is Status.PASSED, levels["import"].reason
+    assert "vllm.models.minimax_m3.amd.model" in levels["import"].reason
+    assert "._write_kv_fp8(" in levels["import"].reason and "main_slot_mapping" in levels["import"].reason
+
+
 def test_import_level_fails_on_the_unpatched_module(tmp_path: Path) -> None:
     path = _in_vllm_tree(tmp_path, (FIXTURES / "fork_era" / "model.py").read_bytes())
     _, levels = semantic(path)

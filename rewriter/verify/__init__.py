@@ -278,7 +278,7 @@ def verify_file(
         out.note = f"{first.state.value} at line {first.line}: {todo}"
 
     # A native class is imported only: it has no bypass whose shape could be inspected.
-    bypassed = sorted({s.class_name for s in inserts if s.class_name and s.state is not SiteState.NATIVE})
+    bypassed = sorted({f"{s.class_name}:{s.write_method}" for s in inserts if s.class_name and s.state is not SiteState.NATIVE})
     imp = import_check(path, bypassed, python)
     status, reason = Status(imp["status"]), imp["reason"]
     if status is Status.SKIPPED and require_import:

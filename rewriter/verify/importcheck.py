@@ -1,10 +1,11 @@
 """Level 1: import the model module in a subprocess of the target interpreter.
 
 The module is imported by its dotted name from the vLLM tree the file sits in
-(``<root>/vllm/models/minimax_m3/nvidia/<name>.py``). Then ``inspect`` checks
-each layer class that carries the bypass: ``_insert_kv`` takes the two slot
-mappings, and the class's fused call guards its cache arguments
-(``X if <guard> else None``). A native file is imported only.
+(``<root>/vllm/models/minimax_m3/{nvidia,amd}/<name>.py``). Then ``inspect`` checks
+each layer class that carries the bypass: its write method (``_insert_kv``, or
+the fork's own name for it: ``InsertSite.write_method``) takes the two slot
+mappings, and the class's fused call guards its cache arguments (``X if <guard>
+else None``, or ``None if <flag> else X``). A native file is imported only.
 
 What the level can honestly claim: a failure must be the file's. The level is
 **skipped** (with the reason and what would make it run) when the interpreter
@@ -26,9 +27,8 @@ import sys
 from pathlib import Path
 
 from codemods.schema import FUSED_OP, KV_CACHE
-from rewriter.targets import run_python
+from rewriter.targets import MODEL_DIRS, MODEL_DIRS_SHOWN, run_python
 
-NVIDIA_PARTS = ("vllm", "models", "minimax_m3", "nvidia")
 HOW_TO_RUN = "run verify with the interpreter of an installed vLLM: --python PATH"
 TAIL = 8  # traceback lines kept
 
@@ -82,26 +82,28 @@ def guarded(cls):
         if isinstance(call, ast.Call) and getattr(call.func, "attr", getattr(call.func, "id", None)) == op:
             arg = call.args[int(cache_index)] if len(call.args) > int(cache_index) else None
             arg = arg or next((k.value for k in call.keywords if k.arg == cache_kw), None)
-            if isinstance(arg, ast.IfExp) and isinstance(arg.orelse, ast.Constant) and arg.orelse.value is None:
+            none = lambda n: isinstance(n, ast.Constant) and n.value is None
+            if isinstance(arg, ast.IfExp) and (none(arg.orelse) or none(arg.body)):
                 return True
     return False
 
 problems, seen = [], []
-for name in filter(None, classes.split(",")):
+for entry in filter(None, classes.split(",")):
+    name, _, write = entry.partition(":")  # the class, and its write method (by role: any name)
     cls = getattr(mod, name, None)
     if cls is None:
         problems.append(f"{name} is not in {module}")
         continue
-    insert = getattr(cls, "_insert_kv", None)
+    insert = getattr(cls, write, None)
     if insert is None:
-        problems.append(f"{name} has no _insert_kv")
+        problems.append(f"{name} has no {write}")
         continue
     sig = inspect.signature(insert)
     if len(sig.parameters) < 6:
-        problems.append(f"{name}._insert_kv{sig} does not take the slot mappings")
+        problems.append(f"{name}.{write}{sig} does not take the slot mappings")
     if not guarded(cls):
         problems.append(f"{name}: the fused call does not guard its cache arguments")
-    seen.append(f"{name}._insert_kv{sig}")
+    seen.append(f"{name}.{write}{sig}")
 if problems:
     emit("failed", "; ".join(problems))
 version = getattr(vllm, "__version__", "?")
@@ -111,12 +113,15 @@ emit("passed", f"imported {module} with vllm {version} from {os.path.dirname(vll
 
 
 def module_of(path: Path) -> tuple[Path, str] | None:
-    """(root on sys.path, dotted module) for a file inside ``vllm/models/minimax_m3/nvidia``."""
+    """(root on sys.path, dotted module) for a file inside one of the model folders
+    (``vllm/models/minimax_m3/nvidia`` or ``amd``: ``targets.MODEL_DIRS``)."""
     real = Path(os.path.realpath(path))
-    parts = real.parts
-    if len(parts) < 6 or tuple(parts[-5:-1]) != NVIDIA_PARTS or real.suffix != ".py":
+    if real.suffix != ".py":
         return None
-    return real.parents[4], ".".join((*NVIDIA_PARTS, real.stem))
+    for folder in (("vllm", *dirs) for dirs in MODEL_DIRS):
+        if len(real.parts) > len(folder) and tuple(real.parts[-len(folder) - 1 : -1]) == folder:
+            return real.parents[len(folder)], ".".join((*folder, real.stem))
+    return None
 
 
 def import_lines(source: str) -> frozenset[int]:
@@ -210,7 +215,7 @@ def import_check(path: Path, classes: list[str], python: str | None = None, time
     if where is None:
         return {
             "status": "skipped",
-            "reason": "not inside a vllm/models/minimax_m3/nvidia/ tree: nothing to import it as",
+            "reason": f"not inside a {MODEL_DIRS_SHOWN} tree: nothing to import it as",
             "traceback": [],
         }
     root, module = where
