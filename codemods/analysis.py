@@ -49,12 +49,13 @@ def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalys
     if source is None:
         source = module.code
     source_map = SourceMap.of(module, source)
-    finder = find_calls(module, source_map, a.pass_through_wrappers(module))
+    wrappers = a.pass_through_wrappers(module)
+    finder = find_calls(module, source_map, wrappers)
     found_calls = finder.found
     flag = schema.FP8_FLAG if isinstance(source, str) else schema.FP8_FLAG.encode()
     mentions_flag = flag in source  # type: ignore[operator]
     functions = a.module_functions(module)
-    classified = [classify(module, f, functions, mentions_flag) for f in found_calls]
+    classified = [classify(module, f, functions, mentions_flag, set(wrappers)) for f in found_calls]
     strays = [_stray_site(stmt, source_map) for _, stmt in finder.strays()]
     sites = schema.one_candidate([site for site, _ in classified] + strays)
     plans = [plan for (_, plan), site in zip(classified, sites) if plan is not None and site.action in CHANGING]
@@ -83,8 +84,9 @@ def classify(
     found: FoundCall,
     functions: dict[str, cst.FunctionDef],
     mentions_flag: bool = True,
+    wrappers: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> tuple[InsertSite, BypassPlan | RevertPlan | None]:
-    facts, slot = call_facts(found)
+    facts, slot = call_facts(found, wrappers)
     found_pieces: list[FoundPieces] = []
 
     def collect() -> FoundPieces:
@@ -125,7 +127,8 @@ revert = rewrite
 def analyze_revert(module: cst.Module) -> RevertAnalysis:
     """Find every call of the fused op; plan the removal of a bypass around it."""
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    finder = CallFinder(a.pass_through_wrappers(module))
+    wrappers = a.pass_through_wrappers(module)
+    finder = CallFinder(wrappers)
     wrapper.visit(finder)
     positions = wrapper.resolve(PositionProvider)
     for found in finder.found:  # the finder leaves numbering to its caller
@@ -135,7 +138,7 @@ def analyze_revert(module: cst.Module) -> RevertAnalysis:
     plans: list[RevertPlan | None] = []
     functions = a.module_functions(module)
     for found in finder.found:
-        site, _ = classify(module, found, functions)
+        site, _ = classify(module, found, functions, wrappers=set(wrappers))
         plan = failure = None
         try:
             plan = plan_site(module, found, positions, functions)

@@ -163,6 +163,7 @@ class CallFacts:
     dtype_is_auto: bool  # it is the string literal "auto"
     in_block: bool  # the call is a statement of its own in a block of the method
     is_async: bool = False  # the method holding the call is an `async def`
+    in_wrapper: bool = False  # outside a class: in a pass-through wrapper (the layer's call of it is the site)
 
 
 @dataclass
@@ -390,11 +391,28 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
         )
     if not f.has_cache:
         return site(SiteState.NOT_A_SITE, Action.NONE, "no main K/V cache argument: a norm+rope-only call")
-    if f.class_name is None:
+    if f.class_name is None and f.in_wrapper:
         return site(
             SiteState.NOT_A_SITE,
             Action.NONE,
-            f"in module-level function `{f.module_function}`, not a layer class (a call of it in one may be)",
+            f"in module-level function `{f.module_function}`, a pass-through wrapper: the layer's call of it is the site",
+        )
+    if f.class_name is None:
+        where = f"module-level function `{f.module_function}`" if f.module_function != "<module>" else "module code"
+        if f.dtype is not None and not f.dtype_is_auto:
+            return site(
+                SiteState.NATIVE,
+                Action.NONE,
+                f"native fp8 support (passes kv_cache_dtype={f.dtype}) in {where}, outside a layer class "
+                "(a registered custom op that finds its layer in the forward context, say): run with "
+                "--kv-cache-dtype fp8 directly",
+            )
+        return site(
+            SiteState.UNSUPPORTED,
+            Action.REFUSE,
+            f"a fork-era insert call (no kv_cache_dtype) in {where}, which is no pass-through wrapper (it "
+            "computes its own arguments): the bypass is written around a call in a layer's method only, "
+            "so this one cannot be rewritten, and with an fp8 cache the fused op asserts here. Nothing was changed",
         )
     if f.method is None:
         return site(SiteState.UNSUPPORTED, Action.REFUSE, "the call is in a class body, not in a method")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import builtins
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import libcst as cst
@@ -187,8 +187,9 @@ def _holds(first: int, last: int, op_lines: list[int]) -> bool:
     return any(first <= line <= last for line in op_lines)
 
 
-def call_facts(found: FoundCall) -> tuple[schema.CallFacts, a.StatementSlot | None]:
-    """Where the call sits and what it passes; the statement slot of a call directly in a method."""
+def call_facts(found: FoundCall, wrappers: Collection[str] = ()) -> tuple[schema.CallFacts, a.StatementSlot | None]:
+    """Where the call sits and what it passes; the statement slot of a call directly in a method.
+    ``wrappers``: the module's pass-through wrappers of the op, by name."""
     call = found.call
     kv = found.op.arg(schema.KV_CACHE)
     dtype = found.op.arg(schema.KV_CACHE_DTYPE)
@@ -211,6 +212,7 @@ def call_facts(found: FoundCall) -> tuple[schema.CallFacts, a.StatementSlot | No
         ),
         in_block=slot is not None,
         is_async=found.method is not None and found.method.asynchronous is not None,
+        in_wrapper=found.module_function in wrappers,
     )
     return facts, slot
 

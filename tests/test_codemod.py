@@ -187,7 +187,10 @@ def test_none_cache_is_not_a_site() -> None:
     assert [s.state for s in sites(plain)] == [SiteState.NOT_A_SITE]
 
 
-def test_module_level_wrapper_with_a_cache_is_not_a_site() -> None:
+def test_a_module_function_that_is_no_wrapper_is_refused_or_native() -> None:
+    """A call outside any layer class in a function that computes its own arguments (no
+    pass-through wrapper: a registered custom op that finds its layer, say) cannot get the
+    bypass: a fork-era one is refused, never passed over as no site; a native one is native."""
     source = textwrap.dedent(
         """\
         from vllm import _custom_ops as ops
@@ -197,7 +200,11 @@ def test_module_level_wrapper_with_a_cache_is_not_a_site() -> None:
         """
     )
     (site,) = sites(source)
-    assert site.state is SiteState.NOT_A_SITE and "module-level" in site.reason
+    assert site.state is SiteState.UNSUPPORTED and "module-level function `insert`" in site.reason
+    assert "no pass-through wrapper" in site.reason
+    native = source.replace("kv_cache=caches[0])", "kv_cache=caches[0], kv_cache_dtype=caches[1])")
+    (site,) = sites(native)
+    assert site.state is SiteState.NATIVE and site.action.value == "none"
 
 
 def test_flag_read_but_never_set_is_half_applied() -> None:
