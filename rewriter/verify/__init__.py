@@ -22,7 +22,6 @@ are skipped and say so.
 
 from __future__ import annotations
 
-import enum
 import importlib.util
 import warnings
 from dataclasses import dataclass, field
@@ -34,32 +33,11 @@ from rewriter.apply import FileStatus, classify_file
 from rewriter.targets import Target
 
 from .importcheck import import_check
-
-
-class Status(str, enum.Enum):
-    PASSED = "passed"
-    FAILED = "failed"
-    SKIPPED = "skipped"
+from .levels import LevelResult, Status  # the level types, below this face and the levels
 
 
 LEVELS = ("import", "semantic", "kernel")
 FILE_STATUSES = ("passed", "skipped", "failed", "error")  # FileVerification.status
-
-
-@dataclass
-class LevelResult:
-    level: str
-    status: Status
-    reason: str
-    details: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "level": self.level,
-            "status": self.status.value,
-            "reason": self.reason,
-            "details": self.details,
-        }
 
 
 @dataclass

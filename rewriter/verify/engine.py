@@ -17,7 +17,7 @@ bypass the bf16 value the op left in ``qkv`` (on the H200, 3.1 % of K bytes one
 e4m3 step apart; docs/engine.md).
 
 This module compares what the child reports - pure functions, testable on
-recorded outputs - and makes the :class:`~rewriter.verify.LevelResult`:
+recorded outputs - and makes the :class:`~rewriter.verify.levels.LevelResult`:
 
 - **skipped**: no torch, no CUDA GPU, no vLLM, vLLM not importable, or the file
   defines no model class vLLM can serve (the fork-era example: layer classes only);
@@ -38,6 +38,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .levels import LevelResult, Status
 
 CHILD = Path(__file__).with_name("engine_child.py")
 TAIL = 8
@@ -445,8 +447,6 @@ def installed_original(path: Path, python: str | None) -> Path | None:
 
 def engine_level(path: Path, sites: list[int], python: str | None = None, opts: EngineOptions | None = None):
     """The engine level's LevelResult for one file (and its JSON, in ``details``' owner)."""
-    from . import LevelResult, Status
-
     opts = opts or EngineOptions()
     original = installed_original(path, python)
     results = run_jobs(jobs_for(path, original, opts), {"new_tokens": opts.new_tokens}, python, opts.timeout)
