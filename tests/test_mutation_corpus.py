@@ -63,8 +63,10 @@ JUSTIFIED_REFUSALS = {
     # a condition of the caller's (or, under the bypass's own guard, a conditional cache),
     ("*", "caller-flag"): ("has a condition the bypass did not write", "is not a `self.` attribute"),
     # the bypass's names already in use, the op under another name,
-    ("*", "flag-assigned"): "names the bypass uses are taken",
-    ("*", "insert-kv-attribute"): "names the bypass uses are taken",
+    # (a name the bypass would write, used for something else; or the file's own bypass piece,
+    # then not proven to hold what a bypass's does)
+    ("*", "flag-assigned"): ("names the bypass would write are used for something else", "the file's own fp8 bypass cannot be proven"),
+    ("*", "insert-kv-attribute"): ("names the bypass would write are used for something else", "the file's own fp8 bypass cannot be proven"),
     ("*", "import-alias"): "the op is named without being called by that name",
     ("*", "local"): "the op is named without being called by that name",
     # and, with no norms to tell it, a head size two products of the q head count offer.
