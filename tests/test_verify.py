@@ -162,7 +162,7 @@ def test_require_gpu_turns_a_skipped_kernel_level_into_a_failure() -> None:
         pytest.skip("a GPU is present: the kernel level would run")
     proc = cli("verify", str(FIXTURES / "patched" / "model.py"), "--require-gpu", "--json")
     assert proc.returncode == 1
-    kernel = json.loads(proc.stdout)["files"][0]["levels"][2]
+    kernel = next(lv for lv in json.loads(proc.stdout)["files"][0]["levels"] if lv["level"] == "kernel")
     assert kernel["status"] == "failed" and "--require-gpu" in kernel["reason"]
 
 
@@ -697,7 +697,7 @@ def test_kernel_level_without_a_gpu_is_skipped_with_the_reason() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     report = verify([Target(FIXTURES / "patched" / "model.py", "t")])
-    kernel = report.files[0].levels[2]
+    kernel = next(lv for lv in report.files[0].levels if lv.level == "kernel")
     assert kernel.status is Status.SKIPPED and "no CUDA GPU" in kernel.reason
 
 
@@ -1012,3 +1012,20 @@ def test_adapter_refuses_an_unknown_parameter_without_a_default() -> None:
     schema = SCHEMAS["0.24.0"].replace("str kv_cache_dtype)", "str kv_cache_dtype, int mystery)")
     with pytest.raises(kernels.KernelUnavailable, match="'mystery' has no known fork value"):
         kernels.schema_extras("x", torch._C.parse_schema(schema).arguments)
+
+
+def test_an_async_forward_is_refused_by_run_and_noted_by_verify_alike(tmp_path: Path) -> None:
+    """vLLM calls a layer's forward synchronously: `run` refuses a site in `async def forward`
+    up front, and `verify` says the same refusal - never a failure of its own making."""
+    source = (FIXTURES / "fork_era" / "model.py").read_text()
+    sparse = source.rindex("    def forward(", 0, source.index("self.kv_cache,"))  # the insert call's method
+    odd = source[:sparse] + "    async def forward(" + source[sparse + len("    def forward(") :]
+    target = tmp_path / "model.py"
+    target.write_text(odd)
+    ran = cli("run", str(target))
+    assert ran.returncode == 2 and "async def forward" in ran.stderr, ran.stderr
+    assert target.read_text() == odd
+    (entry,) = verify([Target(target, "test")], timing=False).files
+    assert entry.failed and entry.note is not None and "async def forward" in entry.note, entry.note
+    assert not any("has no forward" in level.reason for level in entry.levels)
+    assert any("forward is `async def`" in level.reason for level in entry.levels if level.status is Status.FAILED)

@@ -247,8 +247,10 @@ def verify_file(
     # Native calls too: the kernel quantizes by itself, and running the file shows it
     # (a bypass taken out of a native call is proven here).
     classes = sorted({s.class_name for s in inserts if s.class_name})
-    pending = [
-        s for s in inserts if s.state in (SiteState.NEEDS_BYPASS, SiteState.HALF_APPLIED, SiteState.OUTDATED)
+    pending = [  # (a site `run` refuses too: its reason, never a failure the levels would make up)
+        s
+        for s in inserts
+        if s.state in (SiteState.NEEDS_BYPASS, SiteState.HALF_APPLIED, SiteState.OUTDATED, SiteState.UNSUPPORTED)
     ]
     if pending:  # what `run` does there first, or why it cannot (its reason names the way out)
         first = pending[0]

@@ -223,6 +223,10 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
         methods[fn.name] = _compiled(fn, path)
         decorators[fn.name] = kept
     if "forward" not in methods:
+        if any(isinstance(fn, ast.AsyncFunctionDef) and fn.name == "forward" for fn in cls.body):
+            raise HarnessError(
+                f"{path}: {class_name}.forward is `async def`: vLLM calls a layer's forward synchronously"
+            )
         raise HarnessError(f"{path}: {class_name} has no forward()")
     init = _init(cls, path)
     wrappers = _wrappers(text)
