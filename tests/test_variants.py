@@ -103,3 +103,29 @@ def test_a_different_program_is_refused_naming_the_role(form: str, edit: tuple[s
     assert site.action.value == "refuse", site.reason
     assert why in site.reason
     assert not _harmful(site.reason)
+
+
+def test_every_refusals_hand_edit_applied_as_written_leaves_a_file_run_and_verify_pass(tmp_path) -> None:
+    """A refusal's by-hand text is derived from the roles it proved: where it names an edit
+    (the flag written as a flag of the fp8 dtypes), that edit, applied as written, gives a
+    file `run` rewrites and `verify` passes; elsewhere it says what it cannot prove and
+    advises no deletion."""
+    import re
+
+    applied = 0
+    for form, (old, new), _ in NOT_THE_SAME:
+        source = (FIXTURES / form / "model.py").read_text().replace(old, new)
+        _, site = _site(source)
+        assert not _harmful(site.reason)
+        edit = re.search(r"set in __init__ to `(.+?)`, which cannot be proven.*write it as `(.+?)`", site.reason)
+        if edit is None:
+            continue
+        fixed = source.replace(f"= {edit.group(1)}\n", f"= {edit.group(2)}\n")
+        assert fixed != source
+        path = tmp_path / f"{form}_{applied}.py"
+        path.write_text(fixed)
+        assert cli("run", str(path)).returncode == 0
+        proc = cli("verify", "--json", str(path))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        applied += 1
+    assert applied == 2  # the two flags false for an fp8 dtype
