@@ -23,7 +23,7 @@ def rounded(values: list) -> list:
 
 
 def trim(job: dict) -> dict:
-    keep = {k: job[k] for k in ("status", "phase", "exc_type", "message", "capture", "seconds") if k in job}
+    keep = {k: job[k] for k in ("status", "phase", "exc_type", "message", "capture", "seconds", "capacity") if k in job}
     if "frames" in job:
         keep["frames"] = [[WORK_FILE.sub("<file>", f), n] for f, n in job["frames"] if WORK_FILE.search(f)]
     if "traceback" in job:

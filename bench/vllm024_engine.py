@@ -39,6 +39,8 @@ sys.path.insert(0, str(REPO))
 from rewriter.verify.engine import (  # noqa: E402
     MIN_AGREEMENT,
     MIN_PROMPT_AGREEMENT,
+    Capacity,
+    capacity_ratio,
     compare_outputs,
     judge_results,
 )
@@ -237,7 +239,16 @@ def main() -> int:
         and "must match" in bj.get("message", "") + " ".join(bj.get("traceback", []))
         else f"UNEXPECTED: {bj.get('status')} {bj.get('exc_type', '')}: {bj.get('message', '')[:160]}"
     )
+    caps = {label: Capacity.of({**j, "label": label}) for label, j in jobs.items()}
+    ratios = {}
+    for cfg in ("graphs,bs128", "eager,bs128", "graphs,bs256"):
+        bf16 = caps.get(f"rewritten:auto@{cfg}")
+        for run in ("rewritten", "native"):
+            r = capacity_ratio(bf16, caps.get(f"{run}:{FP8}@{cfg}"))
+            if r is not None:
+                ratios[f"{run} fp8 / rewritten bf16 @{cfg}"] = round(r, 4)
     report = {
+        "capacity": {"runs": {k: c.to_json() for k, c in caps.items() if c}, "ratios": ratios},
         "steps": {k: {"exit": rc, "output": t[-2000:]} for k, (rc, t) in steps.items()},
         "results": results,
         "comparisons": comps,
@@ -273,6 +284,19 @@ def main() -> int:
             f"{num(c.get('prompt_max_dlogprob'))} | {c['identical']}/{c['sequences']} | "
             f"{c['agreement']:.3f} | {num(c['first_divergence'], '{}')} | {num(c['max_dlogprob'])} |"
         )
+    print(
+        "\n| run | KV blocks | block size | tokens (blocks x size) | vLLM's kv_cache_size_tokens "
+        "| KV bytes | bytes/token | gpu_memory_utilization |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    for label, c in caps.items():
+        if c:
+            per = c.bytes_per_token
+            print(
+                f"| {label} | {c.blocks:,} | {c.block_size} | {c.tokens:,} | {num(c.vllm_tokens, '{:,}')} | "
+                f"{num(c.kv_bytes, '{:,}')} | {num(per, '{:.1f}')} | {c.gpu_memory_utilization} |"
+            )
+    for what, r in ratios.items():
+        print(f"KV-cache tokens, {what}: {r:.4f}")
     print(f"\n(1) before `run`, fp8: {exp1_before}")
     print(
         f"(1) `run` exit {steps['run'][0]}; check after exit {steps['check_after'][0]}; "

@@ -426,6 +426,120 @@ def test_checkpoint_names_and_shapes():
     assert [len(x) for x in p] == [5, 1100] and all(0 < i < 256 for i in p[1])
 
 
+# ---- capacity: the KV cache each engine allocated ----------------------------------------
+
+
+def vllm024_llm(blocks=900, block_size=128, tensors=(1_000_000, 500_000), inproc=True):
+    """An object shaped as vLLM 0.24's ``LLM`` after init, in the places the child reads:
+    ``llm_engine.vllm_config.cache_config`` (the engine core sets ``num_gpu_blocks``,
+    ``block_size``, ``kv_cache_size_tokens`` there) and, with the core in this process,
+    ``llm_engine.engine_core.engine_core`` (its profiled memory and its scheduler's
+    ``kv_cache_config``)."""
+    from types import SimpleNamespace as NS
+
+    cache = NS(
+        num_gpu_blocks=blocks,
+        block_size=block_size,
+        kv_cache_size_tokens=blocks * block_size,
+        kv_cache_max_concurrency=blocks * block_size / 2048,
+        cache_dtype="fp8_e4m3",
+    )
+    spec = type("FullAttentionSpec", (), {"page_size_bytes": 4096})()
+    kv_config = NS(
+        kv_cache_tensors=[NS(size=n, shared_by=["l"]) for n in tensors],
+        kv_cache_groups=[NS(kv_cache_spec=spec, layer_names=["model.layers.0.self_attn.attn"])],
+    )
+    core = NS(available_gpu_memory_for_kv_cache=1_600_000, scheduler=NS(kv_cache_config=kv_config))
+    engine_core = NS(engine_core=core) if inproc else NS()  # InprocClient / a core process's client
+    return NS(llm_engine=NS(vllm_config=NS(cache_config=cache), engine_core=engine_core))
+
+
+def test_child_reads_the_capacity_the_engine_allocated():
+    c = load_child()
+    cap = c.kv_capacity(vllm024_llm(), 0.25)
+    assert cap["blocks"] == 900 and cap["block_size"] == 128 and cap["tokens"] == 900 * 128
+    assert cap["vllm_tokens"] == 900 * 128 and cap["gpu_memory_utilization"] == 0.25
+    assert cap["kv_bytes"] == 1_500_000 and cap["available_bytes"] == 1_600_000
+    assert cap["groups"] == ["FullAttentionSpec: 1 layer(s), 4096 B a block"]
+    json.dumps(cap)  # one JSON line
+    # the engine core in a process of its own: the config's numbers still come back
+    cap = c.kv_capacity(vllm024_llm(inproc=False), 0.25)
+    assert cap["tokens"] == 900 * 128 and cap["kv_bytes"] is None and cap["available_bytes"] is None
+    # a vLLM without these attributes: None, never a raise
+    cap = c.kv_capacity(object(), 0.5)
+    assert cap["blocks"] is None and cap["tokens"] is None and cap["gpu_memory_utilization"] == 0.5
+
+
+def test_the_child_reads_vllm_024s_own_attributes():
+    """Where vLLM 0.24.0 sets what the child reads (its wheel's source)."""
+    import zipfile
+
+    from test_real_wheels import vllm_wheel
+
+    with zipfile.ZipFile(vllm_wheel("0.24.0")) as wheel:
+        core = wheel.read("vllm/v1/engine/core.py").decode()
+        cache = wheel.read("vllm/config/cache.py").decode()
+        llm = wheel.read("vllm/entrypoints/llm.py").decode()
+        client = wheel.read("vllm/v1/engine/core_client.py").decode()
+        sched = wheel.read("vllm/v1/core/sched/scheduler.py").decode()
+    assert "vllm_config.cache_config.num_gpu_blocks = scheduler_kv_cache_config.num_blocks" in core
+    assert "vllm_config.cache_config.kv_cache_size_tokens = num_tokens" in core
+    assert "self.available_gpu_memory_for_kv_cache = available_gpu_memory[0]" in core
+    assert "num_gpu_blocks: int | None" in cache and "kv_cache_size_tokens: int | None" in cache
+    assert "self.llm_engine = LLMEngine.from_engine_args(" in llm
+    assert "class InprocClient" in client and "self.engine_core = EngineCore(" in client
+    assert "self.kv_cache_config = kv_cache_config" in sched
+
+
+def cap(label, blocks, block_size=128, util=0.25, kv_bytes=None):
+    return {
+        "label": label,
+        "capacity": {
+            "blocks": blocks,
+            "block_size": block_size,
+            "gpu_memory_utilization": util,
+            "kv_bytes": kv_bytes,
+            "vllm_tokens": blocks and blocks * block_size,
+        },
+    }
+
+
+def test_capacity_ratio_needs_the_same_memory_share():
+    bf16 = engine.Capacity.of(cap("file:auto", 1000, kv_bytes=128_000 * 2304))
+    fp8 = engine.Capacity.of(cap("file:fp8_e4m3", 1800))
+    assert bf16.tokens == 128_000 and bf16.bytes_per_token == 2304
+    assert engine.capacity_ratio(bf16, fp8) == pytest.approx(1.8)
+    other = engine.Capacity.of(cap("file:fp8_e4m3", 1800, util=0.5))
+    assert engine.capacity_ratio(bf16, other) is None  # another share of memory: no ratio
+    assert engine.capacity_ratio(bf16, None) is None
+    assert engine.Capacity.of({"label": "x"}) is None  # no capacity reported (an older child)
+    assert engine.Capacity.of(cap("x", None)) is None  # the engine set no block count
+    assert engine.Capacity.of(cap("x", 0)) is None
+
+
+def test_capacity_in_the_verdict_and_the_json():
+    jobs = [
+        ok("file:auto", GOOD) | cap("file:auto", 1000),
+        ok("file:fp8_e4m3", NOISY) | cap("file:fp8_e4m3", 1800),
+        ok("native:fp8_e4m3", GOOD) | cap("native:fp8_e4m3", 1800),
+    ]
+    r = judge_results(report(*jobs), FILE, [591])
+    line = "KV cache at gpu_memory_utilization 0.25: bf16 128,000 tokens (1,000 blocks x 128), "
+    line += "fp8 230,400 tokens (1,800 x 128): 1.80x"
+    assert r.status == "passed" and line in r.reason and line in r.details
+    assert "KV cache of the installed vLLM's own file with fp8: 1.80x bf16's tokens" in r.details
+    js = json.loads(json.dumps(r.to_json()))
+    assert js["capacity"]["fp8_over_bf16"] == 1.8 and js["capacity"]["native_fp8_over_bf16"] == 1.8
+    assert js["capacity"]["runs"]["file:auto"]["tokens"] == 128_000
+    assert js["runs"][1]["capacity"]["blocks"] == 1800
+    # reported whatever the verdict: the fp8 run is garbage, its capacity is still there
+    bad = judge_results(report(jobs[0], ok("file:fp8_e4m3", GARBAGE) | cap("file:fp8_e4m3", 1800)), FILE, [591])
+    assert bad.status == "failed" and line in bad.details and line not in bad.reason
+    # no capacity reported: none claimed
+    plain = judge_results(report(ok("file:auto", GOOD), ok("file:fp8_e4m3", NOISY)), FILE, [591])
+    assert "KV cache" not in plain.reason and plain.to_json()["capacity"] is None
+
+
 # ---- wired into `verify` (--engine) -----------------------------------------------------
 
 

@@ -26,6 +26,10 @@ recorded outputs - and makes the :class:`~rewriter.verify.levels.LevelResult`:
   prompt top-1 or greedy agreement with the bf16 run (or the native fp8 run) is
   below :data:`MIN_PROMPT_AGREEMENT` or :data:`MIN_AGREEMENT`;
 - **passed**: both runs complete and agree at least that well.
+
+Whatever the verdict, each run reports the KV cache its engine allocated (vLLM's own
+block count x block size, :class:`Capacity`), and the level the fp8 run's tokens over
+the bf16 run's at the same ``gpu_memory_utilization``: what the bypass is for.
 """
 
 from __future__ import annotations
@@ -223,6 +227,99 @@ def compare_outputs(a_label: str, a: list[dict], b_label: str, b: list[dict]) ->
     )
 
 
+# ---- capacity: what fp8 buys -------------------------------------------------------
+
+
+@dataclass
+class Capacity:
+    """The KV cache one run's engine allocated: vLLM's own block count and block size, at
+    the run's ``gpu_memory_utilization`` (the child's ``kv_capacity``)."""
+
+    label: str
+    blocks: int
+    block_size: int
+    gpu_memory_utilization: float | None = None
+    vllm_tokens: int | None = None  # vLLM's group-aware kv_cache_size_tokens
+    kv_bytes: int | None = None  # the KV-cache tensors' bytes
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_size
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        return self.kv_bytes / self.tokens if self.kv_bytes and self.tokens else None
+
+    @classmethod
+    def of(cls, job: dict[str, Any]) -> Capacity | None:
+        """The run's capacity, or None where the child reported none (an older child, a run
+        that raised before the engine was built, a vLLM without these numbers)."""
+        cap = job.get("capacity") or {}
+        blocks, size = cap.get("blocks"), cap.get("block_size")
+        if not (isinstance(blocks, int) and isinstance(size, int) and blocks > 0 and size > 0):
+            return None
+        return cls(
+            job.get("label", "?"),
+            blocks,
+            size,
+            cap.get("gpu_memory_utilization"),
+            cap.get("vllm_tokens"),
+            cap.get("kv_bytes"),
+        )
+
+    def to_json(self) -> dict[str, object]:
+        per = self.bytes_per_token
+        return {
+            "label": self.label,
+            "blocks": self.blocks,
+            "block_size": self.block_size,
+            "tokens": self.tokens,
+            "vllm_tokens": self.vllm_tokens,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "kv_bytes": self.kv_bytes,
+            "bytes_per_token": None if per is None else round(per, 2),
+        }
+
+
+def capacity_ratio(base: Capacity | None, other: Capacity | None) -> float | None:
+    """``other``'s tokens over ``base``'s; None unless both were allocated at the same
+    ``gpu_memory_utilization`` (else the ratio says nothing about the cache dtype)."""
+    if base is None or other is None or base.gpu_memory_utilization != other.gpu_memory_utilization:
+        return None
+    return other.tokens / base.tokens
+
+
+def capacities(jobs: dict[str, dict[str, Any]]) -> dict[str, object] | None:
+    """The runs' capacities and fp8 over bf16 (the file's fp8 run, and the native insert's
+    where it ran); None when no run reported one."""
+    caps = {label: Capacity.of(j) for label, j in jobs.items()}
+    caps = {label: c for label, c in caps.items() if c is not None}
+    if not caps:
+        return None
+    bf16 = caps.get("file:auto")
+    ratio = capacity_ratio(bf16, caps.get(f"file:{FP8}"))
+    native = capacity_ratio(bf16, caps.get(f"native:{FP8}"))
+    return {
+        "runs": {label: c.to_json() for label, c in caps.items()},
+        "fp8_over_bf16": None if ratio is None else round(ratio, 4),
+        "native_fp8_over_bf16": None if native is None else round(native, 4),
+    }
+
+
+def capacity_summary(jobs: dict[str, dict[str, Any]]) -> str | None:
+    """One line: the bf16 and the fp8 run's KV-cache tokens (blocks x block size) and their
+    ratio, at the shared gpu_memory_utilization; None without both runs' numbers."""
+    bf16, fp8 = Capacity.of(jobs.get("file:auto", {})), Capacity.of(jobs.get(f"file:{FP8}", {}))
+    ratio = capacity_ratio(bf16, fp8)
+    if ratio is None:
+        return None
+    return (
+        f"KV cache at gpu_memory_utilization {bf16.gpu_memory_utilization}: "
+        f"bf16 {bf16.tokens:,} tokens ({bf16.blocks:,} blocks x {bf16.block_size}), "
+        f"fp8 {fp8.tokens:,} tokens ({fp8.blocks:,} x {fp8.block_size}): {ratio:.2f}x"
+    )
+
+
 # ---- the jobs and the child ---------------------------------------------------------
 
 
@@ -345,7 +442,7 @@ class EngineResult:
 
     def to_json(self) -> dict[str, object]:
         jobs = [
-            {k: j.get(k) for k in ("label", "status", "phase", "exc_type", "message", "seconds")}
+            {k: j.get(k) for k in ("label", "status", "phase", "exc_type", "message", "seconds", "capacity")}
             for j in self.raw.get("jobs", [])
         ]
         return {
@@ -354,6 +451,7 @@ class EngineResult:
             "env": self.raw.get("env"),
             "runs": jobs,
             "comparisons": [c.to_json() for c in self.comparisons],
+            "capacity": capacities({j.get("label", "?"): j for j in self.raw.get("jobs", [])}),
         }
 
 
@@ -410,11 +508,16 @@ def judge_results(
             if judged and c.garbage(min_prompt_agreement, min_agreement):
                 failures.append(f"garbage: {c.summary()} {limits}")
     details += [c.summary() for c in comps]
+    capacity = capacity_summary(jobs)
+    details += [capacity] if capacity else []
+    native_ratio = (capacities(jobs) or {}).get("native_fp8_over_bf16")
+    if native_ratio is not None:
+        details.append(f"KV cache of the installed vLLM's own file with fp8: {native_ratio:.2f}x bf16's tokens")
     if failures:
         return EngineResult("failed", "; ".join(failures), details, comps, results)
     if skips:
         return EngineResult("skipped", "; ".join(skips), details, comps, results)
-    what = "; ".join(c.summary() for c in comps) or "no comparison"
+    what = "; ".join([c.summary() for c in comps] + ([capacity] if capacity else [])) or "no comparison"
     env = results.get("env") or {}
     return EngineResult(
         "passed", f"vllm {env.get('vllm', '?')} on {env.get('gpu', '?')}: {what}", details, comps, results

@@ -16,7 +16,10 @@ registered under vLLM's own architecture name. The spec's other keys: see
      "jobs": [{"label", "status": "ok" | "raised", "phase", "exc_type", "message",
                "frames": [[file, line], ...], "traceback": [...],
                "outputs": [{"tokens": [...], "logprobs": [...], "prompt_top1": [...],
-                            "prompt_logprobs": [...]}], "seconds", "notes"}]}
+                            "prompt_logprobs": [...]}], "seconds", "notes",
+               "capacity": {"blocks", "block_size", "tokens", "vllm_tokens", "max_concurrency",
+                            "gpu_memory_utilization", "cache_dtype", "kv_bytes",
+                            "available_bytes", "groups"}}]}
 
 The parent (:mod:`rewriter.verify.engine`) compares the jobs' outputs.
 """
@@ -259,6 +262,43 @@ def sequence_facts(out, prompt: list[int]) -> dict:
     }
 
 
+def kv_capacity(llm, utilization: float) -> dict:
+    """What the engine allocated for the KV cache once it was built (vLLM 0.24's own numbers):
+    ``blocks`` (``cache_config.num_gpu_blocks``, set by the engine core after profiling) of
+    ``block_size`` tokens each, ``tokens`` = their product; vLLM's group-aware capacity
+    (``kv_cache_size_tokens``) beside it; and, with the engine core in this process, the
+    bytes of the KV-cache tensors and the memory the profile left for them. Any number
+    vLLM does not expose is None."""
+    out: dict = {"gpu_memory_utilization": utilization}
+    engine = getattr(llm, "llm_engine", None)
+    cache = getattr(getattr(engine, "vllm_config", None), "cache_config", None)
+    for key, attr in (
+        ("blocks", "num_gpu_blocks"),
+        ("block_size", "block_size"),
+        ("vllm_tokens", "kv_cache_size_tokens"),
+        ("max_concurrency", "kv_cache_max_concurrency"),
+        ("cache_dtype", "cache_dtype"),
+    ):
+        value = getattr(cache, attr, None)
+        out[key] = value if value is None or isinstance(value, (int, float, str)) else str(value)
+    blocks, size = out["blocks"], out["block_size"]
+    out["tokens"] = blocks * size if isinstance(blocks, int) and isinstance(size, int) else None
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)  # InprocClient's
+    available = getattr(core, "available_gpu_memory_for_kv_cache", None)
+    out["available_bytes"] = int(available) if isinstance(available, (int, float)) and available > 0 else None
+    config = getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
+    try:
+        out["kv_bytes"] = sum(int(t.size) for t in config.kv_cache_tensors)
+        out["groups"] = [
+            f"{type(g.kv_cache_spec).__name__}: {len(g.layer_names)} layer(s), "
+            f"{getattr(g.kv_cache_spec, 'page_size_bytes', '?')} B a block"
+            for g in config.kv_cache_groups
+        ]
+    except Exception:
+        out["kv_bytes"], out["groups"] = None, None
+    return out
+
+
 def cleanup(llm) -> None:
     import torch
 
@@ -313,6 +353,10 @@ def run_job(job: dict, spec: dict, ckpt: str, batch: list[list[int]]) -> dict:
     phase = "init"  # model build, weight load, profile run, KV-cache allocation, CUDA-graph capture
     try:
         llm = LLM(**kwargs)
+        try:
+            res["capacity"] = kv_capacity(llm, spec["gpu_memory_utilization"])
+        except Exception as exc:  # the capacity is reported, never the run's failure
+            res["capacity"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         phase = "generate"
         sp = SamplingParams(
             temperature=0.0,
