@@ -32,9 +32,23 @@ class HarnessError(Exception):
 
 
 @dataclass(frozen=True)
+class Parallel:
+    """Tensor-parallel rank ``rank`` of ``size`` ranks, and the model's head counts across
+    all ranks: what the config holds and vLLM's parallel linear layers divide (see
+    :mod:`rewriter.verify.tp`). At size 1 the totals are the shape's own counts."""
+
+    size: int = 1
+    rank: int = 0
+    total_heads: int = 0
+    total_kv_heads: int = 0
+    total_idx_heads: int = 0
+
+
+@dataclass(frozen=True)
 class Shape:
     """Sizes of the stand-in layer. The default is the kernel level's: head dims 128 as
-    the real kernels require, one index-q head per kv head as in the fork's layout."""
+    the real kernels require, one index-q head per kv head as in the fork's layout.
+    The head counts are one rank's (``parallel``; TP=1 unless it says otherwise)."""
 
     tokens: int = 24
     num_heads: int = 4
@@ -49,6 +63,15 @@ class Shape:
     hidden_size: int = 256
     eps: float = 1e-6
     padded: int = 3  # the batch's last tokens are CUDA-graph padding: slot -1 in both mappings
+    parallel: Parallel = Parallel()
+
+    @property
+    def totals(self) -> tuple[int, int, int]:
+        """The model's q, kv and index head counts across the ranks (the config's)."""
+        p = self.parallel
+        if p.size == 1:
+            return self.num_heads, self.num_kv_heads, self.num_idx_heads
+        return p.total_heads, p.total_kv_heads, p.total_idx_heads
 
     @property
     def width(self) -> int:
@@ -56,10 +79,15 @@ class Shape:
         return self.num_heads * self.head_dim + 2 * kv + (self.num_idx_heads + 1) * self.idx_head_dim
 
     def __str__(self) -> str:
-        return (
+        sizes = (
             f"{self.num_heads} q / {self.num_kv_heads} kv / {self.num_idx_heads} index heads, "
             f"head dims {self.head_dim} / index {self.idx_head_dim}, rotary {self.rotary_dim}"
         )
+        p = self.parallel
+        if p.size == 1:
+            return sizes
+        q, kv, index = self.totals
+        return f"rank {p.rank} of TP={p.size}: {sizes} (of {q} q / {kv} kv / {index} index heads)"
 
 
 # The sizes a file's attributes can hold. Where one attribute holds several (the

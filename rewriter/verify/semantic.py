@@ -7,7 +7,8 @@ the path a file takes under torch.compile when it asks ``is_compiling()``, and, 
 layer that reads the attention config's indexer dtype (``indexer_kv_dtype``), once more
 with a float8_e4m3fn index cache: both runs must store the same e4m3 bits, those of the
 bf16 index cache converted. A run the stand-in cannot carry to the end is neither passed
-nor failed.
+nor failed. :func:`check_plan` does all of it as each rank of a tensor-parallel size
+(:mod:`rewriter.verify.tp`) runs the layer; a failure names the TP and the rank.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from pathlib import Path
 import torch
 
 from . import refops
-from .layercode import LayerCode
+from .layercode import SIZES, LayerCode, Shape
 from .standin import COMPILED, FP8_INDEX, Backend, Inputs, _gap, _standin
+from .tp import Plan
 
 INDEXER_DTYPE = "indexer_kv_dtype"  # a layer whose code names it may get an fp8 index cache
 
@@ -40,6 +42,7 @@ class RunResult:
     error: str | None = None
     traceback: list[str] = field(default_factory=list)
     gap: str | None = None  # the error is the stand-in's limit, not the file's fault
+    unheld: dict[str, int] = field(default_factory=dict)  # sizes __init__ computes otherwise than the rank's
 
 
 def _traceback_tail(exc: BaseException, path: str, limit: int = 4) -> list[str]:
@@ -65,7 +68,7 @@ def run_layer(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> R
     hidden = torch.zeros(
         inputs.shape.tokens, inputs.shape.hidden_size, dtype=torch.bfloat16, device=inputs.device
     )
-    result = RunResult(mode)
+    result = RunResult(mode, unheld=state["unheld"])
     try:
         layer.forward(inputs.positions.clone(), hidden)
         if inputs.device != "cpu":
@@ -101,6 +104,7 @@ class Comparison:
     reason: str
     checks: dict[str, bool]
     gap: bool = False  # not run to the end for the stand-in's sake: neither passed nor failed
+    note: str = ""  # passing, what the reader should still know (sizes the file does not shard)
 
 
 def _bits(cache: torch.Tensor) -> torch.Tensor:
@@ -250,3 +254,59 @@ def check_layer(code: LayerCode, backend: Backend, inputs: Inputs) -> tuple[Comp
     if failed:
         return Comparison(False, "; ".join(failed) + ": no", checks), [*runs, *more]
     return Comparison(True, f"{result.reason}; an fp8 index cache too", checks), [*runs, *more]
+
+
+_COUNTS = SIZES[:3]  # the head counts a rank divides (the head sizes are every rank's)
+
+
+def _unheld(run: RunResult, shape: Shape) -> str:
+    """The sizes this rank's ``__init__`` computes otherwise than vLLM's arithmetic gives the rank
+    (a file whose sizes are TP=1's): the stand-in ran the rank's, so the rewrite's slices were
+    still checked at them, but the file's own count would not shard."""
+    return ", ".join(
+        f"self.{name} = {value} (the rank has {getattr(shape, name)})"
+        for name, value in sorted(run.unheld.items())
+        if name in SIZES
+    )
+
+
+def check_plan(
+    code: LayerCode, backend: Backend, shape: Shape, device: str, plan: Plan
+) -> tuple[Comparison, list[RunResult], list[Shape]]:
+    """:func:`check_layer` as each rank of ``plan`` (at TP=1, on ``shape`` itself): the file's
+    ``__init__`` computes the rank's sizes from the model's head counts and the TP size and rank
+    it is handed, its projections give the rank's widths. The first rank that fails is the
+    result (its reason starts with ``TP=N rank r: ``); passing, the ranks' checks, each named
+    by its rank. Also the shapes the ranks ran at."""
+    if plan.size == 1:
+        inputs = Inputs.random(code.fit(shape), device)
+        result, runs = check_layer(code, backend, inputs)
+        return result, runs, [inputs.shape]
+    checks: dict[str, bool] = {}
+    every: list[RunResult] = []
+    shapes: list[Shape] = []
+    notes: list[str] = []
+    result = Comparison(False, "no rank run", {})
+    for rank in plan.ranks:
+        where = f"TP={plan.size} rank {rank}"
+        ranked = plan.shape(shape, rank)
+        fitted = code.fit(ranked)
+        if [getattr(fitted, n) for n in _COUNTS] != [getattr(ranked, n) for n in _COUNTS]:
+            differ = [n for n in _COUNTS if getattr(fitted, n) != getattr(ranked, n)]
+            tied = ", ".join(f"{n} {getattr(ranked, n)}" for n in differ)
+            why = f"{where}: the file holds in one attribute head counts that differ at this rank ({tied})"
+            return Comparison(False, why, checks, gap=True), every, shapes
+        inputs = Inputs.random(fitted, device, seed=rank)
+        result, runs = check_layer(code, backend, inputs)
+        shapes.append(fitted)
+        every += runs
+        checks |= {f"rank {rank}: {name}": ok for name, ok in result.checks.items()}
+        if not result.passed:
+            return replace(result, reason=f"{where}: {result.reason}", checks=checks), every, shapes
+        unheld = _unheld(runs[0], fitted) if runs else ""
+        if unheld and unheld not in notes:
+            notes.append(unheld)
+    ranks = ", ".join(str(r) for r in plan.ranks)
+    note = f"__init__ computes TP=1 sizes: {'; '.join(notes)}" if notes else ""
+    passed = Comparison(True, f"ranks {ranks} of TP={plan.size}: {result.reason}", checks, note=note)
+    return passed, every, shapes

@@ -3,12 +3,14 @@
 :func:`_standin` builds the layer for one run: a class of the file's methods in a
 namespace where the file's imports are stand-ins - the fused op and the reshape op
 of a :class:`Backend` (the plain-PyTorch references of :mod:`rewriter.verify.refops`
-or vLLM's kernels), the forward context, linear layers answering seeded outputs of
-the width they are built with, tensor-parallel size 1, the few vLLM helpers of
-``VLLM_HELPERS`` and the attention config's indexer dtype as vLLM defines them,
-anything else a value that answers nothing. It sets what ``forward`` reads from :class:`Inputs` (projections,
-norms, rotary cache, caches, indexer, attention impl, quant scales), then runs
-``__init__`` statement by statement on MiniMax-M3's config in the stand-in's sizes.
+or vLLM's kernels), the forward context, the tensor-parallel size and rank of the
+shape's ``parallel`` (TP=1 unless it says otherwise), vLLM's linear layers answering
+seeded outputs of this rank's width for what they are built with, the few vLLM
+helpers of ``VLLM_HELPERS`` and the attention config's indexer dtype as vLLM defines
+them, anything else a value that answers nothing. It sets what ``forward`` reads from
+:class:`Inputs` (projections, norms, rotary cache, caches, indexer, attention impl,
+quant scales), then runs ``__init__`` statement by statement on MiniMax-M3's config
+(the model's head counts across the ranks, the stand-in's head sizes).
 The collaborators record what reaches attention; :func:`_gap` tells a failure that
 is the stand-in's limit from the file's fault.
 """
@@ -149,8 +151,9 @@ class _Imported:
 
 
 class _Projection:
-    """A linear layer the file builds in __init__: ``(output, None)`` of the width it builds it
-    with (seeded by its name, so every run reads the same), or the whole fused buffer."""
+    """A linear layer the file builds in __init__: ``(output, None)`` of this rank's width for
+    what it builds it with (seeded by its name and the rank, so every run of a rank reads the
+    same), or the whole fused buffer."""
 
     def __init__(self, width: int | None) -> None:
         self.width = width
@@ -167,38 +170,55 @@ class _Projection:
     seed = 0  # the stand-in seeds each by the attribute that holds it
 
 
-def _linear_width(name: str, args: tuple, kwargs: dict) -> int | None:
-    """The output width of vLLM's linear layers at tensor-parallel size 1, from their arguments."""
+def _divide(numerator: int, denominator: int) -> int:
+    """vLLM's ``divide`` (vllm.distributed.utils): exact division, asserted."""
+    assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
+    return numerator // denominator
+
+
+def _linear_width(name: str, args: tuple, kwargs: dict, tp: int = 1) -> int | None:
+    """The output width vLLM's linear layers give one rank of ``tp``, from their arguments
+    (``disable_tp=True``: the whole width): a QKV layer this rank's q heads and its KV heads
+    (one where ``tp`` exceeds them, replicated), a column-parallel one its ``1/tp`` of the
+    columns, a row-parallel or replicated one all of them."""
 
     def arg(i: int, key: str, default: Any = None) -> Any:
         return args[i] if len(args) > i else kwargs.get(key, default)
 
+    tp = 1 if kwargs.get("disable_tp") else tp
     try:
         if name == "QKVParallelLinear":
             head, heads = int(arg(1, "head_size")), int(arg(2, "total_num_heads"))
             kv = int(arg(3, "total_num_kv_heads") or heads)
+            heads, kv = _divide(heads, tp), (1 if tp >= kv else _divide(kv, tp))
             return (heads + kv) * head + kv * int(kwargs.get("v_head_size") or head)
-        if name in ("ReplicatedLinear", "ColumnParallelLinear", "RowParallelLinear"):
+        if name in ("ReplicatedLinear", "RowParallelLinear"):
             return int(arg(1, "output_size"))
+        if name == "ColumnParallelLinear":
+            return _divide(int(arg(1, "output_size")), tp)
         if name == "MergedColumnParallelLinear":
-            return sum(int(x) for x in arg(1, "output_sizes"))
-    except (TypeError, ValueError):
+            return sum(_divide(int(x), tp) for x in arg(1, "output_sizes"))
+    except (TypeError, ValueError, AssertionError):
         return None
     return None
 
 
 class _LinearClass:
-    """An imported ``…Linear…`` class: building one gives a ``_Projection``."""
+    """An imported ``…Linear…`` class: building one gives a ``_Projection`` of this rank's width."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, tp: int = 1) -> None:
         self._name = name
+        self._tp = tp
 
     def __call__(self, *args: Any, **kwargs: Any) -> _Projection:
-        return _Projection(_linear_width(self._name, args, kwargs))
+        return _Projection(_linear_width(self._name, args, kwargs, self._tp))
 
 
-# The stand-in runs as tensor-parallel rank 0 of 1.
-_TP = {"get_tensor_model_parallel_world_size": 1, "get_tensor_model_parallel_rank": 0}
+# What vLLM's tensor-parallel queries answer, by the name vLLM gives them: the run's rank.
+_TP = {
+    "get_tensor_model_parallel_world_size": lambda parallel: parallel.size,
+    "get_tensor_model_parallel_rank": lambda parallel: parallel.rank,
+}
 
 
 def _is_quantized_kv_cache(kv_cache_dtype: Any) -> bool:
@@ -214,7 +234,10 @@ def _is_quantized_kv_cache(kv_cache_dtype: Any) -> bool:
 
 # vLLM helpers the stand-in runs as vLLM defines them, by the name vLLM gives them (a file may
 # import one under another name); any other imported name is a made-up `_Imported`.
-VLLM_HELPERS: dict[str, Callable[..., Any]] = {"is_quantized_kv_cache": _is_quantized_kv_cache}
+VLLM_HELPERS: dict[str, Callable[..., Any]] = {
+    "is_quantized_kv_cache": _is_quantized_kv_cache,
+    "divide": _divide,
+}
 
 
 def _vllm_config(index_dtype_name: str) -> _Imported:
@@ -336,18 +359,20 @@ INDEX_PREFIX = "model.layers.3.self_attn.attn.indexer.k_cache"
 
 
 def _config(s: Shape) -> types.SimpleNamespace:
-    """MiniMax-M3's config, in the stand-in's sizes (what ``__init__`` reads them from)."""
+    """MiniMax-M3's config, in the stand-in's sizes (what ``__init__`` reads them from): the
+    head counts across all ranks, which a rank's ``__init__`` divides by the TP size."""
+    heads, kv_heads, idx_heads = s.totals
     return types.SimpleNamespace(
         hidden_size=s.hidden_size,
-        num_attention_heads=s.num_heads,
-        num_key_value_heads=s.num_kv_heads,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         head_dim=s.head_dim,
         rms_norm_eps=s.eps,
         max_position_embeddings=s.max_position,
         rope_theta=10000.0,
         partial_rotary_factor=s.rotary_dim / s.head_dim,
         sparse_attention_config={
-            "sparse_num_index_heads": s.num_idx_heads,
+            "sparse_num_index_heads": idx_heads,
             "sparse_index_dim": s.idx_head_dim,
             "sparse_topk_blocks": 4,
             "sparse_block_size": s.block_size,
@@ -358,6 +383,8 @@ def _config(s: Shape) -> types.SimpleNamespace:
 def _pinned_setattr(self: Any, name: str, value: Any) -> None:
     if name not in type(self).pinned:
         object.__setattr__(self, name, value)
+    elif isinstance(value, int) and value != self.__dict__.get(name, value):
+        type(self).unheld[name] = value  # __init__ computes another size than the rank's
 
 
 def _standin(
@@ -402,10 +429,10 @@ def _standin(
             namespace[name] = VLLM_HELPERS[origin.rsplit(".", 1)[1]]
         elif name.endswith("Metadata"):
             namespace[name] = meta  # the isinstance() asserts of attn_metadata readers
-        elif name in _TP:
-            namespace[name] = (lambda value: lambda *a, **k: value)(_TP[name])
+        elif (tp_query := _TP.get(origin.rsplit(".", 1)[-1])) is not None:
+            namespace[name] = (lambda value: lambda *a, **k: value)(tp_query(s.parallel))
         elif "Linear" in name:
-            namespace[name] = _LinearClass(name)
+            namespace[name] = _LinearClass(name, s.parallel.size)
         else:
             namespace[name] = _Imported(name)
     namespace["torch"] = torch_proxy
@@ -415,7 +442,7 @@ def _standin(
         exec(fn_code, namespace)  # the module's own helpers and wrappers, as the file defines them
     for op_name, fn_name in code.custom_ops.items():  # torch.ops.vllm.<op>: the file's own body runs
         setattr(torch_proxy.ops.vllm, op_name, namespace[fn_name])
-    attrs: dict[str, Any] = {"pinned": frozenset(), "__setattr__": _pinned_setattr}
+    attrs: dict[str, Any] = {"pinned": frozenset(), "unheld": {}, "__setattr__": _pinned_setattr}
     for name, fn_code in code.methods.items():
         exec(fn_code, namespace)  # defines the function under its own name
         fn = namespace.pop(name)
@@ -472,7 +499,7 @@ def _standin(
             owner = getattr(owner, part)
         setattr(owner, chain[-1], value_of[what[0]])  # a tie's first size: its value (LayerCode.fit)
         values.setdefault(chain[0], None)
-    # __init__ itself, statement by statement, on the stand-in's sizes (tensor-parallel size 1);
+    # __init__ itself, statement by statement, on the stand-in's sizes as this rank sees them;
     # what the stand-in set above stays, and a statement that raises is skipped.
     cls.pinned = frozenset(values)
     local = code.init.params | {
@@ -494,11 +521,12 @@ def _standin(
         layer.qkv_proj = full  # one fused projection: the whole buffer
     for name, value in vars(layer).items():
         if isinstance(value, _Projection):
-            value.full, value.seed = qkv, zlib.crc32(name.encode())
+            value.full, value.seed = qkv, zlib.crc32(name.encode()) + s.parallel.rank
     for name in code.called_attrs - set(code.methods):
         if not hasattr(layer, name):
             setattr(layer, name, rec.sink)
-    return layer, rec, {"kv_cache": kv_cache, "index_cache": index_cache}
+    state = {"kv_cache": kv_cache, "index_cache": index_cache, "unheld": dict(cls.unheld)}
+    return layer, rec, state
 
 
 # The bypass's own attributes: a missing one is the file's bug, never the stand-in's.
