@@ -117,6 +117,16 @@ VERIFY_OPTIONS = (
     Option("--require-import", "require_import", "Fail, rather than skip, when the import level cannot run."),
     Option("--timing/--no-timing", "timing", "Time the kernels (GPU only).", default=True),
     Option(
+        "--tp",
+        "tp",
+        "Run the semantic and kernel levels at this tensor-parallel size too, every rank (repeatable; "
+        "default: one TP that shards the KV heads and one that replicates them; --tp 1: TP=1 only).",
+        "N",
+        int,
+        many=True,
+        minimum=1,
+    ),
+    Option(
         "--engine",
         "engine",
         "Also serve a tiny random-weight MiniMax-M3 built from the file with vLLM's offline engine, "
@@ -335,6 +345,7 @@ def verify(o: SimpleNamespace) -> int:
             timing=o.timing,
             require_import=o.require_import,
             engine=_engine_options(o),
+            tp_sizes=o.tp,
         )
     print_verify(report, stderr(), verbose=o.verbose)
     if o.as_json:

@@ -154,7 +154,9 @@ def test_cli_verify_after_run_passes(tmp_path: Path) -> None:
     proc = cli("verify", str(target), "--json")
     assert proc.returncode == 0, proc.stderr
     levels = {lv["level"]: lv["status"] for lv in json.loads(proc.stdout)["files"][0]["levels"]}
-    assert levels == {"import": "skipped", "semantic": "passed", "kernel": "skipped"}
+    tp_rows = {level: "passed" for level in levels if level.startswith("semantic TP=")}
+    assert len(tp_rows) == 2  # a TP that shards the KV heads, one that replicates them
+    assert levels == {"import": "skipped", "semantic": "passed", "kernel": "skipped", **tp_rows}
 
 
 def test_require_gpu_turns_a_skipped_kernel_level_into_a_failure() -> None:

@@ -176,10 +176,18 @@ def _timings(code: Any, ctx: KernelContext, out: FileVerification, failures: lis
 
 
 def _semantic(
-    path: Path, classes: list[str], ctx: KernelContext | None, out: FileVerification | None = None
+    path: Path,
+    classes: list[str],
+    ctx: KernelContext | None,
+    out: FileVerification | None = None,
+    plan: Any = None,
 ) -> LevelResult:
-    level = "kernel" if ctx is not None else "semantic"
-    from . import layercode, semantic, standin
+    """The semantic level (the kernel level with ``ctx``) as the ranks of ``plan`` (a
+    :class:`tp.Plan`; TP=1 by default), each TP its own row: ``semantic TP=8``, say."""
+    from . import layercode, semantic, standin, tp
+
+    plan = plan or tp.Plan(1)
+    level = ("kernel" if ctx is not None else "semantic") + plan.label
 
     if ctx is not None:
         backend, device = ctx.ops.backend, "cuda"
@@ -189,16 +197,17 @@ def _semantic(
     details: list[str] = []
     failures: list[str] = []
     gaps: list[str] = []
+    notes: list[str] = []
     compiled = False
     for name in classes:
         try:
             code = layercode.load_layer(path, name)
         except (layercode.HarnessError, SyntaxError) as exc:
             return LevelResult(level, Status.FAILED, str(exc))
-        inputs = standin.Inputs.random(code.fit(shape), device)
-        result, runs = semantic.check_layer(code, backend, inputs)
+        result, runs, shapes = semantic.check_plan(code, backend, shape, device, plan)
         compiled = compiled or code.compile_aware
-        details.append(f"{name}: sizes: {inputs.shape}")
+        details += [f"{name}: sizes: {ran}" for ran in shapes]
+        notes += [f"{name}: {result.note}"] if result.note else []
         details += [f"{name}: {check}: {'yes' if ok else 'NO'}" for check, ok in result.checks.items()]
         for run in runs:
             if run.error:
@@ -207,10 +216,10 @@ def _semantic(
             gaps.append(f"{name}: {result.reason}")
         elif not result.passed:
             failures.append(f"{name}: {result.reason}")
-        elif ctx is not None and ctx.timing and out is not None and out.timings is None:
+        elif ctx is not None and ctx.timing and out is not None and out.timings is None and plan.size == 1:
             if "_insert_kv" in code.methods:
                 _timings(code, ctx, out, failures)
-    if ctx is not None:
+    if ctx is not None and plan.size == 1:  # the ops themselves: once, on the TP=1 row
         details += [f"{c.name}: {'ok' if c.passed else 'FAILED'} ({c.detail})" for c in ctx.checks]
         bad = [c.name for c in ctx.checks if not c.passed]
         if bad:
@@ -221,7 +230,9 @@ def _semantic(
         return LevelResult(level, Status.SKIPPED, "; ".join(gaps), details)
     paths = "eager and compiled paths, " if compiled else ""
     what = f"bf16 and fp8 cache runs agree ({paths}{backend.name}, {device})"
-    return LevelResult(level, Status.PASSED, what, details)
+    if plan.size > 1:
+        what += f" at {plan.describe()}"
+    return LevelResult(level, Status.PASSED, "; ".join([what, *notes]), details)
 
 
 def verify_file(
@@ -231,6 +242,7 @@ def verify_file(
     require_gpu: bool = False,
     require_import: bool = False,
     engine: Any = None,  # engine.EngineOptions: run the engine level (--engine)
+    plans: list[Any] | None = None,  # tp.Plan: the TPs the semantic and kernel levels run (tp.plans())
 ) -> FileVerification:
     path = target.path
     out = FileVerification(path, target.origin)
@@ -270,14 +282,17 @@ def verify_file(
         out.levels.append(LevelResult("semantic", Status.SKIPPED, reason))
     else:
         _import_torch()
-        out.levels.append(_semantic(path, classes, None))
+        from . import tp
+
+        plans = plans or tp.plans()
+        out.levels += [_semantic(path, classes, None, plan=plan) for plan in plans]
 
     if kernel is None or kernel.ops is None:
         reason = kernel.skipped if kernel and kernel.skipped else "kernel level not requested"
         status = Status.FAILED if require_gpu else Status.SKIPPED
         out.levels.append(LevelResult("kernel", status, reason + (" (--require-gpu)" if require_gpu else "")))
     else:
-        out.levels.append(_semantic(path, classes, kernel, out))
+        out.levels += [_semantic(path, classes, kernel, out, plan) for plan in plans or [None]]
     if engine is not None:
         from .engine import engine_level
 
@@ -295,8 +310,15 @@ def verify(
     timing: bool = True,
     require_import: bool = False,
     engine: Any = None,
+    tp_sizes: list[int] | None = None,  # --tp: these TPs (every rank) after TP=1, else tp.plans()'s
 ) -> VerifyReport:
+    from . import tp
+
+    try:
+        plans = tp.plans(tp_sizes or ())
+    except ValueError as exc:
+        return VerifyReport([], error=str(exc))
     ctx = load_kernels(kernels, timing=timing)
     return VerifyReport(
-        [verify_file(t, python, ctx, require_gpu, require_import, engine) for t in targets], ctx
+        [verify_file(t, python, ctx, require_gpu, require_import, engine, plans) for t in targets], ctx
     )
