@@ -40,6 +40,7 @@ VARIANTS = {
     "compiled_native_vllm_flag": ([SiteState.OUTDATED], 1),
     "bf16_index_form": ([SiteState.OUTDATED], 1),
     "fp8_index": ([SiteState.OUTDATED], 1),
+    "tp_total_widths": ([SiteState.PATCHED], 0),
 }
 
 
