@@ -129,10 +129,13 @@ def _call(node: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -
         return bool(args[0]) if name == "bool" else str(args[0])
     if name is not None:
         last = name.rpartition(".")[2]
-        if name.startswith("self.") and name.count(".") == 1 and last in scope.methods:
-            return _helper(scope.methods[last], args, kwargs, env, scope, depth, skip_self=True)
-        if "." not in name and name in scope.functions:
-            return _helper(scope.functions[name], args, kwargs, env, scope, depth, skip_self=False)
+        try:
+            if name.startswith("self.") and name.count(".") == 1 and last in scope.methods:
+                return _helper(scope.methods[last], args, kwargs, env, scope, depth, skip_self=True)
+            if "." not in name and name in scope.functions:
+                return _helper(scope.functions[name], args, kwargs, env, scope, depth, skip_self=False)
+        except KeyError:
+            raise Unknown(name) from None
         root = name.partition(".")[0]
         if last in VLLM_HELPERS and (root in scope.vllm_names or root == "vllm") and len(args) == 1:
             if not isinstance(args[0], str):

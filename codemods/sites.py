@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import builtins
 import textwrap
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 import libcst as cst
@@ -283,16 +283,37 @@ def other_insert_kv_call(cls: cst.ClassDef, allowed: set[int], name: str = schem
     return a.first_in(cls.body, lambda n: is_insert_kv_call(n, name) and id(n) not in allowed)
 
 
+class _Defs(Mapping[str, ast.FunctionDef]):
+    """LibCST defs by name, each read as Python's own tree only when asked for."""
+
+    def __init__(self, defs: dict[str, cst.FunctionDef]) -> None:
+        self.defs, self.trees = defs, {}
+
+    def __getitem__(self, name: str) -> ast.FunctionDef:
+        if name not in self.trees:
+            fn = self.defs[name]
+            try:
+                node = ast.parse(textwrap.dedent(a.code(fn.with_changes(leading_lines=[], decorators=[])))).body[0]
+            except (SyntaxError, ValueError, IndexError):
+                raise KeyError(name) from None
+            if not isinstance(node, ast.FunctionDef):
+                raise KeyError(name)
+            self.trees[name] = node
+        return self.trees[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.defs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.defs)
+
+    def __len__(self) -> int:
+        return len(self.defs)
+
+
 def scope_of(cls: cst.ClassDef, functions: dict[str, cst.FunctionDef], module: cst.Module | None) -> roles.Scope:
-    """What a flag's expression may call (``roles.Scope``), as Python's own trees."""
-
-    def tree(fn: cst.FunctionDef) -> ast.FunctionDef | None:
-        try:
-            node = ast.parse(textwrap.dedent(a.code(fn.with_changes(leading_lines=[], decorators=[])))).body[0]
-        except (SyntaxError, ValueError, IndexError):
-            return None
-        return node if isinstance(node, ast.FunctionDef) else None
-
+    """What a flag's expression may call (``roles.Scope``): the module's functions and the
+    class's methods (read as Python's own trees when called), and the names imported from vLLM."""
     vllm = frozenset(
         i.bound
         for i in (a.module_imports(module) if module is not None else [])
@@ -302,11 +323,7 @@ def scope_of(cls: cst.ClassDef, functions: dict[str, cst.FunctionDef], module: c
             for s in i.statement.body
         )
     )
-    return roles.Scope(
-        {n: t for n, f in functions.items() if (t := tree(f)) is not None},
-        {f.name.value: t for f in a.methods(cls) if (t := tree(f)) is not None},
-        vllm,
-    )
+    return roles.Scope(_Defs(dict(functions)), _Defs({f.name.value: f for f in a.methods(cls)}), vllm)
 
 
 def _flags(
@@ -315,18 +332,20 @@ def _flags(
     """``__init__``'s ``self.<attr> = <value>`` that read the cache dtype (or call a helper
     that does): whether each is a flag - assigned once, true for every fp8 dtype and false
     for "auto" (``roles.fp8_flag``)."""
-    helpers = {
-        name
-        for name, fn in [*functions.items(), *((f.name.value, f) for f in a.methods(cls))]
-        if schema.DTYPE_ATTR in a.code(fn.body)
-    }
+    def reads_dtype(name: str | None) -> bool:
+        """``name`` is a module function or method of the class whose body names the dtype."""
+        fn = functions.get(name or "") or a.find_method(cls, name or "")
+        return fn is not None and schema.DTYPE_ATTR in a.code(fn.body)
+
+    def names_dtype(value: cst.BaseExpression) -> bool:
+        return a.first_in(value, lambda n: isinstance(n, cst.Attribute) and n.attr.value == schema.DTYPE_ATTR) is not None
+
     found = {}
     for attr, defs in init_attrs.items():
-        texts = [a.code(value) for _, value in defs]
-        called = {a.callee_name(v) for _, v in defs if isinstance(v, cst.Call)}
-        if not any(schema.DTYPE_ATTR in t for t in texts) and not called & helpers:
+        called = [a.callee_name(v) for _, v in defs if isinstance(v, cst.Call)]
+        if not any(names_dtype(v) for _, v in defs) and not any(reads_dtype(n) for n in called):
             continue
-        tree = schema.expression(texts[0]) if len(defs) == 1 else None
+        tree = schema.expression(a.code(defs[0][1])) if len(defs) == 1 else None
         found[attr] = tree is not None and (
             roles.fp8_flag(tree) or any(isinstance(n, ast.Call) for n in ast.walk(tree)) and roles.fp8_flag(tree, scope())
         )
@@ -412,10 +431,11 @@ def collect_pieces(
     if guard_flag and p.flag_attr in init_attrs and not p.flag_set:
         p.flag_unproven = "`, then `".join(a.code(v) for _, v in init_attrs[p.flag_attr])  # set to what?
     p.scale_set = schema.FP8_SCALE in init_attrs
-    attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
-    # Once set, whether the flag is also read decides nothing (schema.Pieces.any_bypass).
-    p.flag_read = not p.flag_set and p.flag_attr in attrs and p.flag_unproven is None
-    p.scale_read = schema.FP8_SCALE in attrs
+    if mentions_flag or p.flag_from_file:  # (else neither the flag nor the scale is named at all)
+        attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
+        # Once set, whether the flag is also read decides nothing (schema.Pieces.any_bypass).
+        p.flag_read = not p.flag_set and p.flag_attr in attrs and p.flag_unproven is None
+        p.scale_read = schema.FP8_SCALE in attrs
 
     if slot is None:
         return _finish(p, cls, init_attrs, functions, mentions_flag)
