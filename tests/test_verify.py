@@ -1031,3 +1031,25 @@ def test_an_async_forward_is_refused_by_run_and_noted_by_verify_alike(tmp_path: 
     assert entry.failed and entry.note is not None and "async def forward" in entry.note, entry.note
     assert not any("has no forward" in level.reason for level in entry.levels)
     assert any("forward is `async def`" in level.reason for level in entry.levels if level.status is Status.FAILED)
+
+
+@pytest.mark.parametrize(
+    "line, named",
+    [
+        ("        from aiter import reshape_and_cache  # a ROCm fork's path\n", "imports `aiter`"),
+        ("        assert not self.impl.should_use_msa_decode(self.layer_name)\n", "has no `should_use_msa_decode`"),
+    ],
+    ids=["platform-package", "unmodelled-impl"],
+)
+def test_what_the_stand_in_does_not_model_skips_the_level_never_fails_it(tmp_path: Path, line: str, named: str) -> None:
+    """A native file that imports a platform's package in its forward, or asks vLLM's attention
+    impl for more than the stand-in models: the semantic level is skipped with what it lacks -
+    a failure must be the file's, never the stand-in's."""
+    source = (FIXTURES / "native" / "model.py").read_text()
+    sparse = source.rindex("    def forward(")
+    body = source.index("\n", sparse) + 1
+    target = tmp_path / "model.py"
+    target.write_text(source[:body] + line + source[body:])
+    _, levels = semantic(target)
+    assert levels["semantic"].status is Status.SKIPPED, levels["semantic"].reason
+    assert named in levels["semantic"].reason

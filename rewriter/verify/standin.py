@@ -538,12 +538,20 @@ def _made_here(value: Any) -> bool:
     return isinstance(value, _Imported) or getattr(value, "__func__", None) is _Recorder.sink
 
 
+# The stand-in's own objects: an attribute one of them lacks is what it does not model.
+_STAND_INS = (_Indexer, _Impl, _Projection, _Recorder)
+
+
 def _gap(exc: BaseException, layer: Any, frame: types.FrameType | None) -> str | None:
     """Why ``exc`` is the stand-in's limit rather than the file's fault, if it is."""
     if isinstance(exc, StandInGap):
         return str(exc)
     if isinstance(exc, AttributeError) and exc.obj is layer and exc.name not in _BYPASS_ATTRS:
         return f"the stand-in lacks `self.{exc.name}` (set by __init__ code it does not run)"
+    if isinstance(exc, AttributeError) and type(getattr(exc, "obj", None)) in _STAND_INS:
+        return f"the stand-in's {type(exc.obj).__name__.lstrip('_')} has no `{exc.name}` (vLLM's has more than it models)"
+    if isinstance(exc, ModuleNotFoundError):  # imported inside a method: a platform's package (aiter), or vLLM's
+        return f"the file imports `{exc.name}`, which is not here (the stand-in runs without vLLM's platform packages)"
     if frame is None:
         return None
     # The failing line reads a name or `self.` attribute the stand-in made up.
