@@ -669,3 +669,25 @@ def test_recorded_fork_era_fp8_run_fails_at_the_insert_call(tmp_path):
     r = judge_results(res, file, [591])
     assert r.status == "failed"
     assert "model.py:591" in r.reason and "kv_cache dtype must match qkv" in r.reason
+
+
+def test_recorded_capacity_fp8_holds_1_75_times_the_tokens(tmp_path):
+    """The KV cache vLLM 0.24.0 allocated on the H100 at gpu_memory_utilization 0.8: the same
+    bytes for every run, 3,584 bytes a token with a bf16 cache (three layers' K/V, 2 heads x
+    128 x 2 bytes x 2, and two sparse layers' bf16 index keys, 128 x 2 bytes) against 2,048
+    with fp8 (the index cache stays bf16): 1.75x the tokens, the bypass and the native insert
+    alike; the level says so."""
+    caps = {k: engine.Capacity.of(v) for k, v in RECORDED["runs"].items()}
+    bf16, fp8, native = caps["rewritten:auto"], caps["rewritten:fp8_e4m3"], caps["native:fp8_e4m3"]
+    assert (bf16.blocks, bf16.block_size, bf16.tokens) == (147_604, 128, 18_893_312)
+    assert (fp8.blocks, fp8.tokens) == (258_307, 33_063_296) and native.tokens == fp8.tokens
+    assert bf16.tokens == bf16.vllm_tokens and fp8.tokens == fp8.vllm_tokens  # one KV-cache group
+    assert bf16.kv_bytes == fp8.kv_bytes and bf16.gpu_memory_utilization == 0.8
+    assert (bf16.bytes_per_token, fp8.bytes_per_token) == (3 * 2 * 128 * 2 * 2 + 2 * 128 * 2, 3 * 2 * 128 * 2 + 2 * 128 * 2)
+    assert engine.capacity_ratio(bf16, fp8) == pytest.approx(1.75, abs=1e-4)
+    assert caps["fork-era:fp8_e4m3"] is None  # raised while vLLM built the engine: no LLM to read
+    res, file = recorded(tmp_path)
+    r = judge_results(res, file, [591])
+    assert r.status == "passed"
+    assert "bf16 18,893,312 tokens (147,604 blocks x 128), fp8 33,063,296 tokens (258,307 x 128): 1.75x" in r.reason
+    assert r.to_json()["capacity"]["fp8_over_bf16"] == pytest.approx(1.75, abs=1e-4)
