@@ -107,6 +107,24 @@ def read_bytes(path: Path) -> bytes:
     return raw
 
 
+def source_text(raw: bytes) -> str:
+    """A Python file's bytes as text, decoded as ``run`` reads them: a UTF-8 BOM dropped, then
+    the PEP 263 coding line (``# -*- coding: latin-1 -*-``), else UTF-8 (what LibCST and
+    ``compile`` make of the same bytes). ``FileError`` where they cannot be decoded so."""
+    body = raw.removeprefix(BOM)
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(body).readline)
+        return body.decode(encoding)
+    except (SyntaxError, UnicodeDecodeError, LookupError) as exc:
+        raise FileError(f"cannot decode source: {exc}") from exc
+
+
+def read_source(path: Path | str) -> str:
+    """The text of the file at ``path``, read (``read_bytes``) and decoded (``source_text``) as
+    ``run`` reads it: every reader of a model file's text in ``verify`` goes through here."""
+    return source_text(read_bytes(Path(path)))
+
+
 def _through_proc(path: Path) -> bool:
     """Whether a symlink on the way to ``path`` lives in /proc (``/dev/stdin`` ->
     ``/proc/self/fd/0``): what such a link names is whatever a process has open (``run

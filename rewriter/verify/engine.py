@@ -415,11 +415,13 @@ def judge_job(job: dict[str, Any], file: Path, sites: list[int]) -> tuple[str, s
     if phase == "import":
         if job.get("exc_type") == "LookupError":
             return "skipped", f"{job['label']}: {job.get('message')}"
+        from rewriter.apply import FileError, read_source
+
         from .importcheck import import_lines, judge
 
         try:
-            imports = import_lines(file.read_text(encoding="utf-8-sig"))
-        except (OSError, UnicodeDecodeError):
+            imports = import_lines(read_source(file))
+        except FileError:
             imports = frozenset()
         frames = [(f, n) for f, n in job.get("frames", [])]
         status, why = judge(

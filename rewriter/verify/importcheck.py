@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from codemods.schema import FUSED_OP, KV_CACHE
+from rewriter.apply import FileError, read_source
 from rewriter.targets import MODEL_DIRS, MODEL_DIRS_SHOWN, run_python
 
 HOW_TO_RUN = "run verify with the interpreter of an installed vLLM: --python PATH"
@@ -242,8 +243,8 @@ def import_check(path: Path, classes: list[str], python: str | None = None, time
     if facts["status"] != "raised":
         return facts | {"traceback": tail}
     try:
-        imports = import_lines(Path(path).read_text(encoding="utf-8-sig"))
-    except (OSError, UnicodeDecodeError):
+        imports = import_lines(read_source(path))
+    except FileError:
         imports = frozenset()
     status, why = judge(
         facts["exc_type"],

@@ -21,6 +21,7 @@ from typing import Any
 
 from codemods import schema
 from codemods.schema import FUSED_OP, KV_CACHE
+from rewriter.apply import read_source
 
 # Decorators kept when a method is compiled out of its class; others (vLLM's
 # capture helpers, say) are dropped because they only wrap the call.
@@ -233,8 +234,10 @@ _ANNOTATIONS = __import__("__future__").annotations.compiler_flag
 
 
 def load_layer(path: Path | str, class_name: str, source: str | None = None) -> LayerCode:
+    """The class ``class_name`` of ``source`` (default: the file's text, read as ``run`` reads
+    it), compiled as the file at ``path``."""
     path = str(path)
-    text = source if source is not None else Path(path).read_text(encoding="utf-8-sig")
+    text = source if source is not None else read_source(path)
     tree = ast.parse(text, filename=path)
     cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name), None)
     if cls is None:
