@@ -17,13 +17,13 @@ Three levels per file, each passed / failed / skipped with a reason:
    (:mod:`rewriter.verify.engine`).
 
 torch is imported only inside the semantic and kernel levels; without it they
-are skipped and say so.
+are skipped and say so. ``semantic_level`` (:mod:`rewriter.verify.layers`) is the one judge
+of a file's text: ``verify`` runs it on a file, ``run`` on the new source before it writes
+it (:mod:`rewriter.proof`).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,8 @@ from rewriter.apply import FileStatus, classify_file
 from rewriter.targets import Target
 
 from .importcheck import import_check
+from .layers import NO_TORCH, import_torch, insert_classes, semantic_level, torch_available
+from .layers import run_layers as _semantic  # the kernel level's rows (its name here before layers.py)
 from .levels import LevelResult, Status  # the level types, below this face and the levels
 
 
@@ -132,21 +134,11 @@ class VerifyReport:
         return report | {"kernel": self.kernel.to_json() if self.kernel else None}
 
 
-def torch_available() -> bool:
-    return importlib.util.find_spec("torch") is not None
-
-
-def _import_torch() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # CPU wheels warn when NumPy is absent
-        import torch  # noqa: F401
-
-
 def load_kernels(kernels: str | None, timing: bool = True) -> KernelContext:
     """GPU, ops, layout probe, ops-vs-reference checks and timings - once per run."""
     if not torch_available():
-        return KernelContext(skipped="torch is not installed (pip install 'mm3-codemod[verify]')")
-    _import_torch()
+        return KernelContext(skipped=NO_TORCH)
+    import_torch()
     from . import kernels as k
     from . import layercode, standin
 
@@ -163,76 +155,6 @@ def load_kernels(kernels: str | None, timing: bool = True) -> KernelContext:
     except Exception as exc:  # a kernel error is a failed check, not a crash
         ctx.checks = [k.Check("real ops vs references", False, f"{type(exc).__name__}: {exc}")]
     return ctx
-
-
-def _timings(code: Any, ctx: KernelContext, out: FileVerification, failures: list[str]) -> None:
-    """Time this file's bypass with the real ops (a failure to run it is the file's)."""
-    from . import kernels as k
-
-    try:
-        out.timings = k.timings(ctx.ops, code)
-    except Exception as exc:
-        failures.append(f"timing {code.class_name}._insert_kv failed: {type(exc).__name__}: {exc}")
-
-
-def _semantic(
-    path: Path,
-    classes: list[str],
-    ctx: KernelContext | None,
-    out: FileVerification | None = None,
-    plan: Any = None,
-) -> LevelResult:
-    """The semantic level (the kernel level with ``ctx``) as the ranks of ``plan`` (a
-    :class:`tp.Plan`; TP=1 by default), each TP its own row: ``semantic TP=8``, say."""
-    from . import layercode, semantic, standin, tp
-
-    plan = plan or tp.Plan(1)
-    level = ("kernel" if ctx is not None else "semantic") + plan.label
-
-    if ctx is not None:
-        backend, device = ctx.ops.backend, "cuda"
-        shape = layercode.Shape(tokens=257, num_blocks=64)
-    else:
-        backend, device, shape = standin.REFERENCE, "cpu", layercode.DISTINCT
-    details: list[str] = []
-    failures: list[str] = []
-    gaps: list[str] = []
-    notes: list[str] = []
-    compiled = False
-    for name in classes:
-        try:
-            code = layercode.load_layer(path, name)
-        except (layercode.HarnessError, SyntaxError) as exc:
-            return LevelResult(level, Status.FAILED, str(exc))
-        result, runs, shapes = semantic.check_plan(code, backend, shape, device, plan)
-        compiled = compiled or code.compile_aware
-        details += [f"{name}: sizes: {ran}" for ran in shapes]
-        notes += [f"{name}: {result.note}"] if result.note else []
-        details += [f"{name}: {check}: {'yes' if ok else 'NO'}" for check, ok in result.checks.items()]
-        for run in runs:
-            if run.error:
-                details += [f"{name} {run.mode} run: {line}" for line in run.traceback]
-        if result.gap:
-            gaps.append(f"{name}: {result.reason}")
-        elif not result.passed:
-            failures.append(f"{name}: {result.reason}")
-        elif ctx is not None and ctx.timing and out is not None and out.timings is None and plan.size == 1:
-            if "_insert_kv" in code.methods:
-                _timings(code, ctx, out, failures)
-    if ctx is not None and plan.size == 1:  # the ops themselves: once, on the TP=1 row
-        details += [f"{c.name}: {'ok' if c.passed else 'FAILED'} ({c.detail})" for c in ctx.checks]
-        bad = [c.name for c in ctx.checks if not c.passed]
-        if bad:
-            failures.append("real ops differ from the references: " + ", ".join(bad))
-    if failures:
-        return LevelResult(level, Status.FAILED, "; ".join(failures), details)
-    if gaps:
-        return LevelResult(level, Status.SKIPPED, "; ".join(gaps), details)
-    paths = "eager and compiled paths, " if compiled else ""
-    what = f"bf16 and fp8 cache runs agree ({paths}{backend.name}, {device})"
-    if plan.size > 1:
-        what += f" at {plan.describe()}"
-    return LevelResult(level, Status.PASSED, "; ".join([what, *notes]), details)
 
 
 def verify_file(
@@ -256,9 +178,7 @@ def verify_file(
         reason = "no insert site in this file: nothing to verify"
         out.levels = [LevelResult(level, Status.SKIPPED, reason) for level in LEVELS]
         return out
-    # Native calls too: the kernel quantizes by itself, and running the file shows it
-    # (a bypass taken out of a native call is proven here).
-    classes = sorted({s.class_name for s in inserts if s.class_name})
+    classes = insert_classes(inserts)  # a bypass taken out of a native call is proven here too
     pending = [  # (a site `run` refuses too: its reason, never a failure the levels would make up)
         s
         for s in inserts
@@ -278,14 +198,12 @@ def verify_file(
     out.levels.append(LevelResult("import", status, reason, imp.get("traceback", [])))
 
     if not torch_available():
-        reason = "torch is not installed (pip install 'mm3-codemod[verify]')"
-        out.levels.append(LevelResult("semantic", Status.SKIPPED, reason))
+        out.levels.append(LevelResult("semantic", Status.SKIPPED, NO_TORCH))
     else:
-        _import_torch()
         from . import tp
 
         plans = plans or tp.plans()
-        out.levels += [_semantic(path, classes, None, plan=plan) for plan in plans]
+        out.levels += [semantic_level(path, classes, plan=plan) for plan in plans]
 
     if kernel is None or kernel.ops is None:
         reason = kernel.skipped if kernel and kernel.skipped else "kernel level not requested"

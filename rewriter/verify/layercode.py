@@ -32,6 +32,12 @@ class HarnessError(Exception):
     """The file cannot be executed on the stand-in (not a failure of the bypass)."""
 
 
+class Unmodelled(HarnessError):
+    """The layer is not where the stand-in looks (no top-level class of that name, no
+    ``forward`` of its own): the stand-in's limit, a skip - where ``HarnessError`` itself
+    (``async def forward``) is the file's."""
+
+
 @dataclass(frozen=True)
 class Parallel:
     """Tensor-parallel rank ``rank`` of ``size`` ranks, and the model's head counts across
@@ -241,7 +247,7 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
     tree = ast.parse(text, filename=path)
     cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name), None)
     if cls is None:
-        raise HarnessError(f"{path}: no top-level class {class_name}")
+        raise Unmodelled(f"{path}: no top-level class {class_name}")
     imported, ops = _imports(tree)
     methods: dict[str, types.CodeType] = {}
     decorators: dict[str, list[str]] = {}
@@ -258,7 +264,7 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
             raise HarnessError(
                 f"{path}: {class_name}.forward is `async def`: vLLM calls a layer's forward synchronously"
             )
-        raise HarnessError(f"{path}: {class_name} has no forward()")
+        raise Unmodelled(f"{path}: {class_name} has no forward()")
     init = _init(cls, path)
     wrappers = _wrappers(text)
     bindings = _bindings(cls, wrappers)
