@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,7 +146,29 @@ def _write_all(report: Report, backup: bool) -> None:
 @contextlib.contextmanager
 def _no_interrupt() -> Iterator[None]:
     """Hold Ctrl-C (SIGINT) back until every staged file is in place: all or nothing, across
-    files too. It arrives once they are (the renames take milliseconds)."""
+    files too. It arrives once they are (the renames take milliseconds).
+
+    A handler that only notes it, not a signal mask: a mask holds it back from this thread
+    alone, and another thread of the process takes it instead (torch's OpenMP pool, which the
+    proof of a run on several threads left behind: the second file was not renamed), after
+    which Python runs the handler here all the same. Off the main thread, which cannot set a
+    handler, the mask."""
+    if threading.current_thread() is not threading.main_thread():
+        with _sigint_masked():
+            yield
+        return
+    held: list[int] = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before if before is not None else signal.SIG_DFL)
+        if held:
+            signal.raise_signal(signal.SIGINT)  # as it would have arrived: the handler held back
+
+
+@contextlib.contextmanager
+def _sigint_masked() -> Iterator[None]:
     if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - not POSIX
         yield
         return
