@@ -52,6 +52,27 @@ class FileError(Exception):
     """A one-line reason why a file could not be handled."""
 
 
+# What `run` proved of a file's new source before writing it (rewriter/proof.py): verify's
+# semantic level passed, failed, or was skipped (the stand-in cannot run the file); torch was
+# unavailable; or proving was off (--no-prove).
+PASSED, FAILED, SKIPPED, UNAVAILABLE, OFF = "passed", "failed", "skipped", "unavailable", "off"
+LEVEL = "semantic"
+
+
+@dataclass(frozen=True)
+class Proof:
+    status: str  # PASSED, FAILED, SKIPPED, UNAVAILABLE or OFF
+    reason: str
+    details: tuple[str, ...] = ()  # the level's checks (--json)
+
+    @property
+    def proven(self) -> bool:
+        return self.status == PASSED
+
+    def to_json(self) -> dict[str, object]:
+        return {"level": LEVEL, "status": self.status, "reason": self.reason, "details": list(self.details)}
+
+
 @dataclass
 class FileResult:
     path: Path
@@ -63,6 +84,8 @@ class FileResult:
     backup: Path | None = None
     original: bytes = field(default=b"", repr=False)
     new: bytes | None = field(default=None, repr=False)
+    new_sites: list[InsertSite] = field(default_factory=list, repr=False)  # the new source's (run)
+    proof: Proof | None = None  # `run`: the semantic level on ``new`` before it is written
 
     @property
     def failed(self) -> bool:
@@ -76,6 +99,7 @@ class FileResult:
             "sites": [s.to_json() for s in self.sites],
             "diff": self.diff,
             "backup": str(self.backup) if self.backup else None,
+            "proof": self.proof.to_json() if self.proof else None,
         }
 
 
@@ -324,7 +348,7 @@ def _plan_with_libcst(result: FileResult, analyze_module, transform, check, name
     tail = _lost_tail(module, raw)
     try:
         new = (BOM if raw.startswith(BOM) else b"") + transform(analysis).bytes + tail
-        check(new, analysis)
+        result.new_sites = check(new, analysis) or []
     except FileError as exc:
         raise FileError(f"rewrite failed validation: {exc}") from exc
     result.new, result.encoding = new, module.encoding
@@ -348,8 +372,8 @@ def _parse_and_compile(new: bytes, path: Path) -> cst.Module:
     return module
 
 
-def validate(new: bytes, path: Path, expected_patched: int) -> None:
-    """The new source parses, compiles, and a second pass has nothing to do."""
+def validate(new: bytes, path: Path, expected_patched: int) -> list[InsertSite]:
+    """The new source parses, compiles, and a second pass has nothing to do; its sites."""
     module = _parse_and_compile(new, path)
     again = analyze(module, new)
     for s in again.sites:
@@ -358,6 +382,7 @@ def validate(new: bytes, path: Path, expected_patched: int) -> None:
     patched = sum(1 for s in again.sites if s.state is SiteState.PATCHED)
     if patched < expected_patched:
         raise FileError(f"second pass finds {patched} patched site(s), expected {expected_patched}")
+    return again.sites
 
 
 def validate_revert(new: bytes, path: Path) -> None:

@@ -90,12 +90,17 @@ CHECK_OPTIONS = (
     *REPORT,
 )
 RUN_EXAMPLE_HELP = "Rewrite a temporary copy of the bundled example (never the package's own file)."
+PROVE_HELP = (
+    "Before writing, run the new code as verify's semantic level does (where torch is installed);"
+    " a rewrite that fails it is not written."
+)
 RUN_OPTIONS = (
     *TARGETS,
     Option("--example", "example", RUN_EXAMPLE_HELP),
     Option("--dry-run", "dry_run", "Write nothing; exit 1 when a file would be changed (as check)."),
     Option("--diff", "diff", "Write nothing; print the diff a run would apply (stdout)."),
     *WRITES,
+    Option("--prove/--no-prove", "prove", PROVE_HELP, default=True),
     *REPORT,
 )
 REVERT_OPTIONS = (
@@ -270,6 +275,7 @@ def _write(command: str, o: SimpleNamespace, dry: bool, copy: Path | None = None
         exit_non_zero_on_fix=o.exit_non_zero_on_fix,
         lock_timeout=o.lock_timeout,
         on_wait=lambda path: say(stderr(), f"waiting for {path}: {waiting}"),
+        prove=getattr(o, "prove", False),
     )
     if copy is not None and not failed:
         say(stderr(), f"the bundled example, copied to {copy} for this run (removed afterwards)")

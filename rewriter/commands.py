@@ -83,9 +83,12 @@ def write_targets(
     exit_non_zero_on_fix: bool = False,
     lock_timeout: float = DEFAULT_TIMEOUT,
     on_wait: Callable[[Path], None] | None = None,
+    prove: bool = True,
 ) -> Report:
     """Rewrite (``run``) or revert every target that needs it, all or nothing: a vLLM tree is
-    left fully rewritten or as it was (barring a failing rename, which the report names)."""
+    left fully rewritten or as it was (barring a failing rename, which the report names).
+    ``run`` proves each new file first (``rewriter.proof``; ``prove=False``: ``--no-prove``):
+    one that fails its proof is an error, and nothing is written."""
 
     def plan() -> Report:
         plan_one = plan_file if command == "run" else plan_revert_file
@@ -101,6 +104,8 @@ def write_targets(
                 remove_stray_temps(target.path)  # left by a run killed mid-write
             report = plan()
             testhook.at("planned")
+            if command == "run":
+                _prove_all(report, prove)
             _write_all(report, backup)
             return report
     except LockTimeout as exc:
@@ -111,6 +116,21 @@ def write_targets(
                 result.error = str(exc)
         report.note = "nothing written: a target was locked by another mm3-codemod"
         return report
+
+
+def _prove_all(report: Report, prove: bool) -> None:
+    """Judge each file about to be written by the semantic level, before anything is staged.
+    Where something is refused or failed already, nothing will be written: nothing to prove
+    (and torch is not imported)."""
+    to_write = [f for f in report.files if f.status is FileStatus.NEEDS_REWRITE and f.new is not None]
+    if not to_write or any(f.failed for f in report.files):
+        return
+    from rewriter import proof
+
+    for result in to_write:
+        result.proof = proof.prove(result) if prove else proof.NO_PROVE
+        if result.proof.status == proof.FAILED:
+            result.status, result.error = FileStatus.ERROR, proof.failure(result.proof)
 
 
 def _write_all(report: Report, backup: bool) -> None:

@@ -123,11 +123,17 @@ def print_human(report: Report, err: Console, show_all: bool = False) -> None:
                     line.append(f" -> {site.action.value}")
                 err.print(line, soft_wrap=True)
                 say(err, f"    {site.reason}")
-    for result in report.files:
+    for target, result in zip(report.targets, report.files):
         if result.error and result.failed:
             say(err, f"error: {result.path}: {result.error}", style="red")
         if result.backup:
             say(err, f"backup: {result.backup}")
+        if result.proof is not None and result.status is FileStatus.REWRITTEN:
+            from rewriter.proof import proof_line
+
+            line = proof_line(result, example=target.origin == "--example")
+            if line:
+                say(err, line, style="" if result.proof.proven else "yellow")
     if report.note:
         say(err, report.note, style="red")
     say(err, summary_line(report))

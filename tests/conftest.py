@@ -39,7 +39,7 @@ _ZYGOTE = r"""
 import json, os, pkgutil, socket, sys
 sock = socket.socket(fileno=int(sys.argv[1]))
 sys.path[0] = sys.argv[2]
-# Everything the CLI imports, imported once; torch too in the zygote for `verify` (its
+# Everything the CLI imports, imported once; torch too in the zygote for `verify` and `run` (the
 # semantic level imports it, quietly, as here; importing torch starts no thread, so forking
 # after it is safe). Not in the other: a fork copies torch's page tables, 20-30 ms a call.
 import warnings
@@ -262,7 +262,8 @@ def _python(
     full_env = {**os.environ, **(env or {})}
     argv = [sys.executable, *(["-m", "rewriter"] if code is None else ["-c", code]), *args]
     if not os.environ.get("MM3_CODEMOD_TEST_FRESH_CLI") and hasattr(socket, "send_fds"):
-        torch = code is None and "verify" in args
+        # `run` proves what it writes by verify's semantic level: torch imported too.
+        torch = code is None and ("verify" in args or "run" in args)
         zygote = _zygotes.get(torch)
         if zygote is None or (zygote.usable and zygote.proc.poll() is not None):
             zygote = _zygotes[torch] = _Zygote(torch)

@@ -98,8 +98,12 @@ def command_lines(tmp_path: Path) -> list[list[str]]:
         ["check", str(copy(tmp_path, "fork_era"))],
         ["check", "--json", str(FIXTURES / "native" / "model.py")],
         ["preview", str(FIXTURES / "half_applied" / "model.py")],
-        ["run", "--backup", str(copy(tmp_path, "fork_era"))],
-        ["run", "--example", "--show-diff"],
+        # A run that writes proves the new source first, with torch (tests/test_proof.py):
+        # here, everything else it does.
+        ["run", "--no-prove", "--backup", str(copy(tmp_path, "fork_era"))],
+        ["run", "--no-prove", "--example", "--show-diff"],
+        ["run", str(FIXTURES / "patched" / "model.py")],  # nothing to do: nothing to prove
+        ["run", "--dry-run", str(FIXTURES / "fork_era" / "model.py")],
         ["run", str(FIXTURES / "two_candidates" / "model.py")],  # refused: nothing written
         ["check", "--vllm-root", str(tree)],
         ["check", "--python", sys.executable],
@@ -113,9 +117,10 @@ def command_lines(tmp_path: Path) -> list[list[str]]:
 
 @pytest.mark.parametrize("entry", ["fast", "typer"])
 def test_torch_and_vllm_are_never_imported(tmp_path: Path, entry: str) -> None:
-    """check, preview, run, survey and revert (verify imports torch: that is its job), one
-    process running every command line in turn: what one imports stays imported, so the
-    first line after which torch or vllm shows is the one that imported it."""
+    """check, preview, run, survey and revert (verify imports torch: that is its job, and so
+    does the proof of a file run writes), one process running every command line in turn:
+    what one imports stays imported, so the first line after which torch or vllm shows is the
+    one that imported it."""
     lines = command_lines(tmp_path)
     out = tmp_path / "modules.json"
     proc = subprocess.run(

@@ -82,6 +82,7 @@ def test_run_then_verify_a_file_in_its_own_encoding(tmp_path: Path, encoding: st
     proc = cli("run", str(path))
     assert proc.returncode == 0, proc.stderr
     assert path.read_bytes() == ENCODINGS[encoding](EXPECTED)  # its encoding, BOM, coding line kept
+    assert "proven: " in proc.stderr  # run's own proof read the new source the same way
     proc = cli("verify", str(path))
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr and "UnicodeDecodeError" not in proc.stderr

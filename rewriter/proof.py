@@ -1,0 +1,98 @@
+"""``run`` proves before it writes: the semantic level of ``verify`` on the new source.
+
+Where torch is importable, each file ``run`` is about to write is judged as ``verify``
+would judge it once written (``rewriter.verify.layers.semantic_level``: the layer's own methods,
+compiled out of the new source, on the stand-in with reference ops, bf16 cache against fp8
+cache; both paths of a file that asks ``is_compiling()``). A failed proof writes nothing. A
+file the stand-in cannot run, or a machine without torch, is written and said to be unproven,
+with the command that proves it. torch is imported here only, and only for a file to write:
+``check``, ``preview`` and a ``run`` with nothing to do never import it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shlex
+
+from rewriter.apply import (
+    FAILED,
+    LEVEL,
+    OFF,
+    PASSED,
+    SKIPPED,
+    UNAVAILABLE,
+    FileError,
+    FileResult,
+    Proof,
+    source_text,
+)
+from rewriter.targets import shown_path
+
+INSTALL = "pip install 'mm3-codemod[verify]'"
+
+
+def prove(result: FileResult) -> Proof:
+    """The semantic level on ``result.new``, as the text of ``result.path`` (not yet written),
+    in every row ``verify`` runs it in (TP=1, then its default tensor-parallel sizes: ~0.1 s
+    warm for all of them). Where torch is missing or cannot be imported, or the level itself
+    breaks (not the file's code: the level catches that), the file is unproven, never a
+    traceback."""
+    if importlib.util.find_spec("torch") is None:
+        return Proof(UNAVAILABLE, "torch is not installed")
+    from rewriter.verify import tp
+    from rewriter.verify.layers import import_torch, insert_classes, semantic_level
+    from rewriter.verify.levels import Status
+
+    try:
+        import_torch()
+    except Exception as exc:  # a broken install: as good as none
+        return Proof(UNAVAILABLE, f"torch cannot be imported here: {type(exc).__name__}: {exc}")
+
+    assert result.new is not None
+    try:
+        source = source_text(result.new)
+    except FileError as exc:  # planning decoded these very bytes: not expected
+        return Proof(FAILED, str(exc))
+    classes = insert_classes(result.new_sites)
+    if not classes:  # not expected: a rewrite is of a layer class's insert call
+        return Proof(SKIPPED, "no layer class with an insert site in the new source")
+    try:
+        rows = [semantic_level(result.path, classes, source, plan) for plan in tp.plans()]
+    except Exception as exc:  # the level's own failure, not the file's: verify shows the traceback
+        return Proof(SKIPPED, f"the level stopped: {type(exc).__name__}: {exc}")
+    details = tuple(f"{row.level}: {line}" for row in rows for line in row.details)
+    for status, word in ((Status.FAILED, FAILED), (Status.SKIPPED, SKIPPED)):
+        first = next((row for row in rows if row.status is status), None)
+        if first is not None:  # TP=1's reason, else the first TP row's (it names TP and rank)
+            return Proof(word, first.reason if first is rows[0] else f"{first.level}: {first.reason}", details)
+    also = " and ".join(row.level.removeprefix(LEVEL).strip() for row in rows[1:])
+    return Proof(PASSED, rows[0].reason + (f"; {also} too" if also else ""), details)
+
+
+NO_PROVE = Proof(OFF, "--no-prove: not run before writing")
+
+
+def failure(proof: Proof) -> str:
+    """The file's error when its proof failed (one line)."""
+    return f"the rewrite failed its proof ({LEVEL} level): {proof.reason}; nothing written"
+
+
+def proof_line(result: FileResult, example: bool) -> str | None:
+    """What the human report says of a written file's proof: proven, or unproven and how to
+    prove it (``verify``; for ``--example``, whose copy is gone, running it again)."""
+    proof = result.proof
+    if proof is None or proof.status == FAILED:
+        return None
+    name = shown_path(result.path)
+    if proof.proven:
+        return f"proven: {name}: the {LEVEL} level passed before writing: {proof.reason}"
+    verify = f"mm3-codemod verify {shlex.quote(name)}"
+    if proof.status == UNAVAILABLE:
+        why = f"{proof.reason}, so the new code was not run before writing"
+        how = f"{INSTALL} and run it again" if example else f"{INSTALL}, then {verify}"
+    elif proof.status == OFF:
+        why, how = proof.reason, ("run it again without --no-prove" if example else verify)
+    else:
+        why = f"the {LEVEL} level cannot run it here: {proof.reason}"
+        how = None if example else f"{verify} (where vLLM is installed: its import and kernel levels)"
+    return f"unproven: {name}: {why}" + (f"; to prove it: {how}" if how else "")
