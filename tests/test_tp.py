@@ -226,3 +226,30 @@ def test_toncaos_narrowed_index_q_projection_is_run_at_every_rank(tmp_path: Path
 def test_tp_1_alone_is_the_one_semantic_row() -> None:
     rows = semantic_rows(FIXTURES / "patched" / "model.py", tp_sizes=[1])
     assert list(rows) == ["semantic"] and rows["semantic"].status is Status.PASSED
+
+
+def test_the_kernel_level_runs_no_tp_whose_semantic_row_did_not_pass(monkeypatch) -> None:
+    """The real kernels trust the sizes they are handed: on sizes the reference op rejects they
+    can write out of bounds and end the process (seen on an H100: an illegal memory access,
+    no report). A TP>1 row runs on the GPU only where the semantic level passed at that TP."""
+    import rewriter.verify as verify_package
+    from rewriter.targets import Target
+    from rewriter.verify import KernelContext, LevelResult, Status, tp
+
+    original = verify_package._semantic
+    on_gpu: list[int] = []
+
+    def semantic(path, classes, ctx, out=None, plan=None):  # type: ignore[no-untyped-def]
+        if ctx is None:
+            return original(path, classes, ctx, out, plan)
+        on_gpu.append(plan.size if plan is not None else 1)
+        return LevelResult("kernel" + (plan.label if plan is not None else ""), Status.PASSED, "stand-in GPU run")
+
+    monkeypatch.setattr(verify_package, "_semantic", semantic)
+    plans = tp.plans([2])
+    target = Target(FIXTURES / "tp_total_widths" / "model.py", "test")
+    out = verify_package.verify_file(target, kernel=KernelContext(ops=object()), plans=plans)
+    levels = {level.level: level for level in out.levels}
+    assert levels["semantic"].status is Status.PASSED and levels["semantic TP=2"].status is Status.FAILED
+    assert on_gpu == [1]  # TP=1 ran on the GPU; TP=2 did not
+    assert levels["kernel TP=2"].status is Status.SKIPPED and "did not pass" in levels["kernel TP=2"].reason
