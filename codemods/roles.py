@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ast
 import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from codemods import schema
@@ -169,9 +169,8 @@ def _helper(
         bound.setdefault(param, evaluate(default, {}, scope, depth + 1))
     if set(bound) != set(params):
         raise Unknown(fn.name)
-    inner: dict[str, object] = {k: v for k, v in env.items() if k.startswith("self.") or k == COMPILING}
-    if not skip_self:
-        inner = {}
+    # a method still reads the layer's attributes; a module function only its parameters
+    inner: dict[str, object] = {k: v for k, v in env.items() if k.startswith("self.") or k == COMPILING} if skip_self else {}
     inner.update(bound)
     return evaluate(body[0].value, inner, scope, depth + 1)
 

@@ -259,66 +259,9 @@ def is_compiling(node: ast.expr) -> bool:
     )
 
 
-def _negated(node: ast.expr) -> ast.expr | None:
-    return node.operand if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not) else None
-
-
-def _is_flag(node: ast.expr | None) -> bool:
-    return dotted(node) == f"self.{FP8_FLAG}" if node is not None else False
-
-
-def is_flag_value(node: ast.expr) -> bool:
-    """``"fp8" in self.kv_cache_dtype``: the flag as the bypass sets it, from the main cache's dtype."""
-    return (
-        isinstance(node, ast.Compare)
-        and len(node.ops) == 1
-        and isinstance(node.ops[0], ast.In)
-        and isinstance(node.left, ast.Constant)
-        and node.left.value == "fp8"
-        and dotted(node.comparators[0]) == f"self.{DTYPE_ATTR}"
-    )
-
-
 def is_scale_value(node: ast.expr) -> bool:
     """``torch.ones(…)``: the identity scale as the bypass makes it."""
     return isinstance(node, ast.Call) and dotted(node.func) == "torch.ones"
-
-
-def is_guard_value(node: ast.expr, native: bool = False) -> bool:
-    """``not self._fp8_kv``, alone or ``and``-ed with ``not torch.compiler.is_compiling()``;
-    ``native`` (the call passes kv_cache_dtype): also ``not torch.compiler.is_compiling()``
-    alone - in eager the kernel writes fp8 itself."""
-    if _is_flag(_negated(node)):
-        return True
-    if native and (inner := _negated(node)) is not None and is_compiling(inner):
-        return True
-    if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And) and len(node.values) == 2:
-        negated = [_negated(v) for v in node.values]
-        return any(_is_flag(n) for n in negated) and any(n is not None and is_compiling(n) for n in negated)
-    return False
-
-
-def runs_compiling(test: ast.expr) -> bool:
-    """``torch.compiler.is_compiling() or not G``: the post-call block runs while compiling too."""
-    return (
-        isinstance(test, ast.BoolOp)
-        and isinstance(test.op, ast.Or)
-        and len(test.values) == 2
-        and is_compiling(test.values[0])
-    )
-
-
-def post_block_guard(test: ast.expr) -> str | None:
-    """What the ``if`` around the post-call insert tests: ``not G`` or
-    ``torch.compiler.is_compiling() or not G`` -> ``"G"``; ``self._fp8_kv`` -> the flag's name."""
-    if _is_flag(test):
-        return FP8_FLAG
-    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or) and len(test.values) == 2:
-        first, test = test.values
-        if not is_compiling(first):
-            return None
-    guard = _negated(test)
-    return guard.id if isinstance(guard, ast.Name) else None
 
 
 def expression(code: str) -> ast.expr | None:
@@ -327,18 +270,6 @@ def expression(code: str) -> ast.expr | None:
         return ast.parse(f"({code})", mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
-
-
-def note_guard_assignment(p: Pieces, name: str, not_flag: bool) -> None:
-    """What one ``<name> = <value>`` before the call (in order) says about the guard;
-    ``not_flag``: the value is a guard value (``is_guard_value``)."""
-    if not_flag:
-        p.guard_assigned = name
-    elif name in p.guard_args:
-        p.guard_other = True  # the name the cache arguments test holds something else
-    elif p.guard_assigned == name:
-        p.guard_assigned = None  # reassigned: no longer the guard
-    # else: a local that only shares the default guard name; the rewrite picks a fresh one
 
 
 # `_insert_kv` taking the slot mappings: the current form, and the older one whose
