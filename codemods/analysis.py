@@ -16,7 +16,7 @@ from codemods import schema
 from codemods.fp8_kv_bypass import BypassPlan, apply_plan, plan_bypass
 from codemods.fp8_kv_revert import RevertPlan, apply_revert, plan_site, plan_strip, revert_reason
 from codemods.schema import CHANGING, Action, InsertSite, SiteState, Unsupported
-from codemods.sites import CallFinder, FoundCall, FoundPieces, call_facts, collect_pieces, find_calls
+from codemods.sites import CallFinder, FileModel, FoundCall, FoundPieces, call_facts, collect_pieces, find_calls
 from codemods.sourcemap import SourceMap
 
 
@@ -48,18 +48,15 @@ def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalys
     ``source``: the text it was parsed from, where the caller has it (else generated again)."""
     if source is None:
         source = module.code
-    source_map = SourceMap.of(module, source)
-    wrappers = a.pass_through_wrappers(module)
-    finder = find_calls(module, source_map, wrappers)
-    found_calls = finder.found
+    m = FileModel.of(module, source)
+    finder = find_calls(module, m.source_map, m.wrappers)
     flag = schema.FP8_FLAG if isinstance(source, str) else schema.FP8_FLAG.encode()
     mentions_flag = flag in source  # type: ignore[operator]
-    functions = a.module_functions(module)
-    classified = [classify(module, f, functions, mentions_flag, set(wrappers)) for f in found_calls]
-    strays = [_stray_site(stmt, source_map) for _, stmt in finder.strays()]
+    classified = [classify(m, f, mentions_flag) for f in finder.found]
+    strays = [_stray_site(stmt, m.source_map) for _, stmt in finder.strays()]
     sites = schema.one_candidate([site for site, _ in classified] + strays)
     plans = [plan for (_, plan), site in zip(classified, sites) if plan is not None and site.action in CHANGING]
-    return FileAnalysis(module, sites, plans, source_map)
+    return FileAnalysis(module, sites, plans, m.source_map)
 
 
 def _stray_site(stmt: cst.CSTNode | None, source_map: SourceMap | None) -> InsertSite:
@@ -80,18 +77,15 @@ def _stray_site(stmt: cst.CSTNode | None, source_map: SourceMap | None) -> Inser
 
 
 def classify(
-    module: cst.Module,
-    found: FoundCall,
-    functions: dict[str, cst.FunctionDef],
-    mentions_flag: bool = True,
-    wrappers: set[str] = frozenset(),  # type: ignore[assignment]
+    m: FileModel, found: FoundCall, mentions_flag: bool = True
 ) -> tuple[InsertSite, BypassPlan | RevertPlan | None]:
-    facts, slot = call_facts(found, wrappers)
+    """One call's site, asked of the file's model ``m``, and the plan of its change."""
+    facts, slot = call_facts(found, m.wrappers)
     found_pieces: list[FoundPieces] = []
 
     def collect() -> FoundPieces:
         assert found.cls is not None and found.method is not None
-        found_pieces.append(collect_pieces(found.cls, found.method, found.op, slot, functions, mentions_flag, module))
+        found_pieces.append(collect_pieces(m, found.cls, found.method, found.op, slot, mentions_flag))
         return found_pieces[-1]
 
     decided = schema.verdict(facts, collect)
@@ -99,10 +93,10 @@ def classify(
     failure = None
     try:
         if decided.action is Action.STRIP:  # the strip is the revert of that one site
-            plan = plan_strip(module, found, functions)
+            plan = plan_strip(m, found, found_pieces[-1])
         elif decided.action in CHANGING:
             assert slot is not None
-            plan = plan_bypass(module, found, slot, found_pieces[-1], functions)
+            plan = plan_bypass(m, found, slot, found_pieces[-1])
     except Unsupported as exc:
         failure = str(exc)
     return schema.planned(decided, failure, found_pieces[-1] if found_pieces else None), plan
@@ -126,9 +120,9 @@ revert = rewrite
 
 def analyze_revert(module: cst.Module) -> RevertAnalysis:
     """Find every call of the fused op; plan the removal of a bypass around it."""
+    m = FileModel.of(module)
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    wrappers = a.pass_through_wrappers(module)
-    finder = CallFinder(wrappers)
+    finder = CallFinder(m.wrappers)
     wrapper.visit(finder)
     positions = wrapper.resolve(PositionProvider)
     for found in finder.found:  # the finder leaves numbering to its caller
@@ -136,12 +130,11 @@ def analyze_revert(module: cst.Module) -> RevertAnalysis:
 
     sites: list[InsertSite] = []
     plans: list[RevertPlan | None] = []
-    functions = a.module_functions(module)
     for found in finder.found:
-        site, _ = classify(module, found, functions, wrappers=set(wrappers))
+        site, _ = classify(m, found)
         plan = failure = None
         try:
-            plan = plan_site(module, found, positions, functions)
+            plan = plan_site(m, found, positions)
         except Unsupported as exc:
             failure = str(exc)
         sites.append(schema.reverted(site, revert_reason(plan) if plan else None, failure))

@@ -35,7 +35,7 @@ NATIVE_GUARD = """\
 # fp8 KV cache, torch.compile-aware: in eager the native kernel writes the cache
 # (fp8 included, padded slots skipped); while compiling the slot mappings are
 # None, so the cache arguments are too and the post-call block writes the cache.
-{guard} = not torch.compiler.is_compiling()
+{guard} = not {compiling}
 """
 
 POST_INSERT = """\

@@ -47,7 +47,7 @@ from codemods.codegen import (
 )
 from codemods.proofs import bare_import, cache_args, dtype_anchor, op_namespace, qkv_and_slots, widths
 from codemods.schema import GUARD_NAME, Unsupported
-from codemods.sites import FoundCall, FoundPieces, other_insert_kv_call
+from codemods.sites import FileModel, FoundCall, FoundPieces, other_insert_kv_call
 from codemods.sourcemap import SourceMap
 
 
@@ -88,16 +88,9 @@ def _fresh(name: str, taken: set[str]) -> str:
     return candidate
 
 
-def plan_bypass(
-    module: cst.Module,
-    found: FoundCall,
-    slot: a.StatementSlot,
-    p: FoundPieces,
-    functions: dict[str, cst.FunctionDef],
-) -> BypassPlan:
-    """Find and check every name the bypass needs; raise ``Unsupported`` if one is missing.
-    ``functions``: the module's top-level defs (``collect_pieces``)."""
-    cls, method, op = found.cls, found.method, found.op
+def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundPieces) -> BypassPlan:
+    """Find and check every name the bypass needs; raise ``Unsupported`` if one is missing."""
+    cls, method, op, module, functions = found.cls, found.method, found.op, m.module, m.functions
     assert cls is not None and method is not None
     if method.name.value == "__init__":
         raise Unsupported("the insert call is in __init__, not in a forward path")
@@ -166,8 +159,8 @@ def plan_bypass(
             edits += _bf16_index_edits(fn, check, write, module)
     reads_scale = insert_kv in ("add", "replace") or p.scale_read or any(SCALE_READ in code for _, code in edits)
     scale_code = render(SCALE, module) if reads_scale and not p.scale_set else ""
-    if p.flag_set and scale_code:
-        flag_slot = init_attrs[p.flag_attr][-1][0]  # the scale goes right after the existing flag
+    if p.flag_set and scale_code:  # the scale goes right after the statement of __init__ that sets the flag
+        flag_slot = _flag_statement(init, p.flag_attr) or flag_slot
     add_flag = not p.flag_set and not native
     local = {f"n_{k}": _fresh(k, taken) for k in ("kv", "k0", "ik0", "k", "v", "index_k")}
     return BypassPlan(
@@ -177,7 +170,9 @@ def plan_bypass(
         call_slot=slot,
         guard=guard,
         add_guard=p.guard_assigned is None and p.guard_inline is None,
-        guard_code=render(NATIVE_GUARD if native else GUARD, module, guard=guard, flag=p.flag_attr),
+        guard_code=render(
+            NATIVE_GUARD if native else GUARD, module, guard=guard, flag=p.flag_attr, compiling=m.compile_test()
+        ),
         wrap_args=wrap,
         add_post_insert=not p.post_insert,
         post_insert_code=render(
@@ -231,6 +226,20 @@ def plan_bypass(
 
 
 # --- the upgrade of an older `_insert_kv` ------------------------------------------------
+
+
+def _flag_statement(init: cst.FunctionDef, flag: str) -> a.StatementSlot | None:
+    """The last top-level statement of ``__init__`` that sets ``self.<flag>``, itself or in a
+    block it holds, or through a method of the class it calls."""
+    found = None
+    for chain in a._slot_chains(init):
+        stmt = chain[-1].statement
+        pair = a.simple_assignment(stmt)
+        call = a.expression_call(stmt)
+        if (pair is not None and a.self_attr(pair[0]) == flag) or (call is not None and a.self_attr(call.func)):
+            if pair is not None or len(chain) == 1:
+                found = chain[0]
+    return found
 
 
 def _scatter_edits(

@@ -106,10 +106,10 @@ class RevertPlan:
     dead: list[cst.BaseStatement] = field(default_factory=list)  # module code only the bypass used
 
 
-def plan_strip(module: cst.Module, found: sites.FoundCall, functions: dict[str, cst.FunctionDef]) -> RevertPlan:
+def plan_strip(m: sites.FileModel, found: sites.FoundCall, pieces: sites.FoundPieces) -> RevertPlan:
     """``run`` on a native call that carries bypass pieces: the revert of that site."""
-    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
-    plan = plan_site(module, found, positions, functions)
+    positions = MetadataWrapper(m.module, unsafe_skip_copy=True).resolve(PositionProvider)
+    plan = plan_site(m, found, positions, pieces)
     if plan is None:
         raise Unsupported("no bypass piece could be delimited")
     return plan
@@ -128,11 +128,11 @@ def revert_reason(plan: RevertPlan) -> str:
 
 
 def plan_site(
-    module: cst.Module, found: sites.FoundCall, positions, functions: dict[str, cst.FunctionDef]
+    m: sites.FileModel, found: sites.FoundCall, positions, pieces: sites.FoundPieces | None = None
 ) -> RevertPlan | None:
     """None when there is no bypass around this call; ``Unsupported`` when one cannot be proven.
-    ``functions``: the module's top-level defs."""
-    cls, method, op = found.cls, found.method, found.op
+    ``pieces``: what ``collect_pieces`` found there, where the caller has it."""
+    cls, method, op, module = found.cls, found.method, found.op, m.module
     facts, slot = sites.call_facts(found)
     if cls is None or method is None or facts.star_args or not facts.has_cache:
         return None  # not a site the bypass is written around (schema.verdict)
@@ -140,7 +140,7 @@ def plan_site(
         if any(a.self_attr(n) == schema.FP8_FLAG for n in a.walk_all(cls.body)):
             raise Unsupported("the call is not directly in a method: its bypass cannot be delimited")
         return None
-    pieces = sites.collect_pieces(cls, method, op, slot, functions, module=module)
+    pieces = pieces or sites.collect_pieces(m, cls, method, op, slot)
     if not pieces.any_bypass():
         return None
     if slot is None:
@@ -161,7 +161,8 @@ def plan_site(
     if init is not None:
         attrs = a.self_assignments(init)
         for flag_slot, value in attrs.get(pieces.flag_attr, []):
-            if any(isinstance(n, cst.Call) for n in a.walk_all(value)):
+            # a proven flag's value was evaluated (``model.flags``): no call in it does anything else
+            if not pieces.flag_set and any(isinstance(n, cst.Call) for n in a.walk_all(value)):
                 raise Unsupported(f"`self.{pieces.flag_attr}` is assigned a call, which removing would skip")
             remove.append(flag_slot.statement)
         remove += [scale_slot.statement for scale_slot, _ in attrs.get(schema.FP8_SCALE, [])]
@@ -173,7 +174,7 @@ def plan_site(
             and isinstance(pair[0], cst.Name)
             and pair[0].value == pieces.guard_assigned
         ]
-    post = _post_call_block(slot, pieces)
+    post = _post_call_block(m, slot, pieces)
     if post is not None:
         remove.append(post)
 
@@ -218,7 +219,7 @@ def _guarded_by(arg: cst.Arg, guards: set[str], inline: str | None) -> bool:
     )
 
 
-def _post_call_block(slot: a.StatementSlot, pieces: sites.FoundPieces) -> cst.If | None:
+def _post_call_block(m: sites.FileModel, slot: a.StatementSlot, pieces: sites.FoundPieces) -> cst.If | None:
     """The post-call block (``sites``: the ``if`` that runs where the fused op did not write,
     however its test is written): slices and asserts, then ``self.<write>(...)`` - on the
     compiled path maybe a custom op instead (``if torch.compiler.is_compiling(): ...``)."""
@@ -231,7 +232,7 @@ def _post_call_block(slot: a.StatementSlot, pieces: sites.FoundPieces) -> cst.If
         if not pieces.post_insert_wired:
             raise Unsupported(f"the post-call `self.{name}(...)` is not under `if not <guard>:`")
         assigned: set[str] = set()
-        if _block_inserts(stmt.body, assigned, name) != 1:
+        if _block_inserts(m, stmt.body, assigned, name) != 1:
             raise Unsupported(f"the post-call block does not hold exactly one `self.{name}(...)`")
         later = set()
         for after in slot.after()[index + 1 :]:
@@ -244,7 +245,7 @@ def _post_call_block(slot: a.StatementSlot, pieces: sites.FoundPieces) -> cst.If
     return None
 
 
-def _block_inserts(suite: cst.BaseSuite, assigned: set[str], name: str) -> int:
+def _block_inserts(m: sites.FileModel, suite: cst.BaseSuite, assigned: set[str], name: str) -> int:
     """How many ``self._insert_kv(...)`` a post-call block holds, once it is proven to hold
     nothing else: slices (``assigned``), asserts, and a compiled-path branch of calls."""
     inserts = 0
@@ -257,9 +258,9 @@ def _block_inserts(suite: cst.BaseSuite, assigned: set[str], name: str) -> int:
             inserts += 1
         elif isinstance(inner, cst.SimpleStatementLine) and all(isinstance(x, cst.Assert) for x in inner.body):
             continue
-        elif _is_compile_branch(inner):
+        elif _is_compile_branch(m, inner):
             assert isinstance(inner, cst.If) and isinstance(inner.orelse, cst.Else)
-            inserts += _block_inserts(inner.orelse.body, assigned, name)
+            inserts += _block_inserts(m, inner.orelse.body, assigned, name)
         else:
             raise Unsupported(
                 f"the post-call block holds more than slices, asserts and `self.{name}(...)`: "
@@ -268,13 +269,13 @@ def _block_inserts(suite: cst.BaseSuite, assigned: set[str], name: str) -> int:
     return inserts
 
 
-def _is_compile_branch(stmt: cst.BaseStatement) -> bool:
+def _is_compile_branch(m: sites.FileModel, stmt: cst.BaseStatement) -> bool:
     """``if torch.compiler.is_compiling(): <calls> else: ...``: the compiled path's cache write."""
     if not isinstance(stmt, cst.If) or not isinstance(stmt.orelse, cst.Else):
         return False
     body = stmt.body.body if isinstance(stmt.body, cst.IndentedBlock) else ()
     return (
-        sites.matches(stmt.test, schema.is_compiling)
+        m.is_compiling(stmt.test)
         and bool(body)
         and all(a.expression_call(x) is not None for x in body)
     )

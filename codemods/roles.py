@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import ast
 import itertools
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from codemods import schema
 
 FP8_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 DTYPE = f"self.{schema.DTYPE_ATTR}"
 COMPILING = "<compiling>"  # the truth tables' name for torch.compiler.is_compiling()
-# vLLM's helper: true for every quantized cache dtype (``kv_cache_dtype != "auto"``).
+# vLLM's helper (in whichever vLLM module a release keeps it): true for every quantized
+# cache dtype (``kv_cache_dtype != "auto"``).
 VLLM_HELPERS = {"is_quantized_kv_cache": lambda dtype: dtype != schema.AUTO_DTYPE}
 _STR_METHODS = {"startswith", "endswith", "lower", "upper", "strip", "casefold"}
 _DEPTH = 3  # helper functions calling helper functions: how deep a flag is followed
@@ -42,14 +43,59 @@ class Unknown(Exception):
     """The expression holds something the reading cannot evaluate."""
 
 
+# What `torch.compiler.is_compiling()` is, under any of its public names.
+COMPILE_TESTS = frozenset(
+    {"torch.compiler.is_compiling", "torch._dynamo.is_compiling", "torch._dynamo.external_utils.is_compiling"}
+)
+
+
+def import_table(tree: ast.Module) -> dict[str, str]:
+    """Each name an import binds (anywhere in the file), to the qualified name it is bound to."""
+    table: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    table[alias.asname] = alias.name
+                else:
+                    root = alias.name.partition(".")[0]
+                    table[root] = root
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            for alias in node.names:
+                if alias.name != "*":
+                    table[alias.asname or alias.name] = f"{base}.{alias.name}" if base else alias.name
+    return table
+
+
+def qualified(node: ast.expr, imports: Mapping[str, str]) -> str | None:
+    """The dotted name ``node`` is, its first part resolved through the imports."""
+    dotted = schema.dotted(node)
+    if dotted is None:
+        return None
+    root, dot, rest = dotted.partition(".")
+    return imports.get(root, root) + dot + rest
+
+
+def is_compiling(node: ast.expr, imports: Mapping[str, str]) -> bool:
+    """A call of ``torch.compiler.is_compiling()``, however the file imported or spelled it."""
+    return (
+        isinstance(node, ast.Call)
+        and not node.args
+        and not node.keywords
+        and qualified(node.func, imports) in COMPILE_TESTS
+    )
+
+
+
 @dataclass(frozen=True)
 class Scope:
     """What an expression's calls can reach: the module's functions, the class's methods
-    (``ast`` defs by name) and the names imported from vLLM."""
+    (``ast`` defs by name) and what the file's imports bind (``import_table``)."""
 
     functions: Mapping[str, ast.FunctionDef]
     methods: Mapping[str, ast.FunctionDef]
-    vllm_names: frozenset[str] = frozenset()
+    imports: Mapping[str, str] = field(default_factory=dict)
 
 
 NO_SCOPE = Scope({}, {})
@@ -110,7 +156,7 @@ def _compare(op: ast.cmpop, left: object, right: object) -> bool:
 
 
 def _call(node: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -> object:
-    if schema.is_compiling(node):
+    if is_compiling(node, scope.imports):
         if COMPILING in env:
             return env[COMPILING]
         raise Unknown("is_compiling")
@@ -136,12 +182,17 @@ def _call(node: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -
                 return _helper(scope.functions[name], args, kwargs, env, scope, depth, skip_self=False)
         except KeyError:
             raise Unknown(name) from None
-        root = name.partition(".")[0]
-        if last in VLLM_HELPERS and (root in scope.vllm_names or root == "vllm") and len(args) == 1:
+        helper = _vllm_helper(qualified(func, scope.imports) or "")
+        if helper is not None and len(args) == 1:
             if not isinstance(args[0], str):
                 raise Unknown(last)
-            return VLLM_HELPERS[last](args[0])
+            return helper(args[0])
     raise Unknown(name or "call")
+
+
+def _vllm_helper(name: str) -> Callable[[str], object] | None:
+    """vLLM's helper, by what the name is bound to: a name imported from vLLM."""
+    return VLLM_HELPERS.get(name.rpartition(".")[2]) if name.startswith("vllm.") else None
 
 
 def _helper(
@@ -175,20 +226,6 @@ def _helper(
     return evaluate(body[0].value, inner, scope, depth + 1)
 
 
-# --- the flag ---------------------------------------------------------------------------
-
-
-def fp8_flag(value: ast.expr, scope: Scope = NO_SCOPE) -> bool:
-    """``value`` (of ``self.<flag> = value`` in __init__) reads ``self.kv_cache_dtype`` alone
-    and is true for each fp8 dtype, false for ``"auto"``."""
-    try:
-        return all(bool(evaluate(value, {DTYPE: d}, scope)) for d in FP8_DTYPES) and not bool(
-            evaluate(value, {DTYPE: schema.AUTO_DTYPE}, scope)
-        )
-    except (Unknown, TypeError, ValueError, RecursionError):
-        return False
-
-
 # --- the guard and the post-call block: truth tables ---------------------------------------
 
 
@@ -211,6 +248,7 @@ class Guard:
     fused_when: ast.expr
     local: str | None = None
     value: ast.expr | None = None
+    imports: Mapping[str, str] = field(default_factory=dict)  # the file's (``import_table``)
 
     def atoms(self, flag: str | None) -> tuple[list[str], dict[str, ast.expr]]:
         atoms = [COMPILING] + ([f"self.{flag}"] if flag else [])
@@ -224,17 +262,20 @@ class Guard:
         return self_attrs(self.fused_when) | (self_attrs(self.value) if self.value is not None else set())
 
 
-def _table(expr: ast.expr, atoms: list[str], derived: Mapping[str, ast.expr]) -> list[bool] | None:
+def _table(
+    expr: ast.expr, atoms: list[str], derived: Mapping[str, ast.expr], imports: Mapping[str, str]
+) -> list[bool] | None:
     """``expr``'s truth value for every assignment of ``atoms`` (``COMPILING`` first), in
     ``itertools.product`` order; ``derived``: locals whose value is an expression over the
     atoms. None: not a function of those alone."""
     table = []
+    scope = Scope({}, {}, imports)
     for values in itertools.product((False, True), repeat=len(atoms)):
         env: dict[str, object] = dict(zip(atoms, values))
         try:
             for name, value in derived.items():
-                env[name] = bool(evaluate(value, env))
-            table.append(bool(evaluate(expr, env)))
+                env[name] = bool(evaluate(value, env, scope))
+            table.append(bool(evaluate(expr, env, scope)))
         except (Unknown, TypeError, ValueError, RecursionError):
             return None
     return table
@@ -255,7 +296,7 @@ def guard_flag(guard: Guard, native: bool) -> str | None:
         return None
     flag = next(iter(attrs), None)
     atoms, derived = guard.atoms(flag)
-    table = _table(guard.fused_when, atoms, derived)
+    table = _table(guard.fused_when, atoms, derived, guard.imports)
     if table is None:
         return None
     rows = _rows(atoms)
@@ -279,8 +320,8 @@ def post_block(test: ast.expr, guard: Guard, flag: str | None) -> PostBlock | No
     write (``not G``, ``G is False``, ``self.F`` where ``G = not self.F``), or where it did
     not or the model is compiling (``torch.compiler.is_compiling() or not G``, either order)."""
     atoms, derived = guard.atoms(flag)
-    table = _table(test, atoms, derived)
-    fused = _table(guard.fused_when, atoms, derived)
+    table = _table(test, atoms, derived, guard.imports)
+    fused = _table(guard.fused_when, atoms, derived, guard.imports)
     if table is None or fused is None:
         return None
     compiling = [r[COMPILING] for r in _rows(atoms)]

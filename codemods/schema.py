@@ -249,16 +249,6 @@ def callee(call: ast.Call) -> str | None:
     return call.func.attr if isinstance(call.func, ast.Attribute) else None
 
 
-def is_compiling(node: ast.expr) -> bool:
-    """``torch.compiler.is_compiling()``: forks that compile write the cache through a custom op."""
-    return (
-        isinstance(node, ast.Call)
-        and not node.args
-        and not node.keywords
-        and dotted(node.func) in ("torch.compiler.is_compiling", "torch._dynamo.is_compiling")
-    )
-
-
 def is_scale_value(node: ast.expr) -> bool:
     """``torch.ones(…)``: the identity scale as the bypass makes it."""
     return isinstance(node, ast.Call) and dotted(node.func) == "torch.ones"

@@ -13,13 +13,13 @@ import ast
 import builtins
 import textwrap
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import roles, schema
+from codemods import model, roles, schema
 from codemods.sourcemap import SourceMap
 
 
@@ -284,16 +284,18 @@ def other_insert_kv_call(cls: cst.ClassDef, allowed: set[int], name: str = schem
 
 
 class _Defs(Mapping[str, ast.FunctionDef]):
-    """LibCST defs by name, each read as Python's own tree only when asked for."""
+    """LibCST defs by name, as Python's own tree: the one the source map paired with it,
+    else read from its code, once, when asked for."""
 
-    def __init__(self, defs: dict[str, cst.FunctionDef]) -> None:
-        self.defs, self.trees = defs, {}
+    def __init__(self, defs: dict[str, cst.FunctionDef], source_map: SourceMap | None) -> None:
+        self.defs, self.trees, self.source_map = defs, {}, source_map
 
     def __getitem__(self, name: str) -> ast.FunctionDef:
         if name not in self.trees:
             fn = self.defs[name]
+            node = self.source_map.trees.get(id(fn)) if self.source_map is not None else None
             try:
-                node = ast.parse(textwrap.dedent(a.code(fn.with_changes(leading_lines=[], decorators=[])))).body[0]
+                node = node or ast.parse(textwrap.dedent(a.code(fn.with_changes(leading_lines=[], decorators=[])))).body[0]
             except (SyntaxError, ValueError, IndexError):
                 raise KeyError(name) from None
             if not isinstance(node, ast.FunctionDef):
@@ -311,69 +313,86 @@ class _Defs(Mapping[str, ast.FunctionDef]):
         return len(self.defs)
 
 
-def scope_of(cls: cst.ClassDef, functions: dict[str, cst.FunctionDef], module: cst.Module | None) -> roles.Scope:
-    """What a flag's expression may call (``roles.Scope``): the module's functions and the
-    class's methods (read as Python's own trees when called), and the names imported from vLLM."""
-    vllm = frozenset(
-        i.bound
-        for i in (a.module_imports(module) if module is not None else [])
-        if any(
-            isinstance(s, cst.ImportFrom) and s.module is not None and a.code(s.module).startswith("vllm")
-            or isinstance(s, cst.Import) and a.code(i.alias.name).startswith("vllm")
-            for s in i.statement.body
-        )
-    )
-    return roles.Scope(_Defs(dict(functions)), _Defs({f.name.value: f for f in a.methods(cls)}), vllm)
+@dataclass
+class FileModel:
+    """The file, read once (``model``): its module functions and pass-through wrappers, what
+    its imports bind, and per class what its flags are; every finder asks it."""
 
+    module: cst.Module
+    source_map: SourceMap | None
+    functions: dict[str, cst.FunctionDef]
+    wrappers: dict[str, a.Wrapper]
+    imports: dict[str, str]
+    _scopes: dict[int, roles.Scope] = field(default_factory=dict)
+    _flags: dict[int, dict[str, bool]] = field(default_factory=dict)
 
-def _flags(
-    cls: cst.ClassDef, init_attrs: a.Assignments, functions: dict[str, cst.FunctionDef], scope: Callable[[], roles.Scope]
-) -> dict[str, bool]:
-    """``__init__``'s ``self.<attr> = <value>`` that read the cache dtype (or call a helper
-    that does): whether each is a flag - assigned once, true for every fp8 dtype and false
-    for "auto" (``roles.fp8_flag``)."""
-    def reads_dtype(name: str | None) -> bool:
-        """``name`` is a module function or method of the class whose body names the dtype."""
-        fn = functions.get(name or "") or a.find_method(cls, name or "")
-        return fn is not None and schema.DTYPE_ATTR in a.code(fn.body)
+    @classmethod
+    def of(cls, module: cst.Module, source: str | bytes | None = None) -> FileModel:
+        source_map = SourceMap.of(module, module.code if source is None else source)
+        try:
+            tree = source_map.tree if source_map is not None else ast.parse(module.code)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            tree = ast.Module(body=[], type_ignores=[])
+        return cls(module, source_map, a.module_functions(module), a.pass_through_wrappers(module), roles.import_table(tree))
 
-    def names_dtype(value: cst.BaseExpression) -> bool:
-        return a.first_in(value, lambda n: isinstance(n, cst.Attribute) and n.attr.value == schema.DTYPE_ATTR) is not None
+    def scope(self, cls: cst.ClassDef) -> roles.Scope:
+        """What a flag's expression may call: the module's functions, the class's methods, imports."""
+        if id(cls) not in self._scopes:
+            methods = {f.name.value: f for f in a.methods(cls)}
+            self._scopes[id(cls)] = roles.Scope(
+                _Defs(self.functions, self.source_map), _Defs(methods, self.source_map), self.imports
+            )
+        return self._scopes[id(cls)]
 
-    found = {}
-    for attr, defs in init_attrs.items():
-        called = [a.callee_name(v) for _, v in defs if isinstance(v, cst.Call)]
-        if not any(names_dtype(v) for _, v in defs) and not any(reads_dtype(n) for n in called):
-            continue
-        tree = schema.expression(a.code(defs[0][1])) if len(defs) == 1 else None
-        found[attr] = tree is not None and (
-            roles.fp8_flag(tree) or any(isinstance(n, ast.Call) for n in ast.walk(tree)) and roles.fp8_flag(tree, scope())
-        )
-    return found
+    def flags(self, cls: cst.ClassDef) -> dict[str, bool]:
+        """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``model.flags``)."""
+        if id(cls) not in self._flags:
+            scope = self.scope(cls)
+            init = scope.methods["__init__"] if "__init__" in scope.methods else None
+            base = model.module_constants(self.source_map.tree, scope) if self.source_map is not None else {}
+            self._flags[id(cls)] = model.flags(init, scope, base) if init is not None else {}
+        return self._flags[id(cls)]
+
+    def is_compiling(self, expr: cst.BaseExpression) -> bool:
+        tree = schema.expression(a.code(expr))
+        return tree is not None and roles.is_compiling(tree, self.imports)
+
+    def compile_test(self) -> str:
+        """How this file calls ``torch.compiler.is_compiling()``: its own spelling where it
+        imports it (``is_compiling()``, ``dynamo.is_compiling()``), else that one."""
+        for bound, name in sorted(self.imports.items()):
+            if name in roles.COMPILE_TESTS:
+                return f"{bound}()"
+            if f"{name}.is_compiling" in roles.COMPILE_TESTS and bound != "torch":
+                return f"{bound}.is_compiling()"
+        return "torch.compiler.is_compiling()"
+
+    def compiled_path_write(self, node: cst.CSTNode) -> bool:
+        """A branch on ``torch.compiler.is_compiling()`` (however imported), or a call of a
+        registered op (``torch.ops.<namespace>.<op>(...)``): the compiled path's cache write."""
+        if isinstance(node, cst.If):
+            return self.is_compiling(node.test)
+        if not isinstance(node, cst.Call):
+            return False
+        tree = schema.expression(a.code(node.func))
+        return tree is not None and (roles.qualified(tree, self.imports) or "").startswith("torch.ops.")
 
 
 def collect_pieces(
+    m: FileModel,
     cls: cst.ClassDef,
     method: cst.FunctionDef,
     op: a.OpCall,
     slot: a.StatementSlot | None,
-    functions: dict[str, cst.FunctionDef],
     mentions_flag: bool = True,
-    module: cst.Module | None = None,
 ) -> FoundPieces:
-    """Each piece by its role (``roles``), whatever the file calls it. ``functions``: the
-    module's top-level defs (``_insert_kv`` may hand its work to one; a flag may be one's
-    value). ``mentions_flag``: the file's text holds the bypass's own flag name at all."""
+    """Each piece by its role (``roles``), whatever the file calls it, asked of the file's
+    model ``m``. ``mentions_flag``: the file's text holds the bypass's own flag name at all."""
     p = FoundPieces()
     native = op.arg(schema.KV_CACHE_DTYPE) is not None
     init = a.find_method(cls, "__init__")
     init_attrs = a.self_assignments(init) if init is not None else {}
-    scopes: list[roles.Scope] = []
-
-    def scope() -> roles.Scope:
-        if not scopes:
-            scopes.append(scope_of(cls, functions, module))
-        return scopes[0]
+    functions, module = m.functions, m.module
 
     # The guard: what the cache arguments are conditioned on.
     conditions = [(arg, guard_of(arg)) for arg in (op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE))]
@@ -394,7 +413,7 @@ def collect_pieces(
                 value = None  # also bound elsewhere: what it holds at the call is not proven
         lost = local is not None and local not in bound and not _module_binds(module, local)
         if fused_when is not None and (local is None or value is not None or lost):
-            guard = roles.Guard(fused_when, local, value)
+            guard = roles.Guard(fused_when, local, value, m.imports)
             guard_flag = roles.guard_flag(guard, native)
             if local is not None and value is not None and guard_flag is None:
                 guard = None
@@ -419,15 +438,16 @@ def collect_pieces(
         p.user_conditions = []
         p.guard_args = [_local(c) or c for c in guarded]
 
-    # The flag: the attribute the guard reads, else the one __init__ sets from the dtype.
-    flags = _flags(cls, init_attrs, functions, scope)
+    # The flag: the attribute the guard reads, else the one __init__ leaves holding whether
+    # the cache dtype is fp8 (``model.flags``: by its value, whatever statements decide it).
+    flags = m.flags(cls)
     proven = [attr for attr, ok in flags.items() if ok]
     if guard_flag:
         p.flag_attr = guard_flag
     elif len(proven) == 1:
         p.flag_attr = proven[0]
     p.flag_from_file = bool(guard_flag) or len(proven) == 1
-    p.flag_set = flags.get(p.flag_attr) is True and len(init_attrs.get(p.flag_attr, [])) == 1
+    p.flag_set = flags.get(p.flag_attr) is True
     if guard_flag and p.flag_attr in init_attrs and not p.flag_set:
         p.flag_unproven = "`, then `".join(a.code(v) for _, v in init_attrs[p.flag_attr])  # set to what?
     p.scale_set = schema.FP8_SCALE in init_attrs
@@ -453,13 +473,13 @@ def collect_pieces(
         test = schema.expression(a.code(stmt.test)) if isinstance(stmt, cst.If) else None
         block_guard = guard
         if block_guard is None and p.flag_set and not guarded:
-            block_guard = roles.Guard(ast.parse(f"not self.{p.flag_attr}", mode="eval").body)
+            block_guard = roles.Guard(ast.parse(f"not self.{p.flag_attr}", mode="eval").body, imports=m.imports)
         post = roles.post_block(test, block_guard, guard_flag or p.flag_attr) if test and block_guard else None
         p.post_insert_wired = post is not None and _insert_is_wired(node, op)
         p.compiled_write = (
             p.post_insert_wired and post is not None and post.while_compiling and _slots_none_somewhere(method, op)
         )
-        p.compiled_branch = a.first_in(stmt, _compiled_path_write) is not None and _slots_none_somewhere(method, op)
+        p.compiled_branch = a.first_in(stmt, m.compiled_path_write) is not None and _slots_none_somewhere(method, op)
         break
     return _finish(p, cls, init_attrs, functions, mentions_flag)
 
@@ -474,14 +494,6 @@ def _finish(
     p.insert_kv = _insert_kv_form(a.find_method(cls, p.insert_method), cls, functions)
     _taken_names(cls, init_attrs if mentions_flag or p.flag_from_file else {}, p)
     return p
-
-
-def _compiled_path_write(node: cst.CSTNode) -> bool:
-    """A branch on ``torch.compiler.is_compiling()``, or a call of a registered op
-    (``torch.ops.<namespace>.<op>(...)``): the compiled path's cache write."""
-    if isinstance(node, cst.If):
-        return matches(node.test, schema.is_compiling)
-    return isinstance(node, cst.Call) and a.code(node.func).replace(" ", "").startswith("torch.ops.")
 
 
 def _passes_slots(node: cst.CSTNode, main: cst.Arg | None, index: cst.Arg | None) -> bool:
@@ -547,9 +559,9 @@ def _taken_names(cls: cst.ClassDef, init_attrs: a.Assignments, p: schema.Pieces)
         note(p.insert_method, f"`{p.insert_method}` is bound in the class body other than by one plain `def`")
     # the values of the first flag and scale assignments in __init__, where they are the bypass's
     own = set()
-    flag = init_attrs.get(p.flag_attr, [])[:1]
-    if flag and p.flag_set:
-        own.add(id(flag[0][1]))
+    # a proven flag is what __init__ (and the methods it calls) leave in it: each of those
+    # assignments is part of it (``model.flags``)
+    setters = {"__init__", *_init_calls(cls)} if p.flag_set else set()
     scale = init_attrs.get(schema.FP8_SCALE, [])[:1]
     if scale and matches(scale[0][1], schema.is_scale_value):
         own.add(id(scale[0][1]))
@@ -561,8 +573,17 @@ def _taken_names(cls: cst.ClassDef, init_attrs: a.Assignments, p: schema.Pieces)
             for name in sorted(stored & {p.flag_attr, schema.FP8_SCALE}):
                 if id(getattr(node, "value", None)) in own or (name == p.flag_attr and p.flag_unproven is not None):
                     continue
+                if name == p.flag_attr and method.name.value in setters:
+                    continue
                 shown = " ".join(a.code(node).split())
                 note(name, f"`{shown}` in {method.name.value} (the bypass relies on `self.{name}` being set once, in __init__)")
+
+
+def _init_calls(cls: cst.ClassDef) -> set[str]:
+    """The methods ``__init__`` calls on ``self``."""
+    init = a.find_method(cls, "__init__")
+    calls = (n for n in a.walk_all(init.body) if isinstance(n, cst.Call)) if init is not None else ()
+    return {name for call in calls if (name := a.self_attr(call.func)) is not None}
 
 
 def _store_targets(stmt: cst.CSTNode) -> list[cst.BaseExpression]:

@@ -40,6 +40,7 @@ class SourceMap:
     tree: ast.Module
     lines: list[bytes]  # 1-based
     spans: dict[int, tuple[cst.CSTNode, int, int]]  # id -> (statement, first line, last line)
+    trees: dict[int, ast.stmt]  # id of a compound statement (a def, say) -> the same one in ``tree``
 
     @classmethod
     def of(cls, module: cst.Module, source: str | bytes) -> SourceMap | None:
@@ -51,9 +52,10 @@ class SourceMap:
         except (SyntaxError, ValueError, MemoryError, RecursionError):
             return None
         spans: dict[int, tuple[cst.CSTNode, int, int]] = {}
-        if not _map_block(module.body, tree.body, spans):
+        trees: dict[int, ast.stmt] = {}
+        if not _map_block(module.body, tree.body, spans, trees):
             return None
-        return cls(tree, [b""] + raw.splitlines(), spans)
+        return cls(tree, [b""] + raw.splitlines(), spans, trees)
 
     def from_imported(self) -> set[str]:
         """Names that a ``from … import name`` (no ``as``) binds, anywhere in the file."""
@@ -81,6 +83,7 @@ def _map_block(
     body: Sequence[cst.BaseStatement],
     nodes: list[ast.stmt],
     spans: dict[int, tuple[cst.CSTNode, int, int]],
+    trees: dict[int, ast.stmt],
 ) -> bool:
     """Pair LibCST statements with ast ones (a line of ``a; b`` is two), at every depth;
     False where the two trees differ."""
@@ -97,8 +100,9 @@ def _map_block(
         )
         spans[id(stmt)] = (stmt, first, max(g.end_lineno or g.lineno for g in group))
         if expected is not None:
+            trees[id(stmt)] = group[0]
             pairs = _sub_blocks_of(stmt, group[0])
-            if pairs is None or not all(_map_block(b, n, spans) for b, n in pairs):
+            if pairs is None or not all(_map_block(b, n, spans, trees) for b, n in pairs):
                 return False
     return i == len(nodes)
 

@@ -190,6 +190,53 @@ def _flag_by_method(module: cst.Module) -> cst.Module:
     return module.visit(AddMethod())
 
 
+def _flag_statements(code: str, *, constant: str = "", method: str = "") -> Callable[[cst.Module], cst.Module]:
+    """The flag's one assignment replaced by statements that reach the same value another way
+    (``code``, with ``{F}`` for the flag and ``{D}`` for the dtype); ``constant``: a module-level
+    assignment it reads; ``method``: a method of the class it calls."""
+
+    def transform(module: cst.Module) -> cst.Module:
+        class Flag(cst.CSTTransformer):
+            count = 0
+
+            def leave_SimpleStatementLine(self, original, updated):  # type: ignore[no-untyped-def]
+                small = original.body[0]
+                if not (isinstance(small, cst.Assign) and _is_self_attr(small.targets[0].target, FLAG)):
+                    return updated
+                self.count += 1
+                text = code.format(F=f"self.{FLAG}", D=DTYPE)
+                body = cst.parse_module(text).body
+                return cst.FlattenSentinel([body[0].with_changes(leading_lines=original.leading_lines), *body[1:]])
+
+            def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+                names = [s.name.value for s in updated.body.body if isinstance(s, cst.FunctionDef)]
+                if not method or "__init__" not in names:
+                    return updated
+                added = cst.parse_module(method.format(F=f"self.{FLAG}", D=DTYPE)).body[0]
+                return updated.with_changes(
+                    body=updated.body.with_changes(body=[*updated.body.body, added.with_changes(leading_lines=[cst.EmptyLine()])])
+                )
+
+        t = Flag()
+        new = module.visit(t)
+        assert t.count, "the flag's assignment is not there"
+        if constant:
+            new = _add_import(new, constant)
+        return new
+
+    return transform
+
+
+def _compile_test(imports: str, spelled: str) -> Callable[[cst.Module], cst.Module]:
+    """``torch.compiler.is_compiling()`` imported and spelled otherwise."""
+
+    def transform(module: cst.Module) -> cst.Module:
+        new = _replace(lambda n: _code(n) == COMPILING, lambda _: _expr(spelled))(module)
+        return _add_import(new, imports)
+
+    return transform
+
+
 def _rename_attr(old: str, new: str) -> Callable[[cst.Module], cst.Module]:
     return lambda module: module.visit(_RenameAttr(old, new))
 
@@ -274,6 +321,33 @@ RESPELLINGS = (
         (f"self.{FLAG} = ",),
     ),
     Respelling("flag-method-helper", "helper", _flag_by_method, (f"self.{FLAG} = ",)),
+    # the flag's value reached by other statements of __init__ (and of the class)
+    Respelling(
+        "flag-if-else", "flag", _flag_statements('if "fp8" in {D}:\n    {F} = True\nelse:\n    {F} = False\n'), (f"self.{FLAG} = ",)
+    ),
+    Respelling(
+        "flag-default-then-set",
+        "flag",
+        _flag_statements('{F} = False\nif {D} != "auto":\n    {F} = True\n'),
+        (f"self.{FLAG} = ",),
+    ),
+    Respelling("flag-via-local", "flag", _flag_statements('quantized = {D}.startswith("fp8")\n{F} = quantized\n'), (f"self.{FLAG} = ",)),
+    Respelling(
+        "flag-module-constant",
+        "flag",
+        _flag_statements("{F} = {D} in FP8_CACHE_DTYPES\n", constant='FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")'),
+        (f"self.{FLAG} = ",),
+    ),
+    Respelling(
+        "flag-set-by-method",
+        "helper",
+        _flag_statements("self._set_cache_mode()\n", method='def _set_cache_mode(self):\n    {F} = "fp8" in {D}\n'),
+        (f"self.{FLAG} = ",),
+    ),
+    # the compile test imported and spelled otherwise
+    Respelling("compile-from-import", "compile", _compile_test("from torch.compiler import is_compiling", "is_compiling()"), (COMPILING,)),
+    Respelling("compile-dynamo-alias", "compile", _compile_test("import torch._dynamo as dynamo", "dynamo.is_compiling()"), (COMPILING,)),
+    Respelling("compile-module-alias", "compile", _compile_test("from torch import compiler as tc", "tc.is_compiling()"), (COMPILING,)),
     Respelling("flag-renamed", "flag", _rename_attr(FLAG, "_kv_is_fp8"), (f"self.{FLAG}",)),
     Respelling("guard-renamed", "guard", _rename_local(GUARD, "use_fused_insert"), (GUARD,)),
     Respelling("guard-demorgan", "guard", _guard_demorgan, (f"{GUARD} = not",)),

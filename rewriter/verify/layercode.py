@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from codemods import schema
+from codemods import model, roles, schema
 from codemods.schema import FUSED_OP, KV_CACHE
 from rewriter.apply import read_source
 
@@ -178,6 +178,7 @@ class LayerCode:
     module_names: set[str] = field(default_factory=set)  # the module's other top-level classes and names
     custom_ops: dict[str, str] = field(default_factory=dict)  # ops the file registers -> its function
     compile_aware: bool = False  # the class or a module function asks torch.compiler.is_compiling()
+    constants: dict[str, object] = field(default_factory=dict)  # module-level literals (model.module_constants)
 
     def fit(self, shape: Shape) -> Shape:
         """``shape`` with the sizes that one attribute of the file holds made equal: the
@@ -290,14 +291,15 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
         for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
         if isinstance(t, ast.Name)
     }
+    imports = roles.import_table(tree)
     compile_aware = any(
-        isinstance(n, ast.Call) and schema.is_compiling(n)
+        roles.is_compiling(n, imports)
         for node in [cls, *(f for f in tree.body if isinstance(f, ast.FunctionDef))]
         for n in ast.walk(node)
     )
     return LayerCode(
         path, class_name, methods, decorators, init, ops, imported, bindings, called, functions, native,
-        others - set(functions), _custom_ops(tree), compile_aware,
+        others - set(functions), _custom_ops(tree), compile_aware, model.module_constants(tree, roles.NO_SCOPE),
     )
 
 

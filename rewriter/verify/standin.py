@@ -415,7 +415,7 @@ def _standin(
     torch_proxy = _TorchProxy(backend, compiling)
     namespace: dict[str, Any] = {"__builtins__": builtins, "__name__": f"mm3_standin_{code.class_name}"}
     for name in code.module_names:
-        namespace[name] = _Imported(name)
+        namespace[name] = code.constants[name] if name in code.constants else _Imported(name)
     for name, origin in code.imported.items():
         if origin.endswith("." + FUSED_OP):
             namespace[name] = backend.fused
