@@ -141,7 +141,7 @@ def plan_site(
             raise Unsupported("the call is not directly in a method: its bypass cannot be delimited")
         return None
     pieces = pieces or sites.collect_pieces(m, cls, method, op, slot)
-    if not pieces.any_bypass():
+    if not pieces.any_bypass(native=op.arg(schema.KV_CACHE_DTYPE) is not None):
         return None
     if slot is None:
         raise Unsupported("the call is not a statement of its own in a block")

@@ -3,10 +3,13 @@
 ``check`` runs on every commit that touches a model file, and most such files
 are vLLM's own (native) ones. Here Python's ``ast`` reads only the facts it can
 read exactly - where each call sits and what it passes - and ``schema.verdict``
-decides, as for every other file. Anything else (a bypass name in the text, a
-fork-era call, a cache argument under a condition - a bypass's guard by whatever
-name -, the op named other than as a callee, a dtype not written as a plain
-``self.…``) returns None and the LibCST analysis answers.
+decides, as for every other file. It answers only where structure proves that a
+native call has no bypass piece, asking the same role finders as the analysis:
+no cache argument under a condition (a guard, by whatever name), no flag in the
+class's ``__init__`` (``model.flags``: by value), no statement after the call
+that hands a method the call's slot mappings (a post-call write). Anything else
+(a fork-era call, the op named other than as a callee, a dtype not written as a
+plain ``self.…``) returns None and the LibCST analysis answers.
 """
 
 from __future__ import annotations
@@ -14,22 +17,20 @@ from __future__ import annotations
 import ast
 import importlib.util
 
-from codemods import schema
+from codemods import model, roles, schema
 
-_BYPASS_NAMES = (schema.FP8_FLAG, schema.INSERT_KV, schema.GUARD_NAME)
 _DEFS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
 
 def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
     """Every call's site when all are native or not a site, else None (ask LibCST)."""
-    if any(name.encode() in raw for name in _BYPASS_NAMES):
-        return None
     try:
         tree = ast.parse(raw)
         text = importlib.util.decode_source(raw)
     except (SyntaxError, ValueError, RecursionError, MemoryError, UnicodeDecodeError):
         return None
     lines = text.split("\n")
+    file = _File(tree)
     sites: list[schema.InsertSite] = []
     named = 0  # every place the op is named: each must be the callee of a call read below
 
@@ -39,7 +40,7 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
             1 for value in ast.iter_fields(node) if isinstance(value[1], str) and schema.FUSED_OP in value[1]
         )
         if isinstance(node, ast.Call) and schema.callee(node) == schema.FUSED_OP:
-            sites.append(_site(node, stack, lines))
+            sites.append(_site(node, stack, lines, file))
         inner = (*stack, node) if isinstance(node, _DEFS) else stack
         for child in ast.iter_child_nodes(node):
             visit(child, inner)
@@ -58,7 +59,45 @@ class _Defer(Exception):
     """A fact ``ast`` cannot read exactly as LibCST does."""
 
 
-def _site(call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str]) -> schema.InsertSite:
+class _File:
+    """What the role finders need of the file: its imports, functions and constants."""
+
+    def __init__(self, tree: ast.Module) -> None:
+        self.imports = roles.import_table(tree)
+        self.functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+        self.constants = model.module_constants(tree, roles.Scope(self.functions, {}, self.imports))
+
+    def has_flag(self, cls: ast.ClassDef) -> bool:
+        methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+        init = methods.get("__init__")
+        scope = roles.Scope(self.functions, methods, self.imports)
+        return init is not None and any(model.flags(init, scope, self.constants).values())
+
+
+def _after(call: ast.Call, method: ast.FunctionDef) -> list[ast.stmt]:
+    """The statements after the one holding ``call``, in its block."""
+    blocks = [method.body]
+    while blocks:
+        body = blocks.pop()
+        for i, stmt in enumerate(body):
+            if any(n is call for n in ast.walk(stmt)):
+                inner = [b for f in ("body", "orelse", "finalbody") for b in [getattr(stmt, f, None)] if b]
+                if any(any(n is call for s in b for n in ast.walk(s)) for b in inner):
+                    blocks += inner
+                    break
+                return body[i + 1 :]
+    return []
+
+
+def _passes_slots(node: ast.AST, slots: list[str]) -> bool:
+    """A call handed the call's slot mappings (``self.<write>(…, slots, index_slots)``)."""
+    if not isinstance(node, ast.Call):
+        return False
+    args = {ast.dump(a) for a in (*node.args, *(k.value for k in node.keywords))}
+    return all(s in args for s in slots)
+
+
+def _site(call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str], file: _File) -> schema.InsertSite:
     if len(stack) < 2 or not (isinstance(stack[-2], ast.ClassDef) and isinstance(stack[-1], ast.FunctionDef)):
         raise _Defer  # not directly in a method (a wrapper, a nested def): LibCST follows these
     if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
@@ -73,6 +112,13 @@ def _site(call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str]) -> schem
     has_cache = kv is not None and not (isinstance(kv, ast.Constant) and kv.value is None)
     if has_cache and (dtype is None or not _plain(dtype, lines)):
         raise _Defer  # a fork-era call, or a dtype whose text LibCST may give differently
+    if has_cache:
+        cls, method = stack[-2], stack[-1]
+        assert isinstance(cls, ast.ClassDef) and isinstance(method, ast.FunctionDef)
+        slots = [schema.bind_arg(p, args, keywords) for p in (schema.SLOT_MAPPING, schema.INDEX_SLOT_MAPPING)]
+        dumped = [ast.dump(s) for s in slots if s is not None]
+        if file.has_flag(cls) or any(_passes_slots(n, dumped) for s in _after(call, method) for n in ast.walk(s)):
+            raise _Defer  # a flag, or a post-call write: the pieces of a bypass, whatever their names
     facts = schema.CallFacts(
         line=call.lineno,
         class_name=stack[-2].name,

@@ -215,7 +215,11 @@ class Pieces:
             "insert-kv": self.insert_kv in SLOTS_FORMS,
         }
 
-    def any_bypass(self) -> bool:
+    def any_bypass(self, native: bool = False) -> bool:
+        """A piece of a bypass is there. On a native call, only a piece that acts: a flag, the
+        guard, the post-call write (a write method nothing calls, or a scale, does nothing)."""
+        if native:
+            return self.flag_set or bool(self.guard_args) or self.guard_inline is not None or self.post_insert
         return (
             self.flag_set
             or self.flag_read
@@ -373,12 +377,12 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
                 "neither a fork-era nor a native call",
                 present,
             )
-        if p.any_bypass() and p.taken:
+        if p.any_bypass(native=True) and p.taken:
             return taken  # which pieces are the bypass's cannot be told
-        if p.any_bypass() and p.compiled_write:
+        if p.any_bypass(native=True) and p.compiled_write:
             return _compiled_bypass(f, p, site)
-        if p.any_bypass():
-            have = ", ".join(k for k, v in present.items() if v) or f"a read of self.{FP8_FLAG}"
+        if p.any_bypass(native=True):
+            have = ", ".join(k for k, v in present.items() if v) or f"a read of self.{p.flag_attr}"
             return site(
                 SiteState.HALF_APPLIED,
                 Action.STRIP,
@@ -487,7 +491,7 @@ def _broken_now(p: Pieces, line: int) -> str:
             "every forward raises NameError"
         )
     if p.flag_read and not p.flag_set:
-        return f"now `self.{FP8_FLAG}` is read but never set: every forward raises AttributeError"
+        return f"now `self.{p.flag_attr}` is read but never set: every forward raises AttributeError"
     return "with an fp8 cache the bypass writes the fork-era layout into the native cache"
 
 
@@ -497,13 +501,13 @@ def _half_applied_reason(p: Pieces, present: dict[str, bool]) -> str:
     if p.guard_args and p.guard_assigned is None:
         problems.append(f"`{p.guard_args[0]}` is read but never assigned (NameError at runtime)")
     if p.flag_read and not p.flag_set:
-        problems.append(f"`self.{FP8_FLAG}` is read but never set (AttributeError at runtime)")
+        problems.append(f"`self.{p.flag_attr}` is read but never set (AttributeError at runtime)")
     if p.scale_read and not p.scale_set:
         problems.append(f"`self.{FP8_SCALE}` is read but never set (AttributeError at runtime)")
     if p.insert_kv in OLDER_FORMS:
         problems.append(f"`{p.insert_method}` is in an older form: {OLDER_FORMS[p.insert_kv]}")
     if p.post_insert and not p.post_insert_wired:
-        problems.append(f"the post-call `{INSERT_KV}` is not guarded or not passed the call's slot mappings")
+        problems.append(f"the post-call `{p.insert_method}` is not guarded or not passed the call's slot mappings")
     text = "partial fp8 bypass; missing: " + "; ".join(missing)
     return text + (" - " + "; ".join(problems) if problems else "")
 
