@@ -6,10 +6,9 @@ decision ``schema``'s, planning and writing ``fp8_kv_bypass``'s and ``fp8_kv_rev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
 from codemods import schema
@@ -92,13 +91,17 @@ def classify(
     plan: BypassPlan | RevertPlan | None = None
     failure = None
     try:
-        if decided.action is Action.STRIP:  # the strip is the revert of that one site
+        if decided.state is SiteState.PATCHED:  # what `revert` would say of it, said here too
+            plan_site(m, found, found_pieces[-1])
+        elif decided.action is Action.STRIP:  # the strip is the revert of that one site
             plan = plan_strip(m, found, found_pieces[-1])
         elif decided.action in CHANGING:
             assert slot is not None
             plan = plan_bypass(m, found, slot, found_pieces[-1])
     except Unsupported as exc:
         failure = str(exc)
+    if decided.state is SiteState.PATCHED and failure is not None:
+        return replace(decided, reason=f"{decided.reason}; `revert` keeps it: {failure}"), None
     return schema.planned(decided, failure, found_pieces[-1] if found_pieces else None), plan
 
 
@@ -121,12 +124,10 @@ revert = rewrite
 def analyze_revert(module: cst.Module) -> RevertAnalysis:
     """Find every call of the fused op; plan the removal of a bypass around it."""
     m = FileModel.of(module)
-    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
     finder = CallFinder(m.wrappers)
-    wrapper.visit(finder)
-    positions = wrapper.resolve(PositionProvider)
+    module.visit(finder)
     for found in finder.found:  # the finder leaves numbering to its caller
-        found.line = positions[found.call].start.line
+        found.line = m.positions[found.call].start.line
 
     sites: list[InsertSite] = []
     plans: list[RevertPlan | None] = []
@@ -134,7 +135,7 @@ def analyze_revert(module: cst.Module) -> RevertAnalysis:
         site, _ = classify(m, found)
         plan = failure = None
         try:
-            plan = plan_site(m, found, positions)
+            plan = plan_site(m, found)
         except Unsupported as exc:
             failure = str(exc)
         sites.append(schema.reverted(site, revert_reason(plan) if plan else None, failure))

@@ -142,7 +142,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     dtype_attr = f"self.{schema.DTYPE_ATTR}"
     if flag_slot is None:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
-    namespace = op_namespace(op, imports)
+    namespace = op_namespace(op, m.imports)
     reshape_import = bare_import(module, imports) if namespace is None else None
     reshape_call = schema.RESHAPE_OP if namespace is None else f"{namespace}.{schema.RESHAPE_OP}"
 

@@ -25,10 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import codegen, proofs, schema, sites
+from codemods import codegen, proofs, roles, schema, sites
 from codemods.schema import DTYPE_ATTR, SLOTS_FORMS, Unsupported
 
 
@@ -108,8 +107,7 @@ class RevertPlan:
 
 def plan_strip(m: sites.FileModel, found: sites.FoundCall, pieces: sites.FoundPieces) -> RevertPlan:
     """``run`` on a native call that carries bypass pieces: the revert of that site."""
-    positions = MetadataWrapper(m.module, unsafe_skip_copy=True).resolve(PositionProvider)
-    plan = plan_site(m, found, positions, pieces)
+    plan = plan_site(m, found, pieces)
     if plan is None:
         raise Unsupported("no bypass piece could be delimited")
     return plan
@@ -128,7 +126,7 @@ def revert_reason(plan: RevertPlan) -> str:
 
 
 def plan_site(
-    m: sites.FileModel, found: sites.FoundCall, positions, pieces: sites.FoundPieces | None = None
+    m: sites.FileModel, found: sites.FoundCall, pieces: sites.FoundPieces | None = None
 ) -> RevertPlan | None:
     """None when there is no bypass around this call; ``Unsupported`` when one cannot be proven.
     ``pieces``: what ``collect_pieces`` found there, where the caller has it."""
@@ -160,8 +158,13 @@ def plan_site(
     init = a.find_method(cls, "__init__")
     if init is not None:
         attrs = a.self_assignments(init)
+        if pieces.flag_set:  # the statements that decide the proven flag (its value was evaluated: pure)
+            remove += _flag_definition(m, cls, init, pieces.flag_attr)
         for flag_slot, value in attrs.get(pieces.flag_attr, []):
-            # a proven flag's value was evaluated (``model.flags``): no call in it does anything else
+            if any(flag_slot.statement is r for r in remove):
+                continue
+            if any(n is flag_slot.statement for r in remove for n in a.walk_all(r)):
+                continue
             if not pieces.flag_set and any(isinstance(n, cst.Call) for n in a.walk_all(value)):
                 raise Unsupported(f"`self.{pieces.flag_attr}` is assigned a call, which removing would skip")
             remove.append(flag_slot.statement)
@@ -182,7 +185,7 @@ def plan_site(
     # other argument the guard decides (a merge's `self.kv_cache.size(2) if G else 0` block size).
     unwrap = [arg for arg in op.call.args if _guarded_by(arg, guards, pieces.guard_inline)]
 
-    _check_nothing_left(cls, method, remove, unwrap, guards, positions, pieces.flag_attr)
+    _check_nothing_left(cls, method, remove, unwrap, guards, m.positions, pieces.flag_attr)
     dead = _dead_module_code(module, remove)
     removed = {id(s) for s in remove}
     for fn in a.methods(cls):
@@ -197,12 +200,69 @@ def plan_site(
         dead=dead,
     )
     if pieces.insert_kv in SLOTS_FORMS:
-        _plan_insert_kv(module, found, slot, post, plan, pieces.insert_method, op.arg(schema.KV_CACHE_DTYPE) is not None)
+        _plan_insert_kv(m, found, slot, post, plan, pieces.insert_method, op.arg(schema.KV_CACHE_DTYPE) is not None)
     elif pieces.insert_kv == "other" and post is not None:
         raise Unsupported(
             "`_insert_kv` is neither the attn_metadata form nor the slot-mapping one: cannot restore it"
         )
     return plan
+
+
+def _flag_definition(m: sites.FileModel, cls: cst.ClassDef, init: cst.FunctionDef, flag: str) -> list[cst.BaseStatement]:
+    """The statements of ``__init__`` that do nothing but decide ``self.<flag>``: its
+    assignments, an ``if`` on a pure test whose branches only assign it, a call of a method
+    of the class that only assigns it (with that method), and the locals only they read."""
+    scope = m.scope(cls)
+    setters: list[cst.FunctionDef] = []
+
+    def pure(expr: cst.BaseExpression) -> bool:
+        tree = schema.expression(a.code(expr))
+        try:
+            return tree is not None and roles.evaluate(tree, {**_locals, roles.DTYPE: "fp8"}, scope) is not None
+        except (roles.Unknown, TypeError, ValueError, RecursionError, AttributeError):
+            return False
+
+    def only_sets(stmt: cst.CSTNode) -> bool:
+        if isinstance(stmt, cst.SimpleStatementLine):
+            return all(small_sets(x) for x in stmt.body)
+        if isinstance(stmt, cst.If) and pure(stmt.test):
+            branches = [stmt.body, *([stmt.orelse.body] if isinstance(stmt.orelse, cst.Else) else [])]
+            rest = [stmt.orelse] if isinstance(stmt.orelse, cst.If) else []
+            return all(isinstance(b, cst.IndentedBlock) and all(only_sets(x) for x in b.body) for b in branches) and all(
+                only_sets(x) for x in rest
+            )
+        return False
+
+    def small_sets(x: cst.BaseSmallStatement) -> bool:
+        if isinstance(x, cst.Assign) and len(x.targets) == 1 and a.self_attr(x.targets[0].target) == flag:
+            return pure(x.value)
+        if isinstance(x, cst.Expr) and isinstance(x.value, cst.Call) and not x.value.args:
+            method = a.find_method(cls, a.self_attr(x.value.func) or "")
+            calls = [n for n in a.walk_all(cls.body) if isinstance(n, cst.Call) and a.self_attr(n.func) == a.self_attr(x.value.func)]
+            body = method.body.body if method is not None and isinstance(method.body, cst.IndentedBlock) else ()
+            if method is not None and len(calls) == 1 and body and all(only_sets(b) for b in body):
+                setters.append(method)
+                return True
+        return False
+
+    _locals: dict[str, object] = {}
+    body = list(init.body.body) if isinstance(init.body, cst.IndentedBlock) else []
+    for stmt in body:  # what the top-level locals hold (for the fp8 dtype), where that can be read
+        pair = a.simple_assignment(stmt)
+        if pair is not None and isinstance(pair[0], cst.Name) and pure(pair[1]):
+            tree = schema.expression(a.code(pair[1]))
+            _locals[pair[0].value] = roles.evaluate(tree, {**_locals, roles.DTYPE: "fp8"}, scope)  # type: ignore[arg-type]
+    found = [stmt for stmt in body if only_sets(stmt)]
+    # locals read only by those statements (``quantized = "fp8" in d``; ``self.F = quantized``)
+    for stmt in reversed(body):
+        pair = a.simple_assignment(stmt)
+        if pair is None or not isinstance(pair[0], cst.Name) or stmt in found:
+            continue
+        name = pair[0].value
+        readers = [s for s in body if s is not stmt and name in a.names_read(s)]
+        if readers and all(any(r is f for f in found) for r in readers) and pure(pair[1]):
+            found.append(stmt)
+    return [*found, *setters]
 
 
 def _guarded_by(arg: cst.Arg, guards: set[str], inline: str | None) -> bool:
@@ -304,7 +364,7 @@ def _check_nothing_left(
 
 
 def _plan_insert_kv(
-    module: cst.Module,
+    m: sites.FileModel,
     found: sites.FoundCall,
     slot: a.StatementSlot,
     post: cst.If | None,
@@ -314,7 +374,7 @@ def _plan_insert_kv(
 ) -> None:
     """Restore the attn_metadata ``_insert_kv``, or remove the one the rewrite added
     (on a native call always: the kernel writes the cache, upstream has no ``_insert_kv``)."""
-    cls, method, op = found.cls, found.method, found.op
+    cls, method, op, module = found.cls, found.method, found.op, m.module
     assert cls is not None and method is not None
     fn = plan.old_insert_kv = a.find_method(cls, name)
     assert fn is not None
@@ -353,7 +413,7 @@ def _plan_insert_kv(
     w = proofs.widths(op, method, slot, init_attrs)
     if DTYPE_ATTR not in init_attrs:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
-    namespace = proofs.op_namespace(op, imports)
+    namespace = proofs.op_namespace(op, m.imports)
     if namespace is None and not any(i.bound == schema.RESHAPE_OP for i in imports):
         raise Unsupported(f"`{schema.RESHAPE_OP}` is not imported: cannot restore the attn_metadata _insert_kv")
     reshape = schema.RESHAPE_OP if namespace is None else f"{namespace}.{schema.RESHAPE_OP}"

@@ -5,6 +5,7 @@ code that names what it proved or raises ``Unsupported`` saying what was missing
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import libcst as cst
@@ -15,23 +16,7 @@ from codemods.schema import Unsupported
 from codemods.sites import guard_of, unguarded
 
 
-def _custom_ops(imports: list[a.ImportedName]) -> str | None:
-    """The code that names ``vllm._custom_ops`` in this module (``ops`` of ``from vllm import
-    _custom_ops as ops``), where ``reshape_and_cache_flash`` is; None if it is not imported."""
-    for imp in imports:
-        statement = imp.statement.body[0] if len(imp.statement.body) == 1 else None
-        name = a.code(imp.alias.name).replace(" ", "")
-        if isinstance(statement, cst.ImportFrom) and statement.module is not None:
-            module = a.code(statement.module).replace(" ", "")
-            if statement.relative or f"{module}.{name}" != "vllm._custom_ops":
-                continue
-            return imp.bound
-        if isinstance(statement, cst.Import) and name == "vllm._custom_ops":
-            return imp.bound if imp.alias.asname is not None else name
-    return None
-
-
-def op_namespace(op: a.OpCall, imports: list[a.ImportedName]) -> str | None:
+def op_namespace(op: a.OpCall, imports: Mapping[str, str]) -> str | None:
     """Where ``reshape_and_cache_flash`` is, proven from how the module reaches the fused op:
     ``torch.ops._C`` -> ``torch.ops._C_cache_ops``; ``vllm._custom_ops`` under any name -> that
     name; a bare name -> None (imported beside it, ``bare_import``). Any other namespace
@@ -43,7 +28,8 @@ def op_namespace(op: a.OpCall, imports: list[a.ImportedName]) -> str | None:
             return "torch.ops._C_cache_ops"
     elif op.wrapper is None and isinstance(func, cst.Name):
         return None
-    namespace = _custom_ops(imports)
+    # the code that names `vllm._custom_ops` here (``ops`` of ``from vllm import _custom_ops as ops``)
+    namespace = next((bound for bound, name in sorted(imports.items()) if name == "vllm._custom_ops"), None)
     if namespace is None:
         shown = a.code(func) if op.wrapper is None else f"wrapper `{op.wrapper.name}`"
         raise Unsupported(

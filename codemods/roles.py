@@ -57,9 +57,9 @@ def import_table(tree: ast.Module) -> dict[str, str]:
             for alias in node.names:
                 if alias.asname:
                     table[alias.asname] = alias.name
-                else:
-                    root = alias.name.partition(".")[0]
-                    table[root] = root
+                else:  # `import a.b` binds `a`, and says that `a.b` is loaded
+                    table[alias.name.partition(".")[0]] = alias.name.partition(".")[0]
+                    table[alias.name] = alias.name
         elif isinstance(node, ast.ImportFrom):
             base = "." * node.level + (node.module or "")
             for alias in node.names:

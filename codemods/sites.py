@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import textwrap
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
+from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
 from codemods import model, roles, schema
@@ -334,6 +335,11 @@ class FileModel:
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             tree = ast.Module(body=[], type_ignores=[])
         return cls(module, source_map, a.module_functions(module), a.pass_through_wrappers(module), roles.import_table(tree))
+
+    @functools.cached_property
+    def positions(self) -> Mapping[cst.CSTNode, CodeRange]:
+        """Every node's position: LibCST generates them for the whole file, so only when asked."""
+        return MetadataWrapper(self.module, unsafe_skip_copy=True).resolve(PositionProvider)
 
     def scope(self, cls: cst.ClassDef) -> roles.Scope:
         """What a flag's expression may call: the module's functions, the class's methods, imports."""

@@ -257,6 +257,12 @@ def _parse(raw: bytes, ours: bool = False) -> cst.Module:
     try:
         module = cst.parse_module(body)
     except cst.ParserSyntaxError as exc:
+        try:  # Python's own word on where and what, as `python file.py` would say it
+            compile(body, "<file>", "exec", dont_inherit=True)
+        except SyntaxError as py:
+            raise FileError(f"not valid Python (line {py.lineno}, column {py.offset}): {py.msg}") from exc
+        except (ValueError, MemoryError, RecursionError):
+            pass
         raise FileError(
             f"not valid Python (line {exc.raw_line}, column {exc.raw_column}): {exc.message}"
         ) from exc

@@ -219,3 +219,25 @@ def test_link_and_target_given_together_are_one_file(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "1 file rewritten." in proc.stderr
     assert real.read_bytes() == EXPECTED and (tmp_path / "alias.py").is_symlink()
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from vllm import _custom_ops as ops\nclass A:\n    def f(self):\n        ops.fused_minimax_m3_qknorm_rope_kv_insert(x,\n        return x\n",
+        "import torch\n\nops.fused_minimax_m3_qknorm_rope_kv_insert(1)\ndef f(:\n    pass\n",
+        "ops.fused_minimax_m3_qknorm_rope_kv_insert(1)\nif True:\n  x = 1\n    y = 2\n",
+    ],
+)
+def test_a_syntax_error_is_reported_where_python_reports_it(tmp_path, source: str) -> None:
+    """The line, column and message Python itself gives (``python file.py``), not LibCST's
+    parser's position, which can be lines away."""
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    with pytest.raises(SyntaxError) as python:
+        compile(source, str(path), "exec")
+    proc = cli("check", str(path))
+    assert proc.returncode == 2
+    expected = f"not valid Python (line {python.value.lineno}, column {python.value.offset}): {python.value.msg}"
+    assert expected in proc.stderr, proc.stderr
+    assert path.read_text() == source
