@@ -28,7 +28,12 @@ from rewriter.apply import (
 )
 from rewriter.targets import shown_path
 
-INSTALL = "pip install 'mm3-codemod[verify]'"
+
+def install() -> str:
+    """How to install torch where this runs (``rewriter.verify.levels.install_torch``)."""
+    from rewriter.verify.levels import install_torch
+
+    return install_torch()
 
 
 def prove(result: FileResult) -> Proof:
@@ -89,7 +94,7 @@ def proof_line(result: FileResult, example: bool) -> str | None:
     verify = f"mm3-codemod verify {shlex.quote(name)}"
     if proof.status == UNAVAILABLE:
         why = f"{proof.reason}, so the new code was not run before writing"
-        how = f"{INSTALL} and run it again" if example else f"{INSTALL}, then {verify}"
+        how = f"{install()} and run it again" if example else f"{install()}, then {verify}"
     elif proof.status == OFF:
         why, how = proof.reason, ("run it again without --no-prove" if example else verify)
     else:

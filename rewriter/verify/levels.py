@@ -31,3 +31,17 @@ class LevelResult:
             "reason": self.reason,
             "details": self.details,
         }
+
+
+CPU_TORCH = "https://download.pytorch.org/whl/cpu"
+
+
+def install_torch() -> str:
+    """The one command that makes torch importable where ``mm3-codemod`` runs: pip of this
+    very interpreter, torch by its own name, the CPU build (enough for the semantic level,
+    and no CUDA download). Never this tool's name: it is not on PyPI, so a name there
+    would be someone else's (dependency confusion)."""
+    import shlex
+    import sys
+
+    return f"{shlex.quote(sys.executable or 'python3')} -m pip install torch --index-url {CPU_TORCH}"
