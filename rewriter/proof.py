@@ -82,16 +82,17 @@ def failure(proof: Proof) -> str:
     return f"the rewrite failed its proof ({LEVEL} level): {proof.reason}; nothing written"
 
 
-def proof_line(result: FileResult, example: bool) -> str | None:
+def proof_line(result: FileResult, example: bool, verify: str | None = None) -> str | None:
     """What the human report says of a written file's proof: proven, or unproven and how to
-    prove it (``verify``; for ``--example``, whose copy is gone, running it again)."""
+    prove it (``verify``: that command, with the options that named the file; for
+    ``--example``, whose copy is gone, running it again)."""
     proof = result.proof
     if proof is None or proof.status == FAILED:
         return None
     name = shown_path(result.path)
     if proof.proven:
         return f"proven: {name}: the {LEVEL} level passed before writing: {proof.reason}"
-    verify = f"mm3-codemod verify {shlex.quote(name)}"
+    verify = verify or f"mm3-codemod verify {shlex.quote(name)}"
     if proof.status == UNAVAILABLE:
         why = f"{proof.reason}, so the new code was not run before writing"
         how = f"{install()} and run it again" if example else f"{install()}, then {verify}"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, ROOT, cli, make_vllm_tree
 
-from rewriter.targets import Target
+from rewriter.targets import Target, shown_path
 
 torch = pytest.importorskip("torch")
 
@@ -88,7 +88,8 @@ def test_cli_verify_example_fails_with_the_crash_and_exit_1() -> None:
     assert levels["semantic"]["status"] == "failed"
     assert "kv_cache dtype must match qkv" in levels["semantic"]["reason"]
     assert levels["kernel"]["status"] == "skipped"
-    assert "run `mm3-codemod run` first" in entry["note"]
+    # `run --example` rewrites a copy: it shows the rewrite (a bare `mm3-codemod run` would not)
+    assert "`mm3-codemod run --example --show-diff` shows its rewrite" in entry["note"]
     assert "kv_cache dtype must match qkv" in proc.stderr  # the human table says it too
 
 
@@ -205,7 +206,9 @@ def test_a_site_run_refuses_is_noted_with_its_reason_not_sent_to_run(tmp_path: P
     assert "delete" not in entry.note.lower() and "no line is advised for deletion" in entry.note
     assert "run `mm3-codemod run` first" not in entry.note
     stale = verify([Target(FIXTURES / "native_stale_bypass" / "model.py", "test")], timing=False).files[0]
-    assert stale.note is not None and stale.note.endswith("run `mm3-codemod run` first")
+    # the run for that very file: a bare `mm3-codemod run` would rewrite whatever is around
+    shown = shown_path(FIXTURES / "native_stale_bypass" / "model.py")
+    assert stale.note is not None and stale.note.endswith(f"run `mm3-codemod run {shown}` first")
 
 
 def test_a_lost_guard_fails_verify_with_the_files_own_name_error() -> None:

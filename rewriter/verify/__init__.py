@@ -32,7 +32,7 @@ from codemods.schema import CHANGING, SiteState
 from rewriter.apply import FileStatus, classify_file
 from rewriter.targets import Target
 
-from .importcheck import import_check
+from .importcheck import HOW_TO_RUN, import_check
 from .layers import NO_TORCH, import_torch, insert_classes, semantic_level, torch_available
 from .layers import run_layers as _semantic  # the kernel level's rows (its name here before layers.py)
 from .levels import LevelResult, Status  # the level types, below this face and the levels
@@ -157,6 +157,13 @@ def load_kernels(kernels: str | None, timing: bool = True) -> KernelContext:
     return ctx
 
 
+def _command(verb: str, target: Target) -> str:
+    """``mm3-codemod <verb>`` on ``target``, named as the user named it (``--python`` …)."""
+    from rewriter.report import mm3_commands
+
+    return mm3_commands(verb, [target])[0]
+
+
 def verify_file(
     target: Target,
     python: str | None = None,
@@ -186,13 +193,21 @@ def verify_file(
     ]
     if pending:  # what `run` does there first, or why it cannot (its reason names the way out)
         first = pending[0]
-        todo = "run `mm3-codemod run` first" if first.action in CHANGING else first.reason
+        if first.action not in CHANGING:
+            todo = first.reason
+        elif target.origin == "--example":  # `run --example` rewrites a copy: it shows the rewrite
+            todo = "the bundled example is unpatched: `mm3-codemod run --example --show-diff` shows its rewrite"
+        else:
+            todo = f"run `{_command('run', target)}` first"
         out.note = f"{first.state.value} at line {first.line}: {todo}"
 
     # A native class is imported only: it has no bypass whose shape could be inspected.
     bypassed = sorted({f"{s.class_name}:{s.write_method}" for s in inserts if s.class_name and s.state is not SiteState.NATIVE})
     imp = import_check(path, bypassed, python)
     status, reason = Status(imp["status"]), imp["reason"]
+    if status is Status.SKIPPED and python and reason.endswith(HOW_TO_RUN):
+        # not "use --python": it was; what was wrong with that interpreter, and no more
+        reason = f"--python {python}: {reason.removesuffix(f'; {HOW_TO_RUN}')}"
     if status is Status.SKIPPED and require_import:
         status, reason = Status.FAILED, reason + " (--require-import)"
     out.levels.append(LevelResult("import", status, reason, imp.get("traceback", [])))
