@@ -111,7 +111,7 @@ REVERT_OPTIONS = (
     *WRITES,
     *REPORT,
 )
-KERNELS_HELP = "A vLLM kernel library (_C*.so) to load instead of vllm._custom_ops."
+KERNELS_HELP = "A vLLM kernel library (_C*.so) to load instead of vllm._custom_ops (no GPU: fails)."
 VERIFY_OPTIONS = (
     PATHS,
     Option("--python", "python", "Interpreter whose vLLM to verify and import with.", "EXE"),
@@ -125,7 +125,8 @@ VERIFY_OPTIONS = (
         "--tp",
         "tp",
         "Run the semantic and kernel levels at this tensor-parallel size too, every rank (repeatable; "
-        "default: one TP that shards the KV heads and one that replicates them; --tp 1: TP=1 only).",
+        "default: one TP that shards the KV heads and one that replicates them; --tp 1: TP=1 only; "
+        "a row asked for that cannot run fails).",
         "N",
         int,
         many=True,
@@ -135,7 +136,7 @@ VERIFY_OPTIONS = (
         "--engine",
         "engine",
         "Also serve a tiny random-weight MiniMax-M3 built from the file with vLLM's offline engine, "
-        "bf16 vs fp8 KV cache (CUDA GPU and vLLM; minutes).",
+        "bf16 vs fp8 KV cache (CUDA GPU and vLLM; minutes; where it cannot run, it fails).",
     ),
     Option(
         "--engine-block-size",
@@ -329,7 +330,13 @@ def _engine_options(o: SimpleNamespace) -> Any:
 def verify(o: SimpleNamespace) -> int:
     """Import the rewritten module and run its code: reference ops (CPU) and vLLM's kernels (GPU).
 
-    Exit 0 when nothing failed, 1 when a level failed, 2 when a target could not be read.
+    Says only what it proved: a file is verified where a level that runs its code passed.
+
+    Exit 0: every file with an insert site verified (semantic, kernel or engine), none failed.
+
+    Exit 1: a level failed; a level an option asks for could not run; a file is not verified.
+
+    Exit 2: a target could not be read.
     """
     import json
 

@@ -325,9 +325,11 @@ def _verify_without_torch(path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
 
 
-def test_without_torch_the_semantic_level_is_skipped_and_says_so() -> None:
+def test_without_torch_the_semantic_level_is_skipped_and_the_file_is_not_verified() -> None:
+    """Nothing ran the file's code: said so, exit 1 (it was exit 0, "without failures")."""
     proc = _verify_without_torch(FIXTURES / "patched" / "model.py")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr
+    assert json.loads(proc.stdout)["files"][0]["status"] == "unverified"
     levels = json.loads(proc.stdout)["files"][0]["levels"]
     assert [lv["status"] for lv in levels[1:]] == ["skipped", "skipped"]
     assert "torch is not installed" in levels[1]["reason"]

@@ -1,6 +1,10 @@
 """`verify` says only what it proved (issue "Says only what it proved").
 
-Every command a message suggests carries the options of the user's command (--python above all).
+A file is verified only where a level that runs its code (semantic, kernel or engine) passed.
+Where none did - no torch, a file the stand-in cannot run - the file is not verified: exit 1,
+with why and the one step that makes a level run. A level an option asks for (--engine,
+--kernels, --tp, --require-gpu) fails where it cannot run. Every command a message suggests
+carries the options of the user's command (--python above all).
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, ROOT, cli, make_vllm_tree
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed here")
+
 
 def without_torch(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     """``mm3-codemod ARGS`` in a fresh interpreter where ``import torch`` fails."""
@@ -38,6 +46,98 @@ def interpreter(path: Path, tree: Path) -> str:
     path.write_text(f'#!/bin/sh\nPYTHONPATH={tree} exec {sys.executable} "$@"\n')
     path.chmod(0o755)
     return str(path)
+
+
+# --- nothing proved, nothing claimed -------------------------------------------------------
+
+
+def test_without_torch_a_correct_file_is_not_verified_exit_1_naming_why_and_the_step() -> None:
+    """Before: every level skipped, `2 file(s): 2 without failures`, exit 0."""
+    proc = without_torch("verify", str(FIXTURES / "patched" / "model.py"), str(FIXTURES / "native" / "model.py"), "--json")
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(proc.stdout)
+    assert [f["status"] for f in report["files"]] == ["unverified", "unverified"]
+    assert report["summary"]["passed"] == 0 and report["summary"]["unverified"] == 2
+    assert report["exit_code"] == 1
+    install = f"{sys.executable} -m pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    for f in report["files"]:
+        assert "semantic skipped: torch is not installed" in f["unverified"]
+        assert install in f["unverified"]  # the one step, for the interpreter that runs verify
+    for path in ("patched", "native"):
+        line = next(x for x in proc.stderr.splitlines() if x.startswith(str(FIXTURES / path / "model.py") + ": not verified"))
+        assert "torch is not installed" in line and install in line
+    assert "without failures" not in proc.stderr
+    assert "2 files: 0 verified, 2 not verified, 0 failed, 0 not readable." in proc.stderr
+
+
+def test_without_torch_an_explicit_tp_fails_rather_than_skips() -> None:
+    proc = without_torch("verify", str(FIXTURES / "patched" / "model.py"), "--tp", "2", "--json")
+    assert proc.returncode == 1, proc.stderr
+    semantic = levels_of(proc)["semantic"]
+    assert semantic["status"] == "failed" and semantic["reason"].endswith("(--tp 2)"), semantic
+
+
+def test_a_file_without_an_insert_site_alone_proves_nothing(tmp_path: Path) -> None:
+    proc = cli("verify", str(FIXTURES / "dense_only" / "model.py"), "--json")
+    assert proc.returncode == 1, proc.stderr
+    (entry,) = json.loads(proc.stdout)["files"]
+    assert entry["status"] == "no-sites"
+    assert "Nothing verified: no file has a call of the fused op that writes a cache." in proc.stderr
+
+
+@needs_torch
+def test_a_file_without_an_insert_site_beside_a_verified_one_is_neutral() -> None:
+    proc = cli("verify", str(FIXTURES / "patched" / "model.py"), str(FIXTURES / "dense_only" / "model.py"))
+    assert proc.returncode == 0, proc.stderr
+    assert "2 files: 1 verified, 0 not verified, 0 failed, 0 not readable, 1 without an insert site" in proc.stderr
+
+
+@needs_torch
+def test_a_file_the_stand_in_cannot_run_is_not_verified_and_names_the_engine_level(tmp_path: Path) -> None:
+    """The semantic level's own limit (an attribute __init__ sets by code the stand-in does not
+    run): not the file's failure, and not a pass either."""
+    source = (FIXTURES / "native" / "model.py").read_text()
+    path = tmp_path / "model.py"
+    path.write_text(
+        source.replace(
+            "        qkv, _ = self.qkv_proj(hidden_states)\n        num_tokens",
+            "        qkv, _ = self.qkv_proj(hidden_states)\n        assert self.use_nvfp4_kv is not None\n        num_tokens",
+        )
+    )
+    proc = cli("verify", str(path), "--json", env={"COLUMNS": "200"})
+    assert proc.returncode == 1, proc.stderr
+    (entry,) = json.loads(proc.stdout)["files"]
+    assert entry["status"] == "unverified"
+    assert "the stand-in lacks `self.use_nvfp4_kv`" in entry["unverified"]
+    assert f"to run it: mm3-codemod verify {path} --engine" in entry["unverified"]
+    assert f"{path}: not verified: " in proc.stderr
+
+
+# --- a level asked for that cannot run fails --------------------------------------------------
+
+
+@needs_torch
+def test_engine_asked_for_but_unable_to_run_fails() -> None:
+    """Before: the engine level skipped silently, exit 0."""
+    import torch
+
+    if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("the engine level can run here")
+    proc = cli("verify", str(FIXTURES / "patched" / "model.py"), "--engine", "--json")
+    assert proc.returncode == 1, proc.stderr
+    engine = levels_of(proc)["engine"]
+    assert engine["status"] == "failed" and engine["reason"].endswith("(--engine)"), engine
+    assert "engine failed: " in proc.stderr
+
+
+@needs_torch
+def test_kernels_asked_for_but_unable_to_run_fails(tmp_path: Path) -> None:
+    library = tmp_path / "_C.abi3.so"
+    library.write_bytes(b"not a library")
+    proc = cli("verify", str(FIXTURES / "patched" / "model.py"), "--kernels", str(library), "--json")
+    assert proc.returncode == 1, proc.stderr
+    kernel = levels_of(proc)["kernel"]
+    assert kernel["status"] == "failed" and kernel["reason"].endswith(f"(--kernels {library})"), kernel
 
 
 # --- suggested commands keep the user's options -------------------------------------------

@@ -33,7 +33,15 @@ class LevelResult:
         }
 
 
+# The levels that run the file's code; a file is verified only where one of them passed
+# (the import level shows that the module loads, not what its cache write does).
+BEHAVIOUR = ("semantic", "kernel", "engine")
 CPU_TORCH = "https://download.pytorch.org/whl/cpu"
+
+
+def behaviour(level: LevelResult) -> bool:
+    """Whether ``level`` (``semantic TP=2`` too) runs the file's code."""
+    return level.level.split(" ")[0] in BEHAVIOUR
 
 
 def install_torch() -> str:
