@@ -249,7 +249,10 @@ def summary_line(report: Report) -> str:
     if not parts:
         return "no files"
     if all(f.status is FileStatus.NO_SITES for f in report.files):
-        parts.append(f"(no call of {FUSED_OP} found)")
+        if not any(f.original for f in report.files):  # 0 bytes: no model file at all
+            n = len(report.files)
+            return f"{n} empty file{'s' if n != 1 else ''} (0 bytes): nothing to do."
+        parts[0] += f" (no call of {FUSED_OP} found)"
     return ", ".join(parts) + "."
 
 

@@ -4,6 +4,7 @@ This project is not on PyPI: `pip install mm3-codemod` (with or without an extra
 whatever someone else published under that name (dependency confusion), and its `[verify]`
 extra pulls a CUDA torch. No message, and no page, may name it; what is missing is named by a
 name that resolves where the user stands (torch itself, for the interpreter that runs the tool).
+Also: an empty file is said to be empty.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT
+from conftest import ROOT, cli
 
 # `pip install` (any options) of the requirement *named* mm3-codemod: not a path ending in it.
 BY_NAME = re.compile(
@@ -60,3 +61,31 @@ def test_the_torch_advice_is_a_command_for_this_interpreter() -> None:
         capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""},
     )
     assert proc.stdout.strip() == install, proc.stderr
+
+
+# --- an empty file ---------------------------------------------------------------------------
+
+
+def test_an_empty_file_is_said_to_be_empty(tmp_path: Path) -> None:
+    """Before: "1 file without the fused op, (no call of … found)."."""
+    empty = tmp_path / "model.py"
+    empty.write_bytes(b"")
+    proc = cli("check", str(empty))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines()[-1] == "1 empty file (0 bytes): nothing to do."
+    assert "without the fused op" not in proc.stderr
+    again = tmp_path / "__init__.py"
+    again.write_bytes(b"")
+    assert cli("check", str(empty), str(again)).stderr.splitlines()[-1] == "2 empty files (0 bytes): nothing to do."
+    # beside a file with text, an empty one is one more file without the op (a tree's __init__.py)
+    both = cli("check", str(empty), str(ROOT / "rewriter" / "__init__.py"))
+    assert both.stderr.splitlines()[-1] == (
+        "2 files without the fused op (no call of fused_minimax_m3_qknorm_rope_kv_insert found)."
+    )
+
+
+def test_a_file_without_the_op_reads_as_one_sentence() -> None:
+    proc = cli("check", str(ROOT / "rewriter" / "__init__.py"))
+    assert proc.stderr.splitlines()[-1] == (
+        "1 file without the fused op (no call of fused_minimax_m3_qknorm_rope_kv_insert found)."
+    )
