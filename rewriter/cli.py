@@ -86,7 +86,7 @@ REPORT = (JSON, Option("--all", "show_all", "List not-a-site calls too."), COLOR
 CHECK_OPTIONS = (
     *TARGETS,
     EXAMPLE,
-    Option("--diff", "diff", "Also print the diff `run` would apply (stdout)."),
+    Option("--diff", "diff", "Also print the diff `run` would apply (stdout); `preview` is an alias."),
     *REPORT,
 )
 RUN_EXAMPLE_HELP = "Rewrite a temporary copy of the bundled example (never the package's own file)."
@@ -98,7 +98,7 @@ RUN_OPTIONS = (
     *TARGETS,
     Option("--example", "example", RUN_EXAMPLE_HELP),
     Option("--dry-run", "dry_run", "Write nothing; exit 1 when a file would be changed (as check)."),
-    Option("--diff", "diff", "Write nothing; print the diff a run would apply (stdout)."),
+    Option("--diff", "diff", "Write nothing; print the diff a run would apply (stdout): as check --diff."),
     *WRITES,
     Option("--prove/--no-prove", "prove", PROVE_HELP, default=True),
     *REPORT,
@@ -235,12 +235,18 @@ def _finish(report: Report, o: SimpleNamespace, err: Console | None = None) -> i
 
 
 def check(o: SimpleNamespace) -> int:
-    """Report each call site's state; write nothing. Exit 1 when a rewrite is needed."""
+    """Report each call site's state; write nothing. Exit 1 when a rewrite is needed.
+
+    --diff: also the diff `run` would apply, on stdout (aliases: `preview`, `run --diff`).
+    """
     return _plan("check", o, o.diff)
 
 
 def preview(o: SimpleNamespace) -> int:
-    """Show the unified diff `run` would apply (stdout); write nothing. Exit 1 when there is one."""
+    """Alias of `check --diff`: the unified diff `run` would apply (stdout); write nothing.
+
+    Exit 1 when there is one. Kept for scripts that use it; `check --diff` is the spelling.
+    """
     return _plan("preview", o, True)
 
 

@@ -4,7 +4,7 @@ This project is not on PyPI: `pip install mm3-codemod` (with or without an extra
 whatever someone else published under that name (dependency confusion), and its `[verify]`
 extra pulls a CUDA torch. No message, and no page, may name it; what is missing is named by a
 name that resolves where the user stands (torch itself, for the interpreter that runs the tool).
-Also: an empty file is said to be empty.
+Also: an empty file is said to be empty, and the three spellings of the diff are one, documented.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, cli
+from conftest import FIXTURES, ROOT, cli
 
 # `pip install` (any options) of the requirement *named* mm3-codemod: not a path ending in it.
 BY_NAME = re.compile(
@@ -89,3 +89,23 @@ def test_a_file_without_the_op_reads_as_one_sentence() -> None:
     assert proc.stderr.splitlines()[-1] == (
         "1 file without the fused op (no call of fused_minimax_m3_qknorm_rope_kv_insert found)."
     )
+
+
+# --- the diff: one spelling, two documented aliases -----------------------------------------
+
+
+def test_preview_and_run_diff_are_documented_aliases_of_check_diff(tmp_path: Path) -> None:
+    target = tmp_path / "model.py"
+    target.write_bytes((FIXTURES / "fork_era" / "model.py").read_bytes())
+    outs = {
+        " ".join(args): cli(*args, str(target), env={"NO_COLOR": "1"})
+        for args in (("check", "--diff"), ("preview",), ("run", "--diff"))
+    }
+    assert len({p.stdout for p in outs.values()}) == 1 and all(p.returncode == 1 for p in outs.values())
+    assert target.read_bytes() == (FIXTURES / "fork_era" / "model.py").read_bytes()
+    assert "Alias of `check --diff`" in cli("preview", "--help", env={"COLUMNS": "200"}).stdout
+    assert "aliases: `preview`, `run --diff`" in cli("check", "--help", env={"COLUMNS": "200"}).stdout
+    assert "as check --diff" in cli("run", "--help", env={"COLUMNS": "200"}).stdout
+    readme = (ROOT / "README.md").read_text()
+    assert "### `check --diff` — the diff, on stdout" in readme
+    assert "`preview` and `run --diff` are aliases" in readme
