@@ -36,6 +36,13 @@ def install() -> str:
     return install_torch()
 
 
+def engine_step() -> str:
+    """What runs a file the stand-in cannot (``rewriter.verify.levels.ENGINE_STEP``)."""
+    from rewriter.verify.levels import ENGINE_STEP
+
+    return ENGINE_STEP
+
+
 def prove(result: FileResult) -> Proof:
     """The semantic level on ``result.new``, as the text of ``result.path`` (not yet written),
     in every row ``verify`` runs it in (TP=1, then its default tensor-parallel sizes: ~0.1 s
@@ -100,5 +107,5 @@ def proof_line(result: FileResult, example: bool, verify: str | None = None) -> 
         why, how = proof.reason, ("run it again without --no-prove" if example else verify)
     else:
         why = f"the {LEVEL} level cannot run it here: {proof.reason}"
-        how = None if example else f"{verify} (where vLLM is installed: its import and kernel levels)"
+        how = None if example else f"{verify} {engine_step()}"  # the kernel level has the same stand-in
     return f"unproven: {name}: {why}" + (f"; to prove it: {how}" if how else "")

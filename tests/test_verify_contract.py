@@ -113,6 +113,27 @@ def test_a_file_the_stand_in_cannot_run_is_not_verified_and_names_the_engine_lev
     assert f"{path}: not verified: " in proc.stderr
 
 
+@needs_torch
+def test_run_on_a_file_the_stand_in_cannot_run_advises_the_level_that_can(tmp_path: Path) -> None:
+    """Before: "to prove it: mm3-codemod verify FILE (where vLLM is installed: its import and
+    kernel levels)" - but the kernel level runs on the same stand-in, and skips the same way."""
+    target = tmp_path / "model.py"
+    anchor = "        num_tokens = qkv.shape[0]\n"
+    added = "        low, high = kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, None)\n"
+    target.write_text((FIXTURES / "separate_projections" / "model.py").read_text().replace(anchor, anchor + added))
+    proc = cli("run", str(target), env={"COLUMNS": "400"})
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("unproven: "))
+    assert line.endswith(
+        f"to prove it: mm3-codemod verify {target} --engine (with a CUDA GPU and vLLM: the engine level "
+        "runs the file in vLLM itself)"
+    ), line
+    assert "kernel levels" not in line
+    verified = cli("verify", str(target), "--json")  # and verify says the same of the written file
+    assert verified.returncode == 1
+    assert f"to run it: mm3-codemod verify {target} --engine" in json.loads(verified.stdout)["files"][0]["unverified"]
+
+
 # --- a level asked for that cannot run fails --------------------------------------------------
 
 

@@ -40,7 +40,7 @@ from rewriter.targets import Target
 from .importcheck import HOW_TO_RUN, import_check
 from .layers import NO_TORCH, import_torch, insert_classes, semantic_level, torch_available
 from .layers import run_layers as _semantic  # the kernel level's rows (its name here before layers.py)
-from .levels import BEHAVIOUR, LevelResult, Status, behaviour  # the level types (below face and levels)
+from .levels import BEHAVIOUR, ENGINE_STEP, LevelResult, Status, behaviour  # the level types (below face and levels)
 
 
 LEVELS = ("import", "semantic", "kernel")
@@ -293,8 +293,7 @@ def verify_file(
         out.step = (
             None  # NO_TORCH says how to install it
             if any(level.reason.startswith(NO_TORCH) for level in out.levels if behaviour(level))
-            else f"{_command('verify', target)} --engine, with a CUDA GPU and vLLM: the engine level "
-            "runs the file in vLLM itself, where the stand-in cannot"
+            else f"{_command('verify', target)} {ENGINE_STEP}"
         )
     return out
 

@@ -37,6 +37,9 @@ class LevelResult:
 # (the import level shows that the module loads, not what its cache write does).
 BEHAVIOUR = ("semantic", "kernel", "engine")
 CPU_TORCH = "https://download.pytorch.org/whl/cpu"
+# What runs a file the stand-in cannot (the kernel level runs on the same stand-in): appended
+# to the verify command that named the file.
+ENGINE_STEP = "--engine (with a CUDA GPU and vLLM: the engine level runs the file in vLLM itself)"
 
 
 def behaviour(level: LevelResult) -> bool:
