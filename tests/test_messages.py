@@ -19,12 +19,16 @@ from conftest import FIXTURES, ROOT, cli
 
 # `pip install` (any options) of the requirement *named* mm3-codemod: not a path ending in it.
 BY_NAME = re.compile(
-    r"pip3?\s+install\s+(?:-\S+\s+)*['\"]?(?<![/\w.-])mm3[-_.]codemod(?![\w/.-])", re.I
+    r"pip3?\s+install\s+(?:-\S+\s+)*['\"]?(?<![/\w.-])mm3[-_.]codemod(?![\w/.-])", re.IGNORECASE
 )
 
 
 def test_the_pattern_finds_an_install_by_name_and_not_by_path() -> None:
-    for text in ("pip install 'mm3-codemod[verify]'", "pip install mm3-codemod", "pip install -U mm3_codemod>=0.1"):
+    for text in (
+        "pip install 'mm3-codemod[verify]'",
+        "pip install mm3-codemod",
+        "pip install -U mm3_codemod>=0.1",
+    ):
         assert BY_NAME.search(text), text
     for text in ("pip install '/src/mm3-codemod[verify]'", "pip install .", "pip install torch"):
         assert not BY_NAME.search(text), text
@@ -44,10 +48,16 @@ def test_no_message_and_no_page_installs_this_tool_by_name() -> None:
     found = []
     for package in ("rewriter", "codemods"):
         for path in sorted((ROOT / package).rglob("*.py")):
-            found += [f"{path.relative_to(ROOT)}:{line}" for line, text in string_constants(path) if BY_NAME.search(text)]
+            found += [
+                f"{path.relative_to(ROOT)}:{line}"
+                for line, text in string_constants(path)
+                if BY_NAME.search(text)
+            ]
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         text = page.read_text(encoding="utf-8")
-        found += [f"{page.relative_to(ROOT)}:{text[: m.start()].count(chr(10)) + 1}" for m in BY_NAME.finditer(text)]
+        found += [
+            f"{page.relative_to(ROOT)}:{text[: m.start()].count(chr(10)) + 1}" for m in BY_NAME.finditer(text)
+        ]
     assert not found, "pip install of mm3-codemod by name (not on PyPI): " + ", ".join(found)
 
 
@@ -57,8 +67,16 @@ def test_the_torch_advice_is_a_command_for_this_interpreter() -> None:
     install = f"{sys.executable} -m pip install torch --index-url https://download.pytorch.org/whl/cpu"
     assert install in NO_TORCH
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; sys.modules['torch'] = None\nfrom rewriter import proof\nprint(proof.install())"],
-        capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""},
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.modules['torch'] = None\nfrom rewriter import proof\nprint(proof.install())",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": ""},
+        check=False,
     )
     assert proc.stdout.strip() == install, proc.stderr
 
@@ -76,7 +94,10 @@ def test_an_empty_file_is_said_to_be_empty(tmp_path: Path) -> None:
     assert "without the fused op" not in proc.stderr
     again = tmp_path / "__init__.py"
     again.write_bytes(b"")
-    assert cli("check", str(empty), str(again)).stderr.splitlines()[-1] == "2 empty files (0 bytes): nothing to do."
+    assert (
+        cli("check", str(empty), str(again)).stderr.splitlines()[-1]
+        == "2 empty files (0 bytes): nothing to do."
+    )
     # beside a file with text, an empty one is one more file without the op (a tree's __init__.py)
     both = cli("check", str(empty), str(ROOT / "rewriter" / "__init__.py"))
     assert both.stderr.splitlines()[-1] == (

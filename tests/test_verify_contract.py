@@ -33,7 +33,13 @@ def without_torch(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[s
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", "NO_COLOR": "1"}
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env, timeout=300
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=300,
+        check=False,
     )
 
 
@@ -53,7 +59,9 @@ def interpreter(path: Path, tree: Path) -> str:
 
 def test_without_torch_a_correct_file_is_not_verified_exit_1_naming_why_and_the_step() -> None:
     """Before: every level skipped, `2 file(s): 2 without failures`, exit 0."""
-    proc = without_torch("verify", str(FIXTURES / "patched" / "model.py"), str(FIXTURES / "native" / "model.py"), "--json")
+    proc = without_torch(
+        "verify", str(FIXTURES / "patched" / "model.py"), str(FIXTURES / "native" / "model.py"), "--json"
+    )
     assert proc.returncode == 1, proc.stderr
     report = json.loads(proc.stdout)
     assert [f["status"] for f in report["files"]] == ["unverified", "unverified"]
@@ -64,7 +72,11 @@ def test_without_torch_a_correct_file_is_not_verified_exit_1_naming_why_and_the_
         assert "semantic skipped: torch is not installed" in f["unverified"]
         assert install in f["unverified"]  # the one step, for the interpreter that runs verify
     for path in ("patched", "native"):
-        line = next(x for x in proc.stderr.splitlines() if x.startswith(str(FIXTURES / path / "model.py") + ": not verified"))
+        line = next(
+            x
+            for x in proc.stderr.splitlines()
+            if x.startswith(str(FIXTURES / path / "model.py") + ": not verified")
+        )
         assert "torch is not installed" in line and install in line
     assert "without failures" not in proc.stderr
     assert "2 files: 0 verified, 2 not verified, 0 failed, 0 not readable." in proc.stderr
@@ -89,7 +101,10 @@ def test_a_file_without_an_insert_site_alone_proves_nothing(tmp_path: Path) -> N
 def test_a_file_without_an_insert_site_beside_a_verified_one_is_neutral() -> None:
     proc = cli("verify", str(FIXTURES / "patched" / "model.py"), str(FIXTURES / "dense_only" / "model.py"))
     assert proc.returncode == 0, proc.stderr
-    assert "2 files: 1 verified, 0 not verified, 0 failed, 0 not readable, 1 without an insert site" in proc.stderr
+    assert (
+        "2 files: 1 verified, 0 not verified, 0 failed, 0 not readable, 1 without an insert site"
+        in proc.stderr
+    )
 
 
 @needs_torch
@@ -120,7 +135,9 @@ def test_run_on_a_file_the_stand_in_cannot_run_advises_the_level_that_can(tmp_pa
     target = tmp_path / "model.py"
     anchor = "        num_tokens = qkv.shape[0]\n"
     added = "        low, high = kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, None)\n"
-    target.write_text((FIXTURES / "separate_projections" / "model.py").read_text().replace(anchor, anchor + added))
+    target.write_text(
+        (FIXTURES / "separate_projections" / "model.py").read_text().replace(anchor, anchor + added)
+    )
     proc = cli("run", str(target), env={"COLUMNS": "400"})
     assert proc.returncode == 0, proc.stderr
     line = next(x for x in proc.stderr.splitlines() if x.startswith("unproven: "))
@@ -131,7 +148,10 @@ def test_run_on_a_file_the_stand_in_cannot_run_advises_the_level_that_can(tmp_pa
     assert "kernel levels" not in line
     verified = cli("verify", str(target), "--json")  # and verify says the same of the written file
     assert verified.returncode == 1
-    assert f"to run it: mm3-codemod verify {target} --engine" in json.loads(verified.stdout)["files"][0]["unverified"]
+    assert (
+        f"to run it: mm3-codemod verify {target} --engine"
+        in json.loads(verified.stdout)["files"][0]["unverified"]
+    )
 
 
 # --- a level asked for that cannot run fails --------------------------------------------------
@@ -206,7 +226,7 @@ def test_unproven_run_with_python_says_to_verify_with_the_same_python(tmp_path: 
     """Without torch `run` writes and says how to prove it: that command keeps --python."""
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("this interpreter has a real vLLM installed")
-    path, python = _fork_env(tmp_path, "fork_era/model.py")
+    _, python = _fork_env(tmp_path, "fork_era/model.py")
     proc = without_torch("run", "--python", python)
     assert proc.returncode == 0, proc.stderr
     line = next(x for x in proc.stderr.splitlines() if x.startswith("unproven: "))

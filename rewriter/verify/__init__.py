@@ -21,9 +21,10 @@ are skipped and say so. A file is **verified** only where a level that runs its 
 (semantic, kernel or engine) passed: one with an insert site where none did is not
 verified, and ``verify`` exits 1 for it, saying why and the one step that makes a level
 run. A level an option asks for (``--require-import``, ``--require-gpu``, ``--kernels``,
-``--engine``, ``--tp``) fails, rather than skips, where it cannot run. ``semantic_level`` (:mod:`rewriter.verify.layers`) is the one judge
-of a file's text: ``verify`` runs it on a file, ``run`` on the new source before it writes
-it (:mod:`rewriter.proof`).
+``--engine``, ``--tp``) fails, rather than skips, where it cannot run.
+``semantic_level`` (:mod:`rewriter.verify.layers`) is the one judge of a file's text:
+``verify`` runs it on a file, ``run`` on the new source before it writes it
+(:mod:`rewriter.proof`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from rewriter.targets import Target
 from .importcheck import HOW_TO_RUN, import_check
 from .layers import NO_TORCH, import_torch, insert_classes, semantic_level, torch_available
 from .layers import run_layers as _semantic  # the kernel level's rows (its name here before layers.py)
-from .levels import BEHAVIOUR, ENGINE_STEP, LevelResult, Status, behaviour  # the level types (below face and levels)
+from .levels import BEHAVIOUR, ENGINE_STEP, LevelResult, Status, behaviour  # (below face and levels)
 
 
 LEVELS = ("import", "semantic", "kernel")
@@ -239,7 +240,8 @@ def verify_file(
         if first.action not in CHANGING:
             todo = first.reason
         elif target.origin == "--example":  # `run --example` rewrites a copy: it shows the rewrite
-            todo = "the bundled example is unpatched: `mm3-codemod run --example --show-diff` shows its rewrite"
+            todo = "the bundled example is unpatched: `mm3-codemod run --example --show-diff` shows"
+            todo += " its rewrite"
         else:
             todo = f"run `{_command('run', target)}` first"
         out.note = f"{first.state.value} at line {first.line}: {todo}"
@@ -315,8 +317,7 @@ def verify(
     except ValueError as exc:
         return VerifyReport([], error=str(exc))
     ctx = load_kernels(kernels, timing=timing)
-    files = [
-        verify_file(t, python, ctx, require_gpu, require_import, engine, plans, kernels, tuple(tp_sizes or ()))
-        for t in targets
-    ]
+    sizes = tuple(tp_sizes or ())
+    options = (python, ctx, require_gpu, require_import, engine, plans, kernels, sizes)
+    files = [verify_file(t, *options) for t in targets]
     return VerifyReport(files, ctx)

@@ -94,8 +94,8 @@ def summary_line(report: VerifyReport) -> str:
     def count(status: str) -> int:
         return sum(1 for f in files if f.status == status)
 
-    parts = [f"{count('passed')} verified", f"{count('unverified')} not verified", f"{count('failed')} failed"]
-    parts += [f"{count('error')} not readable"]
+    parts = [f"{count('passed')} verified", f"{count('unverified')} not verified"]
+    parts += [f"{count('failed')} failed", f"{count('error')} not readable"]
     parts += [f"{count('no-sites')} without an insert site (nothing to verify)"] if count("no-sites") else []
     line = f"{len(files)} file{'' if len(files) == 1 else 's'}: " + ", ".join(parts) + "."
     if not any(f.verified for f in files) and not any(f.failed or f.error or f.unverified for f in files):
