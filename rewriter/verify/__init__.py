@@ -56,7 +56,7 @@ class FileVerification:
     sites: list[str] = field(default_factory=list)
     levels: list[LevelResult] = field(default_factory=list)
     error: str | None = None  # the file could not be read or parsed
-    note: str | None = None  # e.g. "needs-bypass at line 276: run `mm3-codemod run` first"
+    note: str | None = None  # e.g. "needs-bypass at line 276: run `mm3-codemod run model.py` first"
     timings: dict[str, Any] | None = None  # the kernel level's timings of this file's bypass
     engine: dict[str, Any] | None = None  # the engine level's runs and comparisons (--engine)
     no_insert_site: bool = False  # no call of the op writes a cache here: nothing to verify
