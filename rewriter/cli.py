@@ -86,7 +86,7 @@ REPORT = (JSON, Option("--all", "show_all", "List not-a-site calls too."), COLOR
 CHECK_OPTIONS = (
     *TARGETS,
     EXAMPLE,
-    Option("--diff", "diff", "Also print the diff `run` would apply (stdout)."),
+    Option("--diff", "diff", "Also print the diff `run` would apply (stdout); `preview` is an alias."),
     *REPORT,
 )
 RUN_EXAMPLE_HELP = "Rewrite a temporary copy of the bundled example (never the package's own file)."
@@ -98,7 +98,7 @@ RUN_OPTIONS = (
     *TARGETS,
     Option("--example", "example", RUN_EXAMPLE_HELP),
     Option("--dry-run", "dry_run", "Write nothing; exit 1 when a file would be changed (as check)."),
-    Option("--diff", "diff", "Write nothing; print the diff a run would apply (stdout)."),
+    Option("--diff", "diff", "Write nothing; print the diff a run would apply (stdout): as check --diff."),
     *WRITES,
     Option("--prove/--no-prove", "prove", PROVE_HELP, default=True),
     *REPORT,
@@ -111,7 +111,7 @@ REVERT_OPTIONS = (
     *WRITES,
     *REPORT,
 )
-KERNELS_HELP = "A vLLM kernel library (_C*.so) to load instead of vllm._custom_ops."
+KERNELS_HELP = "A vLLM kernel library (_C*.so) to load instead of vllm._custom_ops (no GPU: fails)."
 VERIFY_OPTIONS = (
     PATHS,
     Option("--python", "python", "Interpreter whose vLLM to verify and import with.", "EXE"),
@@ -125,7 +125,8 @@ VERIFY_OPTIONS = (
         "--tp",
         "tp",
         "Run the semantic and kernel levels at this tensor-parallel size too, every rank (repeatable; "
-        "default: one TP that shards the KV heads and one that replicates them; --tp 1: TP=1 only).",
+        "default: one TP that shards the KV heads and one that replicates them; --tp 1: TP=1 only; "
+        "a row asked for that cannot run fails).",
         "N",
         int,
         many=True,
@@ -135,7 +136,7 @@ VERIFY_OPTIONS = (
         "--engine",
         "engine",
         "Also serve a tiny random-weight MiniMax-M3 built from the file with vLLM's offline engine, "
-        "bf16 vs fp8 KV cache (CUDA GPU and vLLM; minutes).",
+        "bf16 vs fp8 KV cache (CUDA GPU and vLLM; minutes; where it cannot run, it fails).",
     ),
     Option(
         "--engine-block-size",
@@ -234,12 +235,18 @@ def _finish(report: Report, o: SimpleNamespace, err: Console | None = None) -> i
 
 
 def check(o: SimpleNamespace) -> int:
-    """Report each call site's state; write nothing. Exit 1 when a rewrite is needed."""
+    """Report each call site's state; write nothing. Exit 1 when a rewrite is needed.
+
+    --diff: also the diff `run` would apply, on stdout (aliases: `preview`, `run --diff`).
+    """
     return _plan("check", o, o.diff)
 
 
 def preview(o: SimpleNamespace) -> int:
-    """Show the unified diff `run` would apply (stdout); write nothing. Exit 1 when there is one."""
+    """Alias of `check --diff`: the unified diff `run` would apply (stdout); write nothing.
+
+    Exit 1 when there is one. Kept for scripts that use it; `check --diff` is the spelling.
+    """
     return _plan("preview", o, True)
 
 
@@ -329,7 +336,13 @@ def _engine_options(o: SimpleNamespace) -> Any:
 def verify(o: SimpleNamespace) -> int:
     """Import the rewritten module and run its code: reference ops (CPU) and vLLM's kernels (GPU).
 
-    Exit 0 when nothing failed, 1 when a level failed, 2 when a target could not be read.
+    Says only what it proved: a file is verified where a level that runs its code passed.
+
+    Exit 0: every file with an insert site verified (semantic, kernel or engine), none failed.
+
+    Exit 1: a level failed; a level an option asks for could not run; a file is not verified.
+
+    Exit 2: a target could not be read.
     """
     import json
 

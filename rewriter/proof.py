@@ -28,7 +28,19 @@ from rewriter.apply import (
 )
 from rewriter.targets import shown_path
 
-INSTALL = "pip install 'mm3-codemod[verify]'"
+
+def install() -> str:
+    """How to install torch where this runs (``rewriter.verify.levels.install_torch``)."""
+    from rewriter.verify.levels import install_torch
+
+    return install_torch()
+
+
+def engine_step() -> str:
+    """What runs a file the stand-in cannot (``rewriter.verify.levels.ENGINE_STEP``)."""
+    from rewriter.verify.levels import ENGINE_STEP
+
+    return ENGINE_STEP
 
 
 def prove(result: FileResult) -> Proof:
@@ -77,22 +89,23 @@ def failure(proof: Proof) -> str:
     return f"the rewrite failed its proof ({LEVEL} level): {proof.reason}; nothing written"
 
 
-def proof_line(result: FileResult, example: bool) -> str | None:
+def proof_line(result: FileResult, example: bool, verify: str | None = None) -> str | None:
     """What the human report says of a written file's proof: proven, or unproven and how to
-    prove it (``verify``; for ``--example``, whose copy is gone, running it again)."""
+    prove it (``verify``: that command, with the options that named the file; for
+    ``--example``, whose copy is gone, running it again)."""
     proof = result.proof
     if proof is None or proof.status == FAILED:
         return None
     name = shown_path(result.path)
     if proof.proven:
         return f"proven: {name}: the {LEVEL} level passed before writing: {proof.reason}"
-    verify = f"mm3-codemod verify {shlex.quote(name)}"
+    verify = verify or f"mm3-codemod verify {shlex.quote(name)}"
     if proof.status == UNAVAILABLE:
         why = f"{proof.reason}, so the new code was not run before writing"
-        how = f"{INSTALL} and run it again" if example else f"{INSTALL}, then {verify}"
+        how = f"{install()} and run it again" if example else f"{install()}, then {verify}"
     elif proof.status == OFF:
         why, how = proof.reason, ("run it again without --no-prove" if example else verify)
     else:
         why = f"the {LEVEL} level cannot run it here: {proof.reason}"
-        how = None if example else f"{verify} (where vLLM is installed: its import and kernel levels)"
+        how = None if example else f"{verify} {engine_step()}"  # the kernel level has the same stand-in
     return f"unproven: {name}: {why}" + (f"; to prove it: {how}" if how else "")

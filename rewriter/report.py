@@ -131,7 +131,8 @@ def print_human(report: Report, err: Console, show_all: bool = False) -> None:
         if result.proof is not None and result.status is FileStatus.REWRITTEN:
             from rewriter.proof import proof_line
 
-            line = proof_line(result, example=target.origin == "--example")
+            verify = mm3_commands("verify", [target])[0]
+            line = proof_line(result, example=target.origin == "--example", verify=verify)
             if line:
                 say(err, line, style="" if result.proof.proven else "yellow")
     if report.note:
@@ -162,12 +163,40 @@ def command_for(verb: str, report: Report, indices: Iterable[int]) -> str:
     targets = [report.targets[i] for i in indices]
     example = any(t.origin == "--example" for t in targets)
     names = [shlex.quote(shown_path(t.path)) for t in targets if t.origin != "--example"]
-    if under_pre_commit() and not example:
+    if under_pre_commit() and not example and verb in HOOKS:
         hook, manual = HOOKS[verb]
         return " ".join(
             ["pre-commit run", hook, *(["--hook-stage manual"] if manual else []), "--files", *names]
         )
-    return " ".join(["mm3-codemod", verb, *(["--example"] if example else []), *names])
+    return "; ".join(mm3_commands(verb, targets))
+
+
+def mm3_commands(verb: str, targets: Iterable[Target]) -> list[str]:
+    """``mm3-codemod <verb>`` on ``targets`` as the user named them: the files of a ``--python
+    EXE`` or ``--vllm-root DIR`` by that option (the import level of ``verify`` needs the
+    interpreter), other files by path, ``--example`` as such. ``verify`` takes one ``--python``:
+    a command per interpreter."""
+    options: list[tuple[str, str]] = []
+    names: list[str] = []
+    example = False
+    for t in targets:
+        option, _, value = t.origin.partition(" ")
+        if option in ("--python", "--vllm-root") and value:
+            if (option, value) not in options:
+                options.append((option, value))
+        elif t.origin == "--example":
+            example = True
+        else:
+            names.append(shlex.quote(shown_path(t.path)))
+    pythons = [o for o in options if o[0] == "--python"]
+    rest = [o for o in options if o[0] != "--python"]
+    groups = [[p] for p in pythons] if verb == "verify" and len(pythons) > 1 else [pythons]
+    commands = []
+    for i, group in enumerate(groups):
+        words = [f"{o} {shlex.quote(v)}" for o, v in group + (rest if i == 0 else [])]
+        tail = (["--example"] if example else []) + names if i == 0 else []
+        commands.append(" ".join(["mm3-codemod", verb, *words, *tail]))
+    return commands
 
 
 # How to launch with the bypass in place: the seed's command line (on SM89 FlashInfer
@@ -220,7 +249,10 @@ def summary_line(report: Report) -> str:
     if not parts:
         return "no files"
     if all(f.status is FileStatus.NO_SITES for f in report.files):
-        parts.append(f"(no call of {FUSED_OP} found)")
+        if not any(f.original for f in report.files):  # 0 bytes: no model file at all
+            n = len(report.files)
+            return f"{n} empty file{'s' if n != 1 else ''} (0 bytes): nothing to do."
+        parts[0] += f" (no call of {FUSED_OP} found)"
     return ", ".join(parts) + "."
 
 

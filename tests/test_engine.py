@@ -544,14 +544,16 @@ def test_capacity_in_the_verdict_and_the_json():
 
 
 def test_verify_engine_flag_adds_the_level():
-    """Here (no CUDA GPU, or no torch, and no vLLM) the engine level is there and skipped."""
+    """Here (no CUDA GPU, or no torch, and no vLLM) the engine level is there and, asked for by
+    --engine, fails with the reason it could not run (it was skipped, exit 0)."""
     from conftest import FIXTURES, cli
 
     target = str(FIXTURES / "patched" / "model.py")
     proc = cli("verify", target, "--engine", "--engine-block-size", "16", "--json")
     report = json.loads(proc.stdout)
     levels = {lv["level"]: lv for lv in report["files"][0]["levels"]}
-    assert levels["engine"]["status"] == "skipped", levels["engine"]
+    assert levels["engine"]["status"] == "failed", levels["engine"]
+    assert proc.returncode == 1 and levels["engine"]["reason"].endswith("(--engine)")
     assert (
         "no CUDA GPU" in levels["engine"]["reason"] or "torch is not importable" in levels["engine"]["reason"]
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, ROOT, cli, make_vllm_tree
 
-from rewriter.targets import Target
+from rewriter.targets import Target, shown_path
 
 torch = pytest.importorskip("torch")
 
@@ -88,7 +88,8 @@ def test_cli_verify_example_fails_with_the_crash_and_exit_1() -> None:
     assert levels["semantic"]["status"] == "failed"
     assert "kv_cache dtype must match qkv" in levels["semantic"]["reason"]
     assert levels["kernel"]["status"] == "skipped"
-    assert "run `mm3-codemod run` first" in entry["note"]
+    # `run --example` rewrites a copy: it shows the rewrite (a bare `mm3-codemod run` would not)
+    assert "`mm3-codemod run --example --show-diff` shows its rewrite" in entry["note"]
     assert "kv_cache dtype must match qkv" in proc.stderr  # the human table says it too
 
 
@@ -205,7 +206,9 @@ def test_a_site_run_refuses_is_noted_with_its_reason_not_sent_to_run(tmp_path: P
     assert "delete" not in entry.note.lower() and "no line is advised for deletion" in entry.note
     assert "run `mm3-codemod run` first" not in entry.note
     stale = verify([Target(FIXTURES / "native_stale_bypass" / "model.py", "test")], timing=False).files[0]
-    assert stale.note is not None and stale.note.endswith("run `mm3-codemod run` first")
+    # the run for that very file: a bare `mm3-codemod run` would rewrite whatever is around
+    shown = shown_path(FIXTURES / "native_stale_bypass" / "model.py")
+    assert stale.note is not None and stale.note.endswith(f"run `mm3-codemod run {shown}` first")
 
 
 def test_a_lost_guard_fails_verify_with_the_files_own_name_error() -> None:
@@ -322,9 +325,11 @@ def _verify_without_torch(path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
 
 
-def test_without_torch_the_semantic_level_is_skipped_and_says_so() -> None:
+def test_without_torch_the_semantic_level_is_skipped_and_the_file_is_not_verified() -> None:
+    """Nothing ran the file's code: said so, exit 1 (it was exit 0, "without failures")."""
     proc = _verify_without_torch(FIXTURES / "patched" / "model.py")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr
+    assert json.loads(proc.stdout)["files"][0]["status"] == "unverified"
     levels = json.loads(proc.stdout)["files"][0]["levels"]
     assert [lv["status"] for lv in levels[1:]] == ["skipped", "skipped"]
     assert "torch is not installed" in levels[1]["reason"]

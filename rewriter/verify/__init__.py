@@ -17,13 +17,19 @@ Three levels per file, each passed / failed / skipped with a reason:
    (:mod:`rewriter.verify.engine`).
 
 torch is imported only inside the semantic and kernel levels; without it they
-are skipped and say so. ``semantic_level`` (:mod:`rewriter.verify.layers`) is the one judge
-of a file's text: ``verify`` runs it on a file, ``run`` on the new source before it writes
-it (:mod:`rewriter.proof`).
+are skipped and say so. A file is **verified** only where a level that runs its code
+(semantic, kernel or engine) passed: one with an insert site where none did is not
+verified, and ``verify`` exits 1 for it, saying why and the one step that makes a level
+run. A level an option asks for (``--require-import``, ``--require-gpu``, ``--kernels``,
+``--engine``, ``--tp``) fails, rather than skips, where it cannot run.
+``semantic_level`` (:mod:`rewriter.verify.layers`) is the one judge of a file's text:
+``verify`` runs it on a file, ``run`` on the new source before it writes it
+(:mod:`rewriter.proof`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,14 +38,15 @@ from codemods.schema import CHANGING, SiteState
 from rewriter.apply import FileStatus, classify_file
 from rewriter.targets import Target
 
-from .importcheck import import_check
+from .importcheck import HOW_TO_RUN, import_check
 from .layers import NO_TORCH, import_torch, insert_classes, semantic_level, torch_available
 from .layers import run_layers as _semantic  # the kernel level's rows (its name here before layers.py)
-from .levels import LevelResult, Status  # the level types, below this face and the levels
+from .levels import BEHAVIOUR, ENGINE_STEP, LevelResult, Status, behaviour  # (below face and levels)
 
 
 LEVELS = ("import", "semantic", "kernel")
-FILE_STATUSES = ("passed", "skipped", "failed", "error")  # FileVerification.status
+FILE_STATUSES = ("passed", "unverified", "failed", "error", "no-sites")  # FileVerification.status
+NO_INSERT_SITE = "no insert site in this file: nothing to verify"
 
 
 @dataclass
@@ -49,9 +56,11 @@ class FileVerification:
     sites: list[str] = field(default_factory=list)
     levels: list[LevelResult] = field(default_factory=list)
     error: str | None = None  # the file could not be read or parsed
-    note: str | None = None  # e.g. "needs-bypass at line 276: run `mm3-codemod run` first"
+    note: str | None = None  # e.g. "needs-bypass at line 276: run `mm3-codemod run model.py` first"
     timings: dict[str, Any] | None = None  # the kernel level's timings of this file's bypass
     engine: dict[str, Any] | None = None  # the engine level's runs and comparisons (--engine)
+    no_insert_site: bool = False  # no call of the op writes a cache here: nothing to verify
+    step: str | None = None  # not verified: the one step that makes a level run its code
 
     @property
     def failed(self) -> bool:
@@ -59,14 +68,34 @@ class FileVerification:
         return self.note is not None or any(level.status is Status.FAILED for level in self.levels)
 
     @property
+    def verified(self) -> bool:
+        """A level that runs the file's code (semantic, kernel, engine) passed."""
+        return any(behaviour(level) and level.status is Status.PASSED for level in self.levels)
+
+    @property
+    def unverified(self) -> bool:
+        """Readable, nothing failed, an insert site, and no level ran its code to a pass."""
+        return not (self.error or self.failed or self.no_insert_site or self.verified)
+
+    def unverified_why(self) -> str:
+        """Why nothing proved the file (the first behaviour level's reason), and what to do."""
+        rows = [level for level in self.levels if behaviour(level)]
+        why = f"{rows[0].level} {rows[0].status.value}: {rows[0].reason}" if rows else "no level ran"
+        step = f"; to run it: {self.step}" if self.step else ""
+        return f"no level ran its code to a pass ({', '.join(BEHAVIOUR)}): {why}{step}"
+
+    @property
     def status(self) -> str:
-        """One word per file, like the other commands' file status: error, failed,
-        passed (a level passed and none failed) or skipped (no level could run)."""
+        """One word per file, like the other commands' file status: error, failed, passed
+        (a level ran its code and passed, none failed), unverified (nothing proved it) or
+        no-sites (no insert site: nothing to verify)."""
         if self.error:
             return "error"
         if self.failed:
             return "failed"
-        return "passed" if any(level.status is Status.PASSED for level in self.levels) else "skipped"
+        if self.no_insert_site:
+            return "no-sites"
+        return "passed" if self.verified else "unverified"
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -75,6 +104,7 @@ class FileVerification:
             "origin": self.origin,
             "error": self.error,
             "note": self.note,
+            "unverified": self.unverified_why() if self.unverified else None,
             "sites": self.sites,
             "levels": [level.to_json() for level in self.levels],
             "timings": _timings_json(self.timings) if self.timings else None,
@@ -121,9 +151,14 @@ class VerifyReport:
 
     @property
     def exit_code(self) -> int:
+        """2: a target could not be read; 1: a file failed or is not verified, or no file at
+        all was (only files without an insert site); 0: every file with an insert site passed
+        a level that runs its code, and nothing failed."""
         if self.error or any(f.error for f in self.files):
             return 2
-        return 1 if any(f.failed for f in self.files) else 0
+        if any(f.failed or f.unverified for f in self.files):
+            return 1
+        return 0 if any(f.verified for f in self.files) else 1
 
     def to_json(self) -> dict[str, object]:
         from rewriter.report import envelope
@@ -157,6 +192,20 @@ def load_kernels(kernels: str | None, timing: bool = True) -> KernelContext:
     return ctx
 
 
+def _insist(level: LevelResult, option: str) -> LevelResult:
+    """A level that ``option`` asked for and that could not run: failed, with its reason."""
+    if level.status is not Status.SKIPPED:
+        return level
+    return LevelResult(level.level, Status.FAILED, f"{level.reason} ({option})", level.details)
+
+
+def _command(verb: str, target: Target) -> str:
+    """``mm3-codemod <verb>`` on ``target``, named as the user named it (``--python`` …)."""
+    from rewriter.report import mm3_commands
+
+    return mm3_commands(verb, [target])[0]
+
+
 def verify_file(
     target: Target,
     python: str | None = None,
@@ -165,6 +214,8 @@ def verify_file(
     require_import: bool = False,
     engine: Any = None,  # engine.EngineOptions: run the engine level (--engine)
     plans: list[Any] | None = None,  # tp.Plan: the TPs the semantic and kernel levels run (tp.plans())
+    kernels: str | None = None,  # --kernels SO: the kernel level is asked for
+    tp_sizes: Sequence[int] = (),  # --tp N: those semantic rows are asked for
 ) -> FileVerification:
     path = target.path
     out = FileVerification(path, target.origin)
@@ -175,8 +226,8 @@ def verify_file(
     out.sites = [f"{s.class_name}.{s.method}:{s.line} {s.state.value}" for s in planned.sites]
     inserts = [s for s in planned.sites if s.state is not SiteState.NOT_A_SITE and s.class_name]
     if not inserts:
-        reason = "no insert site in this file: nothing to verify"
-        out.levels = [LevelResult(level, Status.SKIPPED, reason) for level in LEVELS]
+        out.no_insert_site = True
+        out.levels = [LevelResult(level, Status.SKIPPED, NO_INSERT_SITE) for level in LEVELS]
         return out
     classes = insert_classes(inserts)  # a bypass taken out of a native call is proven here too
     pending = [  # (a site `run` refuses too: its reason, never a failure the levels would make up)
@@ -186,29 +237,43 @@ def verify_file(
     ]
     if pending:  # what `run` does there first, or why it cannot (its reason names the way out)
         first = pending[0]
-        todo = "run `mm3-codemod run` first" if first.action in CHANGING else first.reason
+        if first.action not in CHANGING:
+            todo = first.reason
+        elif target.origin == "--example":  # `run --example` rewrites a copy: it shows the rewrite
+            todo = "the bundled example is unpatched: `mm3-codemod run --example --show-diff` shows"
+            todo += " its rewrite"
+        else:
+            todo = f"run `{_command('run', target)}` first"
         out.note = f"{first.state.value} at line {first.line}: {todo}"
 
     # A native class is imported only: it has no bypass whose shape could be inspected.
     bypassed = sorted({f"{s.class_name}:{s.write_method}" for s in inserts if s.class_name and s.state is not SiteState.NATIVE})
     imp = import_check(path, bypassed, python)
     status, reason = Status(imp["status"]), imp["reason"]
+    if status is Status.SKIPPED and python and reason.endswith(HOW_TO_RUN):
+        # not "use --python": it was; what was wrong with that interpreter, and no more
+        reason = f"--python {python}: {reason.removesuffix(f'; {HOW_TO_RUN}')}"
     if status is Status.SKIPPED and require_import:
         status, reason = Status.FAILED, reason + " (--require-import)"
     out.levels.append(LevelResult("import", status, reason, imp.get("traceback", [])))
 
+    asked_tp = " ".join(f"--tp {n}" for n in tp_sizes)
     if not torch_available():
-        out.levels.append(LevelResult("semantic", Status.SKIPPED, NO_TORCH))
+        level = LevelResult("semantic", Status.SKIPPED, NO_TORCH)
+        out.levels.append(_insist(level, asked_tp) if asked_tp else level)
     else:
         from . import tp
 
         plans = plans or tp.plans()
-        out.levels += [semantic_level(path, classes, plan=plan) for plan in plans]
+        for plan in plans:
+            level = semantic_level(path, classes, plan=plan)
+            out.levels.append(_insist(level, f"--tp {plan.size}") if plan.size in tp_sizes else level)
 
     if kernel is None or kernel.ops is None:
         reason = kernel.skipped if kernel and kernel.skipped else "kernel level not requested"
-        status = Status.FAILED if require_gpu else Status.SKIPPED
-        out.levels.append(LevelResult("kernel", status, reason + (" (--require-gpu)" if require_gpu else "")))
+        level = LevelResult("kernel", Status.SKIPPED, reason)
+        asked = "--require-gpu" if require_gpu else f"--kernels {kernels}" if kernels else None
+        out.levels.append(_insist(level, asked) if asked else level)
     else:
         semantic_rows = {level.level: level for level in out.levels}
         for plan in plans or [None]:
@@ -224,8 +289,14 @@ def verify_file(
         from .engine import engine_level
 
         level, result = engine_level(path, [s.line for s in inserts], python, engine)
-        out.levels.append(level)
+        out.levels.append(_insist(level, "--engine"))
         out.engine = result.to_json()
+    if out.unverified:  # the one step that makes a level run the file's code
+        out.step = (
+            None  # NO_TORCH says how to install it
+            if any(level.reason.startswith(NO_TORCH) for level in out.levels if behaviour(level))
+            else f"{_command('verify', target)} {ENGINE_STEP}"
+        )
     return out
 
 
@@ -246,6 +317,7 @@ def verify(
     except ValueError as exc:
         return VerifyReport([], error=str(exc))
     ctx = load_kernels(kernels, timing=timing)
-    return VerifyReport(
-        [verify_file(t, python, ctx, require_gpu, require_import, engine, plans) for t in targets], ctx
-    )
+    sizes = tuple(tp_sizes or ())
+    options = (python, ctx, require_gpu, require_import, engine, plans, kernels, sizes)
+    files = [verify_file(t, *options) for t in targets]
+    return VerifyReport(files, ctx)

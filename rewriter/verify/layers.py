@@ -21,9 +21,9 @@ from typing import Any
 from codemods.schema import InsertSite, SiteState
 from rewriter.apply import FileError, read_source
 
-from .levels import LevelResult, Status
+from .levels import LevelResult, Status, install_torch
 
-NO_TORCH = "torch is not installed (pip install 'mm3-codemod[verify]')"
+NO_TORCH = f"torch is not installed (to install it: {install_torch()})"
 
 
 def torch_available() -> bool:

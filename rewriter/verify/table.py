@@ -79,12 +79,28 @@ def print_verify(report: VerifyReport, err: Console, verbose: bool = False) -> N
             print_timings(f.path, f.timings, err)
     if any(lv.level == "engine" and lv.status is Status.PASSED for f in report.files for lv in f.levels):
         err.print(FP8_LAUNCH, soft_wrap=True)
-    passed = sum(1 for f in report.files if f.levels and not f.failed and not f.error)
-    failed = sum(1 for f in report.files if f.failed)
-    errors = sum(1 for f in report.files if f.error)
-    err.print(
-        f"{len(report.files)} file(s): {passed} without failures, {failed} failed, {errors} not readable."
-    )
+    for f in report.files:
+        if f.unverified:
+            err.print(Text(f"{f.path}: not verified: {f.unverified_why()}", style="red"), soft_wrap=True)
+    err.print(summary_line(report), soft_wrap=True)
+
+
+def summary_line(report: VerifyReport) -> str:
+    """What was proved, file by file: verified (a level ran the file's code and passed), not
+    verified, failed, not readable, and files with nothing to verify; where no file was
+    verified at all, that too (exit 1)."""
+    files = report.files
+
+    def count(status: str) -> int:
+        return sum(1 for f in files if f.status == status)
+
+    parts = [f"{count('passed')} verified", f"{count('unverified')} not verified"]
+    parts += [f"{count('failed')} failed", f"{count('error')} not readable"]
+    parts += [f"{count('no-sites')} without an insert site (nothing to verify)"] if count("no-sites") else []
+    line = f"{len(files)} file{'' if len(files) == 1 else 's'}: " + ", ".join(parts) + "."
+    if not any(f.verified for f in files) and not any(f.failed or f.error or f.unverified for f in files):
+        line += " Nothing verified: no file has a call of the fused op that writes a cache."
+    return line
 
 
 def print_timings(path, t: dict, err: Console) -> None:
