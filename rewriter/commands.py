@@ -84,7 +84,9 @@ def analyze_targets(command: str, targets: list[Target]) -> Report:
 # puts no bypass code into a file that has it on a line of its own. The `mm3-codemod-revert`
 # hook writes it, so that a revert stays reverted; deleting the line turns `run` back on.
 OFF_DIRECTIVE = "# mm3-codemod: off"
-OFF_LINE = OFF_DIRECTIVE + " - keep the fp8 KV-cache bypass out; delete this line to let mm3-codemod put it back"
+OFF_LINE = (
+    f"{OFF_DIRECTIVE} - keep the fp8 KV-cache bypass out; delete this line to let mm3-codemod put it back"
+)
 _OFF = re.compile(rb"^[ \t]*#[ \t]*mm3-codemod:[ \t]*off\b", re.M)
 ADDING = (Action.REWRITE, Action.COMPLETE, Action.UPGRADE)  # what puts bypass code in
 

@@ -135,7 +135,9 @@ def pre_commit(
 
 
 def shell(command: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+    )
 
 
 def fork_repo(root: Path, files: dict[str, Path]) -> Path:
@@ -468,7 +470,8 @@ def test_local_snippet_needs_mm3_codemod_on_path(tmp_path: Path, pre_commit_home
     # ... and with it on PATH, the same commit gets the hook's rewrite.
     env = fresh_env(tmp_path, pre_commit_home, codemod_on_path=True)
     proc = shell("git commit -qm 'fork-era model'", fork, env)
-    assert proc.returncode == 1 and "1 file rewritten." in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "1 file rewritten." in out, out
     assert (fork / MODEL).read_bytes() == (FIXTURES / "fork_era" / "expected.py").read_bytes()
 
 
@@ -530,5 +533,6 @@ def test_a_revert_stays_reverted_until_the_line_is_deleted(
     shell("git add -A", fork, env)
     on = shell("git commit -qm 'the fp8 bypass again'", fork, env)
     assert on.returncode == 1 and "needs-bypass -> rewrite" in on.stdout + on.stderr, on.stdout + on.stderr
-    assert (fork / MODEL).read_bytes() == (FIXTURES / "fork_era" / "expected.py").read_bytes() + b"# a later change\n"
+    expected = (FIXTURES / "fork_era" / "expected.py").read_bytes() + b"# a later change\n"
+    assert (fork / MODEL).read_bytes() == expected
     assert commit("the fp8 bypass again").stdout == ""
