@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from codemods.schema import CHANGING, Action
 from rewriter import testhook
 from rewriter.apply import (
     FileError,
@@ -25,6 +27,7 @@ from rewriter.apply import (
     plan_revert_file,
     remove_stray_temps,
     stage_write,
+    unified_diff,
 )
 from rewriter.locking import DEFAULT_TIMEOUT, LockTimeout, locked
 from rewriter.targets import Target, example_path
@@ -72,7 +75,77 @@ class Report:
 
 def analyze_targets(command: str, targets: list[Target]) -> Report:
     """Plan every target; nothing is written (``check``, ``preview``)."""
-    return Report(command, targets, [plan_file(t.path, name=t.diff_name) for t in targets])
+    return Report(command, targets, [honour_off(plan_file(t.path, name=t.diff_name)) for t in targets])
+
+
+# --- the opt-out: `# mm3-codemod: off` ---------------------------------------------------
+#
+# A file-level directive, as isort's `# isort: skip_file`: `run` (and so the pre-commit hook)
+# puts no bypass code into a file that has it on a line of its own. The `mm3-codemod-revert`
+# hook writes it, so that a revert stays reverted; deleting the line turns `run` back on.
+OFF_DIRECTIVE = "# mm3-codemod: off"
+OFF_LINE = (
+    f"{OFF_DIRECTIVE} - keep the fp8 KV-cache bypass out; delete this line to let mm3-codemod put it back"
+)
+_OFF = re.compile(rb"^[ \t]*#[ \t]*mm3-codemod:[ \t]*off\b", re.M)
+ADDING = (Action.REWRITE, Action.COMPLETE, Action.UPGRADE)  # what puts bypass code in
+
+
+def off_line(source: bytes) -> int | None:
+    """The line of the file's ``# mm3-codemod: off``, else None."""
+    match = _OFF.search(source)
+    return source.count(b"\n", 0, match.start()) + 1 if match else None
+
+
+def honour_off(result: FileResult) -> FileResult:
+    """``run``'s plan of a file marked off: nothing that would put bypass code in is done (the
+    whole file is left as it is), and each such site says so and how to turn it back on. Taking
+    a stale bypass off a native call (``strip``) goes on: that keeps the bypass out too."""
+    line = off_line(result.original) if result.status is FileStatus.NEEDS_REWRITE else None
+    if line is None or not any(s.action in ADDING for s in result.sites):
+        return result
+    for site in result.sites:
+        if site.action in CHANGING:
+            site.reason += (
+                f"; left alone (`{site.action.value}` not done): line {line} is `{OFF_DIRECTIVE}`;"
+                " delete that line to let `run` do it"
+            )
+            site.action = Action.NONE
+    result.status, result.new, result.diff, result.new_sites = FileStatus.UNCHANGED, None, "", []
+    return result
+
+
+def mark_off(result: FileResult, name: str | None) -> None:
+    """Put ``OFF_LINE`` into the new source of a file ``revert`` takes the bypass out of, after
+    its opening comment lines (a licence header, a shebang, a coding cookie), in its line ending."""
+    new = result.new
+    if new is None or off_line(new) is not None:
+        return
+    try:
+        directive = OFF_LINE.encode(result.encoding)
+    except (LookupError, UnicodeError):
+        return
+    if "#".encode(result.encoding) != b"#":  # not an ASCII-compatible encoding: leave it
+        return
+    start = 3 if new.startswith(b"\xef\xbb\xbf") else 0
+    lines = new[start:].splitlines(keepends=True)
+    ending = b"\r\n" if lines and lines[0].endswith(b"\r\n") else b"\n"
+    head = 0
+    while head < len(lines) and lines[head].lstrip().startswith(b"#"):
+        head += 1
+    offset = start + sum(len(line) for line in lines[:head])
+    before, after = new[:offset], new[offset:]
+    if before and not before.endswith(b"\n"):  # only comments, and no final line ending
+        before += ending
+    result.new = before + directive + ending + after
+    result.diff = unified_diff(name or result.path.name, result.original, result.new, result.encoding)
+    line = before.count(b"\n") + 1
+    for site in result.sites:
+        if site.action is Action.REVERT:
+            site.reason += (
+                f"; `{OFF_DIRECTIVE}` written at line {line}: `run` and its hook leave this file"
+                " alone until that line is deleted"
+            )
 
 
 def write_targets(
@@ -91,8 +164,14 @@ def write_targets(
     one that fails its proof is an error, and nothing is written."""
 
     def plan() -> Report:
-        plan_one = plan_file if command == "run" else plan_revert_file
-        files = [plan_one(t.path, name=t.diff_name) for t in targets]
+        if command == "run":
+            files = [honour_off(plan_file(t.path, name=t.diff_name)) for t in targets]
+        else:
+            files = [plan_revert_file(t.path, name=t.diff_name) for t in targets]
+            if os.environ.get("PRE_COMMIT") == "1":  # the revert hook: it stays reverted
+                for target, result in zip(targets, files):
+                    if result.status is FileStatus.NEEDS_REWRITE:
+                        mark_off(result, target.diff_name)
         return Report(command, targets, files, dry_run=dry_run, exit_non_zero_on_fix=exit_non_zero_on_fix)
 
     if dry_run:

@@ -6,7 +6,10 @@ import json
 import os
 import re
 import shlex
+import shutil
+import sys
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from rich import box
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
@@ -144,30 +147,110 @@ def print_human(report: Report, err: Console, show_all: bool = False) -> None:
 
 # --- what to do next -------------------------------------------------------------------
 
-# The hook that runs each command (.pre-commit-hooks.yaml), and whether it is a
-# manual-stage hook: under pre-commit, mm3-codemod itself may not be on PATH.
+# The hook of .pre-commit-hooks.yaml that runs each command, and whether it is a
+# manual-stage hook. Under pre-commit, mm3-codemod itself may not be on PATH, and the
+# user's config may list other hooks or other ids: advice names a hook only where the
+# config in use has one that runs the command (``configured_hook``).
 HOOKS = {
     "run": ("mm3-codemod", False),
     "check": ("mm3-codemod-check", False),
     "revert": ("mm3-codemod-revert", True),
 }
+PRE_COMMIT_CONFIG = ".pre-commit-config.yaml"  # pre-commit runs hooks at the repository's top
 
 
 def under_pre_commit() -> bool:
     return os.environ.get("PRE_COMMIT") == "1"  # set by pre-commit for its hooks
 
 
+def entry_verb(entry: str) -> str | None:
+    """The mm3-codemod command a hook's ``entry`` runs (``mm3-codemod run …``, ``python -m
+    mm3_codemod check …``), else None."""
+    try:
+        words = shlex.split(entry)
+    except ValueError:
+        return None
+    for i, word in enumerate(words[:-1]):
+        name = os.path.basename(word)
+        if name in ("mm3-codemod", "mm3-codemod.exe") or (
+            word in ("mm3_codemod", "rewriter") and i and words[i - 1] == "-m"
+        ):
+            return words[i + 1]
+    return None
+
+
+def configured_hook(verb: str, config: Path = Path(PRE_COMMIT_CONFIG)) -> tuple[str, str | None] | None:
+    """(id, the ``--hook-stage`` it needs or None) of the first hook of the pre-commit config
+    that runs ``mm3-codemod <verb>``: a hook with its own ``entry`` by that entry, a hook of a
+    remote repo without one by this project's manifest. None where there is none (or no config)."""
+    try:
+        import yaml  # libcst's dependency: there wherever mm3-codemod is
+
+        data = yaml.safe_load(config.read_text(encoding="utf-8"))
+    except Exception:  # no config, not YAML, no yaml: name no hook
+        return None
+    if not isinstance(data, dict):
+        return None
+    manifest = {hook: (name, manual) for name, (hook, manual) in HOOKS.items()}
+    default_stages = data.get("default_stages") or []
+    for repo in data.get("repos") or []:
+        for hook in (repo.get("hooks") or []) if isinstance(repo, dict) else []:
+            if not isinstance(hook, dict):
+                continue
+            stages = hook.get("stages")
+            if "entry" in hook or repo.get("repo") in ("local", "meta"):
+                runs = entry_verb(str(hook.get("entry", "")))
+            else:
+                runs, manual = manifest.get(hook.get("id"), (None, False))
+                stages = stages or (["manual"] if manual else None)
+            if runs == verb and hook.get("id"):
+                return hook["id"], _hook_stage(stages or default_stages)
+    return None
+
+
+def _hook_stage(stages: list[str]) -> str | None:
+    """The ``--hook-stage`` that runs a hook of these stages; None for the default one."""
+    stages = [{"commit": "pre-commit"}.get(s, s) for s in stages]
+    if not stages or "pre-commit" in stages:
+        return None
+    return "manual" if "manual" in stages else stages[0]
+
+
+def direct_command() -> str:
+    """How the user runs this mm3-codemod from their shell: by name where their PATH has it,
+    else by its path (a hook environment pre-commit built is on the hook's PATH only)."""
+    hook_env = os.path.normcase(os.path.join(sys.prefix, ""))
+    own_env = os.path.basename(os.path.normpath(sys.prefix)).startswith("py_env-")  # pre-commit's
+    user_path = [
+        d
+        for d in os.environ.get("PATH", "").split(os.pathsep)
+        if d and not (own_env and os.path.normcase(os.path.abspath(d)).startswith(hook_env))
+    ]
+    if shutil.which("mm3-codemod", path=os.pathsep.join(user_path)):
+        return "mm3-codemod"
+    script = Path(sys.executable).parent / "mm3-codemod"
+    if script.is_file():
+        return shlex.quote(str(script))
+    return f"{shlex.quote(sys.executable)} -m mm3_codemod"
+
+
 def command_for(verb: str, report: Report, indices: Iterable[int]) -> str:
-    """The exact command line that runs ``mm3-codemod <verb>`` on those files of the
-    report: through pre-commit's hook when running under pre-commit."""
+    """The exact command line that runs ``mm3-codemod <verb>`` on those files of the report:
+    under pre-commit, the configured hook that runs it, else a command that works from the
+    user's shell."""
     targets = [report.targets[i] for i in indices]
     example = any(t.origin == "--example" for t in targets)
     names = [shlex.quote(shown_path(t.path)) for t in targets if t.origin != "--example"]
-    if under_pre_commit() and not example and verb in HOOKS:
-        hook, manual = HOOKS[verb]
-        return " ".join(
-            ["pre-commit run", hook, *(["--hook-stage manual"] if manual else []), "--files", *names]
-        )
+    if under_pre_commit() and not example:
+        hook = configured_hook(verb)
+        if hook is not None:
+            hook_id, stage = hook
+            return " ".join(
+                ["pre-commit run", shlex.quote(hook_id), *([f"--hook-stage {stage}"] if stage else [])]
+                + ["--files", *names]
+            )
+        direct = direct_command()
+        return "; ".join(direct + c.removeprefix("mm3-codemod") for c in mm3_commands(verb, targets))
     return "; ".join(mm3_commands(verb, targets))
 
 

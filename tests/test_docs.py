@@ -175,3 +175,41 @@ def test_shown_commands_print_what_the_page_shows(page, command, out, code) -> N
         assert line in printed, f"{page}: `{command}` no longer prints: {line}"
     if code is not None:
         assert proc.returncode == code, f"{page}: `{command}` exits {proc.returncode}"
+
+
+# ---- the README: short, with what a reader looks for first ------------------------------
+
+
+def test_readme_is_short_and_starts_with_what_a_reader_wants() -> None:
+    """At most 400 lines; the two commands first, then the launch command with an fp8 KV cache
+    near the top; what `revert` restores said where the README describes it."""
+    assert len(README.splitlines()) <= 400
+    blocks = code_blocks(README)
+    assert blocks[:2] == [
+        "pip install . && mm3-codemod run --example --show-diff",
+        "pip install '.[test]' && pytest",
+    ]
+    top = README.split("\n## ", 1)[0]
+    (launch,) = [b for b in code_blocks(top) if "vllm serve" in b]
+    assert "--kv-cache-dtype fp8" in launch and "mm3-codemod run" in launch
+    revert = readme_section("`revert` — take the bypass out again")
+    assert "attn_metadata" in revert and "revert(run(x)) == x" in revert
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_readmes_links_reach_their_page_and_heading() -> None:
+    """Detail moved out of the README must still be found: every relative link of it names a
+    file that exists, and a heading of it where it names one."""
+    for target in re.findall(r"\]\(([^)\s]+)\)", README):
+        if target.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = target.partition("#")
+        page = ROOT / path if path else ROOT / "README.md"
+        assert page.is_file(), target
+        if anchor:
+            headings = re.findall(r"^#+ (.*)$", page.read_text(), re.M)
+            assert anchor in {slug(h) for h in headings}, target

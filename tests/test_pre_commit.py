@@ -1,5 +1,9 @@
 """The pre-commit hooks, for real: pre-commit from PyPI in a temporary vLLM-fork repo.
 
+Every `.pre-commit-config.yaml` snippet of the README and docs/ is read from its page and
+run as written, in a fresh git repository and a fresh environment: no PYTHONPATH, and a
+PATH with `mm3-codemod` on it only for the snippet whose page says it needs it.
+
 ``pre-commit try-repo`` builds the hook's environment (pip-installs this
 project) in a fresh temporary store on every call, so it runs once here; the
 per-fixture matrix goes through ``pre-commit run`` with the README's
@@ -14,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -90,14 +95,48 @@ def pre_commit_home(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("pre-commit-home")
 
 
-def pre_commit(*args: str, cwd: Path, home: Path) -> subprocess.CompletedProcess[str]:
+def fresh_env(tmp_path: Path, home: Path, codemod_on_path: bool = False) -> dict[str, str]:
+    """The environment of a user's shell in the fork: `pre-commit` on PATH (this interpreter's),
+    git and the system's tools, and `mm3-codemod` (this working tree's code) only where asked.
+    Nothing of the test process leaks in: no PYTHONPATH, no virtual environment, not under
+    pre-commit. pip's own configuration (environment and pip.conf) stays: it is the user's."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    scripts = {"pre-commit": f'exec {shlex.quote(sys.executable)} -m pre_commit "$@"'}
+    if codemod_on_path:  # what `pip install .` of this working tree puts on PATH
+        scripts["mm3-codemod"] = (
+            f'PYTHONPATH={shlex.quote(str(ROOT))} exec {shlex.quote(sys.executable)} -m rewriter "$@"'
+        )
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    system = [d for d in ("/usr/local/bin", "/usr/bin", "/bin") if os.path.isdir(d)]
+    git_dir = os.path.dirname(shutil.which("git") or "/usr/bin/git")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PRE_COMMIT")}
+    env.update(GIT_ENV, PRE_COMMIT_HOME=str(home), PATH=os.pathsep.join([str(bin_dir), git_dir, *system]))
+    for name in ("mm3-codemod", "pre-commit"):
+        found = shutil.which(name, path=env["PATH"])
+        assert (found is not None) == (name == "pre-commit" or codemod_on_path), (name, found)
+    return env
+
+
+def pre_commit(
+    *args: str, cwd: Path, home: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`pre-commit ARGS` in a fresh environment without mm3-codemod on PATH."""
     return subprocess.run(
         [sys.executable, "-m", "pre_commit", *args, "--color", "never"],
         cwd=cwd,
         capture_output=True,
         text=True,
-        env={**os.environ, **GIT_ENV, "PRE_COMMIT_HOME": str(home)},
+        env=env or fresh_env(cwd.parent, home),
         timeout=900,
+    )
+
+
+def shell(command: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
     )
 
 
@@ -117,23 +156,56 @@ FORK_WORKFLOW = (ROOT / "docs" / "fork-workflow.md").read_text()  # pinned hooks
 MODEL = f"{NVIDIA}/model.py"
 
 
+# The snippets the pages show, each known by a line only it has.
+LOCAL = "repo: local"  # README: the installed mm3-codemod, on PATH
+PINNED = "additional_dependencies:"  # docs/fork-workflow.md: pre-commit's environment, torch added
+CHECK_ONLY = "- id: mm3-codemod-check"  # docs/fork-workflow.md: the check hook alone
+
+
+def doc_snippets() -> list[str]:
+    """Every `yaml` block of the README and of docs/*.md."""
+    pages = [README, *(page.read_text() for page in sorted((ROOT / "docs").glob("*.md")))]
+    return [b for page in pages for b in re.findall(r"```yaml\n(.*?)```", page, re.S)]
+
+
 def readme_snippet(marker: str) -> str:
-    """The one `.pre-commit-config.yaml` snippet of the README and the fork-workflow page that
-    contains ``marker``."""
-    (snippet,) = [b for b in re.findall(r"```yaml\n(.*?)```", README + FORK_WORKFLOW, re.S) if marker in b]
+    """The one `.pre-commit-config.yaml` snippet of the README and docs/ that contains ``marker``."""
+    (snippet,) = [b for b in doc_snippets() if marker in b]
+    return snippet
+
+
+def pinned_config(repo: Path, rev: str, marker: str = PINNED, hook: str | None = None) -> str:
+    """A snippet with a pinned `repo:`, its placeholders filled in: the snapshot of this
+    project and its commit. ``hook``, where the snippet does not list it, is added, so that
+    each hook of the manifest can be run on its own."""
+    snippet = readme_snippet(marker)
+    snippet = re.sub(r"(?m)^(\s*- repo:).*$", rf"\g<1> {repo}", snippet)
+    snippet = re.sub(r"(?m)^(\s*rev:).*$", rf"\g<1> {rev}", snippet)
+    if hook and f"- id: {hook}\n" not in snippet:
+        snippet += f"      - id: {hook}\n"
     return snippet
 
 
 def readme_config(repo: Path, rev: str, hook: str) -> str:
-    """The README's snippet for a hook environment built by pre-commit, with its
-    placeholders filled in: the snapshot of this project and its commit. A hook of the
-    manifest that the snippet does not list is added, so each can be run on its own."""
-    snippet = readme_snippet("rev:")
-    snippet = re.sub(r"(?m)^(\s*- repo:).*$", rf"\g<1> {repo}", snippet)
-    snippet = re.sub(r"(?m)^(\s*rev:).*$", rf"\g<1> {rev}", snippet)
-    if f"- id: {hook}\n" not in snippet:
-        snippet += f"      - id: {hook}\n"
-    return snippet
+    return pinned_config(repo, rev, PINNED, hook)
+
+
+def config_hook_ids(config: str) -> set[str]:
+    return {hook["id"] for repo in yaml.safe_load(config)["repos"] for hook in repo["hooks"]}
+
+
+def assert_named_hooks_exist(out: str, config: str) -> None:
+    """Each `pre-commit run <id>` a message tells the user to run names a hook of their config."""
+    named = set(re.findall(r"pre-commit run (\S+)", out))
+    assert named <= config_hook_ids(config), (named, out)
+
+
+def test_every_config_the_docs_show_is_run_here() -> None:
+    """The pages show these three configs and no other: a new one fails here until it is tested."""
+    snippets = doc_snippets()
+    assert len(snippets) == 3, snippets
+    assert all(sum(marker in b for b in snippets) == 1 for marker in (LOCAL, PINNED, CHECK_ONLY))
+    assert all(sum(marker in b for marker in (LOCAL, PINNED, CHECK_ONLY)) == 1 for b in snippets)
 
 
 # --- the manifest ---------------------------------------------------------------------------
@@ -269,16 +341,26 @@ MATRIX = {
 def test_pre_commit_run(
     hook: str, fixture: str, tmp_path: Path, hook_repo: tuple[Path, str], pre_commit_home: Path
 ) -> None:
-    """The README's snippet for hooks in pre-commit's own environment: mm3-codemod is not
-    on PATH there, so every message names the hook's command."""
+    """docs/fork-workflow.md's pinned snippet (the hooks in pre-commit's own environment, torch
+    added to the fixer's): mm3-codemod is not on PATH, so every message names a hook of the
+    config; a rewrite is proven before it is written."""
     code, after, text = MATRIX[hook, fixture]
     fork = fork_repo(tmp_path / "fork", {MODEL: FIXTURES / fixture / "model.py"})
-    (fork / ".pre-commit-config.yaml").write_text(readme_config(*hook_repo, hook))
+    config = readme_config(*hook_repo, hook)
+    (fork / ".pre-commit-config.yaml").write_text(config)
     git("add", ".pre-commit-config.yaml", cwd=fork)
     stage = ["--hook-stage", "manual"] if "manual" in manifest()[hook].get("stages", []) else []
     proc = pre_commit("run", hook, *stage, "--files", MODEL, cwd=fork, home=pre_commit_home)
     out = proc.stdout + proc.stderr
+    assert_named_hooks_exist(out, config)
+    if hook == "mm3-codemod-revert" and after == "reverted.py":  # it stays reverted: the off line
+        assert (fork / MODEL).read_bytes() == with_off_line(FIXTURES / fixture / after), out
+        assert "`# mm3-codemod: off` written at line" in out
+        return
     assert (fork / MODEL).read_bytes() == (FIXTURES / fixture / after).read_bytes()
+    if (hook, after) == ("mm3-codemod", "expected.py"):  # torch in the hook's environment: proven
+        assert re.search(rf"^proven: {re.escape(MODEL)}: the semantic level passed", out, re.M), out
+        assert "unproven" not in out
     if code is None:
         assert proc.returncode == 0 and "Passed" in out, out
     else:
@@ -293,7 +375,7 @@ def test_pre_commit_run(
 def walkthrough() -> list[list[tuple[str, list[str]]]]:
     """The README's walk-through: per code block, each `$ command` with the output lines
     shown under it (blank lines and lines shortened with "…" left out)."""
-    section = FORK_WORKFLOW.split("**Walk-through.**", 1)[1].split("\n## ", 1)[0]
+    section = FORK_WORKFLOW.split("### Walk-through\n", 1)[1].split("\n## ", 1)[0]
     blocks = []
     for block in re.findall(r"```\n(.*?)```", section, re.S):
         steps: list[tuple[str, list[str]]] = []
@@ -325,15 +407,8 @@ def test_readme_fork_workflow_end_to_end(tmp_path: Path, pre_commit_home: Path) 
     (fork / ".pre-commit-config.yaml").write_text(readme_snippet("repo: local"))
     git("add", ".pre-commit-config.yaml", cwd=fork)
     git("commit", "-q", "-m", "pre-commit config", cwd=fork)
-    # The environment of the README's `pip install .`: mm3-codemod and pre-commit on PATH.
-    bin_dir = str(Path(sys.executable).parent)
-    env = {
-        **os.environ,
-        **GIT_ENV,
-        "PRE_COMMIT_HOME": str(pre_commit_home),
-        "PATH": bin_dir + os.pathsep + os.environ["PATH"],
-    }
-    env.pop("PRE_COMMIT", None)
+    # The README's `repo: local` snippet needs mm3-codemod on PATH (its `pip install .`).
+    env = fresh_env(tmp_path, pre_commit_home, codemod_on_path=True)
     printed_next: str | None = None
     for arrival, steps in zip(ARRIVALS, blocks):
         (fork / MODEL).parent.mkdir(parents=True, exist_ok=True)
@@ -343,10 +418,9 @@ def test_readme_fork_workflow_end_to_end(tmp_path: Path, pre_commit_home: Path) 
         for command, shown in steps:
             if printed_next is not None:  # follow only what the tool printed
                 assert command.startswith(printed_next), (command, printed_next)
-            proc = subprocess.run(
-                ["bash", "-c", command], cwd=fork, env=env, capture_output=True, text=True, timeout=300
-            )
+            proc = shell(command, fork, env)
             out = (proc.stdout + proc.stderr).splitlines()
+            assert_named_hooks_exist(proc.stdout + proc.stderr, readme_snippet(LOCAL))
             for line in shown:
                 assert line in out, (command, line, out)
             printed_next = None
@@ -357,12 +431,108 @@ def test_readme_fork_workflow_end_to_end(tmp_path: Path, pre_commit_home: Path) 
             assert proc.returncode == (1 if any(line.endswith("Failed") for line in shown) else 0), out
     assert (fork / MODEL).read_bytes() == (FIXTURES / "half_native" / "expected.py").read_bytes()
     # ... and the file the hook left runs: verify's semantic level, padded tokens included
-    proc = subprocess.run(
-        ["mm3-codemod", "verify", "--json", MODEL], cwd=fork, env=env, capture_output=True, text=True
-    )
+    proc = shell(f"mm3-codemod verify --json {MODEL}", fork, env)
     assert proc.returncode == 0, proc.stderr
     (verified,) = json.loads(proc.stdout)["files"]
     semantic = next(level for level in verified["levels"] if level["level"] == "semantic")
     assert semantic["status"] == "passed", semantic
     assert git("status", "--porcelain", cwd=fork) == ""
     assert len(git("log", "--oneline", cwd=fork).splitlines()) == 4
+
+
+# --- what the docs promise of each config -------------------------------------------------------
+
+
+# The line the revert hook writes, as docs/fork-workflow.md shows it.
+OFF_LINE = re.search(r"```python\n(# mm3-codemod: off\b[^\n]*)\n```", FORK_WORKFLOW).group(1)
+
+
+def with_off_line(source: Path) -> bytes:
+    """``source`` with the revert hook's `# mm3-codemod: off` line after its opening comments."""
+    lines = source.read_bytes().splitlines(keepends=True)
+    head = next(i for i, line in enumerate(lines) if not line.startswith(b"#"))
+    return b"".join([*lines[:head], OFF_LINE.encode() + b"\n", *lines[head:]])
+
+
+def test_local_snippet_needs_mm3_codemod_on_path(tmp_path: Path, pre_commit_home: Path) -> None:
+    """What the README says of its `repo: local` snippet: without `mm3-codemod` on the PATH
+    of `git commit`, the hook fails with pre-commit's own message, and nothing is checked."""
+    said = re.search(r"pre-commit's ``(Executable `mm3-codemod` not found)``", README)
+    assert said, "the README says what happens without mm3-codemod on PATH"
+    fork = fork_repo(tmp_path / "fork", {MODEL: FIXTURES / "fork_era" / "model.py"})
+    (fork / ".pre-commit-config.yaml").write_text(readme_snippet(LOCAL))
+    git("add", ".pre-commit-config.yaml", cwd=fork)
+    env = fresh_env(tmp_path, pre_commit_home, codemod_on_path=False)
+    assert shell("pre-commit install", fork, env).returncode == 0
+    proc = shell("git commit -qm 'fork-era model'", fork, env)
+    assert proc.returncode == 1 and said.group(1) in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert (fork / MODEL).read_bytes() == (FIXTURES / "fork_era" / "model.py").read_bytes()
+    # ... and with it on PATH, the same commit gets the hook's rewrite.
+    env = fresh_env(tmp_path, pre_commit_home, codemod_on_path=True)
+    proc = shell("git commit -qm 'fork-era model'", fork, env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "1 file rewritten." in out, out
+    assert (fork / MODEL).read_bytes() == (FIXTURES / "fork_era" / "expected.py").read_bytes()
+
+
+def test_check_only_config_names_a_command_that_works(
+    tmp_path: Path, hook_repo: tuple[Path, str], pre_commit_home: Path
+) -> None:
+    """docs/fork-workflow.md's check-only config, as written: it has no `mm3-codemod` hook, so
+    the advice must not send the user to one; the command it prints, run from the user's
+    shell (no mm3-codemod on PATH), applies the bypass, and the check then passes."""
+    config = pinned_config(*hook_repo, CHECK_ONLY)
+    assert config_hook_ids(config) == {"mm3-codemod-check"}
+    fork = fork_repo(tmp_path / "fork", {MODEL: FIXTURES / "fork_era" / "model.py"})
+    (fork / ".pre-commit-config.yaml").write_text(config)
+    git("add", ".pre-commit-config.yaml", cwd=fork)
+    env = fresh_env(tmp_path, pre_commit_home)
+    proc = pre_commit("run", "--files", MODEL, cwd=fork, home=pre_commit_home, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "+        insert_via_fused = not self._fp8_kv" in out, out
+    assert_named_hooks_exist(out, config)
+    (advice,) = re.findall(r"^to apply the fp8 bypass: (.*)$", out, re.M)
+    assert not advice.startswith("pre-commit run") and advice.endswith(f" run {MODEL}"), advice
+    assert (fork / MODEL).read_bytes() == (FIXTURES / "fork_era" / "model.py").read_bytes()  # checks only
+    fixed = shell(advice, fork, env)
+    assert fixed.returncode == 0, fixed.stderr
+    assert (fork / MODEL).read_bytes() == (FIXTURES / "fork_era" / "expected.py").read_bytes()
+    again = pre_commit("run", "--files", MODEL, cwd=fork, home=pre_commit_home, env=env)
+    assert again.returncode == 0 and "Passed" in again.stdout, again.stdout + again.stderr
+
+
+def test_a_revert_stays_reverted_until_the_line_is_deleted(
+    tmp_path: Path, hook_repo: tuple[Path, str], pre_commit_home: Path
+) -> None:
+    """The pinned config, git hooks installed: the manual revert hook, then commits; the run
+    hook leaves the reverted file alone until the `# mm3-codemod: off` line is deleted, as the
+    docs say, and then applies the bypass again."""
+    assert "# mm3-codemod: off" in FORK_WORKFLOW and "delete the line and commit" in FORK_WORKFLOW
+    fork = fork_repo(tmp_path / "fork", {MODEL: FIXTURES / "fork_era" / "expected.py"})  # patched
+    (fork / ".pre-commit-config.yaml").write_text(pinned_config(*hook_repo, PINNED))
+    env = fresh_env(tmp_path, pre_commit_home)
+
+    def commit(message: str) -> subprocess.CompletedProcess[str]:
+        shell(f"git add -A && git commit -qm {shlex.quote(message)}", fork, env)
+        return shell("git status --porcelain", fork, env)
+
+    assert shell("pre-commit install", fork, env).returncode == 0
+    assert commit("patched model").stdout == ""  # the run hook passed: committed
+    revert = shell(f"pre-commit run mm3-codemod-revert --hook-stage manual --files {MODEL}", fork, env)
+    assert revert.returncode == 1 and "1 file reverted." in revert.stdout, revert.stdout
+    reverted = with_off_line(FIXTURES / "fork_era" / "model.py")
+    assert (fork / MODEL).read_bytes() == reverted
+    assert commit("revert the fp8 bypass").stdout == ""  # the run hook left it alone
+    with (fork / MODEL).open("a") as f:  # a later change to the file: still off
+        f.write("# a later change\n")
+    assert commit("a later change").stdout == ""
+    assert (fork / MODEL).read_bytes() == reverted + b"# a later change\n"
+    assert shell(f"pre-commit run --files {MODEL}", fork, env).returncode == 0
+    # On again: delete the line, commit; the run hook applies the bypass (and fails, as a fixer).
+    (fork / MODEL).write_bytes(reverted.replace(OFF_LINE.encode() + b"\n", b"") + b"# a later change\n")
+    shell("git add -A", fork, env)
+    on = shell("git commit -qm 'the fp8 bypass again'", fork, env)
+    assert on.returncode == 1 and "needs-bypass -> rewrite" in on.stdout + on.stderr, on.stdout + on.stderr
+    expected = (FIXTURES / "fork_era" / "expected.py").read_bytes() + b"# a later change\n"
+    assert (fork / MODEL).read_bytes() == expected
+    assert commit("the fp8 bypass again").stdout == ""
