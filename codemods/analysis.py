@@ -15,7 +15,8 @@ from codemods import schema
 from codemods.fp8_kv_bypass import BypassPlan, apply_plan, plan_bypass
 from codemods.fp8_kv_revert import RevertPlan, apply_revert, plan_site, plan_strip, revert_reason
 from codemods.schema import CHANGING, Action, InsertSite, SiteState, Unsupported
-from codemods.sites import CallFinder, FileModel, FoundCall, FoundPieces, call_facts, collect_pieces, find_calls
+from codemods.model import FileModel
+from codemods.sites import CallFinder, FoundCall, FoundPieces, call_facts, collect_pieces, find_calls
 from codemods.sourcemap import SourceMap
 
 

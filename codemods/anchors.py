@@ -56,56 +56,6 @@ class OpCall:
         return get_arg(self.call, own) if own is not None else None
 
 
-def pass_through_wrappers(module: cst.Module, levels: int = 2) -> dict[str, Wrapper]:
-    """Module functions whose every call of the op (or of a wrapper found one level
-    down) passes only the function's own parameters, by name: followed two levels."""
-    functions = module_functions(module)
-    found: dict[str, Wrapper] = {}
-    for _ in range(levels):
-        for name, fn in functions.items():
-            if name in found:
-                continue
-            wrapper = _as_wrapper(fn, found)
-            if wrapper is not None:
-                found[name] = wrapper
-    return found
-
-
-def _as_wrapper(fn: cst.FunctionDef, known: dict[str, Wrapper]) -> Wrapper | None:
-    own = _positional_params(fn)
-    mappings = []
-    for node in nodes_in(fn.body, scope_only=True):
-        if not isinstance(node, cst.Call):
-            continue
-        name = callee_name(node)
-        if name != schema.FUSED_OP and name not in known:
-            continue
-        inner = None if name == schema.FUSED_OP else known[name]
-        if has_star_args(node):
-            return None
-        mapping: dict[int, schema.OpParam] = {}
-        for param in schema.OP_PARAMS:
-            arg = OpCall(node, inner).arg(param)
-            if arg is None:
-                continue
-            if not (isinstance(arg.value, cst.Name) and arg.value.value in own):
-                return None  # not handed on unchanged
-            mapping[param.index] = own[arg.value.value]
-        mappings.append(mapping)
-    if not mappings or any(m != mappings[0] for m in mappings):
-        return None
-    return Wrapper(fn.name.value, mappings[0])
-
-
-def _positional_params(fn: cst.FunctionDef) -> dict[str, schema.OpParam]:
-    """A function's parameters as ``schema.OpParam``s (keyword-only ones bind by keyword alone)."""
-    params = fn.params
-    positional = list(params.posonly_params) + list(params.params)
-    out = {p.name.value: schema.OpParam(i, p.name.value) for i, p in enumerate(positional)}
-    out |= {p.name.value: schema.OpParam(10_000, p.name.value) for p in params.kwonly_params}
-    return out
-
-
 def has_star_args(call: cst.Call) -> bool:
     return any(arg.star for arg in call.args)
 

@@ -47,7 +47,8 @@ from codemods.codegen import (
 )
 from codemods.proofs import bare_import, cache_args, dtype_anchor, op_namespace, qkv_and_slots, widths
 from codemods.schema import GUARD_NAME, Unsupported
-from codemods.sites import FileModel, FoundCall, FoundPieces, other_insert_kv_call
+from codemods.model import FileModel
+from codemods.sites import FoundCall, FoundPieces, other_insert_kv_call
 from codemods.sourcemap import SourceMap
 
 
@@ -97,9 +98,9 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     init = a.find_method(cls, "__init__")
     if init is None:
         raise Unsupported(f"class {cls.name.value} has no __init__ to hold `self._fp8_kv`")
-    imports = a.module_imports(module)
-    if not any(i.bound == "torch" and a.code(i.alias.name) == "torch" for i in imports):
+    if m.imports.get("torch") != "torch":
         raise Unsupported("the module does not `import torch`, which the bypass uses")
+    imports = a.module_imports(module)
     insert_kv = {"absent": "add", "metadata": "replace", "slots": "keep"}.get(p.insert_kv)
     if p.insert_kv in schema.OLDER_FORMS:
         insert_kv = "upgrade"

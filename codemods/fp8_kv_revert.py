@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from codemods import anchors as a
-from codemods import codegen, proofs, roles, schema, sites
+from codemods import codegen, proofs, schema, sites
+from codemods.model import FileModel
 from codemods.schema import DTYPE_ATTR, SLOTS_FORMS, Unsupported
 
 
@@ -105,7 +106,7 @@ class RevertPlan:
     dead: list[cst.BaseStatement] = field(default_factory=list)  # module code only the bypass used
 
 
-def plan_strip(m: sites.FileModel, found: sites.FoundCall, pieces: sites.FoundPieces) -> RevertPlan:
+def plan_strip(m: FileModel, found: sites.FoundCall, pieces: sites.FoundPieces) -> RevertPlan:
     """``run`` on a native call that carries bypass pieces: the revert of that site."""
     plan = plan_site(m, found, pieces)
     if plan is None:
@@ -126,7 +127,7 @@ def revert_reason(plan: RevertPlan) -> str:
 
 
 def plan_site(
-    m: sites.FileModel, found: sites.FoundCall, pieces: sites.FoundPieces | None = None
+    m: FileModel, found: sites.FoundCall, pieces: sites.FoundPieces | None = None
 ) -> RevertPlan | None:
     """None when there is no bypass around this call; ``Unsupported`` when one cannot be proven.
     ``pieces``: what ``collect_pieces`` found there, where the caller has it."""
@@ -159,7 +160,7 @@ def plan_site(
     if init is not None:
         attrs = a.self_assignments(init)
         if pieces.flag_set:  # the statements that decide the proven flag (its value was evaluated: pure)
-            remove += _flag_definition(m, cls, init, pieces.flag_attr)
+            remove += m.flag_definition(cls, init, pieces.flag_attr)
         for flag_slot, value in attrs.get(pieces.flag_attr, []):
             if any(flag_slot.statement is r for r in remove):
                 continue
@@ -208,63 +209,6 @@ def plan_site(
     return plan
 
 
-def _flag_definition(m: sites.FileModel, cls: cst.ClassDef, init: cst.FunctionDef, flag: str) -> list[cst.BaseStatement]:
-    """The statements of ``__init__`` that do nothing but decide ``self.<flag>``: its
-    assignments, an ``if`` on a pure test whose branches only assign it, a call of a method
-    of the class that only assigns it (with that method), and the locals only they read."""
-    scope = m.scope(cls)
-    setters: list[cst.FunctionDef] = []
-
-    def pure(expr: cst.BaseExpression) -> bool:
-        tree = schema.expression(a.code(expr))
-        try:
-            return tree is not None and roles.evaluate(tree, {**_locals, roles.DTYPE: "fp8"}, scope) is not None
-        except (roles.Unknown, TypeError, ValueError, RecursionError, AttributeError):
-            return False
-
-    def only_sets(stmt: cst.CSTNode) -> bool:
-        if isinstance(stmt, cst.SimpleStatementLine):
-            return all(small_sets(x) for x in stmt.body)
-        if isinstance(stmt, cst.If) and pure(stmt.test):
-            branches = [stmt.body, *([stmt.orelse.body] if isinstance(stmt.orelse, cst.Else) else [])]
-            rest = [stmt.orelse] if isinstance(stmt.orelse, cst.If) else []
-            return all(isinstance(b, cst.IndentedBlock) and all(only_sets(x) for x in b.body) for b in branches) and all(
-                only_sets(x) for x in rest
-            )
-        return False
-
-    def small_sets(x: cst.BaseSmallStatement) -> bool:
-        if isinstance(x, cst.Assign) and len(x.targets) == 1 and a.self_attr(x.targets[0].target) == flag:
-            return pure(x.value)
-        if isinstance(x, cst.Expr) and isinstance(x.value, cst.Call) and not x.value.args:
-            method = a.find_method(cls, a.self_attr(x.value.func) or "")
-            calls = [n for n in a.walk_all(cls.body) if isinstance(n, cst.Call) and a.self_attr(n.func) == a.self_attr(x.value.func)]
-            body = method.body.body if method is not None and isinstance(method.body, cst.IndentedBlock) else ()
-            if method is not None and len(calls) == 1 and body and all(only_sets(b) for b in body):
-                setters.append(method)
-                return True
-        return False
-
-    _locals: dict[str, object] = {}
-    body = list(init.body.body) if isinstance(init.body, cst.IndentedBlock) else []
-    for stmt in body:  # what the top-level locals hold (for the fp8 dtype), where that can be read
-        pair = a.simple_assignment(stmt)
-        if pair is not None and isinstance(pair[0], cst.Name) and pure(pair[1]):
-            tree = schema.expression(a.code(pair[1]))
-            _locals[pair[0].value] = roles.evaluate(tree, {**_locals, roles.DTYPE: "fp8"}, scope)  # type: ignore[arg-type]
-    found = [stmt for stmt in body if only_sets(stmt)]
-    # locals read only by those statements (``quantized = "fp8" in d``; ``self.F = quantized``)
-    for stmt in reversed(body):
-        pair = a.simple_assignment(stmt)
-        if pair is None or not isinstance(pair[0], cst.Name) or stmt in found:
-            continue
-        name = pair[0].value
-        readers = [s for s in body if s is not stmt and name in a.names_read(s)]
-        if readers and all(any(r is f for f in found) for r in readers) and pure(pair[1]):
-            found.append(stmt)
-    return [*found, *setters]
-
-
 def _guarded_by(arg: cst.Arg, guards: set[str], inline: str | None) -> bool:
     """``X if G else <None or a number>`` with ``G`` one of the bypass's guards, or a cache
     argument under the bypass's inlined condition."""
@@ -279,7 +223,7 @@ def _guarded_by(arg: cst.Arg, guards: set[str], inline: str | None) -> bool:
     )
 
 
-def _post_call_block(m: sites.FileModel, slot: a.StatementSlot, pieces: sites.FoundPieces) -> cst.If | None:
+def _post_call_block(m: FileModel, slot: a.StatementSlot, pieces: sites.FoundPieces) -> cst.If | None:
     """The post-call block (``sites``: the ``if`` that runs where the fused op did not write,
     however its test is written): slices and asserts, then ``self.<write>(...)`` - on the
     compiled path maybe a custom op instead (``if torch.compiler.is_compiling(): ...``)."""
@@ -305,7 +249,7 @@ def _post_call_block(m: sites.FileModel, slot: a.StatementSlot, pieces: sites.Fo
     return None
 
 
-def _block_inserts(m: sites.FileModel, suite: cst.BaseSuite, assigned: set[str], name: str) -> int:
+def _block_inserts(m: FileModel, suite: cst.BaseSuite, assigned: set[str], name: str) -> int:
     """How many ``self._insert_kv(...)`` a post-call block holds, once it is proven to hold
     nothing else: slices (``assigned``), asserts, and a compiled-path branch of calls."""
     inserts = 0
@@ -329,7 +273,7 @@ def _block_inserts(m: sites.FileModel, suite: cst.BaseSuite, assigned: set[str],
     return inserts
 
 
-def _is_compile_branch(m: sites.FileModel, stmt: cst.BaseStatement) -> bool:
+def _is_compile_branch(m: FileModel, stmt: cst.BaseStatement) -> bool:
     """``if torch.compiler.is_compiling(): <calls> else: ...``: the compiled path's cache write."""
     if not isinstance(stmt, cst.If) or not isinstance(stmt.orelse, cst.Else):
         return False
@@ -364,7 +308,7 @@ def _check_nothing_left(
 
 
 def _plan_insert_kv(
-    m: sites.FileModel,
+    m: FileModel,
     found: sites.FoundCall,
     slot: a.StatementSlot,
     post: cst.If | None,

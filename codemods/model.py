@@ -1,249 +1,244 @@
-"""One model of a file, read once: what each name is bound to, and what each ``self.``
-attribute holds after ``__init__`` for each cache dtype.
+"""The one model of a file: read once, asked by every command.
 
 As in ruff's semantic model, a recogniser asks what a name *is*, never how it is
-spelled: ``qualified`` resolves a dotted name through the file's imports
-(``is_compiling`` of ``from torch.compiler import is_compiling`` is
-``torch.compiler.is_compiling``), and ``attribute_values`` runs ``__init__``'s
-statements (and the methods it calls on ``self``) on each dtype, so that a flag is
-known by the value it ends up holding, whatever statements decide it.
-Everything here works on Python's own ``ast``; ``sites.Model`` pairs it with the
-LibCST tree that is rewritten.
+spelled: the file's imports resolve names to qualified ones (``roles.import_table``:
+``is_compiling`` of ``from torch.compiler import is_compiling`` is
+``torch.compiler.is_compiling``), and a flag is known by the value ``__init__``
+leaves in it (``values.flags``). ``FileModel`` pairs that with the LibCST tree that
+is rewritten: the module's functions and pass-through wrappers, each class's scope
+and flags, positions (made only when asked), and the flag's defining statements.
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Mapping
+import functools
+import textwrap
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 
-from codemods import roles, schema
+import libcst as cst
+from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
-_DEPTH = 3  # methods calling methods from __init__: how deep the reading follows
-
-
-def module_constants(tree: ast.Module, scope: roles.Scope) -> dict[str, object]:
-    """Module-level ``NAME = <value>`` whose value reads nothing (``FP8 = ("fp8", ...)``)."""
-    env: dict[str, object] = {}
-    for stmt in tree.body:
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
-            _assign(stmt.targets[0], stmt.value, env, scope)
-    return env
+from codemods import anchors as a
+from codemods import roles, schema, values
+from codemods.sourcemap import SourceMap
 
 
-# --- what __init__ leaves in each attribute ----------------------------------------------
+class _Defs(Mapping[str, ast.FunctionDef]):
+    """LibCST defs by name, as Python's own tree: the one the source map paired with it,
+    else read from its code, once, when asked for."""
+
+    def __init__(self, defs: dict[str, cst.FunctionDef], source_map: SourceMap | None) -> None:
+        self.defs, self.trees, self.source_map = defs, {}, source_map
+
+    def __getitem__(self, name: str) -> ast.FunctionDef:
+        if name not in self.trees:
+            fn = self.defs[name]
+            node = self.source_map.trees.get(id(fn)) if self.source_map is not None else None
+            try:
+                node = node or ast.parse(textwrap.dedent(a.code(fn.with_changes(leading_lines=[], decorators=[])))).body[0]
+            except (SyntaxError, ValueError, IndexError):
+                raise KeyError(name) from None
+            if not isinstance(node, ast.FunctionDef):
+                raise KeyError(name)
+            self.trees[name] = node
+        return self.trees[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.defs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.defs)
+
+    def __len__(self) -> int:
+        return len(self.defs)
 
 
-class _Stop(Exception):
-    """A ``return`` or ``raise``: this path does not reach the end of the method."""
+@dataclass
+class FileModel:
+    """The file, read once (``model``): its module functions and pass-through wrappers, what
+    its imports bind, and per class what its flags are; every finder asks it."""
 
+    module: cst.Module
+    source_map: SourceMap | None
+    functions: dict[str, cst.FunctionDef]
+    wrappers: dict[str, a.Wrapper]
+    imports: dict[str, str]
+    _scopes: dict[int, roles.Scope] = field(default_factory=dict)
+    _flags: dict[int, dict[str, bool]] = field(default_factory=dict)
 
-def attribute_values(
-    init: ast.FunctionDef, dtype: str, scope: roles.Scope, base: Mapping[str, object] = {}
-) -> dict[str, object]:
-    """What each ``self.<attr>`` holds when ``__init__`` returns, with ``self.kv_cache_dtype``
-    (and whatever ``__init__`` sets it from) equal to ``dtype``: the attributes whose value is
-    the same on every path the reading cannot decide; the others are left out."""
-    env: dict[str, object] = dict(base)
-    env[_SOURCES] = sources = frozenset(_dtype_sources(init))
-    env.update(dict.fromkeys(sources, dtype))
-    try:
-        _block(init.body, env, scope, 0)
-    except _Stop:
-        pass
-    return {k: v for k, v in env.items() if k.startswith("self.")}
-
-
-def _dtype_sources(init: ast.FunctionDef) -> set[str]:
-    """``self.kv_cache_dtype`` and what it is assigned from: a name, or the locals a name is
-    assigned from in turn (``d = cache_config.cache_dtype``; ``self.kv_cache_dtype = d``)."""
-    sources = {roles.DTYPE}
-    values: dict[str, ast.expr] = {}
-    for node in ast.walk(init):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            name = schema.dotted(node.targets[0])
-            if name is not None:
-                values.setdefault(name, node.value)
-    todo = [roles.DTYPE]
-    while todo:
-        value = values.get(todo.pop())
-        name = schema.dotted(value) if value is not None else None
-        if name is not None and name not in sources:
-            sources.add(name)
-            todo.append(name)
-    return sources
-
-
-def _assign(target: ast.expr, value: ast.expr | None, env: dict[str, object], scope: roles.Scope) -> None:
-    name = schema.dotted(target)
-    if isinstance(target, (ast.Tuple, ast.List)):
-        for element in target.elts:
-            _assign(element, None, env, scope)
-        return
-    if name is None or (name.count(".") > 1) or (name.count(".") == 1 and not name.startswith("self.")):
-        return  # a subscript or a deeper attribute: no attribute of ours changes
-    if name in env.get(_SOURCES, ()):  # type: ignore[operator]
-        return  # the cache dtype itself, whatever __init__ reads it from
-    try:
-        if value is None:
-            raise roles.Unknown(name)
-        env[name] = roles.evaluate(value, env, scope)
-    except (roles.Unknown, TypeError, ValueError, RecursionError, AttributeError):
-        env.pop(name, None)
-
-
-def _forget(node: ast.AST, env: dict[str, object]) -> None:
-    """Every name or ``self.`` attribute a statement may bind: no longer known."""
-    for sub in ast.walk(node):
-        targets: list[ast.expr] = []
-        if isinstance(sub, ast.Assign):
-            targets = sub.targets
-        elif isinstance(sub, (ast.AnnAssign, ast.AugAssign, ast.For, ast.AsyncFor)):
-            targets = [sub.target]
-        elif isinstance(sub, ast.NamedExpr):
-            targets = [sub.target]
-        elif isinstance(sub, (ast.With, ast.AsyncWith)):
-            targets = [i.optional_vars for i in sub.items if i.optional_vars is not None]
-        for target in targets:
-            for part in ast.walk(target):
-                name = schema.dotted(part) if isinstance(part, (ast.Name, ast.Attribute)) else None
-                if name is not None and name != roles.DTYPE:
-                    env.pop(name, None)
-
-
-def _block(body: list[ast.stmt], env: dict[str, object], scope: roles.Scope, depth: int) -> None:
-    for stmt in body:
-        _statement(stmt, env, scope, depth)
-
-
-def _statement(stmt: ast.stmt, env: dict[str, object], scope: roles.Scope, depth: int) -> None:
-    if isinstance(stmt, ast.Assign):
-        if len(stmt.targets) == 1:
-            _assign(stmt.targets[0], stmt.value, env, scope)
-        else:
-            for target in stmt.targets:
-                _assign(target, stmt.value, env, scope)
-    elif isinstance(stmt, ast.AnnAssign):
-        if stmt.value is not None:
-            _assign(stmt.target, stmt.value, env, scope)
-    elif isinstance(stmt, ast.If):
+    @classmethod
+    def of(cls, module: cst.Module, source: str | bytes | None = None) -> FileModel:
+        source_map = SourceMap.of(module, module.code if source is None else source)
         try:
-            taken = bool(roles.evaluate(stmt.test, env, scope))
-        except (roles.Unknown, TypeError, ValueError, RecursionError, AttributeError):
-            _either(stmt, env, scope, depth)
-            return
-        _block(stmt.body if taken else stmt.orelse, env, scope, depth)
-    elif isinstance(stmt, (ast.Return, ast.Raise)):
-        raise _Stop
-    elif isinstance(stmt, (ast.With, ast.AsyncWith)):
-        for item in stmt.items:
-            if item.optional_vars is not None:
-                _assign(item.optional_vars, None, env, scope)
-        _block(stmt.body, env, scope, depth)
-    elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
-        _self_call(stmt.value, env, scope, depth)
-    elif isinstance(stmt, (ast.Pass, ast.Assert, ast.Import, ast.ImportFrom, ast.Expr, ast.Global, ast.Nonlocal)):
-        pass
-    else:  # loops, try, match, nested defs: what they bind is not known afterwards
-        _forget(stmt, env)
+            imports = roles.import_table(source_map.tree if source_map is not None else ast.parse(module.code))
+        except (SyntaxError, ValueError, RecursionError, MemoryError):  # newer Python than this one's
+            imports = {i.bound: _qualified(i) for i in a.module_imports(module)}
+        return cls(module, source_map, a.module_functions(module), pass_through_wrappers(module), imports)
+
+    @functools.cached_property
+    def positions(self) -> Mapping[cst.CSTNode, CodeRange]:
+        """Every node's position: LibCST generates them for the whole file, so only when asked."""
+        return MetadataWrapper(self.module, unsafe_skip_copy=True).resolve(PositionProvider)
+
+    def scope(self, cls: cst.ClassDef) -> roles.Scope:
+        """What a flag's expression may call: the module's functions, the class's methods, imports."""
+        if id(cls) not in self._scopes:
+            methods = {f.name.value: f for f in a.methods(cls)}
+            self._scopes[id(cls)] = roles.Scope(
+                _Defs(self.functions, self.source_map), _Defs(methods, self.source_map), self.imports
+            )
+        return self._scopes[id(cls)]
+
+    def flags(self, cls: cst.ClassDef) -> dict[str, bool]:
+        """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``values.flags``)."""
+        if id(cls) not in self._flags:
+            scope = self.scope(cls)
+            init = scope.methods["__init__"] if "__init__" in scope.methods else None
+            base = values.module_constants(self.source_map.tree, scope) if self.source_map is not None else {}
+            self._flags[id(cls)] = values.flags(init, scope, base) if init is not None else {}
+        return self._flags[id(cls)]
+
+    def is_compiling(self, expr: cst.BaseExpression) -> bool:
+        tree = schema.expression(a.code(expr))
+        return tree is not None and roles.is_compiling(tree, self.imports)
+
+    def compile_test(self) -> str:
+        """How this file calls ``torch.compiler.is_compiling()``: its own spelling where it
+        imports it (``is_compiling()``, ``dynamo.is_compiling()``), else that one."""
+        for bound, name in sorted(self.imports.items()):
+            if name in roles.COMPILE_TESTS:
+                return f"{bound}()"
+            if f"{name}.is_compiling" in roles.COMPILE_TESTS and bound != "torch":
+                return f"{bound}.is_compiling()"
+        return "torch.compiler.is_compiling()"
+
+    def compiled_path_write(self, node: cst.CSTNode) -> bool:
+        """A branch on ``torch.compiler.is_compiling()`` (however imported), or a call of a
+        registered op (``torch.ops.<namespace>.<op>(...)``): the compiled path's cache write."""
+        if isinstance(node, cst.If):
+            return self.is_compiling(node.test)
+        if not isinstance(node, cst.Call):
+            return False
+        tree = schema.expression(a.code(node.func))
+        return tree is not None and (roles.qualified(tree, self.imports) or "").startswith("torch.ops.")
+
+    def flag_definition(self, cls: cst.ClassDef, init: cst.FunctionDef, flag: str) -> list[cst.BaseStatement]:
+        """The statements of ``__init__`` that do nothing but decide ``self.<flag>``: its
+        assignments, an ``if`` on a pure test whose branches only assign it, a call of a method
+        of the class that only assigns it (with that method), and the locals only they read."""
+        scope = self.scope(cls)
+        setters: list[cst.FunctionDef] = []
+
+        def pure(expr: cst.BaseExpression) -> bool:
+            tree = schema.expression(a.code(expr))
+            try:
+                return tree is not None and roles.evaluate(tree, {**_locals, roles.DTYPE: "fp8"}, scope) is not None
+            except (roles.Unknown, TypeError, ValueError, RecursionError, AttributeError):
+                return False
+
+        def only_sets(stmt: cst.CSTNode) -> bool:
+            if isinstance(stmt, cst.SimpleStatementLine):
+                return all(small_sets(x) for x in stmt.body)
+            if isinstance(stmt, cst.If) and pure(stmt.test):
+                branches = [stmt.body, *([stmt.orelse.body] if isinstance(stmt.orelse, cst.Else) else [])]
+                rest = [stmt.orelse] if isinstance(stmt.orelse, cst.If) else []
+                return all(isinstance(b, cst.IndentedBlock) and all(only_sets(x) for x in b.body) for b in branches) and all(
+                    only_sets(x) for x in rest
+                )
+            return False
+
+        def small_sets(x: cst.BaseSmallStatement) -> bool:
+            if isinstance(x, cst.Assign) and len(x.targets) == 1 and a.self_attr(x.targets[0].target) == flag:
+                return pure(x.value)
+            if isinstance(x, cst.Expr) and isinstance(x.value, cst.Call) and not x.value.args:
+                method = a.find_method(cls, a.self_attr(x.value.func) or "")
+                calls = [n for n in a.walk_all(cls.body) if isinstance(n, cst.Call) and a.self_attr(n.func) == a.self_attr(x.value.func)]
+                body = method.body.body if method is not None and isinstance(method.body, cst.IndentedBlock) else ()
+                if method is not None and len(calls) == 1 and body and all(only_sets(b) for b in body):
+                    setters.append(method)
+                    return True
+            return False
+
+        _locals: dict[str, object] = {}
+        body = list(init.body.body) if isinstance(init.body, cst.IndentedBlock) else []
+        for stmt in body:  # what the top-level locals hold (for the fp8 dtype), where that can be read
+            pair = a.simple_assignment(stmt)
+            if pair is not None and isinstance(pair[0], cst.Name) and pure(pair[1]):
+                tree = schema.expression(a.code(pair[1]))
+                _locals[pair[0].value] = roles.evaluate(tree, {**_locals, roles.DTYPE: "fp8"}, scope)  # type: ignore[arg-type]
+        found = [stmt for stmt in body if only_sets(stmt)]
+        # locals read only by those statements (``quantized = "fp8" in d``; ``self.F = quantized``)
+        for stmt in reversed(body):
+            pair = a.simple_assignment(stmt)
+            if pair is None or not isinstance(pair[0], cst.Name) or stmt in found:
+                continue
+            name = pair[0].value
+            readers = [s for s in body if s is not stmt and name in a.names_read(s)]
+            if readers and all(any(r is f for f in found) for r in readers) and pure(pair[1]):
+                found.append(stmt)
+        return [*found, *setters]
 
 
-def _either(stmt: ast.If, env: dict[str, object], scope: roles.Scope, depth: int) -> None:
-    """An ``if`` the reading cannot decide: what both branches leave alike stays known."""
-    ends = []
-    for body in (stmt.body, stmt.orelse):
-        branch = dict(env)
-        try:
-            _block(body, branch, scope, depth)
-        except _Stop:
+def _qualified(imp: a.ImportedName) -> str:
+    """What a top-level import binds, read from LibCST (where Python's parser cannot read the file)."""
+    name = a.code(imp.alias.name).replace(" ", "")
+    small = next(
+        s for s in imp.statement.body
+        if isinstance(s, (cst.Import, cst.ImportFrom)) and not isinstance(s.names, cst.ImportStar) and imp.alias in s.names
+    )
+    if isinstance(small, cst.Import):
+        return name if imp.alias.asname is not None else imp.bound
+    base = "." * len(small.relative) + (a.code(small.module).replace(" ", "") if small.module is not None else "")
+    return f"{base}.{name}" if base else name
+
+
+def pass_through_wrappers(module: cst.Module, levels: int = 2) -> dict[str, a.Wrapper]:
+    """Module functions whose every call of the op (or of a wrapper found one level
+    down) passes only the function's own parameters, by name: followed two levels."""
+    functions = a.module_functions(module)
+    found: dict[str, a.Wrapper] = {}
+    for _ in range(levels):
+        for name, fn in functions.items():
+            if name in found:
+                continue
+            wrapper = _as_wrapper(fn, found)
+            if wrapper is not None:
+                found[name] = wrapper
+    return found
+
+
+def _as_wrapper(fn: cst.FunctionDef, known: dict[str, a.Wrapper]) -> a.Wrapper | None:
+    own = _positional_params(fn)
+    mappings = []
+    for node in a.nodes_in(fn.body, scope_only=True):
+        if not isinstance(node, cst.Call):
             continue
-        ends.append(branch)
-    if not ends:
-        raise _Stop
-    merged = {k: v for k, v in ends[0].items() if all(k in e and _same(e[k], v) for e in ends[1:])}
-    env.clear()
-    env.update(merged)
+        name = a.callee_name(node)
+        if name != schema.FUSED_OP and name not in known:
+            continue
+        inner = None if name == schema.FUSED_OP else known[name]
+        if a.has_star_args(node):
+            return None
+        mapping: dict[int, schema.OpParam] = {}
+        for param in schema.OP_PARAMS:
+            arg = a.OpCall(node, inner).arg(param)
+            if arg is None:
+                continue
+            if not (isinstance(arg.value, cst.Name) and arg.value.value in own):
+                return None  # not handed on unchanged
+            mapping[param.index] = own[arg.value.value]
+        mappings.append(mapping)
+    if not mappings or any(m != mappings[0] for m in mappings):
+        return None
+    return a.Wrapper(fn.name.value, mappings[0])
 
 
-def _same(a: object, b: object) -> bool:
-    return type(a) is type(b) and a == b
-
-
-def _self_call(call: ast.Call, env: dict[str, object], scope: roles.Scope, depth: int) -> None:
-    """``self.<method>(…)`` in ``__init__``: its statements run on the same attributes."""
-    name = schema.dotted(call.func)
-    method = name[5:] if name is not None and name.startswith("self.") and name.count(".") == 1 else None
-    fn = scope.methods.get(method) if method is not None and method in scope.methods else None
-    if fn is None:
-        return  # a call of something else: vLLM's layers do not set this layer's attributes
-    inner: dict[str, object] = {k: v for k, v in env.items() if k.startswith("self.")}
-    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)][1:]
-    try:
-        if depth >= _DEPTH or fn.args.vararg or fn.args.kwarg or call.keywords or len(call.args) != len(params):
-            raise roles.Unknown(method or "")
-        for param, arg in zip(params, call.args):
-            inner[param] = roles.evaluate(arg, env, scope)
-    except (roles.Unknown, TypeError, ValueError, RecursionError, AttributeError):
-        _forget(fn, env)
-        return
-    try:
-        _block(fn.body, inner, scope, depth + 1)
-    except _Stop:
-        _forget(fn, env)  # the reading does not follow which path returned
-        return
-    for key in [k for k in env if k.startswith("self.")]:
-        if key not in inner:
-            del env[key]
-    env.update({k: v for k, v in inner.items() if k.startswith("self.")})
-
-
-def flags(init: ast.FunctionDef, scope: roles.Scope, base: Mapping[str, object] = {}) -> dict[str, bool]:
-    """Each attribute ``__init__`` assigns: whether it is a flag - true for every fp8 dtype and
-    false for "auto" when ``__init__`` returns, whatever statements decide it."""
-    assigned = {
-        name[5:]
-        for node in ast.walk(init)
-        for target in _targets(node)
-        if (name := schema.dotted(target)) is not None and name.startswith("self.") and name.count(".") == 1
-    }
-    assigned |= {
-        name[5:]
-        for method in _called_methods(init, scope)
-        for node in ast.walk(method)
-        for target in _targets(node)
-        if (name := schema.dotted(target)) is not None and name.startswith("self.") and name.count(".") == 1
-    }
-    runs = {d: attribute_values(init, d, scope, base) for d in (*roles.FP8_DTYPES, schema.AUTO_DTYPE)}
-    found = {}
-    for attr in assigned - {schema.DTYPE_ATTR}:
-        key = f"self.{attr}"
-        values = [runs[d].get(key, _MISSING) for d in roles.FP8_DTYPES]
-        auto = runs[schema.AUTO_DTYPE].get(key, _MISSING)
-        known = all(v is not _MISSING for v in (*values, auto))
-        found[attr] = known and all(bool(v) for v in values) and not bool(auto)
-    return found
-
-
-_MISSING = object()
-_SOURCES = "<dtype sources>"  # env's key for the names that are the cache dtype
-
-
-def _targets(node: ast.AST) -> list[ast.expr]:
-    if isinstance(node, ast.Assign):
-        return node.targets
-    if isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-        return [node.target]
-    return []
-
-
-def _called_methods(init: ast.FunctionDef, scope: roles.Scope) -> list[ast.FunctionDef]:
-    """The methods ``__init__`` calls on ``self`` as statements (one level)."""
-    found = []
-    for node in ast.walk(init):
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
-            name = schema.dotted(node.value.func)
-            if name is not None and name.startswith("self.") and name.count(".") == 1 and name[5:] in scope.methods:
-                try:
-                    found.append(scope.methods[name[5:]])
-                except KeyError:
-                    continue
-    return found
+def _positional_params(fn: cst.FunctionDef) -> dict[str, schema.OpParam]:
+    """A function's parameters as ``schema.OpParam``s (keyword-only ones bind by keyword alone)."""
+    params = fn.params
+    positional = list(params.posonly_params) + list(params.params)
+    out = {p.name.value: schema.OpParam(i, p.name.value) for i, p in enumerate(positional)}
+    out |= {p.name.value: schema.OpParam(10_000, p.name.value) for p in params.kwonly_params}
+    return out

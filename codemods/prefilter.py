@@ -6,7 +6,7 @@ read exactly - where each call sits and what it passes - and ``schema.verdict``
 decides, as for every other file. It answers only where structure proves that a
 native call has no bypass piece, asking the same role finders as the analysis:
 no cache argument under a condition (a guard, by whatever name), no flag in the
-class's ``__init__`` (``model.flags``: by value), no statement after the call
+class's ``__init__`` (``values.flags``: by value), no statement after the call
 that hands a method the call's slot mappings (a post-call write). Anything else
 (a fork-era call, the op named other than as a callee, a dtype not written as a
 plain ``self.…``) returns None and the LibCST analysis answers.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 
-from codemods import model, roles, schema
+from codemods import roles, schema, values
 
 _DEFS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
@@ -65,13 +65,13 @@ class _File:
     def __init__(self, tree: ast.Module) -> None:
         self.imports = roles.import_table(tree)
         self.functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
-        self.constants = model.module_constants(tree, roles.Scope(self.functions, {}, self.imports))
+        self.constants = values.module_constants(tree, roles.Scope(self.functions, {}, self.imports))
 
     def has_flag(self, cls: ast.ClassDef) -> bool:
         methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
         init = methods.get("__init__")
         scope = roles.Scope(self.functions, methods, self.imports)
-        return init is not None and any(model.flags(init, scope, self.constants).values())
+        return init is not None and any(values.flags(init, scope, self.constants).values())
 
 
 def _after(call: ast.Call, method: ast.FunctionDef) -> list[ast.stmt]:

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import ast
 import builtins
-import functools
-import textwrap
-from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 import libcst as cst
-from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
+from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import model, roles, schema
+from codemods import roles, schema
+from codemods.model import FileModel
 from codemods.sourcemap import SourceMap
 
 
@@ -284,106 +283,6 @@ def other_insert_kv_call(cls: cst.ClassDef, allowed: set[int], name: str = schem
     return a.first_in(cls.body, lambda n: is_insert_kv_call(n, name) and id(n) not in allowed)
 
 
-class _Defs(Mapping[str, ast.FunctionDef]):
-    """LibCST defs by name, as Python's own tree: the one the source map paired with it,
-    else read from its code, once, when asked for."""
-
-    def __init__(self, defs: dict[str, cst.FunctionDef], source_map: SourceMap | None) -> None:
-        self.defs, self.trees, self.source_map = defs, {}, source_map
-
-    def __getitem__(self, name: str) -> ast.FunctionDef:
-        if name not in self.trees:
-            fn = self.defs[name]
-            node = self.source_map.trees.get(id(fn)) if self.source_map is not None else None
-            try:
-                node = node or ast.parse(textwrap.dedent(a.code(fn.with_changes(leading_lines=[], decorators=[])))).body[0]
-            except (SyntaxError, ValueError, IndexError):
-                raise KeyError(name) from None
-            if not isinstance(node, ast.FunctionDef):
-                raise KeyError(name)
-            self.trees[name] = node
-        return self.trees[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.defs
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.defs)
-
-    def __len__(self) -> int:
-        return len(self.defs)
-
-
-@dataclass
-class FileModel:
-    """The file, read once (``model``): its module functions and pass-through wrappers, what
-    its imports bind, and per class what its flags are; every finder asks it."""
-
-    module: cst.Module
-    source_map: SourceMap | None
-    functions: dict[str, cst.FunctionDef]
-    wrappers: dict[str, a.Wrapper]
-    imports: dict[str, str]
-    _scopes: dict[int, roles.Scope] = field(default_factory=dict)
-    _flags: dict[int, dict[str, bool]] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, module: cst.Module, source: str | bytes | None = None) -> FileModel:
-        source_map = SourceMap.of(module, module.code if source is None else source)
-        try:
-            tree = source_map.tree if source_map is not None else ast.parse(module.code)
-        except (SyntaxError, ValueError, RecursionError, MemoryError):
-            tree = ast.Module(body=[], type_ignores=[])
-        return cls(module, source_map, a.module_functions(module), a.pass_through_wrappers(module), roles.import_table(tree))
-
-    @functools.cached_property
-    def positions(self) -> Mapping[cst.CSTNode, CodeRange]:
-        """Every node's position: LibCST generates them for the whole file, so only when asked."""
-        return MetadataWrapper(self.module, unsafe_skip_copy=True).resolve(PositionProvider)
-
-    def scope(self, cls: cst.ClassDef) -> roles.Scope:
-        """What a flag's expression may call: the module's functions, the class's methods, imports."""
-        if id(cls) not in self._scopes:
-            methods = {f.name.value: f for f in a.methods(cls)}
-            self._scopes[id(cls)] = roles.Scope(
-                _Defs(self.functions, self.source_map), _Defs(methods, self.source_map), self.imports
-            )
-        return self._scopes[id(cls)]
-
-    def flags(self, cls: cst.ClassDef) -> dict[str, bool]:
-        """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``model.flags``)."""
-        if id(cls) not in self._flags:
-            scope = self.scope(cls)
-            init = scope.methods["__init__"] if "__init__" in scope.methods else None
-            base = model.module_constants(self.source_map.tree, scope) if self.source_map is not None else {}
-            self._flags[id(cls)] = model.flags(init, scope, base) if init is not None else {}
-        return self._flags[id(cls)]
-
-    def is_compiling(self, expr: cst.BaseExpression) -> bool:
-        tree = schema.expression(a.code(expr))
-        return tree is not None and roles.is_compiling(tree, self.imports)
-
-    def compile_test(self) -> str:
-        """How this file calls ``torch.compiler.is_compiling()``: its own spelling where it
-        imports it (``is_compiling()``, ``dynamo.is_compiling()``), else that one."""
-        for bound, name in sorted(self.imports.items()):
-            if name in roles.COMPILE_TESTS:
-                return f"{bound}()"
-            if f"{name}.is_compiling" in roles.COMPILE_TESTS and bound != "torch":
-                return f"{bound}.is_compiling()"
-        return "torch.compiler.is_compiling()"
-
-    def compiled_path_write(self, node: cst.CSTNode) -> bool:
-        """A branch on ``torch.compiler.is_compiling()`` (however imported), or a call of a
-        registered op (``torch.ops.<namespace>.<op>(...)``): the compiled path's cache write."""
-        if isinstance(node, cst.If):
-            return self.is_compiling(node.test)
-        if not isinstance(node, cst.Call):
-            return False
-        tree = schema.expression(a.code(node.func))
-        return tree is not None and (roles.qualified(tree, self.imports) or "").startswith("torch.ops.")
-
-
 def collect_pieces(
     m: FileModel,
     cls: cst.ClassDef,
@@ -445,7 +344,7 @@ def collect_pieces(
         p.guard_args = [_local(c) or c for c in guarded]
 
     # The flag: the attribute the guard reads, else the one __init__ leaves holding whether
-    # the cache dtype is fp8 (``model.flags``: by its value, whatever statements decide it).
+    # the cache dtype is fp8 (``values.flags``: by its value, whatever statements decide it).
     flags = m.flags(cls)
     proven = [attr for attr, ok in flags.items() if ok]
     if guard_flag:
@@ -566,7 +465,7 @@ def _taken_names(cls: cst.ClassDef, init_attrs: a.Assignments, p: schema.Pieces)
     # the values of the first flag and scale assignments in __init__, where they are the bypass's
     own = set()
     # a proven flag is what __init__ (and the methods it calls) leave in it: each of those
-    # assignments is part of it (``model.flags``)
+    # assignments is part of it (``values.flags``)
     setters = {"__init__", *_init_calls(cls)} if p.flag_set else set()
     scale = init_attrs.get(schema.FP8_SCALE, [])[:1]
     if scale and matches(scale[0][1], schema.is_scale_value):

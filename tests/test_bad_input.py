@@ -104,7 +104,7 @@ def test_empty_file_has_nothing_to_do(tmp_path: Path) -> None:
     path.write_bytes(b"")
     proc = cli("run", str(path))
     assert proc.returncode == 0, proc.stderr
-    assert "1 file without the fused op" in proc.stderr and not error_lines(proc.stderr)
+    assert "1 empty file (0 bytes): nothing to do." in proc.stderr and not error_lines(proc.stderr)
     assert path.read_bytes() == b"" and folder_listing(tmp_path) == ["model.py"]
 
 

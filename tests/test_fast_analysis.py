@@ -20,6 +20,7 @@ from test_prefilter import NATIVE_LAYOUTS, PATCHED_LAYOUTS, wheel_files  # noqa:
 
 from codemods import anchors as a
 from codemods.analysis import analyze
+from codemods.model import pass_through_wrappers
 from codemods.sites import find_calls
 from codemods.sourcemap import SourceMap
 
@@ -49,7 +50,7 @@ def sources() -> dict[str, Callable[[], bytes]]:
 
 
 def found(module: cst.Module, source_map: SourceMap | None) -> list[tuple[int, int]]:
-    wrappers = a.pass_through_wrappers(module)
+    wrappers = pass_through_wrappers(module)
     return [(id(f.call), f.line) for f in find_calls(module, source_map, wrappers).found]
 
 
