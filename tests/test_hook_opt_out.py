@@ -190,3 +190,14 @@ def test_without_such_a_hook_the_advice_is_a_command_that_works(tmp_path: Path) 
         proc = cli(*command.split(" ")[-2:], cwd=root, env={"PATH": path})  # that command's arguments
         assert proc.returncode == 0, proc.stderr
         assert (root / MODEL).read_bytes() == (FIXTURES / "fork_era" / "expected.py").read_bytes()
+
+
+def test_survey_reports_an_off_file_as_run_leaves_it(tmp_path: Path) -> None:
+    """`survey` answers as `check` does: a file marked off is left alone (exit 0), not listed as
+    one `run` would rewrite."""
+    held = off_copy(tmp_path, "fork_era")
+    proc = cli("survey", "--json", str(held))
+    report = json.loads(proc.stdout)
+    sites = [s for f in report["files"] for s in f["sites"] if s["state"] == "needs-bypass"]
+    assert [s["action"] for s in sites] == ["none"], proc.stdout
+    assert proc.returncode == 0, proc.stderr
