@@ -4,7 +4,7 @@ As in ruff's semantic model, a recogniser asks what a name *is*, never how it is
 spelled: the file's imports resolve names to qualified ones (``roles.import_table``:
 ``is_compiling`` of ``from torch.compiler import is_compiling`` is
 ``torch.compiler.is_compiling``), and a flag is known by the value ``__init__``
-leaves in it (``values.flags``). ``FileModel`` pairs that with the LibCST tree that
+leaves in it (``roles.flags``). ``FileModel`` pairs that with the LibCST tree that
 is rewritten: the module's functions and pass-through wrappers, each class's scope
 and flags, positions (made only when asked), and the flag's defining statements.
 """
@@ -21,7 +21,7 @@ import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import roles, schema, values
+from codemods import roles, schema
 from codemods.sourcemap import SourceMap
 
 
@@ -92,16 +92,16 @@ class FileModel:
         return self._scopes[id(cls)]
 
     def flags(self, cls: cst.ClassDef) -> dict[str, bool]:
-        """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``values.flags``)."""
+        """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``roles.flags``)."""
         if id(cls) not in self._flags:
             scope = self.scope(cls)
             init = scope.methods["__init__"] if "__init__" in scope.methods else None
-            base = values.module_constants(self.source_map.tree, scope) if self.source_map is not None else {}
-            self._flags[id(cls)] = values.flags(init, scope, base) if init is not None else {}
+            base = roles.module_constants(self.source_map.tree, scope) if self.source_map is not None else {}
+            self._flags[id(cls)] = roles.flags(init, scope, base) if init is not None else {}
         return self._flags[id(cls)]
 
     def is_compiling(self, expr: cst.BaseExpression) -> bool:
-        tree = schema.expression(a.code(expr))
+        tree = roles.expression(a.code(expr))
         return tree is not None and roles.is_compiling(tree, self.imports)
 
     def compile_test(self) -> str:
@@ -121,7 +121,7 @@ class FileModel:
             return self.is_compiling(node.test)
         if not isinstance(node, cst.Call):
             return False
-        tree = schema.expression(a.code(node.func))
+        tree = roles.expression(a.code(node.func))
         return tree is not None and (roles.qualified(tree, self.imports) or "").startswith("torch.ops.")
 
     def flag_definition(self, cls: cst.ClassDef, init: cst.FunctionDef, flag: str) -> list[cst.BaseStatement]:
@@ -132,7 +132,7 @@ class FileModel:
         setters: list[cst.FunctionDef] = []
 
         def pure(expr: cst.BaseExpression) -> bool:
-            tree = schema.expression(a.code(expr))
+            tree = roles.expression(a.code(expr))
             try:
                 return tree is not None and roles.evaluate(tree, {**_locals, roles.DTYPE: "fp8"}, scope) is not None
             except (roles.Unknown, TypeError, ValueError, RecursionError, AttributeError):
@@ -166,7 +166,7 @@ class FileModel:
         for stmt in body:  # what the top-level locals hold (for the fp8 dtype), where that can be read
             pair = a.simple_assignment(stmt)
             if pair is not None and isinstance(pair[0], cst.Name) and pure(pair[1]):
-                tree = schema.expression(a.code(pair[1]))
+                tree = roles.expression(a.code(pair[1]))
                 _locals[pair[0].value] = roles.evaluate(tree, {**_locals, roles.DTYPE: "fp8"}, scope)  # type: ignore[arg-type]
         found = [stmt for stmt in body if only_sets(stmt)]
         # locals read only by those statements (``quantized = "fp8" in d``; ``self.F = quantized``)

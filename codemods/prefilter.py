@@ -6,7 +6,7 @@ read exactly - where each call sits and what it passes - and ``schema.verdict``
 decides, as for every other file. It answers only where structure proves that a
 native call has no bypass piece, asking the same role finders as the analysis:
 no cache argument under a condition (a guard, by whatever name), no flag in the
-class's ``__init__`` (``values.flags``: by value), no statement after the call
+class's ``__init__`` (``roles.flags``: by value), no statement after the call
 that hands a method the call's slot mappings (a post-call write). Anything else
 (a fork-era call, the op named other than as a callee, a dtype not written as a
 plain ``self.…``) returns None and the LibCST analysis answers.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 
-from codemods import roles, schema, values
+from codemods import roles, schema
 
 _DEFS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
@@ -39,7 +39,7 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
         named += sum(
             1 for value in ast.iter_fields(node) if isinstance(value[1], str) and schema.FUSED_OP in value[1]
         )
-        if isinstance(node, ast.Call) and schema.callee(node) == schema.FUSED_OP:
+        if isinstance(node, ast.Call) and roles.callee(node) == schema.FUSED_OP:
             sites.append(_site(node, stack, lines, file))
         inner = (*stack, node) if isinstance(node, _DEFS) else stack
         for child in ast.iter_child_nodes(node):
@@ -65,13 +65,13 @@ class _File:
     def __init__(self, tree: ast.Module) -> None:
         self.imports = roles.import_table(tree)
         self.functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
-        self.constants = values.module_constants(tree, roles.Scope(self.functions, {}, self.imports))
+        self.constants = roles.module_constants(tree, roles.Scope(self.functions, {}, self.imports))
 
     def has_flag(self, cls: ast.ClassDef) -> bool:
         methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
         init = methods.get("__init__")
         scope = roles.Scope(self.functions, methods, self.imports)
-        return init is not None and any(values.flags(init, scope, self.constants).values())
+        return init is not None and any(roles.flags(init, scope, self.constants).values())
 
 
 def _after(call: ast.Call, method: ast.FunctionDef) -> list[ast.stmt]:
@@ -127,7 +127,7 @@ def _site(call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str], file: _F
         nested_in=None,
         star_args=False,
         has_cache=has_cache,
-        dtype=schema.dotted(dtype) if has_cache else None,
+        dtype=roles.dotted(dtype) if has_cache else None,
         dtype_is_auto=False,
         in_block=False,  # not asked of a call that passes a dtype
     )
@@ -136,7 +136,7 @@ def _site(call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str], file: _F
 
 def _plain(node: ast.expr, lines: list[str]) -> bool:
     """``self.kv_cache_dtype``-like, written plainly between ``=``/``,`` and ``,``/``)``."""
-    if schema.dotted(node) is None or node.end_lineno != node.lineno:
+    if roles.dotted(node) is None or node.end_lineno != node.lineno:
         return False
     line = lines[node.lineno - 1].encode()
     start, end = node.col_offset, node.end_col_offset or 0
@@ -144,7 +144,7 @@ def _plain(node: ast.expr, lines: list[str]) -> bool:
     above = (text.encode().rstrip() for text in reversed(lines[: node.lineno - 1]))
     before = line[:start].rstrip() or next((text for text in above if text), b"")
     return (
-        line[start:end].decode() == schema.dotted(node)
+        line[start:end].decode() == roles.dotted(node)
         and before[-1:] in (b"=", b",")
         and line[end:].lstrip()[:1] in (b",", b")", b"")
     )

@@ -12,7 +12,6 @@ native file must not pay for importing LibCST.
 
 from __future__ import annotations
 
-import ast
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -231,39 +230,6 @@ class Pieces:
             or self.scale_set
             or self.scale_read
         )
-
-
-# --- the bypass's own expressions, read on Python's own tree (parser-free) ---------------
-
-
-def dotted(node: ast.expr) -> str | None:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        return ".".join([node.id, *reversed(parts)])
-    return None
-
-
-def callee(call: ast.Call) -> str | None:
-    """``f`` of ``f(…)`` and of ``x.f(…)``."""
-    if isinstance(call.func, ast.Name):
-        return call.func.id
-    return call.func.attr if isinstance(call.func, ast.Attribute) else None
-
-
-def is_scale_value(node: ast.expr) -> bool:
-    """``torch.ones(…)``: the identity scale as the bypass makes it."""
-    return isinstance(node, ast.Call) and dotted(node.func) == "torch.ones"
-
-
-def expression(code: str) -> ast.expr | None:
-    """One expression's source as Python's own tree (None: not an expression)."""
-    try:
-        return ast.parse(f"({code})", mode="eval").body
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
 
 
 # `_insert_kv` taking the slot mappings: the current form, and the older one whose

@@ -170,7 +170,7 @@ def _ast_calls(tree: ast.Module, op_lines: list[int], names: set[str]) -> list[a
             first = min((d.lineno for d in getattr(node, "decorator_list", ())), default=node.lineno)
             if not _holds(first, node.end_lineno or node.lineno, op_lines):
                 return
-        if isinstance(node, ast.Call) and schema.callee(node) in names:
+        if isinstance(node, ast.Call) and roles.callee(node) in names:
             found.append(node)
         for child in ast.iter_child_nodes(node):
             visit(child)
@@ -254,7 +254,7 @@ def unguarded(arg: cst.Arg) -> cst.BaseExpression:
 
 def _local(condition: str) -> str | None:
     """The local a condition reads, where it is ``G`` or ``not G``."""
-    tree = schema.expression(condition)
+    tree = roles.expression(condition)
     while isinstance(tree, ast.UnaryOp) and isinstance(tree.op, ast.Not):
         tree = tree.operand
     return tree.id if isinstance(tree, ast.Name) else None
@@ -307,13 +307,13 @@ def collect_pieces(
     if guarded and len(set(guarded)) == 1:
         condition = guarded[0]
         local = _local(condition)
-        fused_when = schema.expression(condition)
+        fused_when = roles.expression(condition)
         value = None
         if local is not None and slot is not None:
             for stmt in slot.before():
                 pair = a.simple_assignment(stmt)
                 if pair and isinstance(pair[0], cst.Name) and pair[0].value == local:
-                    value = schema.expression(a.code(pair[1]))
+                    value = roles.expression(a.code(pair[1]))
             if value is not None and not _bound_only_in(bound[local], slot.block):
                 value = None  # also bound elsewhere: what it holds at the call is not proven
         lost = local is not None and local not in bound and not _module_binds(module, local)
@@ -344,7 +344,7 @@ def collect_pieces(
         p.guard_args = [_local(c) or c for c in guarded]
 
     # The flag: the attribute the guard reads, else the one __init__ leaves holding whether
-    # the cache dtype is fp8 (``values.flags``: by its value, whatever statements decide it).
+    # the cache dtype is fp8 (``roles.flags``: by its value, whatever statements decide it).
     flags = m.flags(cls)
     proven = [attr for attr, ok in flags.items() if ok]
     if guard_flag:
@@ -375,7 +375,10 @@ def collect_pieces(
         p.post_insert, p.post_insert_call = True, node
         p.insert_method = a.self_attr(node.func) or schema.INSERT_KV
         p.insert_from_file = _passes_slots(node, main, index)
-        test = schema.expression(a.code(stmt.test)) if isinstance(stmt, cst.If) else None
+        test = roles.expression(a.code(stmt.test)) if isinstance(stmt, cst.If) else None
+        lost = sorted(roles.self_attrs(test) - set(init_attrs) - set(flags)) if test is not None else []
+        if guard is None and not p.flag_set and len(lost) == 1:  # the block tests a flag nothing sets
+            p.flag_attr, p.flag_read, p.flag_from_file = lost[0], True, True
         block_guard = guard
         if block_guard is None and p.flag_set and not guarded:
             block_guard = roles.Guard(ast.parse(f"not self.{p.flag_attr}", mode="eval").body, imports=m.imports)
@@ -438,7 +441,7 @@ def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Modu
 
 def matches(expr: cst.BaseExpression, test: Callable[[ast.expr], bool]) -> bool:
     """``test``, one of ``schema``'s recognisers, on the expression as Python's own tree."""
-    tree = schema.expression(a.code(expr))
+    tree = roles.expression(a.code(expr))
     return tree is not None and test(tree)
 
 
@@ -465,10 +468,10 @@ def _taken_names(cls: cst.ClassDef, init_attrs: a.Assignments, p: schema.Pieces)
     # the values of the first flag and scale assignments in __init__, where they are the bypass's
     own = set()
     # a proven flag is what __init__ (and the methods it calls) leave in it: each of those
-    # assignments is part of it (``values.flags``)
+    # assignments is part of it (``roles.flags``)
     setters = {"__init__", *_init_calls(cls)} if p.flag_set else set()
     scale = init_attrs.get(schema.FP8_SCALE, [])[:1]
-    if scale and matches(scale[0][1], schema.is_scale_value):
+    if scale and matches(scale[0][1], roles.is_scale_value):
         own.add(id(scale[0][1]))
     for method in a.methods(cls):
         for node in a.all_statements(method.body):

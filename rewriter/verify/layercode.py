@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from codemods import roles, schema, values
+from codemods import roles, schema
 from codemods.schema import FUSED_OP, KV_CACHE
 from rewriter.apply import read_source
 
@@ -178,7 +178,7 @@ class LayerCode:
     module_names: set[str] = field(default_factory=set)  # the module's other top-level classes and names
     custom_ops: dict[str, str] = field(default_factory=dict)  # ops the file registers -> its function
     compile_aware: bool = False  # the class or a module function asks torch.compiler.is_compiling()
-    constants: dict[str, object] = field(default_factory=dict)  # module-level literals (values.module_constants)
+    constants: dict[str, object] = field(default_factory=dict)  # module-level literals (roles.module_constants)
 
     def fit(self, shape: Shape) -> Shape:
         """``shape`` with the sizes that one attribute of the file holds made equal: the
@@ -299,7 +299,7 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
     )
     return LayerCode(
         path, class_name, methods, decorators, init, ops, imported, bindings, called, functions, native,
-        others - set(functions), _custom_ops(tree), compile_aware, values.module_constants(tree, roles.NO_SCOPE),
+        others - set(functions), _custom_ops(tree), compile_aware, roles.module_constants(tree, roles.NO_SCOPE),
     )
 
 
@@ -308,7 +308,7 @@ def _custom_ops(tree: ast.Module) -> dict[str, str]:
     found = {}
     for node in tree.body:
         call = node.value if isinstance(node, ast.Expr) else None
-        if not (isinstance(call, ast.Call) and (schema.callee(call) or "").endswith("register_custom_op")):
+        if not (isinstance(call, ast.Call) and (roles.callee(call) or "").endswith("register_custom_op")):
             continue
         kw = {k.arg: k.value for k in call.keywords}
         name, func = kw.get("op_name", call.args[0] if call.args else None), kw.get("op_func")
