@@ -11,6 +11,14 @@ import libcst as cst
 from codemods import anchors as a
 
 
+# What the templates write must pass the fork's own pre-commit (vLLM's `ruff check`, line
+# length 88, and `ruff format`): each is spelled as ruff format spells it, and each line
+# fits in 88 columns at the indent it lands at (a method of a class: 8, the post-call
+# block: 12) with the names a real file fills in; a call that would not fit is written
+# one argument per line with a magic trailing comma, a long message as implicitly
+# concatenated parts (tests/test_lint_output.py). FLAG's and GUARD's comment lines are
+# how revert knows the bypass's own comments (fp8_kv_revert.BYPASS_COMMENTS), in files
+# written by every earlier version too: their text stays as it is.
 FLAG = """\
 # fp8 KV cache: the fused qknorm+rope+kv-insert op writes bf16 caches only;
 # forward() then runs it norm+rope-only and writes the cache via _insert_kv().
@@ -32,22 +40,24 @@ GUARD = """\
 """
 
 NATIVE_GUARD = """\
-# fp8 KV cache, torch.compile-aware: in eager the native kernel writes the cache
-# (fp8 included, padded slots skipped); while compiling the slot mappings are
-# None, so the cache arguments are too and the post-call block writes the cache.
+# fp8 KV cache, torch.compile-aware: in eager the native kernel writes
+# the cache (fp8 included, padded slots skipped); while compiling the
+# slot mappings are None, so the cache arguments are too and the
+# post-call block writes the cache.
 {guard} = not {compiling}
 """
 
 POST_INSERT = """\
 if not {guard}:
-{I}# {qkv} is [q | k | v | index_q | index_k]: the fused op left k and index_k
-{I}# normed/roped in place and v raw; write them (strided views) to the cache.
+{I}# {qkv} is [q | k | v | index_q | index_k]: the fused op left k and
+{I}# index_k (one index-key head) normed/roped in place and v raw; write
+{I}# them (strided views) to the cache.
 {I}{n_kv} = {kv_width}
 {I}{n_k0} = {q_width}
 {I}{n_ik0} = {n_k0} + 2 * {n_kv} + {index_q_width}
 {I}{n_k} = {qkv}[:, {n_k0} : {n_k0} + {n_kv}]
 {I}{n_v} = {qkv}[:, {n_k0} + {n_kv} : {n_k0} + 2 * {n_kv}]
-{I}{n_index_k} = {qkv}[:, {n_ik0} : {n_ik0} + {idx_head_dim}]  # one index-key head
+{I}{n_index_k} = {qkv}[:, {n_ik0} : {n_ik0} + {idx_head_dim}]
 {I}self.{insert_kv}({n_k}, {n_v}, {n_index_k}, {main_slots}, {index_slots})
 """
 
@@ -61,7 +71,10 @@ if {idx_cache}.dtype == {idx_key}.dtype:
 elif {idx_cache}.dtype == torch.float8_e4m3fn:
 {I}{idx_dtype} = "fp8_e4m3"  # an fp8 index cache: x / 1, saturating
 else:
-{I}raise ValueError(f"index cache dtype {{{idx_cache}.dtype}}: neither {{{idx_key}.dtype}} nor fp8 e4m3")
+{I}raise ValueError(
+{I}{I}f"index cache dtype {{{idx_cache}.dtype}}: "
+{I}{I}f"neither {{{idx_key}.dtype}} nor fp8 e4m3"
+{I})
 """
 
 INDEX_WRITE = """\
@@ -96,7 +109,8 @@ def {name}(
 
 {D}Used only on the fp8-KV path, where the bf16-only fused op runs in
 {D}norm+rope-only mode: ``reshape_and_cache_flash`` honours kv_cache_dtype.
-{D}The index cache is copied (bf16) or stored x / 1 (fp8 e4m3), as the fused op does.
+{D}The index cache is copied (bf16) or stored x / 1 (fp8 e4m3), as the
+{D}fused op does.
 {D}"""
 {I}key_cache, value_cache = {kv_cache}.unbind(1)
 {I}scale = self._fp8_kv_scale  # identity: stores x / 1

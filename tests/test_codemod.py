@@ -70,7 +70,8 @@ class Layer:
 
         Used only on the fp8-KV path, where the bf16-only fused op runs in
         norm+rope-only mode: ``reshape_and_cache_flash`` honours kv_cache_dtype.
-        The index cache is copied (bf16) or stored x / 1 (fp8 e4m3), as the fused op does.
+        The index cache is copied (bf16) or stored x / 1 (fp8 e4m3), as the
+        fused op does.
         \"\"\"
         key_cache, value_cache = self.kv_cache.unbind(1)
         scale = self._fp8_kv_scale  # identity: stores x / 1
@@ -93,7 +94,10 @@ class Layer:
         elif idx_cache.dtype == torch.float8_e4m3fn:
             idx_dtype = "fp8_e4m3"  # an fp8 index cache: x / 1, saturating
         else:
-            raise ValueError(f"index cache dtype {idx_cache.dtype}: neither {idx_key.dtype} nor fp8 e4m3")
+            raise ValueError(
+                f"index cache dtype {idx_cache.dtype}: "
+                f"neither {idx_key.dtype} nor fp8 e4m3"
+            )
         ops.reshape_and_cache_flash(
             idx_key,
             idx_key,
@@ -115,14 +119,15 @@ class Layer:
             slots, index_slots, self.kv_cache if insert_via_fused else None, self.index_cache if insert_via_fused else None, 128, q, index_q,
         )
         if not insert_via_fused:
-            # qkv is [q | k | v | index_q | index_k]: the fused op left k and index_k
-            # normed/roped in place and v raw; write them (strided views) to the cache.
+            # qkv is [q | k | v | index_q | index_k]: the fused op left k and
+            # index_k (one index-key head) normed/roped in place and v raw; write
+            # them (strided views) to the cache.
             kv = self.num_kv_heads * self.head_dim
             k0 = self.q_size
             ik0 = k0 + 2 * kv + self.index_q_size
             k = qkv[:, k0 : k0 + kv]
             v = qkv[:, k0 + kv : k0 + 2 * kv]
-            index_k = qkv[:, ik0 : ik0 + self.idx_head_dim]  # one index-key head
+            index_k = qkv[:, ik0 : ik0 + self.idx_head_dim]
             self._insert_kv(k, v, index_k, slots, index_slots)
         return q, index_q
 """
