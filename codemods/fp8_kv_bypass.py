@@ -78,6 +78,9 @@ class BypassPlan:
     scopes: tuple[cst.CSTNode, ...] = ()  # the defs/classes the transformer must enter
     # statement -> the code that replaces it (the upgrade of an older `_insert_kv`)
     edits: list[tuple[cst.BaseStatement, str]] = field(default_factory=list)
+    # the wrapped arguments whose line would pass vLLM's line length (88): each goes on its own
+    # lines in parentheses, as ruff format writes an argument that does not fit
+    split_args: list[schema.OpParam] = field(default_factory=list)
 
 
 def _fresh(name: str, taken: set[str]) -> str:
@@ -175,6 +178,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
             NATIVE_GUARD if native else GUARD, module, guard=guard, flag=p.flag_attr, compiling=m.compile_test()
         ),
         wrap_args=wrap,
+        split_args=_split_args(m, op, wrap, guard),
         add_post_insert=not p.post_insert,
         post_insert_code=render(
             POST_INSERT,
@@ -396,13 +400,10 @@ class Fp8KvBypass(cst.CSTTransformer):
         new_args = []
         for orig_arg, arg in zip(original.args, updated.args, strict=True):
             if any(orig_arg is w for w in wrap):
-                arg = arg.with_changes(
-                    value=cst.IfExp(
-                        test=cst.Name(self.plan.guard),
-                        body=arg.value,
-                        orelse=cst.Name("None"),
-                    )
-                )
+                value = cst.IfExp(test=cst.Name(self.plan.guard), body=arg.value, orelse=cst.Name("None"))
+                if any(orig_arg is self.plan.op.arg(p) for p in self.plan.split_args):
+                    value = value.with_changes(lpar=[_open(2, self.module)], rpar=[_close(1, self.module)])
+                arg = arg.with_changes(value=value)
             new_args.append(arg)
         return updated.with_changes(args=new_args)
 
@@ -476,6 +477,35 @@ REPLACED_COMMENTS = (
     "Index-key cache: one vector per token, scattered by slot.",
     "Index-key cache: single vector per token, scatter by slot.",
 )
+
+
+LINE_LENGTH = 88  # vLLM's ruff line length
+
+
+def _split_args(m: FileModel, op: a.OpCall, wrap: list[schema.OpParam], guard: str) -> list[schema.OpParam]:
+    """The arguments whose line ``X if <guard> else None`` in place of their values (every
+    wrapped one on that line) would make longer than vLLM's line length."""
+    lines = m.module.code.splitlines()
+    ends = {param: m.positions[arg.value].end.line for param in wrap if (arg := op.arg(param)) is not None}
+    grown = {line: len(lines[line - 1]) + sum(len(f" if {guard} else None") for e in ends.values() if e == line) for line in ends.values()}
+    return [param for param, line in ends.items() if grown[line] > LINE_LENGTH]
+
+
+def _open(levels: int, module: cst.Module) -> cst.LeftParen:
+    """``(`` then a new line, ``levels`` indents deeper than the statement."""
+    return cst.LeftParen(
+        whitespace_after=cst.ParenthesizedWhitespace(
+            first_line=cst.TrailingWhitespace(), indent=True, last_line=cst.SimpleWhitespace(module.default_indent * levels)
+        )
+    )
+
+
+def _close(levels: int, module: cst.Module) -> cst.RightParen:
+    return cst.RightParen(
+        whitespace_before=cst.ParenthesizedWhitespace(
+            first_line=cst.TrailingWhitespace(), indent=True, last_line=cst.SimpleWhitespace(module.default_indent * levels)
+        )
+    )
 
 
 def _replaced_comment(line: cst.EmptyLine) -> bool:

@@ -116,7 +116,11 @@ class Layer:
             qkv, self.q_norm.weight, self.k_norm.weight, self.cos_sin_cache,
             positions, self.num_heads, self.num_kv_heads, self.rotary_dim, self.eps,
             self.index_q_norm.weight, self.index_k_norm.weight, self.num_idx_heads,
-            slots, index_slots, self.kv_cache if insert_via_fused else None, self.index_cache if insert_via_fused else None, 128, q, index_q,
+            slots, index_slots, (
+                self.kv_cache if insert_via_fused else None
+            ), (
+                self.index_cache if insert_via_fused else None
+            ), 128, q, index_q,
         )
         if not insert_via_fused:
             # qkv is [q | k | v | index_q | index_k]: the fused op left k and

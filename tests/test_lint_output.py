@@ -60,20 +60,6 @@ REWRITTEN = sorted(
     and (d / "model.py").read_bytes() != (d / "expected.py").read_bytes()
 )
 
-# Where the rewrite's only new line comes from wrapping a cache argument in place
-# (`X if insert_via_fused else None`, fp8_kv_bypass.Fp8KvBypass.leave_Call), not from a
-# template: the argument shares its line with others (a hand-packed call) or carries a
-# trailing comment, and the guarded argument no longer fits in 88 columns.
-TRAILING_COMMENT = {
-    "reformatted": "`kv_cache=...,  # comment`: the guarded argument plus its comment grows past 88",
-}
-IN_PLACE_WRAP = {
-    **TRAILING_COMMENT,
-    # formatted, the call has one argument per line: no longer a finding
-    "no_insert_kv": "a hand-packed call: the line holding both guarded cache arguments grows past 88",
-}
-
-
 def findings(path: Path) -> Counter[tuple[str, str]]:
     """``ruff check``'s findings, by rule code and message (not by line: lines move)."""
     proc = subprocess.run([*RUFF, *CHECK, str(path)], capture_output=True, text=True, check=False)
@@ -118,13 +104,13 @@ def _cases(known: dict[str, str]) -> list:  # type: ignore[type-arg]
     ]
 
 
-@pytest.mark.parametrize("variant", _cases(IN_PLACE_WRAP))
+@pytest.mark.parametrize("variant", _cases({}))
 def test_rewrite_adds_no_lint_finding(variant: str, tmp_path: Path) -> None:
     original = FIXTURES / variant / "model.py"
     assert_passes_checks(original, rewrite(original, tmp_path))
 
 
-@pytest.mark.parametrize("variant", _cases(TRAILING_COMMENT))
+@pytest.mark.parametrize("variant", _cases({}))
 def test_rewrite_of_a_ruff_formatted_file_stays_formatted(variant: str, tmp_path: Path) -> None:
     """The fixture's model.py as a fork that runs ``ruff format`` has it: formatted, so the
     format property is exercised on every shape (most fixtures are not formatted as is)."""
