@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from codemods.schema import CHANGING, Action  # noqa: E402
-from rewriter.apply import FileStatus, plan_file  # noqa: E402
+from codemods.schema import CHANGING, Action
+from rewriter.apply import FileStatus, plan_file
 
 RUFF_RULES = "E,F,UP,B,ISC,SIM,I,G"
 FINDING = re.compile(r"^.*?:(\d+):(\d+): (.*)$")
@@ -44,7 +44,7 @@ STAND_IN = re.compile(r"the stand-in cannot|not modelled by the stand-in")
 def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
     return subprocess.run(
-        [*CLI, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+        [*CLI, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False
     )
 
 
@@ -126,7 +126,7 @@ def ruff_findings(path: Path) -> tuple[list[tuple[int, str]], str]:
     proc = subprocess.run(
         ["ruff", "check", "--isolated", "--select", RUFF_RULES, "--line-length", "88",
          "--target-version", "py310", "--no-cache", "--output-format", "concise", str(path)],
-        capture_output=True, text=True,
+        capture_output=True, text=True, check=False,
     )
     out = []
     for line in proc.stdout.splitlines():
@@ -139,7 +139,7 @@ def ruff_findings(path: Path) -> tuple[list[tuple[int, str]], str]:
 def ruff_format_ok(path: Path) -> bool:
     proc = subprocess.run(
         ["ruff", "format", "--isolated", "--check", "--line-length", "88", str(path)],
-        capture_output=True, text=True,
+        capture_output=True, text=True, check=False,
     )
     return proc.returncode == 0
 
@@ -313,12 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         print("ruff is not installed: pip install ruff", file=sys.stderr)
         return 2
     files = sorted(args.dir.glob("*.py"))
+    start = tool_state()
     rows = []
     for i, path in enumerate(files, 1):
         print(f"[{i}/{len(files)}] {path.name}", file=sys.stderr, flush=True)
         try:
             rows.append(evaluate(path))
-        except Exception as exc:  # one file's crash is a result, not the end of the run
+        except Exception as exc:  # noqa: BLE001 -- one file's crash is a result, not the end of the run
             rows.append({"file": path.name, "verdict": "crash", "kind": "crash", "reason": repr(exc),
                          "outcome": "crash"})
     print(table(rows))
@@ -327,13 +328,23 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in tot.items() if k != "wrong"}, indent=1))
     for w in tot["wrong"]:
         print(f"WRONG {w['file']}: {w['verdict']}: {w['semantic']}")
+    end = tool_state()
+    if start != end:  # someone edited the tool mid-run: the rows may disagree with each other
+        print(f"warning: the tool changed during the run ({start} -> {end})", file=sys.stderr)
     if args.json_out:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--short"], capture_output=True, text=True)
         args.json_out.write_text(json.dumps(
-            {"tool_head": head.stdout.strip(), "tool_dirty": dirty.stdout.splitlines(),
-             "totals": tot, "rows": rows}, indent=1))
+            {"tool_at_start": start, "tool_at_end": end, "totals": tot, "rows": rows}, indent=1))
     return 0
+
+
+def tool_state() -> dict:
+    """The checkout's commit and uncommitted changes (codemods/, rewriter/), to date the results."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    diff = subprocess.run(
+        ["git", "-C", str(ROOT), "diff", "HEAD", "--", "codemods", "rewriter"],
+        capture_output=True, text=True, check=False,
+    )
+    return {"head": head.stdout.strip(), "dirty_diff_lines": len(diff.stdout.splitlines())}
 
 
 if __name__ == "__main__":
