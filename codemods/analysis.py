@@ -102,7 +102,7 @@ def classify(
     except Unsupported as exc:
         failure = str(exc)
     if decided.state is SiteState.PATCHED and failure is not None:
-        return replace(decided, reason=f"{decided.reason}; `revert` keeps it: {failure}"), None
+        return replace(decided, reason=f"{decided.reason}; `revert` cannot take it out: {failure}"), None
     return schema.planned(decided, failure, found_pieces[-1] if found_pieces else None), plan
 
 

@@ -110,7 +110,7 @@ def {name}(
 {D}Used only on the fp8-KV path, where the bf16-only fused op runs in
 {D}norm+rope-only mode: ``reshape_and_cache_flash`` honours kv_cache_dtype.
 {D}The index cache is copied (bf16) or stored x / 1 (fp8 e4m3), as the
-{D}fused op does.
+{D}fused op does.{replaced}
 {D}"""
 {I}key_cache, value_cache = {kv_cache}.unbind(1)
 {I}scale = self._fp8_kv_scale  # identity: stores x / 1
@@ -167,6 +167,15 @@ def _insert_kv(
 
 def indented(text: str, indent: str) -> str:
     return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
+
+
+# Said in the new `_insert_kv`'s docstring where it replaced the fork-era one: `revert` reads it
+# to know that a method was there before (and that imports only it used may be gone).
+REPLACED_SAYS = "It replaces the fork-era form"
+REPLACED = """
+
+{D}It replaces the fork-era form, which read the slot mappings from
+{D}get_forward_context().attn_metadata."""
 
 
 def render(template: str, module: cst.Module, depth: int = 1, **names: str) -> str:
