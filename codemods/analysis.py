@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import libcst as cst
 
 from codemods import anchors as a
-from codemods import schema
+from codemods import codegen, schema
 from codemods.fp8_kv_bypass import BypassPlan, apply_plan, plan_bypass
 from codemods.fp8_kv_revert import RevertPlan, apply_revert, plan_site, plan_strip, revert_reason
 from codemods.schema import CHANGING, Action, InsertSite, SiteState, Unsupported
@@ -50,7 +50,7 @@ def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalys
         source = module.code
     m = FileModel.of(module, source)
     finder = find_calls(module, m.source_map, m.wrappers)
-    flag = schema.FP8_FLAG if isinstance(source, str) else schema.FP8_FLAG.encode()
+    flag = codegen.FP8_FLAG if isinstance(source, str) else codegen.FP8_FLAG.encode()
     mentions_flag = flag in source  # type: ignore[operator]
     classified = [classify(m, f, mentions_flag) for f in finder.found]
     strays = [_stray_site(stmt, m.source_map) for _, stmt in finder.strays()]

@@ -19,6 +19,13 @@ from codemods import anchors as a
 # concatenated parts (tests/test_lint_output.py). FLAG's and GUARD's comment lines are
 # how revert knows the bypass's own comments (fp8_kv_revert.BYPASS_COMMENTS), in files
 # written by every earlier version too: their text stays as it is.
+# The names `run` writes where the file has no piece of that role (a fork's own names are
+# kept): only here - the finders know each piece by what it does (tests/test_codegen_names.py).
+FP8_FLAG = "_fp8_kv"
+FP8_SCALE = "_fp8_kv_scale"  # the identity scale the write method passes, made once in __init__
+INSERT_KV = "_insert_kv"
+GUARD_NAME = "insert_via_fused"
+
 FLAG = """\
 # fp8 KV cache: the fused qknorm+rope+kv-insert op writes bf16 caches only;
 # forward() then runs it norm+rope-only and writes the cache via _insert_kv().
@@ -248,3 +255,52 @@ def remove_unused_imports(
             return updated.with_changes(body=[imp.with_changes(names=keep)])
 
     return module.visit(Remove())
+
+
+# --- the comments the bypass writes (run's, and the seed write-up's), which revert takes out ---
+
+SEED_COMMENTS = (
+    (
+        "fp8 main-K/V cache: the fused qknorm+rope+kv-insert op is bf16-cache-only",
+        "(asserts kv_cache dtype == qkv), so on the fp8 path we run it in",
+        "norm+rope-only mode and write the cache via the fp8-capable",
+        "reshape_and_cache_flash in _insert_kv. (index cache stays bf16.)",
+    ),
+    (
+        "On the fp8-KV path the fused op cannot write the (fp8) cache, so pass",
+        "kv_cache/index_cache = None -> insert_kv=False (norm+rope only): it still",
+        "de-interleaves q/index_q and rewrites the normed/roped k & index_k in",
+        "place in qkv, leaving v raw (correct -- v is never normed/roped). We then",
+        "write the cache via _insert_kv below.",
+    ),
+)
+
+
+def _comment_text(comment: str) -> str:
+    return " ".join(comment.lstrip("#").split())
+
+
+def _template_comments(template: str) -> tuple[str, ...]:
+    lines = (line.strip() for line in template.splitlines())
+    return tuple(_comment_text(line) for line in lines if line.startswith("#"))
+
+
+BYPASS_COMMENTS = (_template_comments(FLAG), _template_comments(GUARD), *SEED_COMMENTS)
+
+
+def strip_bypass_comments(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]:
+    """Leading lines without any run of comment lines that is a bypass comment block."""
+    out = list(lines)
+    for block in BYPASS_COMMENTS:
+        n = len(block)
+        i = 0
+        while i + n <= len(out):
+            window = out[i : i + n]
+            if all(
+                line.comment is not None and _comment_text(line.comment.value) == text
+                for line, text in zip(window, block, strict=True)
+            ):
+                del out[i : i + n]
+            else:
+                i += 1
+    return out

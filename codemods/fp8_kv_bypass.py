@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from codemods import anchors as a
-from codemods import schema
+from codemods import codegen, schema
 from codemods.codegen import (
     FLAG,
     GUARD,
@@ -47,7 +47,7 @@ from codemods.codegen import (
     render,
 )
 from codemods.proofs import bare_import, cache_args, dtype_anchor, op_namespace, qkv_and_slots, widths
-from codemods.schema import GUARD_NAME, Unsupported
+from codemods.schema import Unsupported
 from codemods.model import FileModel
 from codemods.sites import FoundCall, FoundPieces, other_insert_kv_call
 from codemods.sourcemap import SourceMap
@@ -101,7 +101,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
         raise Unsupported("the insert call is in __init__, not in a forward path")
     init = a.find_method(cls, "__init__")
     if init is None:
-        raise Unsupported(f"class {cls.name.value} has no __init__ to hold `self._fp8_kv`")
+        raise Unsupported(f"class {cls.name.value} has no __init__ to hold `self.{p.flag_attr}`")
     if m.imports.get("torch") != "torch":
         raise Unsupported("the module does not `import torch`, which the bypass uses")
     imports = a.module_imports(module)
@@ -110,7 +110,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
         insert_kv = "upgrade"
     if insert_kv is None:
         raise Unsupported(
-            "`_insert_kv` exists in a form that is neither the attn_metadata one nor the slot-mapping one"
+            f"`{p.insert_method}` exists in a form that is neither the attn_metadata one nor the slot-mapping one"
         )
     name = p.insert_method  # the write method, by its role: what the post-call block calls
     old_insert_kv = a.find_method(cls, name)
@@ -121,7 +121,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     if call is not None:
         raise Unsupported(
             f"`{' '.join(a.code(call).split())}` is called elsewhere than right after the insert call: "
-            "a caller the new `_insert_kv` signature would break, or a stale bypass piece"
+            f"a caller the new `{name}` signature would break, or a stale bypass piece"
         )
 
     # On a native call (a torch.compile-aware bypass, ``schema``) the kernel writes fp8 in eager:
@@ -371,7 +371,7 @@ def _guard_name(p: schema.Pieces, taken: set[str]) -> str:
         )
     if p.guard_args:
         return p.guard_args[0]
-    return p.guard_assigned or _fresh(GUARD_NAME, taken)
+    return p.guard_assigned or _fresh(codegen.GUARD_NAME, taken)
 
 
 # --- the transformer --------------------------------------------------------------------

@@ -21,7 +21,6 @@ native call. Anything it cannot prove is refused, with the reason.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -36,53 +35,6 @@ from codemods.schema import DTYPE_ATTR, SLOTS_FORMS, Unsupported
 MAIN_METADATA = "MiniMaxM3SparseMetadata"
 INDEX_METADATA = "MiniMaxM3IndexerMetadata"
 FORWARD_CONTEXT = "get_forward_context"
-
-SEED_COMMENTS = (
-    (
-        "fp8 main-K/V cache: the fused qknorm+rope+kv-insert op is bf16-cache-only",
-        "(asserts kv_cache dtype == qkv), so on the fp8 path we run it in",
-        "norm+rope-only mode and write the cache via the fp8-capable",
-        "reshape_and_cache_flash in _insert_kv. (index cache stays bf16.)",
-    ),
-    (
-        "On the fp8-KV path the fused op cannot write the (fp8) cache, so pass",
-        "kv_cache/index_cache = None -> insert_kv=False (norm+rope only): it still",
-        "de-interleaves q/index_q and rewrites the normed/roped k & index_k in",
-        "place in qkv, leaving v raw (correct -- v is never normed/roped). We then",
-        "write the cache via _insert_kv below.",
-    ),
-)
-
-
-def _comment_text(comment: str) -> str:
-    return " ".join(comment.lstrip("#").split())
-
-
-def _template_comments(template: str) -> tuple[str, ...]:
-    lines = (line.strip() for line in template.splitlines())
-    return tuple(_comment_text(line) for line in lines if line.startswith("#"))
-
-
-BYPASS_COMMENTS = (_template_comments(codegen.FLAG), _template_comments(codegen.GUARD), *SEED_COMMENTS)
-
-
-def strip_bypass_comments(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]:
-    """Leading lines without any run of comment lines that is a bypass comment block."""
-    out = list(lines)
-    for block in BYPASS_COMMENTS:
-        n = len(block)
-        i = 0
-        while i + n <= len(out):
-            window = out[i : i + n]
-            if all(
-                line.comment is not None and _comment_text(line.comment.value) == text
-                for line, text in zip(window, block, strict=True)
-            ):
-                del out[i : i + n]
-            else:
-                i += 1
-    return out
-
 
 # --- the plan -------------------------------------------------------------------
 
@@ -104,6 +56,7 @@ class RevertPlan:
     also_remove: list[cst.FunctionDef] = field(default_factory=list)  # delegates only _insert_kv used
     removed_because: str = ""
     dead: list[cst.BaseStatement] = field(default_factory=list)  # module code only the bypass used
+    write_method: str = ""  # the file's name for it (``sites.FoundPieces.insert_method``)
 
 
 def plan_strip(m: FileModel, found: sites.FoundCall, pieces: sites.FoundPieces) -> RevertPlan:
@@ -115,11 +68,11 @@ def plan_strip(m: FileModel, found: sites.FoundCall, pieces: sites.FoundPieces) 
 
 
 def revert_reason(plan: RevertPlan) -> str:
-    have = ", ".join(k for k, v in plan.pieces.items() if v) or "a read of self._fp8_kv"
+    have = ", ".join(k for k, v in plan.pieces.items() if v) or "a read of a flag nothing sets"
     what = {
-        "restore": "_insert_kv back to its attn_metadata form",
-        "remove": f"_insert_kv removed ({plan.removed_because})",
-        "keep": "_insert_kv kept",
+        "restore": f"{plan.write_method} back to its attn_metadata form",
+        "remove": f"{plan.write_method} removed ({plan.removed_because})",
+        "keep": f"{plan.write_method} kept",
     }[plan.insert_kv]
     if plan.also_remove:
         what += " with " + ", ".join(f.name.value for f in plan.also_remove)
@@ -136,7 +89,7 @@ def plan_site(
     if cls is None or method is None or facts.star_args or not facts.has_cache:
         return None  # not a site the bypass is written around (schema.verdict)
     if facts.nested_in is not None:
-        if any(a.self_attr(n) == schema.FP8_FLAG for n in a.walk_all(cls.body)):
+        if any(a.self_attr(n) == codegen.FP8_FLAG for n in a.walk_all(cls.body)):
             raise Unsupported("the call is not directly in a method: its bypass cannot be delimited")
         return None
     pieces = pieces or sites.collect_pieces(m, cls, method, op, slot)
@@ -169,7 +122,7 @@ def plan_site(
             if not pieces.flag_set and any(isinstance(n, cst.Call) for n in a.walk_all(value)):
                 raise Unsupported(f"`self.{pieces.flag_attr}` is assigned a call, which removing would skip")
             remove.append(flag_slot.statement)
-        remove += [scale_slot.statement for scale_slot, _ in attrs.get(schema.FP8_SCALE, [])]
+        remove += [scale_slot.statement for scale_slot, _ in attrs.get(codegen.FP8_SCALE, [])]
     if pieces.guard_assigned is not None:
         remove += [
             s
@@ -199,12 +152,13 @@ def plan_site(
         remove=remove,
         pieces=pieces.present(),
         dead=dead,
+        write_method=pieces.insert_method,
     )
     if pieces.insert_kv in SLOTS_FORMS:
         _plan_insert_kv(m, found, slot, post, plan, pieces.insert_method, op.arg(schema.KV_CACHE_DTYPE) is not None)
     elif pieces.insert_kv == "other" and post is not None:
         raise Unsupported(
-            "`_insert_kv` is neither the attn_metadata form nor the slot-mapping one: cannot restore it"
+            f"`{pieces.insert_method}` is neither the attn_metadata form nor the slot-mapping one: cannot restore it"
         )
     return plan
 
@@ -357,7 +311,7 @@ def _plan_insert_kv(
         return
 
     if not any(i.bound == FORWARD_CONTEXT for i in imports):
-        raise Unsupported(f"`{FORWARD_CONTEXT}` is not imported: cannot restore the attn_metadata _insert_kv")
+        raise Unsupported(f"`{FORWARD_CONTEXT}` is not imported: cannot restore the attn_metadata {name}")
     init = a.find_method(cls, "__init__")
     if init is None:
         raise Unsupported(f"class {cls.name.value} has no __init__")
@@ -368,7 +322,7 @@ def _plan_insert_kv(
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
     namespace = proofs.op_namespace(op, m.imports)
     if namespace is None and not any(i.bound == schema.RESHAPE_OP for i in imports):
-        raise Unsupported(f"`{schema.RESHAPE_OP}` is not imported: cannot restore the attn_metadata _insert_kv")
+        raise Unsupported(f"`{schema.RESHAPE_OP}` is not imported: cannot restore the attn_metadata {name}")
     reshape = schema.RESHAPE_OP if namespace is None else f"{namespace}.{schema.RESHAPE_OP}"
 
     holder = metadata[0].statement.body
@@ -412,7 +366,7 @@ def _metadata_key(method: cst.FunctionDef, op: a.OpCall, param: schema.OpParam, 
         return a.code(value.slice[0].slice.value)
     raise Unsupported(
         f"`{param.keyword}` is not `<slot mappings>[<layer key>]`: cannot tell which attn_metadata "
-        "entry the restored _insert_kv reads"
+        "entry the restored write method reads"
     )
 
 
@@ -524,11 +478,11 @@ class Fp8KvRevert(cst.CSTTransformer):
         carried: list[cst.EmptyLine] = []
         for orig, new in zip(original.body, updated.body, strict=True):
             if self._removed(orig):
-                kept = strip_bypass_comments(new.leading_lines)
+                kept = codegen.strip_bypass_comments(new.leading_lines)
                 carried += [line for line in kept if line.comment is not None]
                 continue
             if orig is self.plan.call_statement:
-                new = new.with_changes(leading_lines=strip_bypass_comments(new.leading_lines))
+                new = new.with_changes(leading_lines=codegen.strip_bypass_comments(new.leading_lines))
             if carried:
                 new = new.with_changes(leading_lines=[*carried, *new.leading_lines])
                 carried = []

@@ -60,7 +60,7 @@ def cache_args(
         if resolved is None:
             raise Unsupported(
                 f"`{param.keyword}` argument `{a.code(value)}` is not a `self.` attribute "
-                "(or a local proven to hold one on every path to the call) that _insert_kv can reach"
+                "(or a local proven to hold one on every path to the call) that the write method can reach"
             )
         caches[param.keyword] = a.code(resolved)
     return caches, wrap

@@ -19,10 +19,6 @@ from typing import TypeVar
 
 FUSED_OP = "fused_minimax_m3_qknorm_rope_kv_insert"
 RESHAPE_OP = "reshape_and_cache_flash"
-FP8_FLAG = "_fp8_kv"
-FP8_SCALE = "_fp8_kv_scale"  # the identity scale `_insert_kv` passes, made once (no fill kernel per call)
-INSERT_KV = "_insert_kv"
-GUARD_NAME = "insert_via_fused"
 DTYPE_ATTR = "kv_cache_dtype"  # `self.kv_cache_dtype`: the main cache's dtype, what vLLM's backends read
 AUTO_DTYPE = "auto"  # kv_cache_dtype="auto" with a cache: neither fork-era nor native
 METADATA_ATTR = "attn_metadata"  # what the fork-era `_insert_kv` reads its slot mappings from
@@ -110,11 +106,11 @@ CHANGING = (Action.REWRITE, Action.COMPLETE, Action.UPGRADE, Action.STRIP)
 
 # The pieces of the bypass, in the words the reports use.
 PIECES = {
-    "flag": f"`self.{FP8_FLAG}` set in __init__ (and `self.{FP8_SCALE}` where it is read)",
-    "guard": f"the guard (`{GUARD_NAME} = not self.{FP8_FLAG}`) assigned before the call",
-    "guarded-args": f"cache arguments `X if {GUARD_NAME} else None`",
-    "post-insert": f"`self.{INSERT_KV}(k, v, index_k, <slots>)` after the call",
-    "insert-kv": f"`{INSERT_KV}` taking the slot mappings",
+    "flag": "the flag set in __init__ from the cache dtype (and the scale, where it is read)",
+    "guard": "the guard (`<guard> = not self.<flag>`) assigned before the call",
+    "guarded-args": "cache arguments `X if <guard> else None`",
+    "post-insert": "`self.<write method>(k, v, index_k, <slots>)` after the call",
+    "insert-kv": "the write method taking the slot mappings",
 }
 
 
@@ -129,7 +125,7 @@ class InsertSite:
     action: Action
     reason: str
     pieces: dict[str, bool] = field(default_factory=dict)
-    write_method: str = INSERT_KV  # the method the bypass writes the cache with (the fork's name for it)
+    write_method: str = ""  # the method the bypass writes the cache with (the fork's name for it)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -193,8 +189,8 @@ class Pieces:
     compiled_branch: bool = False
     # The roles' names in this file (``roles``): the flag the guard reads, the method the
     # post-call block hands the write to; the bypass's own names where the file has none.
-    flag_attr: str = FP8_FLAG
-    insert_method: str = INSERT_KV
+    flag_attr: str = ""  # (sites.FoundPieces: codegen's names where the file has none)
+    insert_method: str = ""
     guard_inline: str | None = None  # the cache arguments' condition, where no local holds it
     flag_unproven: str | None = None  # what the guard's flag is set to, where that is no fp8 flag
     flag_from_file: bool = False  # the flag is the file's (read by its guard, or the one set from the dtype)
@@ -271,7 +267,7 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
         state: SiteState, action: Action, reason: str, present: dict[str, bool] | None = None
     ) -> InsertSite:
         method = f.method if f.class_name is not None else f.module_function
-        write = found[0].insert_method if found else INSERT_KV
+        write = found[0].insert_method if found else ""
         return InsertSite(f.class_name, method, f.line, state, action, reason, dict(present or {}), write)
 
     if f.star_args:
@@ -440,7 +436,7 @@ def _compiled_bypass(f: CallFacts, p: Pieces, site: Callable[..., InsertSite]) -
             )
         return site(SiteState.PATCHED, Action.NONE, f"{what}: present and wired", present)
     fix = (
-        f"`run` restores the guard as `{GUARD_NAME} = not torch.compiler.is_compiling()`: in eager "
+        f"`run` restores the guard as `{(p.guard_args or ['<guard>'])[0]} = not torch.compiler.is_compiling()`: in eager "
         "the native kernel writes the cache (fp8 included, padded slots skipped), while compiling "
         "the file's own cache-update path still writes it"
     )
@@ -469,7 +465,7 @@ def _half_applied_reason(p: Pieces, present: dict[str, bool]) -> str:
     if p.flag_read and not p.flag_set:
         problems.append(f"`self.{p.flag_attr}` is read but never set (AttributeError at runtime)")
     if p.scale_read and not p.scale_set:
-        problems.append(f"`self.{FP8_SCALE}` is read but never set (AttributeError at runtime)")
+        problems.append("the fp8 scale is read but never set (AttributeError at runtime)")
     if p.insert_kv in OLDER_FORMS:
         problems.append(f"`{p.insert_method}` is in an older form: {OLDER_FORMS[p.insert_kv]}")
     if p.post_insert and not p.post_insert_wired:

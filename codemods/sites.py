@@ -18,7 +18,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import roles, schema
+from codemods import codegen, roles, schema
 from codemods.model import FileModel
 from codemods.sourcemap import SourceMap
 
@@ -225,6 +225,8 @@ class FoundPieces(schema.Pieces):
     """The pieces (``schema.Pieces``), with the LibCST nodes the plan still needs."""
 
     post_insert_call: cst.Call | None = None
+    flag_attr: str = codegen.FP8_FLAG  # the names run writes, where the file has no piece of the role
+    insert_method: str = codegen.INSERT_KV
 
 
 def _condition(arg: cst.Arg | None) -> tuple[cst.BaseExpression, str] | None:
@@ -274,11 +276,11 @@ def _insert_kv_form(
     return schema.insert_kv_form(reads_metadata, len(a.param_names(fn)) - 1, scatter, bf16_index)
 
 
-def is_insert_kv_call(node: cst.CSTNode, name: str = schema.INSERT_KV) -> bool:
+def is_insert_kv_call(node: cst.CSTNode, name: str = codegen.INSERT_KV) -> bool:
     return isinstance(node, cst.Call) and a.self_attr(node.func) == name
 
 
-def other_insert_kv_call(cls: cst.ClassDef, allowed: set[int], name: str = schema.INSERT_KV) -> cst.CSTNode | None:
+def other_insert_kv_call(cls: cst.ClassDef, allowed: set[int], name: str = codegen.INSERT_KV) -> cst.CSTNode | None:
     """The first ``self.<name>(...)`` in the class that is none of the ``allowed`` nodes (by id)."""
     return a.first_in(cls.body, lambda n: is_insert_kv_call(n, name) and id(n) not in allowed)
 
@@ -355,12 +357,12 @@ def collect_pieces(
     p.flag_set = flags.get(p.flag_attr) is True
     if guard_flag and p.flag_attr in init_attrs and not p.flag_set:
         p.flag_unproven = "`, then `".join(a.code(v) for _, v in init_attrs[p.flag_attr])  # set to what?
-    p.scale_set = schema.FP8_SCALE in init_attrs
+    p.scale_set = codegen.FP8_SCALE in init_attrs
     if mentions_flag or p.flag_from_file:  # (else neither the flag nor the scale is named at all)
         attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
         # Once set, whether the flag is also read decides nothing (schema.Pieces.any_bypass).
         p.flag_read = not p.flag_set and p.flag_attr in attrs and p.flag_unproven is None
-        p.scale_read = schema.FP8_SCALE in attrs
+        p.scale_read = codegen.FP8_SCALE in attrs
 
     if slot is None:
         return _finish(p, cls, init_attrs, functions, mentions_flag)
@@ -373,7 +375,7 @@ def collect_pieces(
         if not isinstance(node, cst.Call):
             continue
         p.post_insert, p.post_insert_call = True, node
-        p.insert_method = a.self_attr(node.func) or schema.INSERT_KV
+        p.insert_method = a.self_attr(node.func) or codegen.INSERT_KV
         p.insert_from_file = _passes_slots(node, main, index)
         test = roles.expression(a.code(stmt.test)) if isinstance(stmt, cst.If) else None
         lost = sorted(roles.self_attrs(test) - set(init_attrs) - set(flags)) if test is not None else []
@@ -457,7 +459,7 @@ def _taken_names(cls: cst.ClassDef, init_attrs: a.Assignments, p: schema.Pieces)
         (p.role_problems if name in own_roles else p.taken).append(text)
 
     at_class = a.scope_bindings(cls.body)
-    for name in (p.flag_attr, schema.FP8_SCALE):
+    for name in (p.flag_attr, codegen.FP8_SCALE):
         if name in at_class:
             note(name, f"`{name}` is defined in the class body (a property, method or class attribute)")
     if "__slots__" in at_class:
@@ -470,7 +472,7 @@ def _taken_names(cls: cst.ClassDef, init_attrs: a.Assignments, p: schema.Pieces)
     # a proven flag is what __init__ (and the methods it calls) leave in it: each of those
     # assignments is part of it (``roles.flags``)
     setters = {"__init__", *_init_calls(cls)} if p.flag_set else set()
-    scale = init_attrs.get(schema.FP8_SCALE, [])[:1]
+    scale = init_attrs.get(codegen.FP8_SCALE, [])[:1]
     if scale and matches(scale[0][1], roles.is_scale_value):
         own.add(id(scale[0][1]))
     for method in a.methods(cls):
@@ -478,7 +480,7 @@ def _taken_names(cls: cst.ClassDef, init_attrs: a.Assignments, p: schema.Pieces)
             stored = {a.self_attr(t) for t in _store_targets(node)}
             if p.insert_method in stored:
                 note(p.insert_method, f"`self.{p.insert_method}` is assigned in {method.name.value}, hiding the method")
-            for name in sorted(stored & {p.flag_attr, schema.FP8_SCALE}):
+            for name in sorted(stored & {p.flag_attr, codegen.FP8_SCALE}):
                 if id(getattr(node, "value", None)) in own or (name == p.flag_attr and p.flag_unproven is not None):
                     continue
                 if name == p.flag_attr and method.name.value in setters:

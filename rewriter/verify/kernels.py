@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from codemods import codegen
+
 from . import layercode, refops, standin
 
 FORK_PARAMS = list(standin.FUSED_SIGNATURE.parameters)[:19]
@@ -432,7 +434,7 @@ def timings(
             ops.fused_call(rope_only, None)
 
         def insert_kv() -> None:
-            layer._insert_kv(k, v, index_k, main, index)
+            getattr(layer, codegen.INSERT_KV)(k, v, index_k, main, index)
 
         def bypass() -> None:
             norm_rope()
@@ -441,7 +443,7 @@ def timings(
         for name, fn in (
             ("fused bf16 insert", fused_insert),
             ("fused norm+rope only", norm_rope),
-            ("the file's _insert_kv (fp8 k/v + index key)", insert_kv),
+            (f"the file's {codegen.INSERT_KV} (fp8 k/v + index key)", insert_kv),
             ("bypass total", bypass),
         ):
             us, how = timer(fn)

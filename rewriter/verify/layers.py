@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from codemods import codegen
 from codemods.schema import InsertSite, SiteState
 from rewriter.apply import FileError, read_source
 
@@ -43,7 +44,7 @@ def _timings(code: Any, ctx: Any, out: Any, failures: list[str]) -> None:
     try:
         out.timings = k.timings(ctx.ops, code)
     except Exception as exc:
-        failures.append(f"timing {code.class_name}._insert_kv failed: {type(exc).__name__}: {exc}")
+        failures.append(f"timing {code.class_name}.{codegen.INSERT_KV} failed: {type(exc).__name__}: {exc}")
 
 
 def insert_classes(sites: Iterable[InsertSite]) -> list[str]:
@@ -148,7 +149,7 @@ def _run_classes(path: Path, classes: list[str], ctx: Any, out: Any, plan: Any, 
         elif not result.passed:
             failures.append(f"{name}: {result.reason}")
         elif ctx is not None and ctx.timing and out is not None and out.timings is None and plan.size == 1:
-            if "_insert_kv" in code.methods:
+            if codegen.INSERT_KV in code.methods:  # timed where the write method has run's name
                 _timings(code, ctx, out, failures)
     if ctx is not None and plan.size == 1:  # the ops themselves: once, on the TP=1 row
         details += [f"{c.name}: {'ok' if c.passed else 'FAILED'} ({c.detail})" for c in ctx.checks]

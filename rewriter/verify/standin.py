@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from codemods import schema
+from codemods import codegen, schema
 from codemods.schema import FUSED_OP, RESHAPE_OP
 
 from . import refops
@@ -530,7 +530,7 @@ def _standin(
 
 
 # The bypass's own attributes: a missing one is the file's bug, never the stand-in's.
-_BYPASS_ATTRS = (schema.FP8_FLAG, schema.FP8_SCALE)
+_BYPASS_ATTRS = (codegen.FP8_FLAG, codegen.FP8_SCALE)
 
 
 def _made_here(value: Any) -> bool:
