@@ -76,6 +76,11 @@ def revert_reason(plan: RevertPlan) -> str:
     }[plan.insert_kv]
     if plan.also_remove:
         what += " with " + ", ".join(f.name.value for f in plan.also_remove)
+    if plan.insert_kv == "remove" and plan.removed_because.startswith("no attn_metadata"):
+        what += (
+            "; where the bypass was the fork's own and `run` only upgraded its index write, the whole "
+            "bypass goes and the older form is not put back"
+        )
     return f"fp8 bypass ({have}) taken out: plain cache arguments, {what}"
 
 
