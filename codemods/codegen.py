@@ -32,8 +32,12 @@ FLAG = """\
 self.{flag} = "fp8" in {dtype}
 """
 
+# A non-persistent buffer, as vLLM's own layers keep such a tensor: it moves with the module
+# (``.to(device)``) and stays out of the state dict.
 SCALE = """\
-self._fp8_kv_scale = torch.ones((), dtype=torch.float32)  # identity: x / 1
+self.register_buffer(
+{I}"_fp8_kv_scale", torch.ones((), dtype=torch.float32), persistent=False
+)
 """
 
 SCALE_READ = "self._fp8_kv_scale"

@@ -128,6 +128,8 @@ def plan_site(
                 raise Unsupported(f"`self.{pieces.flag_attr}` is assigned a call, which removing would skip")
             remove.append(flag_slot.statement)
         remove += [scale_slot.statement for scale_slot, _ in attrs.get(codegen.FP8_SCALE, [])]
+        buffer = sites._registered(init, codegen.FP8_SCALE)
+        remove += [buffer] if buffer is not None else []
     if pieces.guard_assigned is not None:
         remove += [
             s

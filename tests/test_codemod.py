@@ -55,7 +55,9 @@ class Layer:
         # fp8 KV cache: the fused qknorm+rope+kv-insert op writes bf16 caches only;
         # forward() then runs it norm+rope-only and writes the cache via _insert_kv().
         self._fp8_kv = "fp8" in self.kv_cache_dtype
-        self._fp8_kv_scale = torch.ones((), dtype=torch.float32)  # identity: x / 1
+        self.register_buffer(
+            "_fp8_kv_scale", torch.ones((), dtype=torch.float32), persistent=False
+        )
         self.kv_cache = torch.tensor([])
 
     def _insert_kv(
@@ -501,3 +503,28 @@ def test_not_is_compiling_alone_is_no_guard_on_a_fork_era_call() -> None:
     assert fork_era != source
     (site,) = [s for s in analyze(cst.parse_module(fork_era)).sites if s.state is not SiteState.NOT_A_SITE]
     assert site.state is not SiteState.PATCHED
+
+
+def test_the_generated_scale_is_a_non_persistent_buffer() -> None:
+    """The identity scale `run` makes in __init__ moves with the module (``.to(...)``) and stays
+    out of the state dict, as vLLM's own layers keep such a tensor: a non-persistent buffer,
+    not a plain tensor attribute made on whatever device was current."""
+    torch = pytest.importorskip("torch")
+    from conftest import FIXTURES
+
+    new = rewrite(analyze(cst.parse_module((FIXTURES / "fork_era" / "model.py").read_text()))).code
+    lines = [line.strip() for line in new.splitlines()]
+    made = [i for i, line in enumerate(lines) if line.startswith("self._fp8_kv_scale =")]
+    made += [i for i, line in enumerate(lines[:-2]) if line == "self.register_buffer(" and "_fp8_kv_scale" in lines[i + 1]]
+    (start,) = made
+    statement = lines[start] if lines[start].endswith(")") or "=" in lines[start][:20] else "".join(lines[start : start + 3])
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            exec(statement, {"self": self, "torch": torch})
+
+    layer = Layer()
+    assert "_fp8_kv_scale" in dict(layer.named_buffers()), statement
+    assert "_fp8_kv_scale" not in layer.state_dict()
+    assert layer.to(torch.float64)._fp8_kv_scale.dtype == torch.float64  # it moves with the module

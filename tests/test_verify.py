@@ -368,7 +368,9 @@ MUTANTS = {
     "scale": ("scale = self._fp8_kv_scale", "scale = 2 * self._fp8_kv_scale"),
     # the scale never made in __init__ (AttributeError on the fp8 path)
     "scale never set": (
-        "        self._fp8_kv_scale = torch.ones((), dtype=torch.float32)  # identity: x / 1\n",
+        "        self.register_buffer(\n"
+        '            "_fp8_kv_scale", torch.ones((), dtype=torch.float32), persistent=False\n'
+        "        )\n",
         "",
     ),
     # the older raw index scatter: padded tokens write the last index slot

@@ -442,7 +442,13 @@ def _standin(
         exec(fn_code, namespace)  # the module's own helpers and wrappers, as the file defines them
     for op_name, fn_name in code.custom_ops.items():  # torch.ops.vllm.<op>: the file's own body runs
         setattr(torch_proxy.ops.vllm, op_name, namespace[fn_name])
-    attrs: dict[str, Any] = {"pinned": frozenset(), "unheld": {}, "__setattr__": _pinned_setattr}
+    attrs: dict[str, Any] = {
+        "pinned": frozenset(),
+        "unheld": {},
+        "__setattr__": _pinned_setattr,
+        # nn.Module's: a buffer is an attribute of the layer (the stand-in has no device to move to)
+        "register_buffer": lambda self, name, tensor, persistent=True: setattr(self, name, tensor),
+    }
     for name, fn_code in code.methods.items():
         exec(fn_code, namespace)  # defines the function under its own name
         fn = namespace.pop(name)
