@@ -203,7 +203,8 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
             module,
             len(found.outer) + 1,
             name=name,
-            replaced=render(REPLACED, module, len(found.outer) + 1) if insert_kv == "replace" else "",
+            # filled in before the method's newlines are made the file's (render): no "\r\r\n"
+            replaced=REPLACED.format(D=module.default_indent * (len(found.outer) + 2)) if insert_kv == "replace" else "",
             kv_cache=caches[schema.KV_CACHE.keyword],
             num_kv_heads=w.num_kv_heads,
             head_dim=w.head_dim,

@@ -267,7 +267,8 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
         state: SiteState, action: Action, reason: str, present: dict[str, bool] | None = None
     ) -> InsertSite:
         method = f.method if f.class_name is not None else f.module_function
-        write = found[0].insert_method if found else ""
+        p = found[0] if found else None  # the write method where the file has one (by its role)
+        write = p.insert_method if p is not None and (p.post_insert or p.insert_kv != "absent") else ""
         return InsertSite(f.class_name, method, f.line, state, action, reason, dict(present or {}), write)
 
     if f.star_args:
