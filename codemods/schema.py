@@ -104,14 +104,17 @@ class Action(str, enum.Enum):
 # The actions that change the file.
 CHANGING = (Action.REWRITE, Action.COMPLETE, Action.UPGRADE, Action.STRIP)
 
-# The pieces of the bypass, in the words the reports use.
-PIECES = {
-    "flag": "the flag set in __init__ from the cache dtype (and the scale, where it is read)",
-    "guard": "the guard (`<guard> = not self.<flag>`) assigned before the call",
-    "guarded-args": "cache arguments `X if <guard> else None`",
-    "post-insert": "`self.<write method>(k, v, index_k, <slots>)` after the call",
-    "insert-kv": "the write method taking the slot mappings",
-}
+def piece_words(p: Pieces) -> dict[str, str]:
+    """The pieces of the bypass, in the words the reports use: the file's own names for them
+    (``sites.FoundPieces``: codegen's where the file has none)."""
+    guard = p.guard_assigned or (p.guard_args[0] if p.guard_args else "<guard>")
+    return {
+        "flag": f"`self.{p.flag_attr}` set in __init__ (and the scale, where it is read)",
+        "guard": f"the guard (`{guard} = not self.{p.flag_attr}`) assigned before the call",
+        "guarded-args": f"cache arguments `X if {guard} else None`",
+        "post-insert": f"`self.{p.insert_method}(k, v, index_k, <slots>)` after the call",
+        "insert-kv": f"`{p.insert_method}` taking the slot mappings",
+    }
 
 
 @dataclass
@@ -459,7 +462,7 @@ def _broken_now(p: Pieces, line: int) -> str:
 
 
 def _half_applied_reason(p: Pieces, present: dict[str, bool]) -> str:
-    missing = [PIECES[k] for k, v in present.items() if not v]
+    missing = [piece_words(p)[k] for k, v in present.items() if not v]
     problems = []
     if p.guard_args and p.guard_assigned is None:
         problems.append(f"`{p.guard_args[0]}` is read but never assigned (NameError at runtime)")

@@ -18,6 +18,7 @@ from variants import FORMS, RESPELLINGS, RESULTS, variants
 
 from codemods.analysis import analyze, rewrite
 from codemods.schema import CHANGING, SiteState
+from rewriter.apply import plan_file
 
 import libcst as cst
 
@@ -33,6 +34,12 @@ def _site(source: str):  # type: ignore[no-untyped-def]
     analysis = analyze(cst.parse_module(source), source)
     (site,) = [s for s in analysis.sites if s.state is not SiteState.NOT_A_SITE]
     return analysis, site
+
+
+def _through_the_command(tmp_path, source: str):  # type: ignore[no-untyped-def]
+    path = tmp_path / "through_the_command.py"
+    path.write_text(source)
+    return plan_file(path)
 
 
 def _harmful(reason: str) -> bool:
@@ -63,6 +70,11 @@ def test_a_respelled_bypass_is_rewritten_as_respelled(tmp_path, form: str, respe
     assert f"{site.state.value} -> {site.action.value}" == FORMS[form], site.reason
     new = rewrite(analysis).code
     assert new == expected
+    # the whole command (`plan_file`: the ast pre-filter, the parse, the validation) agrees
+    whole = _through_the_command(tmp_path, model)
+    (planned,) = [s for s in whole.sites if s.state is not SiteState.NOT_A_SITE]
+    assert (planned.state, planned.action) == (site.state, site.action)
+    assert whole.new is not None and whole.new.decode() == expected
     _, again = _site(new)
     assert again.state in (SiteState.PATCHED, SiteState.NATIVE), again.reason
     # the rewritten variant runs: the semantic level, eager and (where it compiles) compiled
@@ -94,10 +106,12 @@ NOT_THE_SAME = [
 
 
 @pytest.mark.parametrize("form, edit, why", NOT_THE_SAME, ids=[f"{f}:{e[1][:30]}" for f, e, _ in NOT_THE_SAME])
-def test_a_different_program_is_refused_naming_the_role(form: str, edit: tuple[str, str], why: str) -> None:
+def test_a_different_program_is_refused_naming_the_role(tmp_path, form: str, edit: tuple[str, str], why: str) -> None:
     source = (FIXTURES / form / "model.py").read_text()
     assert source.count(edit[0]) == 1
     _, site = _site(source.replace(*edit))
+    planned = [s for s in _through_the_command(tmp_path, source.replace(*edit)).sites if s.state is not SiteState.NOT_A_SITE]
+    assert [s.reason for s in planned] == [site.reason]
     outcome = "harmful advice" if _harmful(site.reason) else "refused" if site.action.value == "refuse" else "wrong"
     RESULTS.append((form, ["different:" + edit[1][:40]], outcome, site.reason))
     assert site.action.value == "refuse", site.reason
