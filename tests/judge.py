@@ -165,6 +165,11 @@ class _Strip(ast.NodeTransformer):
 
 
 def _is_bypass_statement(stmt: ast.stmt) -> bool:
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):  # the scale as a buffer
+        call = stmt.value
+        first = call.args[0] if call.args else None
+        if _self_attr(call.func) == "register_buffer" and isinstance(first, ast.Constant) and first.value == SCALE:
+            return True
     if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
         if _self_attr(stmt.targets[0]) in (FLAG, SCALE):
             return True
