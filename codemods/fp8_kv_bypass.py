@@ -23,6 +23,7 @@ is upgraded in place (``_scatter_edits``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -35,9 +36,9 @@ from codemods.codegen import (
     INDEX_STORE,
     INDEX_WRITE,
     INSERT_KV_METHOD,
-    REPLACED,
     NATIVE_GUARD,
     POST_INSERT,
+    REPLACED,
     SCALE,
     SCALE_LOCAL,
     SCALE_READ,
@@ -46,12 +47,11 @@ from codemods.codegen import (
     remove_unused_imports,
     render,
 )
+from codemods.model import FileModel
 from codemods.proofs import bare_import, cache_args, dtype_anchor, op_namespace, qkv_and_slots, widths
 from codemods.schema import Unsupported
-from codemods.model import FileModel
 from codemods.sites import FoundCall, FoundPieces, other_insert_kv_call
 from codemods.sourcemap import SourceMap
-
 
 # --- the plan -------------------------------------------------------------------
 
@@ -179,7 +179,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
             NATIVE_GUARD if native else GUARD, module, guard=guard, flag=p.flag_attr, compiling=m.compile_test()
         ),
         wrap_args=wrap,
-        split_args=_split_args(m, op, wrap, guard),
+        split_args=_split_args(m, op, slot.statement, wrap, guard),
         add_post_insert=not p.post_insert,
         post_insert_code=render(
             POST_INSERT,
@@ -485,13 +485,28 @@ REPLACED_COMMENTS = (
 LINE_LENGTH = 88  # vLLM's ruff line length
 
 
-def _split_args(m: FileModel, op: a.OpCall, wrap: list[schema.OpParam], guard: str) -> list[schema.OpParam]:
+def _split_args(
+    m: FileModel, op: a.OpCall, statement: cst.BaseStatement, wrap: list[schema.OpParam], guard: str
+) -> list[schema.OpParam]:
     """The arguments whose line ``X if <guard> else None`` in place of their values (every
     wrapped one on that line) would make longer than vLLM's line length."""
     lines = m.module.code.splitlines()
-    ends = {param: m.positions[arg.value].end.line for param in wrap if (arg := op.arg(param)) is not None}
+    ends = {param: _end_line(m, statement, arg) for param in wrap if (arg := op.arg(param)) is not None}
     grown = {line: len(lines[line - 1]) + sum(len(f" if {guard} else None") for e in ends.values() if e == line) for line in ends.values()}
     return [param for param, line in ends.items() if grown[line] > LINE_LENGTH]
+
+
+def _end_line(m: FileModel, statement: cst.BaseStatement, arg: cst.Arg) -> int:
+    """The line ``arg``'s value ends on: the one line of the call's statement that holds its
+    text, once (no position pass over the file), else from LibCST's positions."""
+    span = m.source_map.span(statement) if m.source_map is not None else None
+    text = a.code(arg.value).encode()
+    if span is not None and b"\n" not in text:
+        whole = re.compile(rb"(?<![\w.])" + re.escape(text) + rb"(?![\w.(\[])")  # not part of a longer expression
+        hits = [n for n in range(span[0], span[1] + 1) for _ in whole.finditer(m.source_map.lines[n])]
+        if len(hits) == 1:
+            return hits[0]
+    return m.positions[arg.value].end.line
 
 
 def _open(levels: int, module: cst.Module) -> cst.LeftParen:

@@ -89,7 +89,7 @@ def plan_site(
 ) -> RevertPlan | None:
     """None when there is no bypass around this call; ``Unsupported`` when one cannot be proven.
     ``pieces``: what ``collect_pieces`` found there, where the caller has it."""
-    cls, method, op, module = found.cls, found.method, found.op, m.module
+    cls, method, op = found.cls, found.method, found.op
     facts, slot = sites.call_facts(found)
     if cls is None or method is None or facts.star_args or not facts.has_cache:
         return None  # not a site the bypass is written around (schema.verdict)
@@ -146,8 +146,8 @@ def plan_site(
     # other argument the guard decides (a merge's `self.kv_cache.size(2) if G else 0` block size).
     unwrap = [arg for arg in op.call.args if _guarded_by(arg, guards, pieces.guard_inline)]
 
-    _check_nothing_left(cls, method, remove, unwrap, guards, m.positions, pieces.flag_attr)
-    dead = _dead_module_code(module, remove)
+    _check_nothing_left(cls, method, remove, unwrap, guards, m, pieces.flag_attr)
+    dead = _dead_module_code(m, remove)
     removed = {id(s) for s in remove}
     for fn in a.methods(cls):
         if any(s.index == 0 and all(id(x) in removed for x in s.block.body) for s in a.statement_slots(fn)):
@@ -252,7 +252,7 @@ def _check_nothing_left(
     remove: list[cst.BaseStatement],
     unwrap: list[cst.Arg],
     guards: set[str],
-    positions,
+    m: FileModel,
     flag: str,
 ) -> None:
     """After the removal no read of the flag (``self.<flag>``) or of a guard may remain."""
@@ -260,11 +260,11 @@ def _check_nothing_left(
     removed_nodes = {id(n) for root in gone for n in a.walk_all(root)}
     for node in a.walk_all(cls.body):
         if id(node) not in removed_nodes and a.self_attr(node) == flag:
-            line = positions[node].start.line if node in positions else "?"
+            line = m.positions[node].start.line if node in m.positions else "?"
             raise Unsupported(f"`self.{flag}` is also used at line {line}, outside the bypass")
     for node in a.walk_scope(method.body):
         if id(node) not in removed_nodes and isinstance(node, cst.Name) and node.value in guards:
-            line = positions[node].start.line if node in positions else "?"
+            line = m.positions[node].start.line if node in m.positions else "?"
             raise Unsupported(f"the guard `{node.value}` is also used at line {line}, outside the bypass")
 
 
@@ -314,7 +314,7 @@ def _plan_insert_kv(
         )
         plan.insert_kv = "remove"
         plan.drop_imports = {schema.RESHAPE_OP}
-        plan.also_remove = _exclusive_delegates(module, cls, fn, plan.dead if native else [])
+        plan.also_remove = _exclusive_delegates(m, cls, fn, plan.dead if native else [])
         return
 
     if not any(i.bound == FORWARD_CONTEXT for i in imports):
@@ -339,7 +339,7 @@ def _plan_insert_kv(
     bound = {i.bound for i in imports}
     plan.add_imports = [n for n in (INDEX_METADATA, MAIN_METADATA) if n not in bound]
     plan.insert_kv = "restore"
-    plan.also_remove = _exclusive_delegates(module, cls, fn)
+    plan.also_remove = _exclusive_delegates(m, cls, fn)
     plan.insert_kv_code = codegen.render(
         codegen.INSERT_KV_METADATA,
         module,
@@ -378,35 +378,25 @@ def _metadata_key(method: cst.FunctionDef, op: a.OpCall, param: schema.OpParam, 
 
 
 def _exclusive_delegates(
-    module: cst.Module, cls: cst.ClassDef, fn: cst.FunctionDef, gone: list[cst.CSTNode] = ()
+    m: FileModel, cls: cst.ClassDef, fn: cst.FunctionDef, gone: list[cst.CSTNode] = ()
 ) -> list[cst.FunctionDef]:
     """Methods ``fn`` hands its work to that nothing else names (they go with it);
     ``gone``: code removed anyway."""
     inside = {id(n) for root in (fn, *gone) for n in a.nodes_in(root)}
-    return [d for d in a.delegates(fn, cls, {}) if all(id(n) in inside for n in _uses(module, d.name.value, d))]
+    return [d for d in a.delegates(fn, cls, {}) if all(id(n) in inside for n in _uses(m, d.name.value, d))]
 
 
-def _uses(module: cst.Module, name: str, definition: cst.CSTNode) -> list[cst.CSTNode]:
+def _uses(m: FileModel, name: str, definition: cst.CSTNode) -> list[cst.CSTNode]:
     """Where ``name`` is named, outside ``definition``: as a name, an attribute (``x.name``) or a string."""
     own = {id(n) for n in a.nodes_in(definition)}
-    defined = {id(n.name) for n in a.nodes_in(module) if isinstance(n, (cst.FunctionDef, cst.ClassDef))}
-    return [
-        n
-        for n in a.nodes_in(module)
-        if id(n) not in own
-        and id(n) not in defined
-        and (
-            (isinstance(n, cst.Name) and n.value == name)
-            or (isinstance(n, cst.Attribute) and n.attr.value == name)
-            or (isinstance(n, cst.SimpleString) and n.evaluated_value == name)
-        )
-    ]
+    return [n for n in m.named(name) if id(n) not in own]
 
 
-def _dead_module_code(module: cst.Module, removed: list[cst.CSTNode]) -> list[cst.BaseStatement]:
+def _dead_module_code(m: FileModel, removed: list[cst.CSTNode]) -> list[cst.BaseStatement]:
     """Module-level code that only the removed bypass used: the compiled path's custom
     op (its registration, named by a string nothing else names, and the functions only
     that names) and helpers only the removed code calls."""
+    module = m.module
     gone = {id(n) for root in removed for n in a.nodes_in(root)}
     dead: list[cst.BaseStatement] = []
     changed = True
@@ -416,7 +406,7 @@ def _dead_module_code(module: cst.Module, removed: list[cst.CSTNode]) -> list[cs
             if any(stmt is d for d in dead):
                 continue
             if isinstance(stmt, cst.FunctionDef):
-                uses = _uses(module, stmt.name.value, stmt)
+                uses = _uses(m, stmt.name.value, stmt)
             else:
                 call = a.expression_call(stmt)
                 name = next(
@@ -424,7 +414,7 @@ def _dead_module_code(module: cst.Module, removed: list[cst.CSTNode]) -> list[cs
                 ) if call is not None else None
                 if name is None:
                     continue
-                uses = [n for n in _uses(module, name, stmt) if not isinstance(n, cst.SimpleString)]
+                uses = [n for n in _uses(m, name, stmt) if not isinstance(n, cst.SimpleString)]
             if uses and all(id(n) in gone for n in uses):
                 dead.append(stmt)
                 gone |= {id(n) for n in a.nodes_in(stmt)}

@@ -82,6 +82,26 @@ class FileModel:
         """Every node's position: LibCST generates them for the whole file, so only when asked."""
         return MetadataWrapper(self.module, unsafe_skip_copy=True).resolve(PositionProvider)
 
+    @functools.cached_property
+    def _names(self) -> dict[str, list[cst.CSTNode]]:
+        """Every place a name is named - a name, an attribute (``x.name``), a string - but
+        where a def or class is given its own name, by the name: one walk of the file."""
+        found: dict[str, list[cst.CSTNode]] = {}
+        defined = {id(n.name) for n in a.nodes_in(self.module) if isinstance(n, (cst.FunctionDef, cst.ClassDef))}
+        for n in a.nodes_in(self.module):
+            if id(n) in defined:
+                continue
+            if isinstance(n, cst.Name):
+                found.setdefault(n.value, []).append(n)
+            elif isinstance(n, cst.Attribute):
+                found.setdefault(n.attr.value, []).append(n)
+            elif isinstance(n, cst.SimpleString) and isinstance(n.evaluated_value, str):
+                found.setdefault(n.evaluated_value, []).append(n)
+        return found
+
+    def named(self, name: str) -> list[cst.CSTNode]:
+        return self._names.get(name, [])
+
     def scope(self, cls: cst.ClassDef) -> roles.Scope:
         """What a flag's expression may call: the module's functions, the class's methods, imports."""
         if id(cls) not in self._scopes:
@@ -154,7 +174,7 @@ class FileModel:
                 return pure(x.value)
             if isinstance(x, cst.Expr) and isinstance(x.value, cst.Call) and not x.value.args:
                 method = a.find_method(cls, a.self_attr(x.value.func) or "")
-                calls = [n for n in a.walk_all(cls.body) if isinstance(n, cst.Call) and a.self_attr(n.func) == a.self_attr(x.value.func)]
+                calls = [n for n in self.named(a.self_attr(x.value.func) or "") if isinstance(n, cst.Attribute)]
                 body = method.body.body if method is not None and isinstance(method.body, cst.IndentedBlock) else ()
                 if method is not None and len(calls) == 1 and body and all(only_sets(b) for b in body):
                     setters.append(method)
