@@ -115,7 +115,10 @@ class FileModel:
         """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``roles.flags``)."""
         if id(cls) not in self._flags:
             scope = self.scope(cls)
-            init = scope.methods["__init__"] if "__init__" in scope.methods else None
+            try:
+                init: ast.FunctionDef | None = scope.methods["__init__"]
+            except KeyError:  # none, or one Python's parser does not read as a plain def
+                init = None
             base = roles.module_constants(self.source_map.tree, scope) if self.source_map is not None else {}
             self._flags[id(cls)] = roles.flags(init, scope, base) if init is not None else {}
         return self._flags[id(cls)]
