@@ -517,3 +517,18 @@ def test_an_unreadable_target_folder_is_named(tmp_path: Path) -> None:
     assert error_lines(proc.stderr) == [
         f"error: {folder}: cannot read this folder: Permission denied; the .py files in it were not checked"
     ]
+
+
+def test_an_async_init_is_no_crash(tmp_path: Path) -> None:
+    """A class whose ``__init__`` is ``async def`` has no flag to read by value: the file is
+    judged (here refused for the sizes it lacks), never a traceback."""
+    path = tmp_path / "model.py"
+    path.write_text(
+        "import torch\nfrom vllm import _custom_ops as ops\n\n\nclass A:\n"
+        "    async def __init__(self):\n        self.kv_cache_dtype = 'auto'\n\n"
+        "    def forward(self, qkv):\n        ops.fused_minimax_m3_qknorm_rope_kv_insert(\n"
+        "            qkv, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, self.kv_cache, self.index_cache, 128, 0, 0\n        )\n"
+    )
+    proc = cli("check", str(path))
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "A.forward: unsupported -> refuse" in proc.stderr
