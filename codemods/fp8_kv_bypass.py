@@ -165,7 +165,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     reads_scale = insert_kv in ("add", "replace") or p.scale_read or any(SCALE_READ in code for _, code in edits)
     scale_code = render(SCALE, module) if reads_scale and not p.scale_set else ""
     if p.flag_set and scale_code:  # the scale goes right after the statement of __init__ that sets the flag
-        flag_slot = _flag_statement(init, p.flag_attr) or flag_slot
+        flag_slot = _flag_statement(m, cls, init, p.flag_attr) or flag_slot
     add_flag = not p.flag_set and not native
     local = {f"n_{k}": _fresh(k, taken) for k in ("kv", "k0", "ik0", "k", "v", "index_k")}
     return BypassPlan(
@@ -236,17 +236,21 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
 # --- the upgrade of an older `_insert_kv` ------------------------------------------------
 
 
-def _flag_statement(init: cst.FunctionDef, flag: str) -> a.StatementSlot | None:
-    """The last top-level statement of ``__init__`` that sets ``self.<flag>``, itself or in a
-    block it holds, or through a method of the class it calls."""
+def _flag_statement(m: FileModel, cls: cst.ClassDef, init: cst.FunctionDef, flag: str) -> a.StatementSlot | None:
+    """The last top-level statement of ``__init__`` that sets ``self.<flag>``: one of the flag's
+    defining statements (``FileModel.flag_definition``: an ``if`` that only sets it, a call of
+    its setter method), or one that assigns it, itself or in a block it holds."""
+    defining = {id(s) for s in m.flag_definition(cls, init, flag)}
+    block = init.body
+    if not isinstance(block, cst.IndentedBlock):
+        return None
     found = None
-    for chain in a._slot_chains(init):
-        stmt = chain[-1].statement
-        pair = a.simple_assignment(stmt)
-        call = a.expression_call(stmt)
-        if (pair is not None and a.self_attr(pair[0]) == flag) or (call is not None and a.self_attr(call.func)):
-            if pair is not None or len(chain) == 1:
-                found = chain[0]
+    for index, stmt in enumerate(block.body):
+        assigns = any(
+            isinstance(n, cst.AssignTarget) and a.self_attr(n.target) == flag for n in a.walk_all(stmt)
+        )
+        if id(stmt) in defining or assigns:
+            found = a.StatementSlot(block, index)
     return found
 
 

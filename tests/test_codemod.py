@@ -528,3 +528,19 @@ def test_the_generated_scale_is_a_non_persistent_buffer() -> None:
     assert "_fp8_kv_scale" in dict(layer.named_buffers()), statement
     assert "_fp8_kv_scale" not in layer.state_dict()
     assert layer.to(torch.float64)._fp8_kv_scale.dtype == torch.float64  # it moves with the module
+
+
+def test_the_scale_goes_after_the_flag_not_after_another_self_call() -> None:
+    """The scale made for a fork's own flag goes right after the statement that sets the flag;
+    a later `self.<method>()` of __init__ that has nothing to do with the flag is not it."""
+    from conftest import FIXTURES
+
+    flag = '        self._fp8_kv = "fp8" in self.kv_cache_dtype\n'
+    source = (FIXTURES / "seed_form" / "model.py").read_text()
+    assert source.count(flag) == 1
+    source = source.replace(flag, flag + "        self._warm_up()\n").replace(
+        "    def forward(", "    def _warm_up(self) -> None:\n        pass\n\n    def forward(", 1
+    )
+    new = rewrite(analyze(cst.parse_module(source))).code
+    after = new.split(flag, 1)[1].splitlines()
+    assert after[0] == "        self.register_buffer(", after[:3]
