@@ -35,6 +35,8 @@ from codemods.schema import DTYPE_ATTR, SLOTS_FORMS, Unsupported
 MAIN_METADATA = "MiniMaxM3SparseMetadata"
 INDEX_METADATA = "MiniMaxM3IndexerMetadata"
 FORWARD_CONTEXT = "get_forward_context"
+# Why a slot-mapping `_insert_kv` is removed, not restored, on a fork-era call.
+NO_METADATA = "no attn_metadata class is imported, so no fork-era form to restore"
 
 # --- the plan -------------------------------------------------------------------
 
@@ -76,7 +78,7 @@ def revert_reason(plan: RevertPlan) -> str:
     }[plan.insert_kv]
     if plan.also_remove:
         what += " with " + ", ".join(f.name.value for f in plan.also_remove)
-    if plan.insert_kv == "remove" and plan.removed_because.startswith("no attn_metadata"):
+    if plan.insert_kv == "remove" and plan.removed_because == NO_METADATA:
         what += (
             "; where the bypass was the fork's own and `run` only upgraded its index write, the whole "
             "bypass goes and the older form is not put back"
@@ -119,16 +121,15 @@ def plan_site(
         attrs = a.self_assignments(init)
         if pieces.flag_set:  # the statements that decide the proven flag (its value was evaluated: pure)
             remove += m.flag_definition(cls, init, pieces.flag_attr)
+        defined = {id(n) for r in remove for n in a.walk_all(r)}  # the flag's definition, whole
         for flag_slot, value in attrs.get(pieces.flag_attr, []):
-            if any(flag_slot.statement is r for r in remove):
-                continue
-            if any(n is flag_slot.statement for r in remove for n in a.walk_all(r)):
+            if id(flag_slot.statement) in defined:
                 continue
             if not pieces.flag_set and any(isinstance(n, cst.Call) for n in a.walk_all(value)):
                 raise Unsupported(f"`self.{pieces.flag_attr}` is assigned a call, which removing would skip")
             remove.append(flag_slot.statement)
         remove += [scale_slot.statement for scale_slot, _ in attrs.get(codegen.FP8_SCALE, [])]
-        buffer = sites._registered(init, codegen.FP8_SCALE)
+        buffer = sites.registered_buffer(init, codegen.FP8_SCALE)
         remove += [buffer] if buffer is not None else []
     if pieces.guard_assigned is not None:
         remove += [
@@ -310,7 +311,7 @@ def _plan_insert_kv(
         plan.removed_because = (
             "a native call writes the cache itself"
             if native
-            else "no attn_metadata class is imported, so no fork-era form to restore"
+            else NO_METADATA
         )
         plan.insert_kv = "remove"
         plan.drop_imports = {schema.RESHAPE_OP}

@@ -111,6 +111,13 @@ class FileModel:
             )
         return self._scopes[id(cls)]
 
+    @functools.cached_property
+    def constants(self) -> dict[str, object]:
+        """The module's literal constants (``roles.module_constants``), read once for every class."""
+        if self.source_map is None:
+            return {}
+        return roles.module_constants(self.source_map.tree, roles.Scope(_Defs(self.functions, self.source_map), {}, self.imports))
+
     def flags(self, cls: cst.ClassDef) -> dict[str, bool]:
         """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``roles.flags``)."""
         if id(cls) not in self._flags:
@@ -119,8 +126,7 @@ class FileModel:
                 init: ast.FunctionDef | None = scope.methods["__init__"]
             except KeyError:  # none, or one Python's parser does not read as a plain def
                 init = None
-            base = roles.module_constants(self.source_map.tree, scope) if self.source_map is not None else {}
-            self._flags[id(cls)] = roles.flags(init, scope, base) if init is not None else {}
+            self._flags[id(cls)] = roles.flags(init, scope, self.constants) if init is not None else {}
         return self._flags[id(cls)]
 
     def is_compiling(self, expr: cst.BaseExpression) -> bool:

@@ -66,12 +66,15 @@ class _File:
         self.imports = roles.import_table(tree)
         self.functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
         self.constants = roles.module_constants(tree, roles.Scope(self.functions, {}, self.imports))
+        self._flagged: dict[int, bool] = {}  # by class: once, however many calls it holds
 
     def has_flag(self, cls: ast.ClassDef) -> bool:
-        methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
-        init = methods.get("__init__")
-        scope = roles.Scope(self.functions, methods, self.imports)
-        return init is not None and any(roles.flags(init, scope, self.constants).values())
+        if id(cls) not in self._flagged:
+            methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+            init = methods.get("__init__")
+            scope = roles.Scope(self.functions, methods, self.imports)
+            self._flagged[id(cls)] = init is not None and any(roles.flags(init, scope, self.constants).values())
+        return self._flagged[id(cls)]
 
 
 def _after(call: ast.Call, method: ast.FunctionDef) -> list[ast.stmt]:

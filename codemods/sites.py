@@ -357,7 +357,7 @@ def collect_pieces(
     p.flag_set = flags.get(p.flag_attr) is True
     if guard_flag and p.flag_attr in init_attrs and not p.flag_set:
         p.flag_unproven = "`, then `".join(a.code(v) for _, v in init_attrs[p.flag_attr])  # set to what?
-    p.scale_set = codegen.FP8_SCALE in init_attrs or _registered(init, codegen.FP8_SCALE) is not None
+    p.scale_set = codegen.FP8_SCALE in init_attrs or registered_buffer(init, codegen.FP8_SCALE) is not None
     if mentions_flag or p.flag_from_file:  # (else neither the flag nor the scale is named at all)
         attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
         # Once set, whether the flag is also read decides nothing (schema.Pieces.any_bypass).
@@ -489,7 +489,7 @@ def _taken_names(cls: cst.ClassDef, init_attrs: a.Assignments, p: schema.Pieces)
                 note(name, f"`{shown}` in {method.name.value} (the bypass relies on `self.{name}` being set once, in __init__)")
 
 
-def _registered(init: cst.FunctionDef | None, name: str) -> cst.BaseStatement | None:
+def registered_buffer(init: cst.FunctionDef | None, name: str) -> cst.BaseStatement | None:
     """``self.register_buffer("<name>", …)`` as a statement of ``__init__``'s body."""
     for slot in a.statement_slots(init) if init is not None else ():
         call = a.expression_call(slot.statement)
