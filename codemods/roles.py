@@ -443,13 +443,7 @@ def flags(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object] = {}) 
     false for "auto" when ``__init__`` returns, whatever statements decide it."""
     assigned = {
         name[5:]
-        for node in ast.walk(init)
-        for target in _targets(node)
-        if (name := dotted(target)) is not None and name.startswith("self.") and name.count(".") == 1
-    }
-    assigned |= {
-        name[5:]
-        for method in _called_methods(init, scope)
+        for method in (init, *_called_methods(init, scope))
         for node in ast.walk(method)
         for target in _targets(node)
         if (name := dotted(target)) is not None and name.startswith("self.") and name.count(".") == 1
