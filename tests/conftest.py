@@ -425,10 +425,11 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
 # ---- the inner loop: `pytest -m "not slow"` ---------------------------------------------
 # Every test function runs in it, with its first parametrized case; the other cases, a real
-# pre-commit hook environment (its file), the property test's hundreds of random edits and
+# pre-commit hook environment (its file), the property test's hundreds of random edits, the
+# vLLM plugin's starts (a vLLM import each) and
 # the bench scripts' whole runs are `slow`: the full suite (the README's test command, CI)
 # runs all.
-SLOW_FILES = {"test_pre_commit.py", "test_properties.py"}
+SLOW_FILES = {"test_pre_commit.py", "test_properties.py", "test_plugin.py"}
 SLOW_TESTS = {"test_bench_runs_and_writes_every_row"}
 
 
