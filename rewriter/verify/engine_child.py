@@ -323,13 +323,16 @@ def run_job(job: dict, spec: dict, ckpt: str, batch: list[list[int]]) -> dict:
 
     res: dict = {"label": job["label"], "notes": []}
     t0 = time.perf_counter()
+    cls = None
     try:
-        cls = load_model_class(job["file"])
+        if job.get("file"):  # else vLLM imports its installed module itself (bench/plugin_engine.py)
+            cls = load_model_class(job["file"])
     except BaseException as exc:
         return res | exc_facts(exc, "import") | {"seconds": round(time.perf_counter() - t0, 2)}
     from vllm import LLM, ModelRegistry, SamplingParams
 
-    ModelRegistry.register_model(ARCH, cls)
+    if cls is not None:
+        ModelRegistry.register_model(ARCH, cls)
     kwargs = dict(
         model=ckpt,
         skip_tokenizer_init=True,
