@@ -213,3 +213,17 @@ def test_the_readmes_links_reach_their_page_and_heading() -> None:
         if anchor:
             headings = re.findall(r"^#+ (.*)$", page.read_text(), re.M)
             assert anchor in {slug(h) for h in headings}, target
+
+
+def test_the_plugin_page_names_what_the_plugin_reads() -> None:
+    """docs/plugin.md's modes, variables and plugin names are the ones the code and the
+    package's entry points use."""
+    import tomllib
+
+    from mm3_codemod import plugin
+
+    text = (ROOT / "docs" / "plugin.md").read_text()
+    entries = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    assert plugin.APPLY_ENTRY in entries and set(entries.values()) == {"mm3_codemod.plugin:register"}
+    for name in [*entries, *plugin.MODES, plugin.MODE_VAR, "MM3_CODEMOD_SERVE_CACHE", "VLLM_PLUGINS"]:
+        assert name in text, name
