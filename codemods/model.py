@@ -248,7 +248,7 @@ def _as_wrapper(fn: cst.FunctionDef, known: dict[str, a.Wrapper]) -> a.Wrapper |
         if name != schema.FUSED_OP and name not in known:
             continue
         inner = None if name == schema.FUSED_OP else known[name]
-        if a.has_star_args(node):
+        if any(arg.star for arg in node.args):
             return None
         mapping: dict[int, schema.OpParam] = {}
         for param in schema.OP_PARAMS:
