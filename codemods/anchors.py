@@ -1,5 +1,7 @@
 """Structural finders shared by classification and rewriting: code is found by its shape
-(a call of the fused op, ``self.<attr> = …``, ``X if flag else None``), never by line or text."""
+(a call of the fused op, ``self.<attr> = …``, ``X if flag else None``), never by line or text.
+Plain isinstance tests, not libcst.matchers: importing those costs more than parsing an 80 KB
+model file (``python -X importtime``)."""
 
 from __future__ import annotations
 
@@ -14,18 +16,11 @@ import libcst as cst
 
 from codemods import schema
 
-# Plain isinstance tests rather than libcst.matchers: importing the matchers
-# costs more than parsing an 80 KB model file (``python -X importtime``).
-
 
 def callee_name(call: cst.Call) -> str | None:
     """``f`` of ``f(…)`` and of ``a.b.f(…)``; None for any other callee."""
-    func = call.func
-    if isinstance(func, cst.Name):
-        return func.value
-    if isinstance(func, cst.Attribute):
-        return func.attr.value
-    return None
+    func = call.func.attr if isinstance(call.func, cst.Attribute) else call.func
+    return func.value if isinstance(func, cst.Name) else None
 
 
 @dataclass(frozen=True)
@@ -46,9 +41,7 @@ class OpCall:
 
     def arg(self, param: schema.OpParam) -> cst.Arg | None:
         """The argument the op's ``param`` receives from this call."""
-        if self.wrapper is None:
-            return get_arg(self.call, param)
-        own = self.wrapper.params.get(param.index)
+        own = param if self.wrapper is None else self.wrapper.params.get(param.index)
         return get_arg(self.call, own) if own is not None else None
 
 
@@ -101,9 +94,6 @@ def is_pure(node: cst.BaseExpression) -> bool:
             isinstance(el.slice, cst.Index) and is_pure(el.slice.value) for el in node.slice
         )
     return False
-
-
-# --- methods and statements -------------------------------------------------
 
 
 def methods(cls: cst.ClassDef) -> list[cst.FunctionDef]:
@@ -477,9 +467,6 @@ def bf16_index_writes(fn: cst.FunctionDef) -> list[tuple[StatementSlot, Statemen
                 found.append((slot, StatementSlot(slot.block, later)))
                 break
     return found
-
-
-# --- imports ------------------------------------------------------------------
 
 
 @dataclass

@@ -33,6 +33,9 @@ class FoundCall:
         return self.op.call
 
 
+_SCOPES = (cst.ClassDef, cst.FunctionDef, cst.Lambda)  # the stack CallFinder keeps
+
+
 class CallFinder(cst.CSTVisitor):
     """Calls of the op, and of its pass-through wrappers (``wrappers``)."""
 
@@ -51,6 +54,8 @@ class CallFinder(cst.CSTVisitor):
             return False  # a statement that holds no call of the op
         if isinstance(node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
             self.statements.append(node)
+        if isinstance(node, _SCOPES):
+            self.stack.append(node)
         return super().on_visit(node)
 
     def _named(self, node: cst.CSTNode, name: str | None) -> None:
@@ -69,15 +74,8 @@ class CallFinder(cst.CSTVisitor):
             super().on_leave(original_node)
             if isinstance(original_node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
                 self.statements.pop()
-
-    def _push(self, node: cst.CSTNode) -> None:
-        self.stack.append(node)
-
-    def _pop(self, node: cst.CSTNode) -> None:
-        self.stack.pop()
-
-    visit_ClassDef = visit_FunctionDef = visit_Lambda = _push  # type: ignore[assignment]
-    leave_ClassDef = leave_FunctionDef = leave_Lambda = _pop  # type: ignore[assignment]
+            if isinstance(original_node, _SCOPES):
+                self.stack.pop()
 
     def visit_Call(self, node: cst.Call) -> None:
         name = a.callee_name(node)
