@@ -116,10 +116,7 @@ class FileModel:
         """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``roles.flags``)."""
         if id(cls) not in self._flags:
             scope = self.scope(cls)
-            try:
-                init: ast.FunctionDef | None = scope.methods["__init__"]
-            except KeyError:  # none, or one Python's parser does not read as a plain def
-                init = None
+            init = scope.methods.get("__init__")  # None too where Python's parser reads no plain def
             self._flags[id(cls)] = roles.flags(init, scope, self.constants) if init is not None else {}
         return self._flags[id(cls)]
 

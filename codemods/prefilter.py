@@ -107,16 +107,9 @@ def _site(
         if has_flag(cls) or any(_passes_slots(n, dumped) for s in _after(call, method) for n in ast.walk(s)):
             raise _Defer  # a flag, or a post-call write: the pieces of a bypass, whatever their names
     facts = schema.CallFacts(
-        line=call.lineno,
-        class_name=cls.name,
-        method=method.name,
-        module_function=None,
-        nested_in=None,
-        star_args=False,
-        has_cache=has_cache,
-        dtype=roles.dotted(dtype) if has_cache else None,
-        dtype_is_auto=False,
-        in_block=False,  # not asked of a call that passes a dtype
+        line=call.lineno, class_name=cls.name, method=method.name, module_function=None, nested_in=None,
+        star_args=False, has_cache=has_cache, dtype=roles.dotted(dtype) if has_cache else None,
+        dtype_is_auto=False, in_block=False,  # in_block: not asked of a call that passes a dtype
     )
     return schema.verdict(facts, schema.Pieces)
 

@@ -186,13 +186,9 @@ def call_facts(
         line=found.line,
         class_name=found.cls.name.value if found.cls else None,
         method=found.method.name.value if found.method else None,
-        module_function=found.module_function,
-        nested_in=found.nested_in,
-        star_args=any(arg.star for arg in call.args),
-        has_cache=kv is not None and not a.is_none(kv.value),
-        dtype=a.code(dtype_value) if dtype_value is not None else None,
-        dtype_is_auto=auto,
-        in_block=slot is not None,
+        module_function=found.module_function, nested_in=found.nested_in, in_block=slot is not None,
+        star_args=any(arg.star for arg in call.args), has_cache=kv is not None and not a.is_none(kv.value),
+        dtype=a.code(dtype_value) if dtype_value is not None else None, dtype_is_auto=auto,
         is_async=found.method is not None and found.method.asynchronous is not None,
         in_wrapper=found.module_function in wrappers,
     )
@@ -268,11 +264,7 @@ def other_insert_kv_call(cls: cst.ClassDef, allowed: set[int], name: str = codeg
 
 
 def collect_pieces(
-    m: FileModel,
-    cls: cst.ClassDef,
-    method: cst.FunctionDef,
-    op: a.OpCall,
-    slot: a.StatementSlot | None,
+    m: FileModel, cls: cst.ClassDef, method: cst.FunctionDef, op: a.OpCall, slot: a.StatementSlot | None,
     mentions_flag: bool = True,
 ) -> FoundPieces:
     """Each piece by its role (``roles``), whatever the file calls it, asked of the file's

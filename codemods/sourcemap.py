@@ -74,7 +74,7 @@ def _map_block(
         expected = _AST_OF.get(type(stmt))
         if len(group) != count or (expected is not None and not isinstance(group[0], expected)):
             return False
-        first = min(min(g.lineno, *(d.lineno for d in getattr(g, "decorator_list", ()))) for g in group)
+        first = min(n.lineno for g in group for n in (g, *getattr(g, "decorator_list", ())))  # decorators too
         spans[id(stmt)] = (stmt, first, max(g.end_lineno or g.lineno for g in group))
         if expected is not None:
             trees[id(stmt)] = group[0]
