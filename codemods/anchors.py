@@ -102,8 +102,7 @@ def methods(cls: cst.ClassDef) -> list[cst.FunctionDef]:
 
 
 def find_method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
-    found = [f for f in methods(cls) if f.name.value == name]
-    return found[-1] if found else None
+    return next((f for f in reversed(methods(cls)) if f.name.value == name), None)
 
 
 _SCOPES = (cst.FunctionDef, cst.Lambda, cst.ClassDef)
@@ -301,23 +300,20 @@ def _target_names(node: cst.CSTNode) -> Iterator[str]:
         yield from _target_names(node.value)
 
 
-# The node types that bind names (a set test first: LibCST's classes make isinstance slow).
-_BINDERS = frozenset(
-    (
-        cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.For, cst.CompFor, cst.NamedExpr, cst.Del,
-        cst.AsName, cst.ImportAlias, cst.Global, cst.Nonlocal, cst.FunctionDef, cst.ClassDef,
-        cst.MatchAs, cst.MatchStar, cst.MatchMapping,
-    )
-)
+# The node types that bind names (a set test first: LibCST's classes make isinstance slow);
+# the _TARGETED ones bind their ``target``.
+_TARGETED = (cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.For, cst.CompFor, cst.NamedExpr, cst.Del)
+_BINDERS = frozenset(_TARGETED) | {
+    cst.AsName, cst.ImportAlias, cst.Global, cst.Nonlocal, cst.FunctionDef, cst.ClassDef,
+    cst.MatchAs, cst.MatchStar, cst.MatchMapping,
+}
 
 
 def _bound_by(node: cst.CSTNode) -> Iterator[str]:
     """The names one node binds in the scope it sits in."""
     if type(node) not in _BINDERS:
         return
-    if isinstance(
-        node, (cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.For, cst.CompFor, cst.NamedExpr, cst.Del)
-    ):
+    if isinstance(node, _TARGETED):
         yield from _target_names(node.target)
     elif isinstance(node, cst.AsName):  # with ... as x, except ... as x, import ... as x
         yield from _target_names(node.name)
@@ -371,13 +367,12 @@ def local_value(func: cst.FunctionDef, name: str, before: StatementSlot) -> cst.
 def _assigns_within(func: cst.FunctionDef, chain: cst.Attribute) -> bool:
     """``func`` may rebind ``self.a.b`` (or ``self.a``) of a ``self.a.b.c`` chain:
     assigns or deletes a prefix of it, or calls ``setattr``."""
-    wanted = code(chain).replace(" ", "")
+    wanted = code(chain).replace(" ", "") + "."
     for node in nodes_in(func.body, scope_only=True):
         if isinstance(node, (cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.Del)):
             target = node.target
             if isinstance(target, cst.Attribute) and is_self_rooted(target):
-                prefix = code(target).replace(" ", "")
-                if wanted == prefix or wanted.startswith(prefix + "."):
+                if wanted.startswith(code(target).replace(" ", "") + "."):  # the chain or a prefix of it
                     return True
         elif isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "setattr":
             return True

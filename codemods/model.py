@@ -234,9 +234,7 @@ def _as_wrapper(fn: cst.FunctionDef, known: dict[str, a.Wrapper]) -> a.Wrapper |
     own = _positional_params(fn)
     mappings = []
     for node in a.nodes_in(fn.body, scope_only=True):
-        if not isinstance(node, cst.Call):
-            continue
-        name = a.callee_name(node)
+        name = a.callee_name(node) if isinstance(node, cst.Call) else None
         if name != schema.FUSED_OP and name not in known:
             continue
         inner = None if name == schema.FUSED_OP else known[name]

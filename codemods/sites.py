@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import ast
 import builtins
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
+from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
 from codemods import codegen, roles, schema
@@ -114,12 +114,14 @@ class CallFinder(cst.CSTVisitor):
 
 
 def find_calls(
-    module: cst.Module, source_map: SourceMap | None, wrappers: dict[str, a.Wrapper]
+    module: cst.Module, source_map: SourceMap | None, wrappers: dict[str, a.Wrapper],
+    positions: Mapping[cst.CSTNode, CodeRange] | None = None,
 ) -> CallFinder:
     """Every call of the op, in source order, with the line it starts on (``found``), and where
     the op is named without being called (``strays``). Python's parser gives those lines and the
     statements to skip (``PositionProvider`` and a visit of every node cost more than the rest of
-    the analysis); where the two parsers see other calls, every node is visited and numbered."""
+    the analysis); without a map, or where the parsers see other calls, every node is visited and
+    numbered by ``positions`` (made here where not given)."""
     names = {schema.FUSED_OP, *wrappers}
     if source_map is not None:
         needles = [name.encode() for name in names]
@@ -136,7 +138,8 @@ def find_calls(
             return finder
     finder = CallFinder(wrappers)
     module.visit(finder)
-    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+    if positions is None:
+        positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
     for f in finder.found:
         f.line = positions[f.call].start.line
     return finder
@@ -297,11 +300,11 @@ def collect_pieces(
         if fused_when is not None and (local is None or value is not None or lost):
             guard = roles.Guard(fused_when, local, value, m.imports)
             guard_flag = roles.guard_flag(guard, native)
-            if local is not None and value is not None and guard_flag is None:
+            if guard_flag is None and (local is None or value is not None):
+                # the local the cache arguments test holds something else; or, with no local,
+                # an inlined condition that is not the bypass's: the caller's
                 guard = None
-                p.guard_other = True  # the local the cache arguments test holds something else
-            elif local is None and guard_flag is None:
-                guard = None  # an inlined condition that is not the bypass's: the caller's
+                p.guard_other = local is not None
     if guard is not None:
         if guard.local is not None:
             p.guard_args = [guard.local] * len(guarded)
