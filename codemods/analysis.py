@@ -14,7 +14,7 @@ from codemods.fp8_kv_bypass import BypassPlan, apply_plan, plan_bypass
 from codemods.fp8_kv_revert import RevertPlan, apply_revert, plan_site, plan_strip, revert_reason
 from codemods.schema import CHANGING, Action, InsertSite, SiteState, Unsupported
 from codemods.model import FileModel
-from codemods.sites import FoundCall, FoundPieces, call_facts, collect_pieces, find_calls
+from codemods.sites import CallFinder, FoundCall, FoundPieces, call_facts, collect_pieces, find_calls
 from codemods.sourcemap import SourceMap
 
 
@@ -123,7 +123,10 @@ revert = rewrite
 def analyze_revert(module: cst.Module) -> RevertAnalysis:
     """Find every call of the fused op; plan the removal of a bypass around it."""
     m = FileModel.of(module)
-    finder = find_calls(module, None, m.wrappers, m.positions)
+    finder = CallFinder(m.wrappers)
+    module.visit(finder)
+    for found in finder.found:  # the finder leaves numbering to its caller
+        found.line = m.positions[found.call].start.line
 
     sites: list[InsertSite] = []
     plans: list[RevertPlan | None] = []

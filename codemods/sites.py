@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import ast
 import builtins
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import libcst as cst
-from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
+from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
 from codemods import codegen, roles, schema
@@ -114,14 +114,12 @@ class CallFinder(cst.CSTVisitor):
 
 
 def find_calls(
-    module: cst.Module, source_map: SourceMap | None, wrappers: dict[str, a.Wrapper],
-    positions: Mapping[cst.CSTNode, CodeRange] | None = None,
+    module: cst.Module, source_map: SourceMap | None, wrappers: dict[str, a.Wrapper]
 ) -> CallFinder:
     """Every call of the op, in source order, with the line it starts on (``found``), and where
     the op is named without being called (``strays``). Python's parser gives those lines and the
     statements to skip (``PositionProvider`` and a visit of every node cost more than the rest of
-    the analysis); without a map, or where the parsers see other calls, every node is visited and
-    numbered by ``positions`` (made here where not given)."""
+    the analysis); where the two parsers see other calls, every node is visited and numbered."""
     names = {schema.FUSED_OP, *wrappers}
     if source_map is not None:
         needles = [name.encode() for name in names]
@@ -138,8 +136,7 @@ def find_calls(
             return finder
     finder = CallFinder(wrappers)
     module.visit(finder)
-    if positions is None:
-        positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
     for f in finder.found:
         f.line = positions[f.call].start.line
     return finder
@@ -324,11 +321,9 @@ def collect_pieces(
     # the cache dtype is fp8 (``roles.flags``: by its value, whatever statements decide it).
     flags = m.flags(cls)
     proven = [attr for attr, ok in flags.items() if ok]
-    if guard_flag:
-        p.flag_attr = guard_flag
-    elif len(proven) == 1:
-        p.flag_attr = proven[0]
     p.flag_from_file = bool(guard_flag) or len(proven) == 1
+    if p.flag_from_file:
+        p.flag_attr = guard_flag or proven[0]
     p.flag_set = flags.get(p.flag_attr) is True
     if guard_flag and p.flag_attr in init_attrs and not p.flag_set:
         p.flag_unproven = "`, then `".join(a.code(v) for _, v in init_attrs[p.flag_attr])  # set to what?
