@@ -454,11 +454,9 @@ def bf16_index_writes(fn: cst.FunctionDef) -> list[tuple[StatementSlot, Statemen
             call = expression_call(slot.block.body[later])
             if call is None or callee_name(call) != schema.RESHAPE_OP or len(call.args) != 8:
                 continue
-            names = [code(arg.value) for arg in call.args]
             dtype = call.args[5].value
-            if names[0] == names[1] == key and names[2] == names[3] == cache and (
-                isinstance(dtype, cst.SimpleString) and dtype.evaluated_value == schema.AUTO_DTYPE
-            ):
+            auto = isinstance(dtype, cst.SimpleString) and dtype.evaluated_value == schema.AUTO_DTYPE
+            if auto and [code(arg.value) for arg in call.args[:4]] == [key, key, cache, cache]:
                 found.append((slot, StatementSlot(slot.block, later)))
                 break
     return found
@@ -469,12 +467,13 @@ class ImportedName:
     statement: cst.SimpleStatementLine
     alias: cst.ImportAlias
     bound: str
+    importer: cst.Import | cst.ImportFrom  # the import of ``statement`` that holds ``alias``
 
 
 def module_imports(module: cst.Module) -> list[ImportedName]:
     """Top-level ``import`` / ``from … import`` aliases and the names they bind."""
     return [
-        ImportedName(stmt, alias, _import_bound(alias))
+        ImportedName(stmt, alias, _import_bound(alias), small)
         for stmt in module.body
         if isinstance(stmt, cst.SimpleStatementLine)
         for small in stmt.body

@@ -207,11 +207,7 @@ class FileModel:
 
 def _qualified(imp: a.ImportedName) -> str:
     """What a top-level import binds, read from LibCST (where Python's parser cannot read the file)."""
-    name = a.code(imp.alias.name).replace(" ", "")
-    small = next(
-        s for s in imp.statement.body
-        if isinstance(s, (cst.Import, cst.ImportFrom)) and not isinstance(s.names, cst.ImportStar) and imp.alias in s.names
-    )
+    name, small = a.code(imp.alias.name).replace(" ", ""), imp.importer
     if isinstance(small, cst.Import):
         return name if imp.alias.asname is not None else imp.bound
     base = "." * len(small.relative) + (a.code(small.module).replace(" ", "") if small.module is not None else "")
@@ -257,7 +253,7 @@ def _as_wrapper(fn: cst.FunctionDef, known: dict[str, a.Wrapper]) -> a.Wrapper |
 def _positional_params(fn: cst.FunctionDef) -> dict[str, schema.OpParam]:
     """A function's parameters as ``schema.OpParam``s (keyword-only ones bind by keyword alone)."""
     params = fn.params
-    positional = list(params.posonly_params) + list(params.params)
+    positional = [*params.posonly_params, *params.params]
     out = {p.name.value: schema.OpParam(i, p.name.value) for i, p in enumerate(positional)}
     out |= {p.name.value: schema.OpParam(10_000, p.name.value) for p in params.kwonly_params}
     return out

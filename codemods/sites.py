@@ -195,9 +195,6 @@ def call_facts(
     return facts, slot
 
 
-# --- the pieces of a bypass ----------------------------------------------------
-
-
 @dataclass
 class FoundPieces(schema.Pieces):
     """The pieces (``schema.Pieces``), with the LibCST nodes the plan still needs."""
@@ -211,13 +208,11 @@ def _condition(arg: cst.Arg | None) -> tuple[cst.BaseExpression, str] | None:
     """``X if C else None`` -> (X, "C"); ``None if C else X`` -> (X, "not (C)"): the argument
     and the condition under which the fused op gets it."""
     value = arg.value if arg is not None else None
-    if not isinstance(value, cst.IfExp):
-        return None
-    if a.is_none(value.orelse) and not a.is_none(value.body):
+    if not isinstance(value, cst.IfExp) or a.is_none(value.body) == a.is_none(value.orelse):
+        return None  # not a conditional with None on exactly one side
+    if a.is_none(value.orelse):
         return value.body, a.code(value.test)
-    if a.is_none(value.body) and not a.is_none(value.orelse):
-        return value.orelse, f"not ({a.code(value.test)})"
-    return None
+    return value.orelse, f"not ({a.code(value.test)})"
 
 
 def guard_of(arg: cst.Arg | None) -> str | None:
@@ -373,18 +368,10 @@ def _passes_slots(node: cst.CSTNode, main: cst.Arg | None, index: cst.Arg | None
 
 def _slots_none_somewhere(method: cst.FunctionDef, op: a.OpCall) -> bool:
     """A slot mapping the call passes is a local that ``method`` sets to ``None`` (while compiling, say)."""
-    names = {
-        arg.value.value
-        for param in (schema.SLOT_MAPPING, schema.INDEX_SLOT_MAPPING)
-        if (arg := op.arg(param)) is not None and isinstance(arg.value, cst.Name)
-    }
-    return any(
-        (pair := a.simple_assignment(x.statement)) is not None
-        and isinstance(pair[0], cst.Name)
-        and pair[0].value in names
-        and a.is_none(pair[1])
-        for x in a.statement_slots(method)
-    )
+    args = (op.arg(param) for param in (schema.SLOT_MAPPING, schema.INDEX_SLOT_MAPPING))
+    names = {arg.value.value for arg in args if arg is not None and isinstance(arg.value, cst.Name)}
+    pairs = (a.simple_assignment(x.statement) for x in a.statement_slots(method))
+    return any(isinstance(p[0], cst.Name) and p[0].value in names and a.is_none(p[1]) for p in pairs if p)
 
 
 def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Module) -> bool:
