@@ -216,8 +216,7 @@ def _condition(arg: cst.Arg | None) -> tuple[cst.BaseExpression, str] | None:
 
 
 def guard_of(arg: cst.Arg | None) -> str | None:
-    """The condition under which the fused op gets a cache argument: ``X if G else None`` ->
-    ``"G"``, ``None if self.F else X`` -> ``"not (self.F)"``; None for a plain argument."""
+    """The condition under which the fused op gets a cache argument (``_condition``); None for a plain one."""
     found = _condition(arg)
     return found[1] if found is not None else None
 
