@@ -1,8 +1,6 @@
-"""The entry points: ``analyze`` classifies every call of the fused op in a module and plans
-the change of the one that needs it (a ``BypassPlan``, or a ``RevertPlan`` stripping a
-bypass from a native call); ``analyze_revert`` plans taking the bypass out; ``rewrite``
-applies either analysis's plans. Finding is ``sites``', proving ``proofs``', the
-decision ``schema``'s, planning and writing ``fp8_kv_bypass``'s and ``fp8_kv_revert``'s."""
+"""The entry points: ``analyze`` classifies every call of the fused op and plans the change of
+the one that needs it (a ``BypassPlan``, or a ``RevertPlan`` stripping a native call's bypass);
+``analyze_revert`` plans taking the bypass out; ``rewrite`` applies either analysis's plans."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Structural finders shared by classification and rewriting.
-
-Everything here locates code by its shape (a call of the fused op, an
-assignment to ``self.<attr>``, a guard ``X if flag else None``), never by line
-number or by the text around it.
-"""
+"""Structural finders shared by classification and rewriting: code is found by its shape
+(a call of the fused op, ``self.<attr> = …``, ``X if flag else None``), never by line or text.
+Plain isinstance tests, not libcst.matchers: importing those costs more than parsing an 80 KB
+model file (``python -X importtime``)."""
 
 from __future__ import annotations
 
@@ -18,18 +16,11 @@ import libcst as cst
 
 from codemods import schema
 
-# Plain isinstance tests rather than libcst.matchers: importing the matchers
-# costs more than parsing an 80 KB model file (``python -X importtime``).
-
 
 def callee_name(call: cst.Call) -> str | None:
     """``f`` of ``f(…)`` and of ``a.b.f(…)``; None for any other callee."""
-    func = call.func
-    if isinstance(func, cst.Name):
-        return func.value
-    if isinstance(func, cst.Attribute):
-        return func.attr.value
-    return None
+    func = call.func.attr if isinstance(call.func, cst.Attribute) else call.func
+    return func.value if isinstance(func, cst.Name) else None
 
 
 @dataclass(frozen=True)
@@ -50,14 +41,8 @@ class OpCall:
 
     def arg(self, param: schema.OpParam) -> cst.Arg | None:
         """The argument the op's ``param`` receives from this call."""
-        if self.wrapper is None:
-            return get_arg(self.call, param)
-        own = self.wrapper.params.get(param.index)
+        own = param if self.wrapper is None else self.wrapper.params.get(param.index)
         return get_arg(self.call, own) if own is not None else None
-
-
-def has_star_args(call: cst.Call) -> bool:
-    return any(arg.star for arg in call.args)
 
 
 def get_arg(call: cst.Call, param: schema.OpParam) -> cst.Arg | None:
@@ -111,24 +96,23 @@ def is_pure(node: cst.BaseExpression) -> bool:
     return False
 
 
-# --- methods and statements -------------------------------------------------
-
-
 def methods(cls: cst.ClassDef) -> list[cst.FunctionDef]:
     body = cls.body.body if isinstance(cls.body, cst.IndentedBlock) else ()
     return [s for s in body if isinstance(s, cst.FunctionDef)]
 
 
 def find_method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
-    found = [f for f in methods(cls) if f.name.value == name]
-    return found[-1] if found else None
+    return next((f for f in reversed(methods(cls)) if f.name.value == name), None)
+
+
+_SCOPES = (cst.FunctionDef, cst.Lambda, cst.ClassDef)
 
 
 def walk_scope(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
     """Nodes of one function body, not descending into nested defs/lambdas/classes."""
     for child in node.children:
         yield child
-        if not isinstance(child, (cst.FunctionDef, cst.Lambda, cst.ClassDef)):
+        if not isinstance(child, _SCOPES):
             yield from walk_scope(child)
 
 
@@ -160,25 +144,21 @@ def _child_nodes(node: cst.CSTNode) -> list[cst.CSTNode]:
 
 
 def nodes_in(node: cst.CSTNode, scope_only: bool = False) -> list[cst.CSTNode]:
-    """``node`` and every node below it, in no particular order.
-
-    ``scope_only``: not below nested defs, lambdas and classes (``walk_scope``).
-    """
+    """``node`` and every node below it, in no particular order; ``scope_only``: not below
+    nested defs, lambdas and classes (``walk_scope``)."""
     out = [node]
     stack = [node]
     while stack:
         children = _child_nodes(stack.pop())
         out += children
-        if scope_only:
-            stack += [c for c in children if not isinstance(c, (cst.FunctionDef, cst.Lambda, cst.ClassDef))]
-        else:
-            stack += children
+        stack += [c for c in children if not scope_only or not isinstance(c, _SCOPES)]
     return out
 
 
+# The clauses of a compound statement that hold blocks (an ``elif`` is an ``If``).
+_CLAUSES = (cst.Else, cst.If, cst.ExceptHandler, cst.ExceptStarHandler, cst.Finally, cst.MatchCase)
 _STATEMENT_PARTS = (
-    cst.IndentedBlock, cst.SimpleStatementSuite, cst.SimpleStatementLine, cst.BaseCompoundStatement,
-    cst.Else, cst.ExceptHandler, cst.ExceptStarHandler, cst.Finally, cst.MatchCase,
+    cst.IndentedBlock, cst.SimpleStatementSuite, cst.SimpleStatementLine, cst.BaseCompoundStatement, *_CLAUSES
 )
 
 
@@ -189,7 +169,7 @@ def all_statements(node: cst.CSTNode) -> list[cst.CSTNode]:
     stack = [node]
     while stack:
         for child in _child_nodes(stack.pop()):
-            if isinstance(child, cst.BaseSmallStatement) or isinstance(child, cst.BaseCompoundStatement):
+            if isinstance(child, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
                 out.append(child)
             if isinstance(child, _STATEMENT_PARTS):
                 stack.append(child)
@@ -252,29 +232,26 @@ def _sub_blocks(stmt: cst.CSTNode) -> Iterator[cst.IndentedBlock]:
     for child in stmt.children:
         if isinstance(child, cst.IndentedBlock):
             yield child
-        elif isinstance(child, (cst.Else, cst.If, cst.ExceptHandler, cst.ExceptStarHandler, cst.Finally, cst.MatchCase)):
+        elif isinstance(child, _CLAUSES):
             yield from _sub_blocks(child)
+
+
+def _lone_small(stmt: cst.CSTNode) -> cst.BaseSmallStatement | None:
+    """The small statement of a line that holds only it."""
+    return stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
 
 
 def expression_call(stmt: cst.BaseStatement) -> cst.Call | None:
     """The call of a statement that is nothing but one call (``f(...)``)."""
-    if (
-        isinstance(stmt, cst.SimpleStatementLine)
-        and len(stmt.body) == 1
-        and isinstance(stmt.body[0], cst.Expr)
-        and isinstance(stmt.body[0].value, cst.Call)
-    ):
-        return stmt.body[0].value
-    return None
+    small = _lone_small(stmt)
+    return small.value if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call) else None
 
 
 def simple_assignment(
     stmt: cst.BaseStatement,
 ) -> tuple[cst.BaseAssignTargetExpression, cst.BaseExpression] | None:
     """``target = value`` (one target, annotated or not) -> (target, value)."""
-    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
-        return None
-    small = stmt.body[0]
+    small = _lone_small(stmt)
     if isinstance(small, cst.Assign) and len(small.targets) == 1:
         return small.targets[0].target, small.value
     if isinstance(small, cst.AnnAssign) and small.value is not None:
@@ -291,9 +268,7 @@ def self_assignments(func: cst.FunctionDef) -> Assignments:
     found: Assignments = {}
     for slot in statement_slots(func):
         pair = simple_assignment(slot.statement)
-        if pair is None:
-            continue
-        attr = self_attr(pair[0])
+        attr = self_attr(pair[0]) if pair is not None else None
         if attr is not None:
             found.setdefault(attr, []).append((slot, pair[1]))
     return found
@@ -325,28 +300,25 @@ def _target_names(node: cst.CSTNode) -> Iterator[str]:
         yield from _target_names(node.value)
 
 
-# The node types that bind names (a set test first: LibCST's classes make isinstance slow).
-_BINDERS = frozenset(
-    (
-        cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.For, cst.CompFor, cst.NamedExpr, cst.Del,
-        cst.AsName, cst.ImportAlias, cst.Global, cst.Nonlocal, cst.FunctionDef, cst.ClassDef,
-        cst.MatchAs, cst.MatchStar, cst.MatchMapping,
-    )
-)
+# The node types that bind names (a set test first: LibCST's classes make isinstance slow);
+# the _TARGETED ones bind their ``target``.
+_TARGETED = (cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.For, cst.CompFor, cst.NamedExpr, cst.Del)
+_BINDERS = frozenset(_TARGETED) | {
+    cst.AsName, cst.ImportAlias, cst.Global, cst.Nonlocal, cst.FunctionDef, cst.ClassDef,
+    cst.MatchAs, cst.MatchStar, cst.MatchMapping,
+}
 
 
 def _bound_by(node: cst.CSTNode) -> Iterator[str]:
     """The names one node binds in the scope it sits in."""
     if type(node) not in _BINDERS:
         return
-    if isinstance(node, (cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.For, cst.CompFor, cst.NamedExpr)):
-        yield from _target_names(node.target)
-    elif isinstance(node, cst.Del):
+    if isinstance(node, _TARGETED):
         yield from _target_names(node.target)
     elif isinstance(node, cst.AsName):  # with ... as x, except ... as x, import ... as x
         yield from _target_names(node.name)
     elif isinstance(node, cst.ImportAlias) and node.asname is None:
-        yield code(node.name).split(".")[0]
+        yield _import_bound(node)
     elif isinstance(node, (cst.Global, cst.Nonlocal)):
         yield from (item.name.value for item in node.names)
     elif isinstance(node, (cst.FunctionDef, cst.ClassDef)):
@@ -395,13 +367,12 @@ def local_value(func: cst.FunctionDef, name: str, before: StatementSlot) -> cst.
 def _assigns_within(func: cst.FunctionDef, chain: cst.Attribute) -> bool:
     """``func`` may rebind ``self.a.b`` (or ``self.a``) of a ``self.a.b.c`` chain:
     assigns or deletes a prefix of it, or calls ``setattr``."""
-    wanted = code(chain).replace(" ", "")
+    wanted = code(chain).replace(" ", "") + "."
     for node in nodes_in(func.body, scope_only=True):
         if isinstance(node, (cst.AssignTarget, cst.AnnAssign, cst.AugAssign, cst.Del)):
             target = node.target
             if isinstance(target, cst.Attribute) and is_self_rooted(target):
-                prefix = code(target).replace(" ", "")
-                if wanted == prefix or wanted.startswith(prefix + "."):
+                if wanted.startswith(code(target).replace(" ", "") + "."):  # the chain or a prefix of it
                     return True
         elif isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "setattr":
             return True
@@ -416,13 +387,10 @@ def resolve_self_expr(
     if len(bindings(func).get("self", [])) != 1:
         return None  # `self` rebound: `self.x` is not the layer's attribute
     if isinstance(expr, cst.Name):
-        value = local_value(func, expr.value, before)
-        if isinstance(value, cst.Attribute) and is_self_rooted(value) and not _assigns_within(func, value):
-            return value
-        return None
-    if isinstance(expr, cst.Attribute) and is_self_rooted(expr):
-        return expr
-    return None
+        expr = local_value(func, expr.value, before)
+        if isinstance(expr, cst.Attribute) and _assigns_within(func, expr):
+            return None
+    return expr if isinstance(expr, cst.Attribute) and is_self_rooted(expr) else None
 
 
 def module_functions(module: cst.Module) -> dict[str, cst.FunctionDef]:
@@ -438,11 +406,11 @@ def delegates(
     for node in nodes_in(fn.body, scope_only=True):
         if not isinstance(node, cst.Call):
             continue
-        target = None
-        if isinstance(node.func, cst.Attribute) and self_attr(node.func) is not None:
-            target = find_method(cls, node.func.attr.value)
-        elif isinstance(node.func, cst.Name):
-            target = functions.get(node.func.value)
+        method = self_attr(node.func)
+        if method is not None:
+            target = find_method(cls, method)
+        else:
+            target = functions.get(node.func.value) if isinstance(node.func, cst.Name) else None
         if target is not None and target is not fn and all(target is not f for f in found):
             found.append(target)
     return found
@@ -469,31 +437,29 @@ def bf16_index_writes(fn: cst.FunctionDef) -> list[tuple[StatementSlot, Statemen
     indexer_kv_dtype "fp8", then raises). (the assert, the call) of each."""
     found = []
     for slot in statement_slots(fn):
-        stmt = slot.statement
-        if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assert)):
+        small = _lone_small(slot.statement)
+        test = small.test if isinstance(small, cst.Assert) else None
+        compared = test.comparisons if isinstance(test, cst.Comparison) else ()
+        if len(compared) != 1 or not isinstance(compared[0].operator, cst.Equal):
             continue
-        test = stmt.body[0].test
-        if not (isinstance(test, cst.Comparison) and len(test.comparisons) == 1 and isinstance(test.comparisons[0].operator, cst.Equal)):
+        names = [
+            x.value.value
+            for x in (test.left, compared[0].comparator)  # type: ignore[union-attr]
+            if isinstance(x, cst.Attribute) and x.attr.value == "dtype" and isinstance(x.value, cst.Name)
+        ]
+        if len(names) != 2:
             continue
-        sides = [test.left, test.comparisons[0].comparator]
-        if not all(isinstance(x, cst.Attribute) and x.attr.value == "dtype" and isinstance(x.value, cst.Name) for x in sides):
-            continue
-        cache, key = (x.value.value for x in sides)  # type: ignore[attr-defined]
+        cache, key = names
         for later in range(slot.index + 1, len(slot.block.body)):
             call = expression_call(slot.block.body[later])
             if call is None or callee_name(call) != schema.RESHAPE_OP or len(call.args) != 8:
                 continue
-            names = [code(arg.value) for arg in call.args]
             dtype = call.args[5].value
-            if names[0] == names[1] == key and names[2] == names[3] == cache and (
-                isinstance(dtype, cst.SimpleString) and dtype.evaluated_value == schema.AUTO_DTYPE
-            ):
+            auto = isinstance(dtype, cst.SimpleString) and dtype.evaluated_value == schema.AUTO_DTYPE
+            if auto and [code(arg.value) for arg in call.args[:4]] == [key, key, cache, cache]:
                 found.append((slot, StatementSlot(slot.block, later)))
                 break
     return found
-
-
-# --- imports ------------------------------------------------------------------
 
 
 @dataclass
@@ -501,56 +467,44 @@ class ImportedName:
     statement: cst.SimpleStatementLine
     alias: cst.ImportAlias
     bound: str
+    importer: cst.Import | cst.ImportFrom  # the import of ``statement`` that holds ``alias``
 
 
 def module_imports(module: cst.Module) -> list[ImportedName]:
     """Top-level ``import`` / ``from … import`` aliases and the names they bind."""
-    found: list[ImportedName] = []
-    for stmt in module.body:
-        if not isinstance(stmt, cst.SimpleStatementLine):
-            continue
-        for small in stmt.body:
-            if isinstance(small, (cst.Import, cst.ImportFrom)) and not isinstance(
-                small.names, cst.ImportStar
-            ):
-                for alias in small.names:
-                    if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
-                        bound = alias.asname.name.value
-                    else:
-                        bound = code(alias.name).split(".")[0]
-                    found.append(ImportedName(stmt, alias, bound))
-    return found
+    return [
+        ImportedName(stmt, alias, _import_bound(alias), small)
+        for stmt in module.body
+        if isinstance(stmt, cst.SimpleStatementLine)
+        for small in stmt.body
+        if isinstance(small, (cst.Import, cst.ImportFrom)) and not isinstance(small.names, cst.ImportStar)
+        for alias in small.names
+    ]
+
+
+def _import_bound(alias: cst.ImportAlias) -> str:
+    """The name an import alias binds: ``x`` of ``import a.b as x``, ``a`` of ``import a.b``."""
+    if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
+        return alias.asname.name.value
+    return code(alias.name).split(".")[0]
 
 
 def name_uses(module: cst.Module, skip: Sequence[cst.CSTNode] = ()) -> dict[str, int]:
-    """How often each name is read outside import statements (strings counted too).
-
-    ``skip``: statements known not to matter to the caller (not counted).
-    """
+    """How often each name is read outside import statements (strings counted too);
+    ``skip``: statements known not to matter to the caller (not counted)."""
     counts: dict[str, int] = {}
     skipped = {id(n): n for n in skip}
-
-    class Counter(cst.CSTVisitor):
-        def on_visit(self, node: cst.CSTNode) -> bool:
-            if skipped.get(id(node)) is node:
-                return False
-            return super().on_visit(node)
-
-        def visit_Import(self, node: cst.Import) -> bool:
-            return False
-
-        def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
-            return False
-
-        def visit_Name(self, node: cst.Name) -> None:
+    stack: list[cst.CSTNode] = [module]
+    while stack:
+        node = stack.pop()
+        if skipped.get(id(node)) is node or isinstance(node, (cst.Import, cst.ImportFrom)):
+            continue
+        if isinstance(node, cst.Name):
             counts[node.value] = counts.get(node.value, 0) + 1
-
-        def visit_SimpleString(self, node: cst.SimpleString) -> None:
-            # String annotations and __all__ entries: any identifier-like word.
+        elif isinstance(node, cst.SimpleString):  # string annotations, __all__: any identifier-like word
             for word in re.findall(r"\w+", node.value):
                 counts[word] = counts.get(word, 0) + 1
-
-    module.visit(Counter())
+        stack += _child_nodes(node)
     return counts
 
 

@@ -1,13 +1,6 @@
-"""The one model of a file: read once, asked by every command.
-
-As in ruff's semantic model, a recogniser asks what a name *is*, never how it is
-spelled: the file's imports resolve names to qualified ones (``roles.import_table``:
-``is_compiling`` of ``from torch.compiler import is_compiling`` is
-``torch.compiler.is_compiling``), and a flag is known by the value ``__init__``
-leaves in it (``roles.flags``). ``FileModel`` pairs that with the LibCST tree that
-is rewritten: the module's functions and pass-through wrappers, each class's scope
-and flags, positions (made only when asked), and the flag's defining statements.
-"""
+"""The one model of a file, read once and asked by every command. As in ruff's semantic model,
+a recogniser asks what a name *is*, not how it is spelled: imports resolve names to qualified
+ones (``roles.import_table``), and a flag is known by the value ``__init__`` leaves in it."""
 
 from __future__ import annotations
 
@@ -116,16 +109,14 @@ class FileModel:
         """The module's literal constants (``roles.module_constants``), read once for every class."""
         if self.source_map is None:
             return {}
-        return roles.module_constants(self.source_map.tree, roles.Scope(_Defs(self.functions, self.source_map), {}, self.imports))
+        functions = _Defs(self.functions, self.source_map)
+        return roles.module_constants(self.source_map.tree, roles.Scope(functions, {}, self.imports))
 
     def flags(self, cls: cst.ClassDef) -> dict[str, bool]:
         """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``roles.flags``)."""
         if id(cls) not in self._flags:
             scope = self.scope(cls)
-            try:
-                init: ast.FunctionDef | None = scope.methods["__init__"]
-            except KeyError:  # none, or one Python's parser does not read as a plain def
-                init = None
+            init = scope.methods.get("__init__")  # None too where Python's parser reads no plain def
             self._flags[id(cls)] = roles.flags(init, scope, self.constants) if init is not None else {}
         return self._flags[id(cls)]
 
@@ -160,32 +151,35 @@ class FileModel:
         scope = self.scope(cls)
         setters: list[cst.FunctionDef] = []
 
-        def pure(expr: cst.BaseExpression) -> bool:
+        def evaluated(expr: cst.BaseExpression) -> object | None:
+            """What ``expr`` holds for an fp8 cache dtype, where that can be read (else None)."""
             tree = roles.expression(a.code(expr))
+            env = {**_locals, roles.DTYPE: "fp8"}
             try:
-                return tree is not None and roles.evaluate(tree, {**_locals, roles.DTYPE: "fp8"}, scope) is not None
+                return roles.evaluate(tree, env, scope) if tree is not None else None
             except (roles.Unknown, TypeError, ValueError, RecursionError, AttributeError):
-                return False
+                return None
+
+        def block_sets(suite: cst.BaseSuite) -> bool:
+            return isinstance(suite, cst.IndentedBlock) and all(only_sets(x) for x in suite.body)
 
         def only_sets(stmt: cst.CSTNode) -> bool:
             if isinstance(stmt, cst.SimpleStatementLine):
                 return all(small_sets(x) for x in stmt.body)
-            if isinstance(stmt, cst.If) and pure(stmt.test):
-                branches = [stmt.body, *([stmt.orelse.body] if isinstance(stmt.orelse, cst.Else) else [])]
-                rest = [stmt.orelse] if isinstance(stmt.orelse, cst.If) else []
-                return all(isinstance(b, cst.IndentedBlock) and all(only_sets(x) for x in b.body) for b in branches) and all(
-                    only_sets(x) for x in rest
-                )
+            if isinstance(stmt, cst.If) and evaluated(stmt.test) is not None:
+                if isinstance(stmt.orelse, cst.If):  # elif
+                    return block_sets(stmt.body) and only_sets(stmt.orelse)
+                return block_sets(stmt.body) and (stmt.orelse is None or block_sets(stmt.orelse.body))
             return False
 
         def small_sets(x: cst.BaseSmallStatement) -> bool:
             if isinstance(x, cst.Assign) and len(x.targets) == 1 and a.self_attr(x.targets[0].target) == flag:
-                return pure(x.value)
+                return evaluated(x.value) is not None
             if isinstance(x, cst.Expr) and isinstance(x.value, cst.Call) and not x.value.args:
-                method = a.find_method(cls, a.self_attr(x.value.func) or "")
-                calls = [n for n in self.named(a.self_attr(x.value.func) or "") if isinstance(n, cst.Attribute)]
-                body = method.body.body if method is not None and isinstance(method.body, cst.IndentedBlock) else ()
-                if method is not None and len(calls) == 1 and body and all(only_sets(b) for b in body):
+                name = a.self_attr(x.value.func) or ""
+                method = a.find_method(cls, name)
+                calls = [n for n in self.named(name) if isinstance(n, cst.Attribute)]
+                if method is not None and len(calls) == 1 and block_sets(method.body):
                     setters.append(method)
                     return True
             return False
@@ -194,9 +188,9 @@ class FileModel:
         body = list(init.body.body) if isinstance(init.body, cst.IndentedBlock) else []
         for stmt in body:  # what the top-level locals hold (for the fp8 dtype), where that can be read
             pair = a.simple_assignment(stmt)
-            if pair is not None and isinstance(pair[0], cst.Name) and pure(pair[1]):
-                tree = roles.expression(a.code(pair[1]))
-                _locals[pair[0].value] = roles.evaluate(tree, {**_locals, roles.DTYPE: "fp8"}, scope)  # type: ignore[arg-type]
+            value = evaluated(pair[1]) if pair is not None and isinstance(pair[0], cst.Name) else None
+            if value is not None:
+                _locals[pair[0].value] = value  # type: ignore[union-attr]
         found = [stmt for stmt in body if only_sets(stmt)]
         # locals read only by those statements (``quantized = "fp8" in d``; ``self.F = quantized``)
         for stmt in reversed(body):
@@ -205,18 +199,15 @@ class FileModel:
                 continue
             name = pair[0].value
             readers = [s for s in body if s is not stmt and name in a.names_read(s)]
-            if readers and all(any(r is f for f in found) for r in readers) and pure(pair[1]):
+            only_theirs = readers and all(any(r is f for f in found) for r in readers)
+            if only_theirs and evaluated(pair[1]) is not None:
                 found.append(stmt)
         return [*found, *setters]
 
 
 def _qualified(imp: a.ImportedName) -> str:
     """What a top-level import binds, read from LibCST (where Python's parser cannot read the file)."""
-    name = a.code(imp.alias.name).replace(" ", "")
-    small = next(
-        s for s in imp.statement.body
-        if isinstance(s, (cst.Import, cst.ImportFrom)) and not isinstance(s.names, cst.ImportStar) and imp.alias in s.names
-    )
+    name, small = a.code(imp.alias.name).replace(" ", ""), imp.importer
     if isinstance(small, cst.Import):
         return name if imp.alias.asname is not None else imp.bound
     base = "." * len(small.relative) + (a.code(small.module).replace(" ", "") if small.module is not None else "")
@@ -230,10 +221,7 @@ def pass_through_wrappers(module: cst.Module, levels: int = 2) -> dict[str, a.Wr
     found: dict[str, a.Wrapper] = {}
     for _ in range(levels):
         for name, fn in functions.items():
-            if name in found:
-                continue
-            wrapper = _as_wrapper(fn, found)
-            if wrapper is not None:
+            if name not in found and (wrapper := _as_wrapper(fn, found)) is not None:
                 found[name] = wrapper
     return found
 
@@ -242,13 +230,11 @@ def _as_wrapper(fn: cst.FunctionDef, known: dict[str, a.Wrapper]) -> a.Wrapper |
     own = _positional_params(fn)
     mappings = []
     for node in a.nodes_in(fn.body, scope_only=True):
-        if not isinstance(node, cst.Call):
-            continue
-        name = a.callee_name(node)
+        name = a.callee_name(node) if isinstance(node, cst.Call) else None
         if name != schema.FUSED_OP and name not in known:
             continue
         inner = None if name == schema.FUSED_OP else known[name]
-        if a.has_star_args(node):
+        if any(arg.star for arg in node.args):
             return None
         mapping: dict[int, schema.OpParam] = {}
         for param in schema.OP_PARAMS:
@@ -267,7 +253,7 @@ def _as_wrapper(fn: cst.FunctionDef, known: dict[str, a.Wrapper]) -> a.Wrapper |
 def _positional_params(fn: cst.FunctionDef) -> dict[str, schema.OpParam]:
     """A function's parameters as ``schema.OpParam``s (keyword-only ones bind by keyword alone)."""
     params = fn.params
-    positional = list(params.posonly_params) + list(params.params)
+    positional = [*params.posonly_params, *params.params]
     out = {p.name.value: schema.OpParam(i, p.name.value) for i, p in enumerate(positional)}
     out |= {p.name.value: schema.OpParam(10_000, p.name.value) for p in params.kwonly_params}
     return out

@@ -1,21 +1,14 @@
-"""Answer, without LibCST, the files whose every call of the op is native or no site.
-
-``check`` runs on every commit that touches a model file, and most such files
-are vLLM's own (native) ones. Here Python's ``ast`` reads only the facts it can
-read exactly - where each call sits and what it passes - and ``schema.verdict``
-decides, as for every other file. It answers only where structure proves that a
-native call has no bypass piece, asking the same role finders as the analysis:
-no cache argument under a condition (a guard, by whatever name), no flag in the
-class's ``__init__`` (``roles.flags``: by value), no statement after the call
-that hands a method the call's slot mappings (a post-call write). Anything else
-(a fork-era call, the op named other than as a callee, a dtype not written as a
-plain ``self.…``) returns None and the LibCST analysis answers.
-"""
+"""Answer, without LibCST, the files whose every call of the op is native or no site (most files
+``check`` sees on a commit are vLLM's own). ``ast`` reads only facts it reads exactly and
+``schema.verdict`` decides; only where structure proves a native call has no bypass piece (no
+guarded cache argument, no flag by ``roles.flags``, no post-call write). Else None: LibCST answers."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
+from collections.abc import Callable
 
 from codemods import roles, schema
 
@@ -30,17 +23,25 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
     except (SyntaxError, ValueError, RecursionError, MemoryError, UnicodeDecodeError):
         return None
     lines = text.split("\n")
-    file = _File(tree)
+    imports = roles.import_table(tree)
+    functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    constants = roles.module_constants(tree, roles.Scope(functions, {}, imports))
+
+    @functools.cache  # by class: once, however many calls it holds
+    def has_flag(cls: ast.ClassDef) -> bool:
+        methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+        init = methods.get("__init__")
+        scope = roles.Scope(functions, methods, imports)
+        return init is not None and any(roles.flags(init, scope, constants).values())
+
     sites: list[schema.InsertSite] = []
     named = 0  # every place the op is named: each must be the callee of a call read below
 
     def visit(node: ast.AST, stack: tuple[ast.AST, ...]) -> None:
         nonlocal named
-        named += sum(
-            1 for value in ast.iter_fields(node) if isinstance(value[1], str) and schema.FUSED_OP in value[1]
-        )
+        named += sum(isinstance(v, str) and schema.FUSED_OP in v for _, v in ast.iter_fields(node))
         if isinstance(node, ast.Call) and roles.callee(node) == schema.FUSED_OP:
-            sites.append(_site(node, stack, lines, file))
+            sites.append(_site(node, stack, lines, has_flag))
         inner = (*stack, node) if isinstance(node, _DEFS) else stack
         for child in ast.iter_child_nodes(node):
             visit(child, inner)
@@ -57,24 +58,6 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
 
 class _Defer(Exception):
     """A fact ``ast`` cannot read exactly as LibCST does."""
-
-
-class _File:
-    """What the role finders need of the file: its imports, functions and constants."""
-
-    def __init__(self, tree: ast.Module) -> None:
-        self.imports = roles.import_table(tree)
-        self.functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
-        self.constants = roles.module_constants(tree, roles.Scope(self.functions, {}, self.imports))
-        self._flagged: dict[int, bool] = {}  # by class: once, however many calls it holds
-
-    def has_flag(self, cls: ast.ClassDef) -> bool:
-        if id(cls) not in self._flagged:
-            methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
-            init = methods.get("__init__")
-            scope = roles.Scope(self.functions, methods, self.imports)
-            self._flagged[id(cls)] = init is not None and any(roles.flags(init, scope, self.constants).values())
-        return self._flagged[id(cls)]
 
 
 def _after(call: ast.Call, method: ast.FunctionDef) -> list[ast.stmt]:
@@ -100,8 +83,11 @@ def _passes_slots(node: ast.AST, slots: list[str]) -> bool:
     return all(s in args for s in slots)
 
 
-def _site(call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str], file: _File) -> schema.InsertSite:
-    if len(stack) < 2 or not (isinstance(stack[-2], ast.ClassDef) and isinstance(stack[-1], ast.FunctionDef)):
+def _site(
+    call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str], has_flag: Callable[[ast.ClassDef], bool]
+) -> schema.InsertSite:
+    cls, method = stack[-2:] if len(stack) >= 2 else (None, None)
+    if not (isinstance(cls, ast.ClassDef) and isinstance(method, ast.FunctionDef)):
         raise _Defer  # not directly in a method (a wrapper, a nested def): LibCST follows these
     if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
         raise _Defer
@@ -116,23 +102,14 @@ def _site(call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str], file: _F
     if has_cache and (dtype is None or not _plain(dtype, lines)):
         raise _Defer  # a fork-era call, or a dtype whose text LibCST may give differently
     if has_cache:
-        cls, method = stack[-2], stack[-1]
-        assert isinstance(cls, ast.ClassDef) and isinstance(method, ast.FunctionDef)
         slots = [schema.bind_arg(p, args, keywords) for p in (schema.SLOT_MAPPING, schema.INDEX_SLOT_MAPPING)]
         dumped = [ast.dump(s) for s in slots if s is not None]
-        if file.has_flag(cls) or any(_passes_slots(n, dumped) for s in _after(call, method) for n in ast.walk(s)):
+        if has_flag(cls) or any(_passes_slots(n, dumped) for s in _after(call, method) for n in ast.walk(s)):
             raise _Defer  # a flag, or a post-call write: the pieces of a bypass, whatever their names
     facts = schema.CallFacts(
-        line=call.lineno,
-        class_name=stack[-2].name,
-        method=stack[-1].name,
-        module_function=None,
-        nested_in=None,
-        star_args=False,
-        has_cache=has_cache,
-        dtype=roles.dotted(dtype) if has_cache else None,
-        dtype_is_auto=False,
-        in_block=False,  # not asked of a call that passes a dtype
+        line=call.lineno, class_name=cls.name, method=method.name, module_function=None, nested_in=None,
+        star_args=False, has_cache=has_cache, dtype=roles.dotted(dtype) if has_cache else None,
+        dtype_is_auto=False, in_block=False,  # in_block: not asked of a call that passes a dtype
     )
     return schema.verdict(facts, schema.Pieces)
 

@@ -1,17 +1,12 @@
-"""Finding the sites: every call of the fused op, where it sits, and the bypass pieces around it.
-
-``find_calls`` finds each call of ``fused_minimax_m3_qknorm_rope_kv_insert`` (and of a
-module function that passes its arguments through) with its class and method;
-``call_facts`` says where it sits and what it passes; ``collect_pieces`` gathers the
-bypass pieces there (flag, scale, guard, post-call insert, ``_insert_kv``'s form).
-``schema`` turns these facts into a state; nothing here decides or writes.
-"""
+"""Finding the sites: every call of the fused op (``find_calls``), where it sits and what it
+passes (``call_facts``), and the bypass pieces around it (``collect_pieces``: flag, scale, guard,
+post-call insert, ``_insert_kv``'s form). ``schema`` decides from these facts; nothing here writes."""
 
 from __future__ import annotations
 
 import ast
 import builtins
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import libcst as cst
@@ -38,6 +33,9 @@ class FoundCall:
         return self.op.call
 
 
+_SCOPES = (cst.ClassDef, cst.FunctionDef, cst.Lambda)  # the stack CallFinder keeps
+
+
 class CallFinder(cst.CSTVisitor):
     """Calls of the op, and of its pass-through wrappers (``wrappers``)."""
 
@@ -56,6 +54,8 @@ class CallFinder(cst.CSTVisitor):
             return False  # a statement that holds no call of the op
         if isinstance(node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
             self.statements.append(node)
+        if isinstance(node, _SCOPES):
+            self.stack.append(node)
         return super().on_visit(node)
 
     def _named(self, node: cst.CSTNode, name: str | None) -> None:
@@ -74,38 +74,27 @@ class CallFinder(cst.CSTVisitor):
             super().on_leave(original_node)
             if isinstance(original_node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
                 self.statements.pop()
-
-    def _push(self, node: cst.CSTNode) -> None:
-        self.stack.append(node)
-
-    def _pop(self, node: cst.CSTNode) -> None:
-        self.stack.pop()
-
-    visit_ClassDef = visit_FunctionDef = visit_Lambda = _push  # type: ignore[assignment]
-    leave_ClassDef = leave_FunctionDef = leave_Lambda = _pop  # type: ignore[assignment]
+            if isinstance(original_node, _SCOPES):
+                self.stack.pop()
 
     def visit_Call(self, node: cst.Call) -> None:
         name = a.callee_name(node)
         if name != schema.FUSED_OP and name not in self.wrappers:
             return
         op = a.OpCall(node, None if name == schema.FUSED_OP else self.wrappers[name])
-        line = 0  # numbered once every call is found (find_calls)
         classes = [i for i, n in enumerate(self.stack) if isinstance(n, cst.ClassDef)]
         if not classes:
             outer = self.stack[0] if self.stack else None
-            fn = outer.name.value if isinstance(outer, cst.FunctionDef) else None
-            self.found.append(FoundCall(op, line, None, None, None, fn or "<module>"))
+            fn = outer.name.value if isinstance(outer, cst.FunctionDef) else "<module>"
+            self.found.append(FoundCall(op, 0, None, None, None, fn))
             return
-        ci = classes[-1]
-        cls = self.stack[ci]
-        inner = self.stack[ci + 1 :]
+        cls, *inner = self.stack[classes[-1] :]
         method = inner[0] if inner and isinstance(inner[0], cst.FunctionDef) else None
         nested = None
-        if len(inner) > 1:
-            n = inner[-1]
-            nested = n.name.value if isinstance(n, cst.FunctionDef) else "<lambda>"
+        if len(inner) > 1:  # a def or lambda inside the method
+            nested = inner[-1].name.value if isinstance(inner[-1], cst.FunctionDef) else "<lambda>"
         assert isinstance(cls, cst.ClassDef)
-        self.found.append(FoundCall(op, line, cls, method, nested, None, tuple(self.stack[:ci])))
+        self.found.append(FoundCall(op, 0, cls, method, nested, None, tuple(self.stack[: classes[-1]])))
 
     def visit_Import(self, node: cst.Import) -> bool:
         return False  # nothing to find in an import
@@ -127,16 +116,10 @@ class CallFinder(cst.CSTVisitor):
 def find_calls(
     module: cst.Module, source_map: SourceMap | None, wrappers: dict[str, a.Wrapper]
 ) -> CallFinder:
-    """Every call of the op, in source order, with the line it starts on (``found``), and
-    where the op is named without being called (``strays``).
-
-    The lines are those ``PositionProvider`` gives (the callee's first line; a
-    call's own parentheses are not part of it), read from Python's parser of
-    the same text, which also says which statements can be skipped:
-    ``PositionProvider`` and a visit of every node cost more than the rest of
-    the analysis. If the two parsers do not see the same
-    calls, every node is visited and ``PositionProvider`` numbers them.
-    """
+    """Every call of the op, in source order, with the line it starts on (``found``), and where
+    the op is named without being called (``strays``). Python's parser gives those lines and the
+    statements to skip (``PositionProvider`` and a visit of every node cost more than the rest of
+    the analysis); where the two parsers see other calls, every node is visited and numbered."""
     names = {schema.FUSED_OP, *wrappers}
     if source_map is not None:
         needles = [name.encode() for name in names]
@@ -146,8 +129,7 @@ def find_calls(
         module.visit(finder)
         calls = _ast_calls(source_map.tree, op_lines, names)
         if len(calls) == len(finder.found) and all(
-            len(c.args) + len(c.keywords) == len(f.call.args)
-            for c, f in zip(calls, finder.found, strict=True)
+            len(c.args) + len(c.keywords) == len(f.call.args) for c, f in zip(calls, finder.found)
         ):
             for f, c in zip(finder.found, calls, strict=True):
                 f.line = c.lineno
@@ -187,12 +169,16 @@ def _holds(first: int, last: int, op_lines: list[int]) -> bool:
     return any(first <= line <= last for line in op_lines)
 
 
-def call_facts(found: FoundCall, wrappers: Collection[str] = ()) -> tuple[schema.CallFacts, a.StatementSlot | None]:
-    """Where the call sits and what it passes; the statement slot of a call directly in a method.
-    ``wrappers``: the module's pass-through wrappers of the op, by name."""
+def call_facts(
+    found: FoundCall, wrappers: Collection[str] = ()
+) -> tuple[schema.CallFacts, a.StatementSlot | None]:
+    """Where the call sits and what it passes (``wrappers``: the module's pass-through wrappers of
+    the op, by name); the statement slot of a call directly in a method."""
     call = found.call
     kv = found.op.arg(schema.KV_CACHE)
     dtype = found.op.arg(schema.KV_CACHE_DTYPE)
+    dtype_value = dtype.value if dtype is not None else None
+    auto = isinstance(dtype_value, cst.SimpleString) and dtype_value.evaluated_value == schema.AUTO_DTYPE
     method = found.method if found.nested_in is None else None  # directly in a method
     slots = a.statement_slots(method) if method is not None else ()
     slot = next((s for s in slots if a.expression_call(s.statement) is call), None)
@@ -200,24 +186,13 @@ def call_facts(found: FoundCall, wrappers: Collection[str] = ()) -> tuple[schema
         line=found.line,
         class_name=found.cls.name.value if found.cls else None,
         method=found.method.name.value if found.method else None,
-        module_function=found.module_function,
-        nested_in=found.nested_in,
-        star_args=a.has_star_args(call),
-        has_cache=kv is not None and not a.is_none(kv.value),
-        dtype=a.code(dtype.value) if dtype is not None else None,
-        dtype_is_auto=(
-            dtype is not None
-            and isinstance(dtype.value, cst.SimpleString)
-            and dtype.value.evaluated_value == schema.AUTO_DTYPE
-        ),
-        in_block=slot is not None,
+        module_function=found.module_function, nested_in=found.nested_in, in_block=slot is not None,
+        star_args=any(arg.star for arg in call.args), has_cache=kv is not None and not a.is_none(kv.value),
+        dtype=a.code(dtype_value) if dtype_value is not None else None, dtype_is_auto=auto,
         is_async=found.method is not None and found.method.asynchronous is not None,
         in_wrapper=found.module_function in wrappers,
     )
     return facts, slot
-
-
-# --- the pieces of a bypass ----------------------------------------------------
 
 
 @dataclass
@@ -233,18 +208,15 @@ def _condition(arg: cst.Arg | None) -> tuple[cst.BaseExpression, str] | None:
     """``X if C else None`` -> (X, "C"); ``None if C else X`` -> (X, "not (C)"): the argument
     and the condition under which the fused op gets it."""
     value = arg.value if arg is not None else None
-    if not isinstance(value, cst.IfExp):
-        return None
-    if a.is_none(value.orelse) and not a.is_none(value.body):
+    if not isinstance(value, cst.IfExp) or a.is_none(value.body) == a.is_none(value.orelse):
+        return None  # not a conditional with None on exactly one side
+    if a.is_none(value.orelse):
         return value.body, a.code(value.test)
-    if a.is_none(value.body) and not a.is_none(value.orelse):
-        return value.orelse, f"not ({a.code(value.test)})"
-    return None
+    return value.orelse, f"not ({a.code(value.test)})"
 
 
 def guard_of(arg: cst.Arg | None) -> str | None:
-    """The condition under which the fused op gets a cache argument: ``X if G else None`` ->
-    ``"G"``, ``None if self.F else X`` -> ``"not (self.F)"``; None for a plain argument."""
+    """The condition under which the fused op gets a cache argument (``_condition``); None for a plain one."""
     found = _condition(arg)
     return found[1] if found is not None else None
 
@@ -286,11 +258,7 @@ def other_insert_kv_call(cls: cst.ClassDef, allowed: set[int], name: str = codeg
 
 
 def collect_pieces(
-    m: FileModel,
-    cls: cst.ClassDef,
-    method: cst.FunctionDef,
-    op: a.OpCall,
-    slot: a.StatementSlot | None,
+    m: FileModel, cls: cst.ClassDef, method: cst.FunctionDef, op: a.OpCall, slot: a.StatementSlot | None,
     mentions_flag: bool = True,
 ) -> FoundPieces:
     """Each piece by its role (``roles``), whatever the file calls it, asked of the file's
@@ -299,7 +267,6 @@ def collect_pieces(
     native = op.arg(schema.KV_CACHE_DTYPE) is not None
     init = a.find_method(cls, "__init__")
     init_attrs = a.self_assignments(init) if init is not None else {}
-    functions, module = m.functions, m.module
 
     # The guard: what the cache arguments are conditioned on.
     conditions = [(arg, guard_of(arg)) for arg in (op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE))]
@@ -318,42 +285,39 @@ def collect_pieces(
                     value = roles.expression(a.code(pair[1]))
             if value is not None and not _bound_only_in(bound[local], slot.block):
                 value = None  # also bound elsewhere: what it holds at the call is not proven
-        lost = local is not None and local not in bound and not _module_binds(module, local)
+        # a local the method never binds, nor the module (a builtin counts as bound)
+        lost = local is not None and local not in bound and not hasattr(builtins, local)
+        lost = lost and local not in a.scope_bindings(m.module)
         if fused_when is not None and (local is None or value is not None or lost):
             guard = roles.Guard(fused_when, local, value, m.imports)
             guard_flag = roles.guard_flag(guard, native)
-            if local is not None and value is not None and guard_flag is None:
+            if guard_flag is None and (local is None or value is not None):
+                # the local the cache arguments test holds something else; or, with no local,
+                # an inlined condition that is not the bypass's: the caller's
                 guard = None
-                p.guard_other = True  # the local the cache arguments test holds something else
-            elif local is None and guard_flag is None:
-                guard = None  # an inlined condition that is not the bypass's: the caller's
+                p.guard_other = local is not None
     if guard is not None:
         if guard.local is not None:
             p.guard_args = [guard.local] * len(guarded)
             p.guard_assigned = guard.local if guard.value is not None else None
         else:
             p.guard_inline = guarded[0]
-            p.guard_args = []
-    elif p.guard_other:
+    elif p.guard_other or len(set(guarded)) > 1:
         p.guard_args = [_local(c) or c for c in guarded]
-    p.user_conditions = [
-        a.code(arg.value)
-        for arg, c in conditions
-        if c and (guard is None or isinstance(unguarded(arg), cst.IfExp))  # type: ignore[arg-type]
-    ]
-    if len(set(guarded)) > 1:
-        p.user_conditions = []
-        p.guard_args = [_local(c) or c for c in guarded]
+    if len(set(guarded)) <= 1:
+        p.user_conditions = [
+            a.code(arg.value)
+            for arg, c in conditions
+            if c and (guard is None or isinstance(unguarded(arg), cst.IfExp))  # type: ignore[arg-type]
+        ]
 
     # The flag: the attribute the guard reads, else the one __init__ leaves holding whether
     # the cache dtype is fp8 (``roles.flags``: by its value, whatever statements decide it).
     flags = m.flags(cls)
     proven = [attr for attr, ok in flags.items() if ok]
-    if guard_flag:
-        p.flag_attr = guard_flag
-    elif len(proven) == 1:
-        p.flag_attr = proven[0]
     p.flag_from_file = bool(guard_flag) or len(proven) == 1
+    if p.flag_from_file:
+        p.flag_attr = guard_flag or proven[0]
     p.flag_set = flags.get(p.flag_attr) is True
     if guard_flag and p.flag_attr in init_attrs and not p.flag_set:
         p.flag_unproven = "`, then `".join(a.code(v) for _, v in init_attrs[p.flag_attr])  # set to what?
@@ -364,12 +328,10 @@ def collect_pieces(
         p.flag_read = not p.flag_set and p.flag_attr in attrs and p.flag_unproven is None
         p.scale_read = codegen.FP8_SCALE in attrs
 
-    if slot is None:
-        return _finish(p, cls, init_attrs, functions, mentions_flag)
     # The post-call block: the `if` after the call that hands the call's slot mappings to a
     # method when the fused op did not write - whatever the method and the test are called.
     main, index = op.arg(schema.SLOT_MAPPING), op.arg(schema.INDEX_SLOT_MAPPING)
-    for stmt in slot.after():
+    for stmt in slot.after() if slot is not None else ():
         node = a.first_in(stmt, lambda n: _passes_slots(n, main, index))
         node = node or a.first_in(stmt, is_insert_kv_call)
         if not isinstance(node, cst.Call):
@@ -386,22 +348,11 @@ def collect_pieces(
             block_guard = roles.Guard(ast.parse(f"not self.{p.flag_attr}", mode="eval").body, imports=m.imports)
         post = roles.post_block(test, block_guard, guard_flag or p.flag_attr) if test and block_guard else None
         p.post_insert_wired = post is not None and _insert_is_wired(node, op)
-        p.compiled_write = (
-            p.post_insert_wired and post is not None and post.while_compiling and _slots_none_somewhere(method, op)
-        )
-        p.compiled_branch = a.first_in(stmt, m.compiled_path_write) is not None and _slots_none_somewhere(method, op)
+        slots_none = _slots_none_somewhere(method, op)
+        p.compiled_write = p.post_insert_wired and post is not None and post.while_compiling and slots_none
+        p.compiled_branch = a.first_in(stmt, m.compiled_path_write) is not None and slots_none
         break
-    return _finish(p, cls, init_attrs, functions, mentions_flag)
-
-
-def _finish(
-    p: FoundPieces,
-    cls: cst.ClassDef,
-    init_attrs: a.Assignments,
-    functions: dict[str, cst.FunctionDef],
-    mentions_flag: bool,
-) -> FoundPieces:
-    p.insert_kv = _insert_kv_form(a.find_method(cls, p.insert_method), cls, functions)
+    p.insert_kv = _insert_kv_form(a.find_method(cls, p.insert_method), cls, m.functions)
     _taken_names(cls, init_attrs if mentions_flag or p.flag_from_file else {}, p)
     return p
 
@@ -414,25 +365,12 @@ def _passes_slots(node: cst.CSTNode, main: cst.Arg | None, index: cst.Arg | None
     return any(a.same_expr(v, main.value) for v in values) and any(a.same_expr(v, index.value) for v in values)
 
 
-def _module_binds(module: cst.Module | None, name: str) -> bool:
-    """The module binds ``name`` at its top level (or cannot be asked: assume it does)."""
-    return module is None or hasattr(builtins, name) or name in a.scope_bindings(module)
-
-
 def _slots_none_somewhere(method: cst.FunctionDef, op: a.OpCall) -> bool:
     """A slot mapping the call passes is a local that ``method`` sets to ``None`` (while compiling, say)."""
-    names = {
-        arg.value.value
-        for param in (schema.SLOT_MAPPING, schema.INDEX_SLOT_MAPPING)
-        if (arg := op.arg(param)) is not None and isinstance(arg.value, cst.Name)
-    }
-    return any(
-        (pair := a.simple_assignment(x.statement)) is not None
-        and isinstance(pair[0], cst.Name)
-        and pair[0].value in names
-        and a.is_none(pair[1])
-        for x in a.statement_slots(method)
-    )
+    args = (op.arg(param) for param in (schema.SLOT_MAPPING, schema.INDEX_SLOT_MAPPING))
+    names = {arg.value.value for arg in args if arg is not None and isinstance(arg.value, cst.Name)}
+    pairs = (a.simple_assignment(x.statement) for x in a.statement_slots(method))
+    return any(isinstance(p[0], cst.Name) and p[0].value in names and a.is_none(p[1]) for p in pairs if p)
 
 
 def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Module) -> bool:
@@ -441,18 +379,10 @@ def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Modu
     return all(isinstance(n, cst.Param) or id(getattr(n, "target", None)) in plain for n in nodes)
 
 
-def matches(expr: cst.BaseExpression, test: Callable[[ast.expr], bool]) -> bool:
-    """``test``, one of ``schema``'s recognisers, on the expression as Python's own tree."""
-    tree = roles.expression(a.code(expr))
-    return tree is not None and test(tree)
-
-
 def _taken_names(cls: cst.ClassDef, init_attrs: a.Assignments, p: schema.Pieces) -> None:
-    """How the class uses the names the bypass relies on - its flag and write method by their
-    roles (``p``), the scale by its own name - otherwise than the bypass does, in words: in
-    ``p.taken`` where ``run`` would write the name (a clash), in ``p.role_problems`` where the
-    name is the file's own bypass piece (what it holds at the call is then not proven).
-    ``init_attrs``: ``__init__``'s ``self.`` assignments (none where the file never names the flag)."""
+    """How the class uses the bypass's names (its flag and write method by their roles, the scale
+    by its own name) otherwise than the bypass does, in words: in ``p.taken`` where ``run`` would
+    write the name (a clash), in ``p.role_problems`` where it is the file's own piece."""
     own_roles = {name for name, own in ((p.flag_attr, p.flag_from_file), (p.insert_method, p.insert_from_file)) if own}
 
     def note(name: str, text: str) -> None:
@@ -467,23 +397,21 @@ def _taken_names(cls: cst.ClassDef, init_attrs: a.Assignments, p: schema.Pieces)
     insert_kv = at_class.get(p.insert_method, [])
     if len(insert_kv) > 1 or any(not isinstance(n, cst.FunctionDef) or n.decorators for n in insert_kv):
         note(p.insert_method, f"`{p.insert_method}` is bound in the class body other than by one plain `def`")
-    # the values of the first flag and scale assignments in __init__, where they are the bypass's
-    own = set()
-    # a proven flag is what __init__ (and the methods it calls) leave in it: each of those
-    # assignments is part of it (``roles.flags``)
+    # Not a clash: __init__'s first scale assignment where it is the bypass's, and a proven
+    # flag's assignments in __init__ and the methods it calls (``roles.flags``: all of it).
     setters = {"__init__", *_init_calls(cls)} if p.flag_set else set()
     scale = init_attrs.get(codegen.FP8_SCALE, [])[:1]
-    if scale and matches(scale[0][1], roles.is_scale_value):
-        own.add(id(scale[0][1]))
+    scale_tree = roles.expression(a.code(scale[0][1])) if scale else None
+    own = {id(scale[0][1])} if scale_tree is not None and roles.is_scale_value(scale_tree) else set()
     for method in a.methods(cls):
         for node in a.all_statements(method.body):
             stored = {a.self_attr(t) for t in _store_targets(node)}
             if p.insert_method in stored:
                 note(p.insert_method, f"`self.{p.insert_method}` is assigned in {method.name.value}, hiding the method")
             for name in sorted(stored & {p.flag_attr, codegen.FP8_SCALE}):
-                if id(getattr(node, "value", None)) in own or (name == p.flag_attr and p.flag_unproven is not None):
+                if id(getattr(node, "value", None)) in own:
                     continue
-                if name == p.flag_attr and method.name.value in setters:
+                if name == p.flag_attr and (p.flag_unproven is not None or method.name.value in setters):
                     continue
                 shown = " ".join(a.code(node).split())
                 note(name, f"`{shown}` in {method.name.value} (the bypass relies on `self.{name}` being set once, in __init__)")
@@ -494,12 +422,8 @@ def registered_buffer(init: cst.FunctionDef | None, name: str) -> cst.BaseStatem
     for slot in a.statement_slots(init) if init is not None else ():
         call = a.expression_call(slot.statement)
         first = call.args[0].value if call is not None and call.args else None
-        if (
-            call is not None
-            and a.self_attr(call.func) == "register_buffer"
-            and isinstance(first, cst.SimpleString)
-            and first.evaluated_value == name
-        ):
+        named = isinstance(first, cst.SimpleString) and first.evaluated_value == name
+        if named and a.self_attr(call.func) == "register_buffer":  # type: ignore[union-attr]
             return slot.statement
     return None
 
@@ -523,9 +447,10 @@ def _store_targets(stmt: cst.CSTNode) -> list[cst.BaseExpression]:
 
 
 def _insert_is_wired(insert: cst.Call, fused: a.OpCall) -> bool:
+    """``self.<write>(_, _, _, <slots>, <index slots>)``: five positional arguments, the last
+    two the fused call's slot mappings."""
     args = [x for x in insert.args if x.keyword is None]
-    main = fused.arg(schema.SLOT_MAPPING)
-    index = fused.arg(schema.INDEX_SLOT_MAPPING)
+    main, index = fused.arg(schema.SLOT_MAPPING), fused.arg(schema.INDEX_SLOT_MAPPING)
     if len(insert.args) != 5 or len(args) != 5 or main is None or index is None:
         return False
     return a.same_expr(args[3].value, main.value) and a.same_expr(args[4].value, index.value)

@@ -14,28 +14,17 @@ import libcst as cst
 
 # LibCST compound statements and the ast statements they are.
 _AST_OF = {
-    cst.FunctionDef: (ast.FunctionDef, ast.AsyncFunctionDef),
-    cst.ClassDef: (ast.ClassDef,),
-    cst.If: (ast.If,),
-    cst.For: (ast.For, ast.AsyncFor),
-    cst.While: (ast.While,),
-    cst.With: (ast.With, ast.AsyncWith),
-    cst.Try: (ast.Try,),
-    cst.TryStar: (ast.TryStar,),
-    cst.Match: (ast.Match,),
+    cst.FunctionDef: (ast.FunctionDef, ast.AsyncFunctionDef), cst.For: (ast.For, ast.AsyncFor),
+    cst.With: (ast.With, ast.AsyncWith), cst.ClassDef: (ast.ClassDef,), cst.If: (ast.If,),
+    cst.While: (ast.While,), cst.Try: (ast.Try,), cst.TryStar: (ast.TryStar,), cst.Match: (ast.Match,),
 }
 
 
 @dataclass
 class SourceMap:
-    """The lines of each statement, at every depth, and Python's own tree.
-
-    LibCST gives positions only by generating them for every node of the file,
-    which costs more than the analysis itself; Python's parser gives them for
-    free. Used only to skip statements that cannot matter and to number lines:
-    what a statement is and holds is still read from LibCST. ``of`` returns
-    None where the two parsers do not see the same statements.
-    """
+    """The lines of each statement, at every depth, and Python's own tree: LibCST's positions
+    cost more than the analysis itself. Only for skipping statements and numbering lines (what
+    a statement holds is read from LibCST); ``of`` is None where the parsers see other statements."""
 
     tree: ast.Module
     lines: list[bytes]  # 1-based
@@ -59,16 +48,8 @@ class SourceMap:
 
     def from_imported(self) -> set[str]:
         """Names that a ``from … import name`` (no ``as``) binds, anywhere in the file."""
-        names: set[str] = set()
-        stack: list[ast.stmt] = list(self.tree.body)
-        while stack:
-            stmt = stack.pop()
-            if isinstance(stmt, ast.ImportFrom):
-                names.update(alias.name for alias in stmt.names if alias.asname is None)
-            for field in ("body", "orelse", "finalbody", "handlers", "cases"):
-                for child in getattr(stmt, field, ()):
-                    stack += child.body if isinstance(child, (ast.excepthandler, ast.match_case)) else [child]
-        return names
+        imports = (node for node in ast.walk(self.tree) if isinstance(node, ast.ImportFrom))
+        return {alias.name for node in imports for alias in node.names if alias.asname is None}
 
     def span(self, stmt: cst.CSTNode) -> tuple[int, int] | None:
         entry = self.spans.get(id(stmt))
@@ -80,9 +61,7 @@ class SourceMap:
 
 
 def _map_block(
-    body: Sequence[cst.BaseStatement],
-    nodes: list[ast.stmt],
-    spans: dict[int, tuple[cst.CSTNode, int, int]],
+    body: Sequence[cst.BaseStatement], nodes: list[ast.stmt], spans: dict[int, tuple[cst.CSTNode, int, int]],
     trees: dict[int, ast.stmt],
 ) -> bool:
     """Pair LibCST statements with ast ones (a line of ``a; b`` is two), at every depth;
@@ -95,9 +74,7 @@ def _map_block(
         expected = _AST_OF.get(type(stmt))
         if len(group) != count or (expected is not None and not isinstance(group[0], expected)):
             return False
-        first = min(
-            min((d.lineno for d in getattr(g, "decorator_list", ())), default=g.lineno) for g in group
-        )
+        first = min(n.lineno for g in group for n in (g, *getattr(g, "decorator_list", ())))  # decorators too
         spans[id(stmt)] = (stmt, first, max(g.end_lineno or g.lineno for g in group))
         if expected is not None:
             trees[id(stmt)] = group[0]
@@ -110,50 +87,34 @@ def _map_block(
 def _sub_blocks_of(
     stmt: cst.BaseStatement, node: ast.stmt
 ) -> list[tuple[Sequence[cst.BaseStatement], list[ast.stmt]]] | None:
-    """The statement lists inside a compound statement, LibCST's and ast's side by side.
-
-    One-line suites (``if x: y``) hold small statements, not statements: not paired.
-    """
+    """The statement lists inside a compound statement, LibCST's and ast's side by side, in
+    source order (a one-line suite, ``if x: y``, holds small statements: not paired)."""
     pairs: list[tuple[Sequence[cst.BaseStatement], list[ast.stmt]]] = []
 
     def block(suite: cst.BaseSuite, nodes: list[ast.stmt]) -> None:
         if isinstance(suite, cst.IndentedBlock):
             pairs.append((suite.body, nodes))
 
-    def orelse(other: cst.Else | None, nodes: list[ast.stmt]) -> None:
-        if other is not None:
-            block(other.body, nodes)
-        elif nodes:
-            pairs.append(([], nodes))  # a mismatch: _map_block says so
-
-    if isinstance(stmt, (cst.FunctionDef, cst.ClassDef, cst.With)):
-        block(stmt.body, node.body)  # type: ignore[attr-defined]
-    elif isinstance(stmt, (cst.For, cst.While)):
-        block(stmt.body, node.body)  # type: ignore[attr-defined]
-        orelse(stmt.orelse, node.orelse)  # type: ignore[attr-defined]
-    elif isinstance(stmt, cst.If):
-        assert isinstance(node, ast.If)
-        block(stmt.body, node.body)
-        if isinstance(stmt.orelse, cst.If):  # elif
-            pairs.append(([stmt.orelse], node.orelse))
-        else:
-            orelse(stmt.orelse, node.orelse)
-    elif isinstance(stmt, (cst.Try, cst.TryStar)):
-        assert isinstance(node, (ast.Try, ast.TryStar))
-        if len(stmt.handlers) != len(node.handlers):
+    if isinstance(stmt, cst.Match):
+        if len(stmt.cases) != len(node.cases):  # type: ignore[attr-defined]
             return None
-        block(stmt.body, node.body)
+        for case, ast_case in zip(stmt.cases, node.cases, strict=True):  # type: ignore[attr-defined]
+            block(case.body, ast_case.body)
+        return pairs
+    block(stmt.body, node.body)  # type: ignore[attr-defined]
+    is_try = isinstance(stmt, (cst.Try, cst.TryStar))
+    if is_try:
+        if len(stmt.handlers) != len(node.handlers) or (stmt.finalbody is None and node.finalbody):
+            return None
         for handler, ast_handler in zip(stmt.handlers, node.handlers, strict=True):
             block(handler.body, ast_handler.body)
-        orelse(stmt.orelse, node.orelse)
-        if stmt.finalbody is not None:
-            block(stmt.finalbody.body, node.finalbody)
-        elif node.finalbody:
-            return None
-    elif isinstance(stmt, cst.Match):
-        assert isinstance(node, ast.Match)
-        if len(stmt.cases) != len(node.cases):
-            return None
-        for case, ast_case in zip(stmt.cases, node.cases, strict=True):
-            block(case.body, ast_case.body)
+    orelse = getattr(stmt, "orelse", None)
+    if isinstance(orelse, cst.If):  # elif
+        pairs.append(([orelse], node.orelse))  # type: ignore[attr-defined]
+    elif orelse is not None:
+        block(orelse.body, node.orelse)  # type: ignore[attr-defined]
+    elif getattr(node, "orelse", None):
+        pairs.append(([], node.orelse))  # type: ignore[attr-defined]  # a mismatch: _map_block says so
+    if is_try and stmt.finalbody is not None:
+        block(stmt.finalbody.body, node.finalbody)
     return pairs
