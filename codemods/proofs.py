@@ -17,11 +17,9 @@ from codemods.sites import guard_of, unguarded
 
 
 def op_namespace(op: a.OpCall, imports: Mapping[str, str]) -> str | None:
-    """Where ``reshape_and_cache_flash`` is, proven from how the module reaches the fused op:
-    ``torch.ops._C`` -> ``torch.ops._C_cache_ops``; ``vllm._custom_ops`` under any name -> that
-    name; a bare name -> None (imported beside it, ``bare_import``). Any other namespace
-    (``torch.ops.vllm``, a fork's own module) is not known to hold it: the module's
-    ``vllm._custom_ops``, else ``Unsupported``."""
+    """Where ``reshape_and_cache_flash`` is, from how the module reaches the fused op:
+    ``torch.ops._C`` -> ``torch.ops._C_cache_ops``; a bare name -> None (``bare_import``); any
+    other namespace is not known to hold it: the name the module binds ``vllm._custom_ops`` to."""
     func = op.call.func
     if op.wrapper is None and isinstance(func, cst.Attribute):
         if a.code(func.value).replace(" ", "") == "torch.ops._C":
@@ -104,14 +102,10 @@ _NORM_WEIGHTS = {  # the norms whose weights the call passes, by the head size t
 def widths(
     op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments
 ) -> _Widths:
-    """Each size by what it is in the fused buffer's layout, never by the first product that fits.
-
-    The head counts are what the call passes. A head size is what the norms of that part
-    are built with (``self.q_norm = Norm(self.head_dim, …)``, whose ``.weight`` the call
-    passes); without that, the one size that multiplies both the q and the kv head count
-    in ``__init__`` (for the index part: the index head count). A width is a
-    ``self.W = <count> * <size>`` of ``__init__`` assigned once, else that product itself.
-    """
+    """Each size by what it is in the fused buffer's layout, never by the first product that fits:
+    a head size is what that part's norms are built with (the call passes their ``.weight``), else
+    the one size that multiplies its head counts in ``__init__``; a width is a
+    ``self.W = <count> * <size>`` of ``__init__`` assigned once, else that product itself."""
     counts: dict[str, cst.BaseExpression] = {}
     for param in (schema.NUM_HEADS, schema.NUM_KV_HEADS, schema.NUM_INDEX_HEADS):
         arg = op.arg(param)
@@ -147,10 +141,8 @@ def widths(
     idx_head_dim = size("idx_head_dim", "index head size", "num_index_heads")
 
     def width(count: cst.BaseExpression, dim: str) -> str:
-        for attr, c, d in products:
-            if a.same_expr(c, count) and d == dim:
-                return f"self.{attr}"
-        return f"{a.code(count)} * {dim}"
+        found = (f"self.{attr}" for attr, c, d in products if a.same_expr(c, count) and d == dim)
+        return next(found, f"{a.code(count)} * {dim}")
 
     return _Widths(
         q=width(counts["num_heads"], head_dim),
@@ -197,12 +189,9 @@ def _norm_sizes(
 
 
 def dtype_anchor(init: cst.FunctionDef, attrs: a.Assignments) -> a.StatementSlot | None:
-    """The statement after which the flag goes; None where __init__ does not set the dtype.
-
-    The flag is made from the main cache's dtype, ``self.kv_cache_dtype`` (what vLLM's
-    backends read; the indexer's own dtype is another attribute), after the last statement
-    of __init__'s body that assigns it - and after the torch dtype made from it, if one
-    follows (that statement, not one in a lambda or nested def)."""
+    """The statement after which the flag goes: the top-level statement of __init__ holding the
+    last assignment of ``self.kv_cache_dtype`` (the main cache's, what vLLM's backends read), or
+    the torch dtype made from it if one follows; None where __init__ does not set it."""
     defs = attrs.get(schema.DTYPE_ATTR)
     if not defs:
         return None

@@ -237,12 +237,8 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
     if not f.has_cache:
         return site(SiteState.NOT_A_SITE, Action.NONE, "no main K/V cache argument: a norm+rope-only call")
     if f.class_name is None and f.in_wrapper:
-        return site(
-            SiteState.NOT_A_SITE,
-            Action.NONE,
-            f"in module-level function `{f.module_function}`, a pass-through wrapper: "
-            "the layer's call of it is the site",
-        )
+        wrapper = f"in module-level function `{f.module_function}`, a pass-through wrapper"
+        return site(SiteState.NOT_A_SITE, Action.NONE, f"{wrapper}: the layer's call of it is the site")
     if f.class_name is None:
         where = f"module-level function `{f.module_function}`" if f.module_function != "<module>" else "module code"
         if f.dtype is not None and not f.dtype_is_auto:
@@ -283,11 +279,8 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
                 "neither a fork-era nor a native call"
             )
         if not p.any_bypass(native=True):
-            return site(
-                SiteState.NATIVE,
-                Action.NONE,
-                f"native fp8 support (passes kv_cache_dtype={f.dtype}): run with --kv-cache-dtype fp8 directly",
-            )
+            native = f"native fp8 support (passes kv_cache_dtype={f.dtype})"
+            return site(SiteState.NATIVE, Action.NONE, f"{native}: run with --kv-cache-dtype fp8 directly")
         if p.taken:
             return taken  # which pieces are the bypass's cannot be told
         if p.compiled_write:
@@ -321,11 +314,8 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
         return site(SiteState.PATCHED, Action.NONE, "fp8 bypass present and wired")
     if p.any_bypass():
         return site(SiteState.HALF_APPLIED, Action.COMPLETE, _half_applied_reason(p, present))
-    return site(
-        SiteState.NEEDS_BYPASS,
-        Action.REWRITE,
-        "fork-era insert call (no kv_cache_dtype): the fused op would assert on an fp8 cache",
-    )
+    reason = "fork-era insert call (no kv_cache_dtype): the fused op would assert on an fp8 cache"
+    return site(SiteState.NEEDS_BYPASS, Action.REWRITE, reason)
 
 
 def _unproven_roles(p: Pieces) -> str:
