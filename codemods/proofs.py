@@ -93,12 +93,6 @@ class _Widths:
     num_kv_heads: str
 
 
-_NORM_WEIGHTS = {  # the norms whose weights the call passes, by the head size they are built with
-    "head_dim": (schema.OP_PARAMS[1], schema.OP_PARAMS[2]),  # q_norm_weight, k_norm_weight
-    "idx_head_dim": (schema.OP_PARAMS[9], schema.OP_PARAMS[10]),  # index_q_norm_weight, index_k_norm_weight
-}
-
-
 def widths(
     op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments
 ) -> _Widths:
@@ -115,8 +109,8 @@ def widths(
         counts[param.keyword] = resolved
     products = _products(init_attrs)
 
-    def size(what: str, label: str, *count_names: str) -> str:
-        built = _norm_sizes(op, method, slot, init_attrs, _NORM_WEIGHTS[what])
+    def size(what: str, label: str, norm_weights: tuple[schema.OpParam, ...], *count_names: str) -> str:
+        built = _norm_sizes(op, method, slot, init_attrs, norm_weights)
         if len(built) > 1:
             raise Unsupported(f"the norms of one part are built with different sizes: {sorted(built)}")
         if built:
@@ -137,8 +131,9 @@ def widths(
             )
         return candidates.pop()
 
-    head_dim = size("head_dim", "head size", "num_heads", "num_kv_heads")
-    idx_head_dim = size("idx_head_dim", "index head size", "num_index_heads")
+    # each part's norm weights the call passes: (index_)q_norm_weight, (index_)k_norm_weight
+    head_dim = size("head_dim", "head size", schema.OP_PARAMS[1:3], "num_heads", "num_kv_heads")
+    idx_head_dim = size("idx_head_dim", "index head size", schema.OP_PARAMS[9:11], "num_index_heads")
 
     def width(count: cst.BaseExpression, dim: str) -> str:
         found = (f"self.{attr}" for attr, c, d in products if a.same_expr(c, count) and d == dim)

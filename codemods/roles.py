@@ -12,6 +12,7 @@ Conditions are read as truth tables. Everything here works on Python's own ``ast
 from __future__ import annotations
 
 import ast
+import contextlib
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ _STR_METHODS = {"startswith", "endswith", "lower", "upper", "strip", "casefold"}
 _DEPTH = 3  # how deep the reading follows helpers calling helpers (or methods __init__ calls)
 _ERRORS = (TypeError, ValueError, RecursionError, AttributeError)  # besides Unknown, from evaluating
 _MISSING = object()
+# statements that bind nothing the reading follows
 _STEPPED_OVER = (ast.Pass, ast.Assert, ast.Import, ast.ImportFrom, ast.Expr, ast.Global, ast.Nonlocal)
 _SOURCES = "<dtype sources>"  # env's key for the names that are the cache dtype
 
@@ -111,12 +113,9 @@ def qualified(node: ast.expr, imports: Mapping[str, str]) -> str | None:
 
 def is_compiling(node: ast.expr, imports: Mapping[str, str]) -> bool:
     """A call of ``torch.compiler.is_compiling()``, however the file imported or spelled it."""
-    return (
-        isinstance(node, ast.Call)
-        and not node.args
-        and not node.keywords
-        and qualified(node.func, imports) in COMPILE_TESTS
-    )
+    if not isinstance(node, ast.Call) or node.args or node.keywords:
+        return False
+    return qualified(node.func, imports) in COMPILE_TESTS
 
 
 @dataclass(frozen=True)
@@ -276,10 +275,8 @@ def attribute_values(
     the same on every path the reading cannot decide; the others are left out."""
     sources = frozenset(_dtype_sources(init))
     env = {**base, _SOURCES: sources, **dict.fromkeys(sources, dtype)}
-    try:
+    with contextlib.suppress(_Stop):
         _block(init.body, env, scope, 0)
-    except _Stop:
-        pass
     return {k: v for k, v in env.items() if k.startswith("self.")}
 
 

@@ -242,13 +242,12 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
     if f.class_name is None:
         where = f"module-level function `{f.module_function}`" if f.module_function != "<module>" else "module code"
         if f.dtype is not None and not f.dtype_is_auto:
-            return site(
-                SiteState.NATIVE,
-                Action.NONE,
+            reason = (
                 f"native fp8 support (passes kv_cache_dtype={f.dtype}) in {where}, outside a layer class "
                 "(a registered custom op that finds its layer in the forward context, say): run with "
-                "--kv-cache-dtype fp8 directly",
+                "--kv-cache-dtype fp8 directly"
             )
+            return site(SiteState.NATIVE, Action.NONE, reason)
         return refuse(
             f"a fork-era insert call (no kv_cache_dtype) in {where}, which is no pass-through wrapper (it "
             "computes its own arguments): the bypass is written around a call in a layer's method only, "
@@ -287,13 +286,12 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
             present = p.present(native=True)
             return _compiled_bypass(f, p, site)
         have = ", ".join(k for k, v in present.items() if v) or f"a read of self.{p.flag_attr}"
-        return site(
-            SiteState.HALF_APPLIED,
-            Action.STRIP,
+        reason = (
             f"native call (kv_cache_dtype={f.dtype}) carrying a stale fp8 bypass ({have}): "
             f"{_broken_now(p, f.line)}; `run` takes the bypass out - the native kernel writes "
-            "fp8 and skips padded slots itself - then run with --kv-cache-dtype fp8 directly",
+            "fp8 and skips padded slots itself - then run with --kv-cache-dtype fp8 directly"
         )
+        return site(SiteState.HALF_APPLIED, Action.STRIP, reason)
 
     if not f.in_block:
         return refuse(
