@@ -1,12 +1,10 @@
 """The roles of a bypass, proven from what its expressions do, never from how they are spelled.
 
-A fork's own bypass may name every piece differently and write every condition another way
-round, so each piece is known by its role: the *flag*, a ``self.<attr>`` that ``__init__`` leaves
-true for every fp8 dtype and false for ``"auto"`` (``flags`` runs ``__init__`` and the methods it
-calls on each dtype, reading expressions with ``evaluate``); the *guard* the cache arguments are
-conditioned on (``guard_flag``: ``not flag``, ``not compiling and not flag`` or, on a native call,
-``not compiling``); the *post-call block* that runs when the guard is false (``post_block``).
-Conditions are read as truth tables. Everything here works on Python's own ``ast``.
+A fork may name every piece differently and write every condition another way round. The *flag*
+is a ``self.<attr>`` that ``__init__`` leaves true for every fp8 dtype and false for "auto"
+(``flags`` runs ``__init__`` on each dtype, reading with ``evaluate``); the *guard* conditions the
+cache arguments on ``not flag`` (``guard_flag``); the *post-call block* runs when the guard is
+false (``post_block``). Conditions are read as truth tables, on Python's own ``ast``.
 """
 
 from __future__ import annotations
@@ -204,14 +202,13 @@ def _call(node: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -
     if name in ("bool", "str") and len(args) == 1 and not kwargs:
         return bool(args[0]) if name == "bool" else str(args[0])
     if name is not None:
-        method = _self_member(func)
-        try:
-            if method is not None and method in scope.methods:
-                return _helper(scope.methods[method], args, kwargs, env, scope, depth, skip_self=True)
-            if "." not in name and name in scope.functions:
-                return _helper(scope.functions[name], args, kwargs, env, scope, depth, skip_self=False)
-        except KeyError:
-            raise Unknown(name) from None
+        method = _self_member(func)  # a method of the class, else a module function
+        defs, key = (scope.methods, method) if method is not None else (scope.functions, name)
+        if "." not in key and key in defs:
+            try:
+                return _helper(defs[key], args, kwargs, env, scope, depth, skip_self=method is not None)
+            except KeyError:
+                raise Unknown(name) from None
         # vLLM's helper, by what the name is bound to: a name imported from vLLM
         bound = qualified(func, scope.imports) or ""
         helper = VLLM_HELPERS.get(bound.rpartition(".")[2]) if bound.startswith("vllm.") else None
@@ -322,10 +319,8 @@ def _forget(node: ast.AST, env: dict[str, object]) -> None:
         elif isinstance(sub, (ast.With, ast.AsyncWith)):
             targets = [i.optional_vars for i in sub.items if i.optional_vars is not None]
         for target in targets:
-            for part in ast.walk(target):
-                name = dotted(part) if isinstance(part, (ast.Name, ast.Attribute)) else None
-                if name is not None and name != DTYPE:
-                    env.pop(name, None)
+            for name in {dotted(part) for part in ast.walk(target)} - {None, DTYPE}:  # type: ignore[arg-type]
+                env.pop(name, None)
 
 
 def _block(body: list[ast.stmt], env: dict[str, object], scope: Scope, depth: int) -> None:

@@ -1,10 +1,7 @@
-"""The decision: how a call of the fused op reaches each state and action.
-
-The rules, in the order they apply: ``verdict`` (the state from what was found at the call),
-``planned`` (a change whose plan cannot be proven safe is refused), ``one_candidate`` (one insert
-site only) and, for ``revert``, ``reverted`` and ``one_revert``. The facts come from
-``fp8_kv_bypass`` (LibCST) or, for native files, ``prefilter`` (``ast``): this module imports
-nothing heavy, so ``check`` on a native file does not pay for importing LibCST.
+"""The decision: how a call of the fused op reaches each state and action, by rules applied in
+order: ``verdict`` (from the facts found at the call), ``planned``, ``one_candidate`` and, for
+``revert``, ``reverted`` and ``one_revert``. It imports nothing heavy: ``check`` on a native file
+(read by ``prefilter`` with ``ast``) must not pay for importing LibCST.
 """
 
 from __future__ import annotations
