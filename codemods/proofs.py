@@ -17,11 +17,9 @@ from codemods.sites import guard_of, unguarded
 
 
 def op_namespace(op: a.OpCall, imports: Mapping[str, str]) -> str | None:
-    """Where ``reshape_and_cache_flash`` is, proven from how the module reaches the fused op:
-    ``torch.ops._C`` -> ``torch.ops._C_cache_ops``; ``vllm._custom_ops`` under any name -> that
-    name; a bare name -> None (imported beside it, ``bare_import``). Any other namespace
-    (``torch.ops.vllm``, a fork's own module) is not known to hold it: the module's
-    ``vllm._custom_ops``, else ``Unsupported``."""
+    """Where ``reshape_and_cache_flash`` is, from how the module reaches the fused op:
+    ``torch.ops._C`` -> ``torch.ops._C_cache_ops``; a bare name -> None (``bare_import``); any
+    other namespace is not known to hold it: the name the module binds ``vllm._custom_ops`` to."""
     func = op.call.func
     if op.wrapper is None and isinstance(func, cst.Attribute):
         if a.code(func.value).replace(" ", "") == "torch.ops._C":
@@ -95,23 +93,13 @@ class _Widths:
     num_kv_heads: str
 
 
-_NORM_WEIGHTS = {  # the norms whose weights the call passes, by the head size they are built with
-    "head_dim": (schema.OP_PARAMS[1], schema.OP_PARAMS[2]),  # q_norm_weight, k_norm_weight
-    "idx_head_dim": (schema.OP_PARAMS[9], schema.OP_PARAMS[10]),  # index_q_norm_weight, index_k_norm_weight
-}
-
-
 def widths(
     op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments
 ) -> _Widths:
-    """Each size by what it is in the fused buffer's layout, never by the first product that fits.
-
-    The head counts are what the call passes. A head size is what the norms of that part
-    are built with (``self.q_norm = Norm(self.head_dim, …)``, whose ``.weight`` the call
-    passes); without that, the one size that multiplies both the q and the kv head count
-    in ``__init__`` (for the index part: the index head count). A width is a
-    ``self.W = <count> * <size>`` of ``__init__`` assigned once, else that product itself.
-    """
+    """Each size by what it is in the fused buffer's layout, never by the first product that fits:
+    a head size is what that part's norms are built with (the call passes their ``.weight``), else
+    the one size that multiplies its head counts in ``__init__``; a width is a
+    ``self.W = <count> * <size>`` of ``__init__`` assigned once, else that product itself."""
     counts: dict[str, cst.BaseExpression] = {}
     for param in (schema.NUM_HEADS, schema.NUM_KV_HEADS, schema.NUM_INDEX_HEADS):
         arg = op.arg(param)
@@ -121,8 +109,8 @@ def widths(
         counts[param.keyword] = resolved
     products = _products(init_attrs)
 
-    def size(what: str, label: str, *count_names: str) -> str:
-        built = _norm_sizes(op, method, slot, init_attrs, _NORM_WEIGHTS[what])
+    def size(what: str, label: str, norm_weights: tuple[schema.OpParam, ...], *count_names: str) -> str:
+        built = _norm_sizes(op, method, slot, init_attrs, norm_weights)
         if len(built) > 1:
             raise Unsupported(f"the norms of one part are built with different sizes: {sorted(built)}")
         if built:
@@ -143,14 +131,13 @@ def widths(
             )
         return candidates.pop()
 
-    head_dim = size("head_dim", "head size", "num_heads", "num_kv_heads")
-    idx_head_dim = size("idx_head_dim", "index head size", "num_index_heads")
+    # each part's norm weights the call passes: (index_)q_norm_weight, (index_)k_norm_weight
+    head_dim = size("head_dim", "head size", schema.OP_PARAMS[1:3], "num_heads", "num_kv_heads")
+    idx_head_dim = size("idx_head_dim", "index head size", schema.OP_PARAMS[9:11], "num_index_heads")
 
     def width(count: cst.BaseExpression, dim: str) -> str:
-        for attr, c, d in products:
-            if a.same_expr(c, count) and d == dim:
-                return f"self.{attr}"
-        return f"{a.code(count)} * {dim}"
+        found = (f"self.{attr}" for attr, c, d in products if a.same_expr(c, count) and d == dim)
+        return next(found, f"{a.code(count)} * {dim}")
 
     return _Widths(
         q=width(counts["num_heads"], head_dim),
@@ -197,12 +184,9 @@ def _norm_sizes(
 
 
 def dtype_anchor(init: cst.FunctionDef, attrs: a.Assignments) -> a.StatementSlot | None:
-    """The statement after which the flag goes; None where __init__ does not set the dtype.
-
-    The flag is made from the main cache's dtype, ``self.kv_cache_dtype`` (what vLLM's
-    backends read; the indexer's own dtype is another attribute), after the last statement
-    of __init__'s body that assigns it - and after the torch dtype made from it, if one
-    follows (that statement, not one in a lambda or nested def)."""
+    """The statement after which the flag goes: the top-level statement of __init__ holding the
+    last assignment of ``self.kv_cache_dtype`` (the main cache's, what vLLM's backends read), or
+    the torch dtype made from it if one follows; None where __init__ does not set it."""
     defs = attrs.get(schema.DTYPE_ATTR)
     if not defs:
         return None

@@ -1,31 +1,18 @@
 """The roles of a bypass, proven from what its expressions do, never from how they are spelled.
 
-A fork's own bypass may name every piece differently, and write every condition
-another way round. Each piece is known here by its role:
-
-- *flag*: a ``self.<attr>`` that ``__init__`` leaves true for ``"fp8"``, ``"fp8_e4m3"``,
-  ``"fp8_e5m2"`` and false for ``"auto"``, whatever statements decide it: ``flags`` runs
-  ``__init__`` (and the methods it calls) on each dtype (``attribute_values``), reading
-  every expression with ``evaluate`` (``"fp8" in d``,
-  ``d.startswith("fp8")``, ``d != "auto"``, a membership test, vLLM's
-  ``is_quantized_kv_cache(d)``, a module or ``self`` function that returns one of
-  those);
-- *guard*: what the cache arguments are conditioned on, a local or inlined
-  (``None if self.<flag> else X``); ``guard_flag`` reads its truth table over
-  "compiling" and the flag: ``not flag``, ``not compiling and not flag`` or (a
-  native call) ``not compiling``;
-- *post-call block*: the ``if`` after the call that runs when the guard is false,
-  its test read as a truth table too (``post_block``), so ``not G``, ``G is
-  False``, ``torch.compiler.is_compiling() or not G`` in either order are one role.
-
-Everything here works on Python's own ``ast`` and imports nothing heavy.
+A fork may name every piece differently and write every condition another way round. The *flag*
+is a ``self.<attr>`` that ``__init__`` leaves true for every fp8 dtype and false for "auto"
+(``flags`` runs ``__init__`` on each dtype, reading with ``evaluate``); the *guard* conditions the
+cache arguments on ``not flag`` (``guard_flag``); the *post-call block* runs when the guard is
+false (``post_block``). Conditions are read as truth tables, on Python's own ``ast``.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from codemods import schema
@@ -37,7 +24,12 @@ COMPILING = "<compiling>"  # the truth tables' name for torch.compiler.is_compil
 # cache dtype (``kv_cache_dtype != "auto"``).
 VLLM_HELPERS = {"is_quantized_kv_cache": lambda dtype: dtype != schema.AUTO_DTYPE}
 _STR_METHODS = {"startswith", "endswith", "lower", "upper", "strip", "casefold"}
-_DEPTH = 3  # helper functions calling helper functions: how deep a flag is followed
+_DEPTH = 3  # how deep the reading follows helpers calling helpers (or methods __init__ calls)
+_ERRORS = (TypeError, ValueError, RecursionError, AttributeError)  # besides Unknown, from evaluating
+_MISSING = object()
+# statements that bind nothing the reading follows
+_STEPPED_OVER = (ast.Pass, ast.Assert, ast.Import, ast.ImportFrom, ast.Expr, ast.Global, ast.Nonlocal)
+_SOURCES = "<dtype sources>"  # env's key for the names that are the cache dtype
 
 
 # --- Python's own tree: names and expressions (parser-free) --------------------------------
@@ -51,6 +43,12 @@ def dotted(node: ast.expr) -> str | None:
     if isinstance(node, ast.Name):
         return ".".join([node.id, *reversed(parts)])
     return None
+
+
+def _self_member(node: ast.AST) -> str | None:
+    """``x`` of ``self.x`` (not of ``self.x.y``)."""
+    name = dotted(node)  # type: ignore[arg-type]
+    return name[5:] if name is not None and name.startswith("self.") and name.count(".") == 1 else None
 
 
 def callee(call: ast.Call) -> str | None:
@@ -113,13 +111,9 @@ def qualified(node: ast.expr, imports: Mapping[str, str]) -> str | None:
 
 def is_compiling(node: ast.expr, imports: Mapping[str, str]) -> bool:
     """A call of ``torch.compiler.is_compiling()``, however the file imported or spelled it."""
-    return (
-        isinstance(node, ast.Call)
-        and not node.args
-        and not node.keywords
-        and qualified(node.func, imports) in COMPILE_TESTS
-    )
-
+    if not isinstance(node, ast.Call) or node.args or node.keywords:
+        return False
+    return qualified(node.func, imports) in COMPILE_TESTS
 
 
 @dataclass(frozen=True)
@@ -208,25 +202,21 @@ def _call(node: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -
     if name in ("bool", "str") and len(args) == 1 and not kwargs:
         return bool(args[0]) if name == "bool" else str(args[0])
     if name is not None:
-        last = name.rpartition(".")[2]
-        try:
-            if name.startswith("self.") and name.count(".") == 1 and last in scope.methods:
-                return _helper(scope.methods[last], args, kwargs, env, scope, depth, skip_self=True)
-            if "." not in name and name in scope.functions:
-                return _helper(scope.functions[name], args, kwargs, env, scope, depth, skip_self=False)
-        except KeyError:
-            raise Unknown(name) from None
-        helper = _vllm_helper(qualified(func, scope.imports) or "")
+        method = _self_member(func)  # a method of the class, else a module function
+        defs, key = (scope.methods, method) if method is not None else (scope.functions, name)
+        if "." not in key and key in defs:
+            try:
+                return _helper(defs[key], args, kwargs, env, scope, depth, skip_self=method is not None)
+            except KeyError:
+                raise Unknown(name) from None
+        # vLLM's helper, by what the name is bound to: a name imported from vLLM
+        bound = qualified(func, scope.imports) or ""
+        helper = VLLM_HELPERS.get(bound.rpartition(".")[2]) if bound.startswith("vllm.") else None
         if helper is not None and len(args) == 1:
             if not isinstance(args[0], str):
-                raise Unknown(last)
+                raise Unknown(name.rpartition(".")[2])
             return helper(args[0])
     raise Unknown(name or "call")
-
-
-def _vllm_helper(name: str) -> Callable[[str], object] | None:
-    """vLLM's helper, by what the name is bound to: a name imported from vLLM."""
-    return VLLM_HELPERS.get(name.rpartition(".")[2]) if name.startswith("vllm.") else None
 
 
 def _helper(
@@ -247,20 +237,15 @@ def _helper(
     params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)][1 if skip_self else 0 :]
     if fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs or len(args) > len(params):
         raise Unknown(fn.name)
-    bound = dict(zip(params, args))
-    bound.update(kwargs)
+    bound = {**dict(zip(params, args)), **kwargs}
     defaults = fn.args.defaults
     for param, default in zip(params[len(params) - len(defaults) :], defaults):
         bound.setdefault(param, evaluate(default, {}, scope, depth + 1))
     if set(bound) != set(params):
         raise Unknown(fn.name)
     # a method still reads the layer's attributes; a module function only its parameters
-    inner: dict[str, object] = {k: v for k, v in env.items() if k.startswith("self.") or k == COMPILING} if skip_self else {}
-    inner.update(bound)
-    return evaluate(body[0].value, inner, scope, depth + 1)
-
-
-_INIT_DEPTH = 3  # methods calling methods from __init__: how deep the reading follows
+    inner = {k: v for k, v in env.items() if skip_self and (k.startswith("self.") or k == COMPILING)}
+    return evaluate(body[0].value, {**inner, **bound}, scope, depth + 1)
 
 
 def module_constants(tree: ast.Module, scope: Scope) -> dict[str, object]:
@@ -285,43 +270,35 @@ def attribute_values(
     """What each ``self.<attr>`` holds when ``__init__`` returns, with ``self.kv_cache_dtype``
     (and whatever ``__init__`` sets it from) equal to ``dtype``: the attributes whose value is
     the same on every path the reading cannot decide; the others are left out."""
-    env: dict[str, object] = dict(base)
-    env[_SOURCES] = sources = frozenset(_dtype_sources(init))
-    env.update(dict.fromkeys(sources, dtype))
-    try:
+    sources = frozenset(_dtype_sources(init))
+    env = {**base, _SOURCES: sources, **dict.fromkeys(sources, dtype)}
+    with contextlib.suppress(_Stop):
         _block(init.body, env, scope, 0)
-    except _Stop:
-        pass
     return {k: v for k, v in env.items() if k.startswith("self.")}
 
 
 def _dtype_sources(init: ast.FunctionDef) -> set[str]:
     """``self.kv_cache_dtype`` and what it is assigned from: a name, or the locals a name is
     assigned from in turn (``d = cache_config.cache_dtype``; ``self.kv_cache_dtype = d``)."""
-    sources = {DTYPE}
     values: dict[str, ast.expr] = {}
     for node in ast.walk(init):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            name = dotted(node.targets[0])
-            if name is not None:
-                values.setdefault(name, node.value)
-    todo = [DTYPE]
-    while todo:
-        value = values.get(todo.pop())
-        name = dotted(value) if value is not None else None
-        if name is not None and name not in sources:
-            sources.add(name)
-            todo.append(name)
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and (name := dotted(node.targets[0])):
+            values.setdefault(name, node.value)
+    sources = {DTYPE}
+    value = values.get(DTYPE)
+    while value is not None and (name := dotted(value)) is not None and name not in sources:
+        sources.add(name)
+        value = values.get(name)
     return sources
 
 
 def _assign(target: ast.expr, value: ast.expr | None, env: dict[str, object], scope: Scope) -> None:
-    name = dotted(target)
     if isinstance(target, (ast.Tuple, ast.List)):
         for element in target.elts:
             _assign(element, None, env, scope)
         return
-    if name is None or (name.count(".") > 1) or (name.count(".") == 1 and not name.startswith("self.")):
+    name = dotted(target)
+    if name is None or ("." in name and _self_member(target) is None):
         return  # a subscript or a deeper attribute: no attribute of ours changes
     if name in env.get(_SOURCES, ()):  # type: ignore[operator]
         return  # the cache dtype itself, whatever __init__ reads it from
@@ -329,27 +306,21 @@ def _assign(target: ast.expr, value: ast.expr | None, env: dict[str, object], sc
         if value is None:
             raise Unknown(name)
         env[name] = evaluate(value, env, scope)
-    except (Unknown, TypeError, ValueError, RecursionError, AttributeError):
+    except (Unknown, *_ERRORS):
         env.pop(name, None)
 
 
 def _forget(node: ast.AST, env: dict[str, object]) -> None:
     """Every name or ``self.`` attribute a statement may bind: no longer known."""
     for sub in ast.walk(node):
-        targets: list[ast.expr] = []
-        if isinstance(sub, ast.Assign):
-            targets = sub.targets
-        elif isinstance(sub, (ast.AnnAssign, ast.AugAssign, ast.For, ast.AsyncFor)):
-            targets = [sub.target]
-        elif isinstance(sub, ast.NamedExpr):
+        targets = _targets(sub)
+        if isinstance(sub, (ast.For, ast.AsyncFor, ast.NamedExpr)):
             targets = [sub.target]
         elif isinstance(sub, (ast.With, ast.AsyncWith)):
             targets = [i.optional_vars for i in sub.items if i.optional_vars is not None]
         for target in targets:
-            for part in ast.walk(target):
-                name = dotted(part) if isinstance(part, (ast.Name, ast.Attribute)) else None
-                if name is not None and name != DTYPE:
-                    env.pop(name, None)
+            for name in {dotted(part) for part in ast.walk(target)} - {None, DTYPE}:  # type: ignore[arg-type]
+                env.pop(name, None)
 
 
 def _block(body: list[ast.stmt], env: dict[str, object], scope: Scope, depth: int) -> None:
@@ -359,34 +330,28 @@ def _block(body: list[ast.stmt], env: dict[str, object], scope: Scope, depth: in
 
 def _statement(stmt: ast.stmt, env: dict[str, object], scope: Scope, depth: int) -> None:
     if isinstance(stmt, ast.Assign):
-        if len(stmt.targets) == 1:
-            _assign(stmt.targets[0], stmt.value, env, scope)
-        else:
-            for target in stmt.targets:
-                _assign(target, stmt.value, env, scope)
+        for target in stmt.targets:
+            _assign(target, stmt.value, env, scope)
     elif isinstance(stmt, ast.AnnAssign):
         if stmt.value is not None:
             _assign(stmt.target, stmt.value, env, scope)
     elif isinstance(stmt, ast.If):
         try:
             taken = bool(evaluate(stmt.test, env, scope))
-        except (Unknown, TypeError, ValueError, RecursionError, AttributeError):
+        except (Unknown, *_ERRORS):
             _either(stmt, env, scope, depth)
-            return
-        _block(stmt.body if taken else stmt.orelse, env, scope, depth)
+        else:
+            _block(stmt.body if taken else stmt.orelse, env, scope, depth)
     elif isinstance(stmt, (ast.Return, ast.Raise)):
         raise _Stop
     elif isinstance(stmt, (ast.With, ast.AsyncWith)):
-        for item in stmt.items:
-            if item.optional_vars is not None:
-                _assign(item.optional_vars, None, env, scope)
+        for target in [i.optional_vars for i in stmt.items if i.optional_vars is not None]:
+            _assign(target, None, env, scope)
         _block(stmt.body, env, scope, depth)
     elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
         _self_call(stmt.value, env, scope, depth)
-    elif isinstance(stmt, (ast.Pass, ast.Assert, ast.Import, ast.ImportFrom, ast.Expr, ast.Global, ast.Nonlocal)):
-        pass
-    else:  # loops, try, match, nested defs: what they bind is not known afterwards
-        _forget(stmt, env)
+    elif not isinstance(stmt, _STEPPED_OVER):
+        _forget(stmt, env)  # loops, try, match, nested defs: what they bind is not known afterwards
 
 
 def _either(stmt: ast.If, env: dict[str, object], scope: Scope, depth: int) -> None:
@@ -412,19 +377,19 @@ def _same(a: object, b: object) -> bool:
 
 def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int) -> None:
     """``self.<method>(…)`` in ``__init__``: its statements run on the same attributes."""
-    name = dotted(call.func)
-    method = name[5:] if name is not None and name.startswith("self.") and name.count(".") == 1 else None
-    fn = scope.methods.get(method) if method is not None and method in scope.methods else None
+    method = _self_member(call.func)
+    fn = scope.methods.get(method) if method is not None else None
     if fn is None:
         return  # a call of something else: vLLM's layers do not set this layer's attributes
     inner: dict[str, object] = {k: v for k, v in env.items() if k.startswith("self.")}
-    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)][1:]
+    names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)][1:]
+    plain = not (fn.args.vararg or fn.args.kwarg or call.keywords) and len(call.args) == len(names)
     try:
-        if depth >= _INIT_DEPTH or fn.args.vararg or fn.args.kwarg or call.keywords or len(call.args) != len(params):
-            raise Unknown(method or "")
-        for param, arg in zip(params, call.args):
+        if depth >= _DEPTH or not plain:
+            raise Unknown(method)
+        for param, arg in zip(names, call.args):
             inner[param] = evaluate(arg, env, scope)
-    except (Unknown, TypeError, ValueError, RecursionError, AttributeError):
+    except (Unknown, *_ERRORS):
         _forget(fn, env)
         return
     try:
@@ -432,35 +397,29 @@ def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int)
     except _Stop:
         _forget(fn, env)  # the reading does not follow which path returned
         return
-    for key in [k for k in env if k.startswith("self.")]:
-        if key not in inner:
-            del env[key]
+    for key in [k for k in env if k.startswith("self.") and k not in inner]:
+        del env[key]
     env.update({k: v for k, v in inner.items() if k.startswith("self.")})
 
 
 def flags(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object] = {}) -> dict[str, bool]:
     """Each attribute ``__init__`` assigns: whether it is a flag - true for every fp8 dtype and
     false for "auto" when ``__init__`` returns, whatever statements decide it."""
+    calls = [n.value for n in ast.walk(init) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)]
+    called = [scope.methods.get(m) for call in calls if (m := _self_member(call.func)) is not None]
     assigned = {
-        name[5:]
-        for method in (init, *_called_methods(init, scope))
+        attr
+        for method in (init, *(fn for fn in called if fn is not None))
         for node in ast.walk(method)
         for target in _targets(node)
-        if (name := dotted(target)) is not None and name.startswith("self.") and name.count(".") == 1
+        if (attr := _self_member(target)) is not None
     }
-    runs = {d: attribute_values(init, d, scope, base) for d in (*FP8_DTYPES, schema.AUTO_DTYPE)}
+    runs = [attribute_values(init, d, scope, base) for d in (*FP8_DTYPES, schema.AUTO_DTYPE)]
     found = {}
     for attr in assigned - {schema.DTYPE_ATTR}:
-        key = f"self.{attr}"
-        values = [runs[d].get(key, _MISSING) for d in FP8_DTYPES]
-        auto = runs[schema.AUTO_DTYPE].get(key, _MISSING)
-        known = all(v is not _MISSING for v in (*values, auto))
-        found[attr] = known and all(bool(v) for v in values) and not bool(auto)
+        *fp8, auto = [run.get(f"self.{attr}", _MISSING) for run in runs]
+        found[attr] = all(v is not _MISSING for v in (*fp8, auto)) and all(fp8) and not auto
     return found
-
-
-_MISSING = object()
-_SOURCES = "<dtype sources>"  # env's key for the names that are the cache dtype
 
 
 def _targets(node: ast.AST) -> list[ast.expr]:
@@ -471,30 +430,12 @@ def _targets(node: ast.AST) -> list[ast.expr]:
     return []
 
 
-def _called_methods(init: ast.FunctionDef, scope: Scope) -> list[ast.FunctionDef]:
-    """The methods ``__init__`` calls on ``self`` as statements (one level)."""
-    found = []
-    for node in ast.walk(init):
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
-            name = dotted(node.value.func)
-            if name is not None and name.startswith("self.") and name.count(".") == 1 and name[5:] in scope.methods:
-                try:
-                    found.append(scope.methods[name[5:]])
-                except KeyError:
-                    continue
-    return found
-
-
 # --- the guard and the post-call block: truth tables ---------------------------------------
 
 
 def self_attrs(node: ast.expr) -> set[str]:
     """The ``self.<attr>`` names an expression reads (one level: ``self.a``, not ``self.a.b``)."""
-    found = set()
-    for n in ast.walk(node):
-        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
-            found.add(n.attr)
-    return found
+    return {attr for n in ast.walk(node) if (attr := _self_member(n)) is not None}
 
 
 @dataclass(frozen=True)
@@ -509,62 +450,48 @@ class Guard:
     value: ast.expr | None = None
     imports: Mapping[str, str] = field(default_factory=dict)  # the file's (``import_table``)
 
-    def atoms(self, flag: str | None) -> tuple[list[str], dict[str, ast.expr]]:
-        atoms = [COMPILING] + ([f"self.{flag}"] if flag else [])
-        if self.local is not None and self.value is None:
-            atoms.append(self.local)
-        derived = {self.local: self.value} if self.local is not None and self.value is not None else {}
-        return atoms, derived
-
     def reads(self) -> set[str]:
         """The ``self.`` attributes the guard reads (its value's where it has one)."""
         return self_attrs(self.fused_when) | (self_attrs(self.value) if self.value is not None else set())
 
-
-def _table(
-    expr: ast.expr, atoms: list[str], derived: Mapping[str, ast.expr], imports: Mapping[str, str]
-) -> list[bool] | None:
-    """``expr``'s truth value for every assignment of ``atoms`` (``COMPILING`` first), in
-    ``itertools.product`` order; ``derived``: locals whose value is an expression over the
-    atoms. None: not a function of those alone."""
-    table = []
-    scope = Scope({}, {}, imports)
-    for values in itertools.product((False, True), repeat=len(atoms)):
-        env: dict[str, object] = dict(zip(atoms, values))
-        try:
-            for name, value in derived.items():
-                env[name] = bool(evaluate(value, env, scope))
-            table.append(bool(evaluate(expr, env, scope)))
-        except (Unknown, TypeError, ValueError, RecursionError):
-            return None
-    return table
-
-
-def _rows(atoms: list[str]) -> list[dict[str, bool]]:
-    return [dict(zip(atoms, values)) for values in itertools.product((False, True), repeat=len(atoms))]
+    def table(self, expr: ast.expr, flag: str | None) -> tuple[list[dict[str, bool]], list[bool] | None]:
+        """The rows over ``COMPILING``, ``self.<flag>`` and a local nothing binds, in
+        ``itertools.product`` order, and ``expr``'s truth on each (the local's value read over
+        them); None: not a function of those alone."""
+        atoms = [COMPILING] + ([f"self.{flag}"] if flag else [])
+        if self.local is not None and self.value is None:
+            atoms.append(self.local)
+        derived = {self.local: self.value} if self.local is not None and self.value is not None else {}
+        rows = [dict(zip(atoms, values)) for values in itertools.product((False, True), repeat=len(atoms))]
+        scope = Scope({}, {}, self.imports)
+        table = []
+        for row in rows:
+            env: dict[str, object] = dict(row)
+            try:
+                for name, value in derived.items():
+                    env[name] = bool(evaluate(value, env, scope))
+                table.append(bool(evaluate(expr, env, scope)))
+            except (Unknown, TypeError, ValueError, RecursionError):
+                return rows, None
+        return rows, table
 
 
 def guard_flag(guard: Guard, native: bool) -> str | None:
     """The flag a guard reads, where it is a guard: the fused op writes where ``not F`` or
     ``not compiling and not F`` -> ``"F"``; on a native call also ``not compiling`` -> ``""``
     (in eager the kernel writes fp8 itself). None: not a bypass's guard (or a lost one)."""
-    if guard.local is not None and guard.value is None:
-        return None
     attrs = guard.reads()
-    if len(attrs) > 1:
+    if (guard.local is not None and guard.value is None) or len(attrs) > 1:
         return None
     flag = next(iter(attrs), None)
-    atoms, derived = guard.atoms(flag)
-    table = _table(guard.fused_when, atoms, derived, guard.imports)
+    rows, table = guard.table(guard.fused_when, flag)
     if table is None:
         return None
-    rows = _rows(atoms)
     if flag is None:
         return "" if native and table == [not r[COMPILING] for r in rows] else None
     f = f"self.{flag}"
-    if table in ([not r[f] for r in rows], [not r[COMPILING] and not r[f] for r in rows]):
-        return flag
-    return None
+    proven = ([not r[f] for r in rows], [not r[COMPILING] and not r[f] for r in rows])
+    return flag if table in proven else None
 
 
 @dataclass(frozen=True)
@@ -578,12 +505,11 @@ def post_block(test: ast.expr, guard: Guard, flag: str | None) -> PostBlock | No
     """Whether ``test`` is the post-call block's: true exactly where the fused op did not
     write (``not G``, ``G is False``, ``self.F`` where ``G = not self.F``), or where it did
     not or the model is compiling (``torch.compiler.is_compiling() or not G``, either order)."""
-    atoms, derived = guard.atoms(flag)
-    table = _table(test, atoms, derived, guard.imports)
-    fused = _table(guard.fused_when, atoms, derived, guard.imports)
+    rows, table = guard.table(test, flag)
+    fused = guard.table(guard.fused_when, flag)[1]
     if table is None or fused is None:
         return None
-    compiling = [r[COMPILING] for r in _rows(atoms)]
+    compiling = [r[COMPILING] for r in rows]
     if table == [not w for w in fused]:
         return PostBlock(all(t for t, c in zip(table, compiling) if c))
     if table == [c or not w for c, w in zip(compiling, fused)]:

@@ -1,13 +1,7 @@
-"""The decision: how a call of the fused op reaches each state and action.
-
-The op's argument schema, the names the bypass uses, the states and actions,
-and the rules, in the order they apply: ``verdict`` (the state from what was
-found at the call), ``planned`` (a change whose plan cannot be proven safe is
-refused), ``one_candidate`` (a change is planned for one insert site only) and,
-for ``revert``, ``reverted`` and ``one_revert``. The LibCST analysis
-(``fp8_kv_bypass``) gathers the facts; the pre-filter (``prefilter``) gathers them for
-native files with ``ast``. This module imports nothing heavy: ``check`` on a
-native file must not pay for importing LibCST.
+"""The decision: how a call of the fused op reaches each state and action, by rules applied in
+order: ``verdict`` (from the facts found at the call), ``planned``, ``one_candidate`` and, for
+``revert``, ``reverted`` and ``one_revert``. It imports nothing heavy: ``check`` on a native file
+(read by ``prefilter`` with ``ast``) must not pay for importing LibCST.
 """
 
 from __future__ import annotations
@@ -32,8 +26,8 @@ class OpParam:
     keyword: str
 
 
-# The fork-era 19-argument schema of the fused op, then the kv-cache dtype that
-# native builds pass (vllm._custom_ops, vLLM 0.24 - 0.34).
+# The fork-era 19-argument schema of the fused op, then the kv-cache dtype that native
+# builds pass (vllm._custom_ops, vLLM 0.24 - 0.34).
 QKV = OpParam(0, "qkv")
 NUM_HEADS = OpParam(5, "num_heads")
 NUM_KV_HEADS = OpParam(6, "num_kv_heads")
@@ -47,19 +41,11 @@ KV_CACHE_DTYPE = OpParam(19, "kv_cache_dtype")
 OP_PARAMS = tuple(
     OpParam(i, name)
     for i, name in enumerate(
-        (
-            "qkv q_norm_weight k_norm_weight cos_sin_cache positions num_heads num_kv_heads rotary_dim "
-            "eps index_q_norm_weight index_k_norm_weight num_index_heads slot_mapping index_slot_mapping "
-            "kv_cache index_cache block_size q_out index_q_out kv_cache_dtype"
-        ).split()
+        "qkv q_norm_weight k_norm_weight cos_sin_cache positions num_heads num_kv_heads rotary_dim eps "
+        "index_q_norm_weight index_k_norm_weight num_index_heads slot_mapping index_slot_mapping "
+        "kv_cache index_cache block_size q_out index_q_out kv_cache_dtype".split()
     )
 )
-
-# `_insert_kv(self, key, value, index_key, main_slot_mapping, index_slot_mapping)`:
-# parameters after `self` of the fork-era form (reads attn_metadata) and of the
-# bypass form; the post-call insert passes the slot mappings positionally here.
-INSERT_KV_METADATA_PARAMS = 3
-INSERT_KV_SLOTS_PARAMS = 5
 
 T = TypeVar("T")
 
@@ -68,10 +54,7 @@ def bind_arg(param: OpParam, positional: Sequence[T], keywords: Sequence[tuple[s
     """The argument bound to ``param``: by position if there are enough, else by keyword."""
     if param.index < len(positional):
         return positional[param.index]
-    for keyword, arg in keywords:
-        if keyword == param.keyword:
-            return arg
-    return None
+    return next((arg for keyword, arg in keywords if keyword == param.keyword), None)
 
 
 class Unsupported(Exception):
@@ -103,18 +86,6 @@ class Action(str, enum.Enum):
 
 # The actions that change the file.
 CHANGING = (Action.REWRITE, Action.COMPLETE, Action.UPGRADE, Action.STRIP)
-
-def piece_words(p: Pieces) -> dict[str, str]:
-    """The pieces of the bypass, in the words the reports use: the file's own names for them
-    (``sites.FoundPieces``: codegen's where the file has none)."""
-    guard = p.guard_assigned or (p.guard_args[0] if p.guard_args else "<guard>")
-    return {
-        "flag": f"`self.{p.flag_attr}` set in __init__ (and the scale, where it is read)",
-        "guard": f"the guard (`{guard} = not self.{p.flag_attr}`) assigned before the call",
-        "guarded-args": f"cache arguments `X if {guard} else None`",
-        "post-insert": f"`self.{p.insert_method}(k, v, index_k, <slots>)` after the call",
-        "insert-kv": f"`{p.insert_method}` taking the slot mappings",
-    }
 
 
 @dataclass
@@ -182,17 +153,15 @@ class Pieces:
     user_conditions: list[str] = field(default_factory=list)
     # the bypass's names (`_fp8_kv`, `_fp8_kv_scale`, `_insert_kv`) used by the file for something else
     taken: list[str] = field(default_factory=list)
-    # the post-call block also runs while compiling (`if torch.compiler.is_compiling() or not G:`)
-    # and the call's slot mappings are None there: the block's compiled branch (a custom op, say)
-    # is the only cache write under torch.compile (a torch.compile-aware fork's own design)
+    # the post-call block also runs while compiling, when the call's slot mappings are None: its
+    # compiled branch is the only cache write under torch.compile (a torch.compile-aware fork)
     compiled_write: bool = False
-    # the post-call block holds a compiled-path write (an `is_compiling()` branch or a registered
-    # op's call), wired or not, and the call's slot mappings are None somewhere (while compiling):
-    # the compiled path may need that write, so it is never taken out
+    # the post-call block holds a compiled-path write, wired or not, and the call's slot mappings
+    # are None somewhere: the compiled path may need that write, so it is never taken out
     compiled_branch: bool = False
-    # The roles' names in this file (``roles``): the flag the guard reads, the method the
-    # post-call block hands the write to; the bypass's own names where the file has none.
-    flag_attr: str = ""  # (sites.FoundPieces: codegen's names where the file has none)
+    # The roles' names in this file (``roles``): the flag the guard reads, the method the post-call
+    # block hands the write to; codegen's names where the file has none (sites.FoundPieces).
+    flag_attr: str = ""
     insert_method: str = ""
     guard_inline: str | None = None  # the cache arguments' condition, where no local holds it
     flag_unproven: str | None = None  # what the guard's flag is set to, where that is no fp8 flag
@@ -216,46 +185,31 @@ class Pieces:
     def any_bypass(self, native: bool = False) -> bool:
         """A piece of a bypass is there. On a native call, only a piece that acts: a flag, the
         guard, the post-call write (a write method nothing calls, or a scale, does nothing)."""
-        if native:
-            return self.flag_set or bool(self.guard_args) or self.guard_inline is not None or self.post_insert
-        return (
-            self.flag_set
-            or self.flag_read
-            or bool(self.guard_args)
-            or self.guard_assigned is not None
-            or self.guard_inline is not None
-            or self.post_insert
-            or self.insert_kv in SLOTS_FORMS
-            or self.scale_set
-            or self.scale_read
-        )
+        acts = self.flag_set or bool(self.guard_args) or self.guard_inline is not None or self.post_insert
+        inert = self.flag_read or self.guard_assigned is not None or self.insert_kv in SLOTS_FORMS
+        return acts or (not native and (inert or self.scale_set or self.scale_read))
 
 
-# `_insert_kv` taking the slot mappings: the current form, and the older one whose
-# raw index scatter `idx_cache[index_slot_mapping] = ...` writes padded tokens
-# (slot -1) into the last index slot.
+# `_insert_kv` taking the slot mappings: the current form, and the older ones `run` upgrades in
+# place, with what is wrong with each.
 SLOTS_FORMS = ("slots", "scatter", "bf16-index")
-PADDING_BUG = (
-    "its index-key write `idx_cache[<slots>] = ...` sends padded tokens (slot -1, CUDA-graph "
-    "padding) to the last index slot, corrupting whichever sequence owns it"
-)
-BF16_INDEX_BUG = (
-    "its index-key write asserts a bf16 index cache (this tool's own earlier output): with an fp8 "
-    "index cache (--attention-config '{\"indexer_kv_dtype\": \"fp8\"}') every forward raises"
-)
-# The older forms `run` upgrades in place, and what is wrong with each.
-OLDER_FORMS = {"scatter": PADDING_BUG, "bf16-index": BF16_INDEX_BUG}
+OLDER_FORMS = {
+    "scatter": "its index-key write `idx_cache[<slots>] = ...` sends padded tokens (slot -1, CUDA-graph "
+    "padding) to the last index slot, corrupting whichever sequence owns it",
+    "bf16-index": "its index-key write asserts a bf16 index cache (this tool's own earlier output): with an "
+    "fp8 index cache (--attention-config '{\"indexer_kv_dtype\": \"fp8\"}') every forward raises",
+}
 
 
 def insert_kv_form(reads_metadata: bool, params_after_self: int, raw_scatter: bool, bf16_index: bool = False) -> str:
     """Which `_insert_kv` the class has (``fp8_kv_bypass`` says when it has none, "absent"):
-    the fork-era one, the bypass one (current or with the raw scatter), or other.
-
-    ``raw_scatter``: it (or a function it hands its arguments to) assigns through
-    a subscript indexed by one of its parameters (``cache[slots] = ...``)."""
-    if reads_metadata and params_after_self == INSERT_KV_METADATA_PARAMS:
+    the fork-era ``(self, key, value, index_key)`` reading attn_metadata, the bypass's with the
+    two slot mappings after those (current, raw scatter or bf16 index write), or other.
+    ``raw_scatter``: it (or a function it hands its arguments to) assigns through a subscript
+    indexed by one of its parameters (``cache[slots] = ...``)."""
+    if reads_metadata and params_after_self == 3:
         return "metadata"
-    if not reads_metadata and params_after_self == INSERT_KV_SLOTS_PARAMS:
+    if not reads_metadata and params_after_self == 5:
         return "scatter" if raw_scatter else "bf16-index" if bf16_index else "slots"
     return "other"
 
@@ -263,142 +217,100 @@ def insert_kv_form(reads_metadata: bool, params_after_self: int, raw_scatter: bo
 def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
     """The site of one call, in its state. ``pieces`` is asked only for a call in a method.
     A changing verdict still needs a plan (``planned``)."""
+    p: Pieces | None = None
+    present: dict[str, bool] = {}  # the pieces shown, once asked for
 
-    found: list[Pieces] = []
-
-    def site(
-        state: SiteState, action: Action, reason: str, present: dict[str, bool] | None = None
-    ) -> InsertSite:
+    def site(state: SiteState, action: Action, reason: str) -> InsertSite:
         method = f.method if f.class_name is not None else f.module_function
-        p = found[0] if found else None  # the write method where the file has one (by its role)
+        # the write method where the file has one (by its role)
         write = p.insert_method if p is not None and (p.post_insert or p.insert_kv != "absent") else ""
-        return InsertSite(f.class_name, method, f.line, state, action, reason, dict(present or {}), write)
+        return InsertSite(f.class_name, method, f.line, state, action, reason, dict(present), write)
+
+    def refuse(reason: str) -> InsertSite:
+        return site(SiteState.UNSUPPORTED, Action.REFUSE, reason)
 
     if f.star_args:
-        return site(
-            SiteState.UNSUPPORTED,
-            Action.REFUSE,
-            "the call passes *args/**kwargs: its cache arguments cannot be seen",
-        )
+        return refuse("the call passes *args/**kwargs: its cache arguments cannot be seen")
     if not f.has_cache:
         return site(SiteState.NOT_A_SITE, Action.NONE, "no main K/V cache argument: a norm+rope-only call")
     if f.class_name is None and f.in_wrapper:
-        return site(
-            SiteState.NOT_A_SITE,
-            Action.NONE,
-            f"in module-level function `{f.module_function}`, a pass-through wrapper: the layer's call of it is the site",
-        )
+        wrapper = f"in module-level function `{f.module_function}`, a pass-through wrapper"
+        return site(SiteState.NOT_A_SITE, Action.NONE, f"{wrapper}: the layer's call of it is the site")
     if f.class_name is None:
         where = f"module-level function `{f.module_function}`" if f.module_function != "<module>" else "module code"
         if f.dtype is not None and not f.dtype_is_auto:
-            return site(
-                SiteState.NATIVE,
-                Action.NONE,
+            reason = (
                 f"native fp8 support (passes kv_cache_dtype={f.dtype}) in {where}, outside a layer class "
                 "(a registered custom op that finds its layer in the forward context, say): run with "
-                "--kv-cache-dtype fp8 directly",
+                "--kv-cache-dtype fp8 directly"
             )
-        return site(
-            SiteState.UNSUPPORTED,
-            Action.REFUSE,
+            return site(SiteState.NATIVE, Action.NONE, reason)
+        return refuse(
             f"a fork-era insert call (no kv_cache_dtype) in {where}, which is no pass-through wrapper (it "
             "computes its own arguments): the bypass is written around a call in a layer's method only, "
-            "so this one cannot be rewritten, and with an fp8 cache the fused op asserts here. Nothing was changed",
+            "so this one cannot be rewritten, and with an fp8 cache the fused op asserts here. "
+            "Nothing was changed"
         )
     if f.method is None:
-        return site(SiteState.UNSUPPORTED, Action.REFUSE, "the call is in a class body, not in a method")
+        return refuse("the call is in a class body, not in a method")
     if f.nested_in is not None:
-        return site(
-            SiteState.UNSUPPORTED,
-            Action.REFUSE,
-            f"the call sits inside nested `{f.nested_in}`, not directly in a method",
-        )
-
+        return refuse(f"the call sits inside nested `{f.nested_in}`, not directly in a method")
     if f.is_async:
-        return site(
-            SiteState.UNSUPPORTED,
-            Action.REFUSE,
+        return refuse(
             f"the call is in `async def {f.method}`: vLLM calls a layer's forward synchronously, "
-            "and the bypass is proven only in a plain `def`",
+            "and the bypass is proven only in a plain `def`"
         )
     p = pieces()
-    found.append(p)
     present = p.present()
     if p.role_problems or p.flag_unproven is not None:
-        return site(SiteState.UNSUPPORTED, Action.REFUSE, _unproven_roles(p), present)
-    taken = site(
-        SiteState.UNSUPPORTED,
-        Action.REFUSE,
-        "names the bypass would write are used for something else: "
-        + "; ".join(p.taken)
-        + ". Rename that other use (every place the name appears), then run again",
-        present,
+        return refuse(_unproven_roles(p))
+    taken = refuse(
+        f"names the bypass would write are used for something else: {'; '.join(p.taken)}. "
+        "Rename that other use (every place the name appears), then run again"
     )
     if f.dtype is not None:
         if f.dtype_is_auto:
-            return site(
-                SiteState.UNSUPPORTED,
-                Action.REFUSE,
+            return refuse(
                 f'the call passes kv_cache_dtype="{AUTO_DTYPE}" together with a cache: '
-                "neither a fork-era nor a native call",
-                present,
+                "neither a fork-era nor a native call"
             )
-        if p.any_bypass(native=True) and p.taken:
+        if not p.any_bypass(native=True):
+            native = f"native fp8 support (passes kv_cache_dtype={f.dtype})"
+            return site(SiteState.NATIVE, Action.NONE, f"{native}: run with --kv-cache-dtype fp8 directly")
+        if p.taken:
             return taken  # which pieces are the bypass's cannot be told
-        if p.any_bypass(native=True) and p.compiled_write:
+        if p.compiled_write:
+            present = p.present(native=True)
             return _compiled_bypass(f, p, site)
-        if p.any_bypass(native=True):
-            have = ", ".join(k for k, v in present.items() if v) or f"a read of self.{p.flag_attr}"
-            return site(
-                SiteState.HALF_APPLIED,
-                Action.STRIP,
-                f"native call (kv_cache_dtype={f.dtype}) carrying a stale fp8 bypass ({have}): "
-                f"{_broken_now(p, f.line)}; `run` takes the bypass out - the native kernel writes "
-                "fp8 and skips padded slots itself - then run with --kv-cache-dtype fp8 directly",
-                present,
-            )
-        return site(
-            SiteState.NATIVE,
-            Action.NONE,
-            f"native fp8 support (passes kv_cache_dtype={f.dtype}): run with --kv-cache-dtype fp8 directly",
-            present,
+        have = ", ".join(k for k, v in present.items() if v) or f"a read of self.{p.flag_attr}"
+        reason = (
+            f"native call (kv_cache_dtype={f.dtype}) carrying a stale fp8 bypass ({have}): "
+            f"{_broken_now(p, f.line)}; `run` takes the bypass out - the native kernel writes "
+            "fp8 and skips padded slots itself - then run with --kv-cache-dtype fp8 directly"
         )
+        return site(SiteState.HALF_APPLIED, Action.STRIP, reason)
 
     if not f.in_block:
-        return site(
-            SiteState.UNSUPPORTED,
-            Action.REFUSE,
-            "the call is not a statement of its own in a block (assigned, returned or on one line with `if`)",
-            present,
+        return refuse(
+            "the call is not a statement of its own in a block (assigned, returned or on one line with `if`)"
         )
     if p.taken:
         return taken
     if p.user_conditions:
-        return site(
-            SiteState.UNSUPPORTED,
-            Action.REFUSE,
+        return refuse(
             f"cache argument `{p.user_conditions[0]}` has a condition the bypass did not write: "
             "the fp8 write after the call cannot honour it. Pass the cache unconditionally (or write "
-            "the fp8 path by hand), then run again",
-            present,
+            "the fp8 path by hand), then run again"
         )
     if all(present.values()):
         if p.insert_kv in OLDER_FORMS:
-            return site(
-                SiteState.OUTDATED,
-                Action.UPGRADE,
-                f"fp8 bypass in an older form: {OLDER_FORMS[p.insert_kv]}; `run` upgrades it",
-                present,
-            )
-        return site(SiteState.PATCHED, Action.NONE, "fp8 bypass present and wired", present)
+            reason = f"fp8 bypass in an older form: {OLDER_FORMS[p.insert_kv]}; `run` upgrades it"
+            return site(SiteState.OUTDATED, Action.UPGRADE, reason)
+        return site(SiteState.PATCHED, Action.NONE, "fp8 bypass present and wired")
     if p.any_bypass():
-        return site(SiteState.HALF_APPLIED, Action.COMPLETE, _half_applied_reason(p, present), present)
-    return site(
-        SiteState.NEEDS_BYPASS,
-        Action.REWRITE,
-        "fork-era insert call (no kv_cache_dtype): the fused op would assert on an fp8 cache",
-        present,
-    )
+        return site(SiteState.HALF_APPLIED, Action.COMPLETE, _half_applied_reason(p, present))
+    reason = "fork-era insert call (no kv_cache_dtype): the fused op would assert on an fp8 cache"
+    return site(SiteState.NEEDS_BYPASS, Action.REWRITE, reason)
 
 
 def _unproven_roles(p: Pieces) -> str:
@@ -412,9 +324,8 @@ def _unproven_roles(p: Pieces) -> str:
             "returning that), then run again"
         )
     return (
-        "the file's own fp8 bypass cannot be proven: "
-        + "; ".join(p.role_problems)
-        + ". Nothing was changed; no piece of it is the tool's to remove"
+        f"the file's own fp8 bypass cannot be proven: {'; '.join(p.role_problems)}. "
+        "Nothing was changed; no piece of it is the tool's to remove"
     )
 
 
@@ -427,18 +338,16 @@ COMPILED_DESIGN = (
 def _compiled_bypass(f: CallFacts, p: Pieces, site: Callable[..., InsertSite]) -> InsertSite:
     """A native call carrying a torch.compile-aware bypass: the bypass is the compiled path's
     only cache write, so it stays; ``run`` upgrades its index write or restores a lost guard."""
-    present = p.present(native=True)
     what = f"native call (kv_cache_dtype={f.dtype}) with a torch.compile-aware fp8 bypass ({COMPILED_DESIGN})"
-    if all(present.values()):
+    if all(p.present(native=True).values()):
         if p.insert_kv in OLDER_FORMS:
             return site(
                 SiteState.OUTDATED,
                 Action.UPGRADE,
-                f"{what}, in an older form: {OLDER_FORMS[p.insert_kv]}, on the eager and the compiled path alike; "
-                "`run` upgrades that write where it is",
-                present,
+                f"{what}, in an older form: {OLDER_FORMS[p.insert_kv]}, on the eager and the compiled path "
+                "alike; `run` upgrades that write where it is",
             )
-        return site(SiteState.PATCHED, Action.NONE, f"{what}: present and wired", present)
+        return site(SiteState.PATCHED, Action.NONE, f"{what}: present and wired")
     fix = (
         f"`run` restores the guard as `{(p.guard_args or ['<guard>'])[0]} = not torch.compiler.is_compiling()`: in eager "
         "the native kernel writes the cache (fp8 included, padded slots skipped), while compiling "
@@ -446,7 +355,7 @@ def _compiled_bypass(f: CallFacts, p: Pieces, site: Callable[..., InsertSite]) -
     )
     if p.insert_kv in OLDER_FORMS:
         fix += ", and upgrades its index-key write (" + OLDER_FORMS[p.insert_kv] + ")"
-    return site(SiteState.HALF_APPLIED, Action.COMPLETE, f"{what}, partial: {_broken_now(p, f.line)}; {fix}", present)
+    return site(SiteState.HALF_APPLIED, Action.COMPLETE, f"{what}, partial: {_broken_now(p, f.line)}; {fix}")
 
 
 def _broken_now(p: Pieces, line: int) -> str:
@@ -462,7 +371,15 @@ def _broken_now(p: Pieces, line: int) -> str:
 
 
 def _half_applied_reason(p: Pieces, present: dict[str, bool]) -> str:
-    missing = [piece_words(p)[k] for k, v in present.items() if not v]
+    """What is missing, in the words the reports use (the file's own names for the pieces)."""
+    guard = p.guard_assigned or (p.guard_args[0] if p.guard_args else "<guard>")
+    words = {
+        "flag": f"`self.{p.flag_attr}` set in __init__ (and the scale, where it is read)",
+        "guard": f"the guard (`{guard} = not self.{p.flag_attr}`) assigned before the call",
+        "guarded-args": f"cache arguments `X if {guard} else None`",
+        "post-insert": f"`self.{p.insert_method}(k, v, index_k, <slots>)` after the call",
+        "insert-kv": f"`{p.insert_method}` taking the slot mappings",
+    }
     problems = []
     if p.guard_args and p.guard_assigned is None:
         problems.append(f"`{p.guard_args[0]}` is read but never assigned (NameError at runtime)")
@@ -474,7 +391,7 @@ def _half_applied_reason(p: Pieces, present: dict[str, bool]) -> str:
         problems.append(f"`{p.insert_method}` is in an older form: {OLDER_FORMS[p.insert_kv]}")
     if p.post_insert and not p.post_insert_wired:
         problems.append(f"the post-call `{p.insert_method}` is not guarded or not passed the call's slot mappings")
-    text = "partial fp8 bypass; missing: " + "; ".join(missing)
+    text = "partial fp8 bypass; missing: " + "; ".join(words[k] for k, v in present.items() if not v)
     return text + (" - " + "; ".join(problems) if problems else "")
 
 
@@ -483,28 +400,26 @@ def _half_applied_reason(p: Pieces, present: dict[str, bool]) -> str:
 
 def planned(site: InsertSite, failure: str | None, pieces: Pieces | None = None) -> InsertSite:
     """A changing verdict whose plan could not be proven safe (``failure`` says why) is refused.
-    A strip it cannot prove advises no deletion: what else the file's post-call block and write
-    method do is not proven (they may write a cache, or be read elsewhere); the way out it names
-    (serving without an fp8 cache, the guard restored where it was lost) changes no line of the
-    fork's own."""
+    A strip it cannot prove advises no deletion (what else the file's post-call block and write
+    method do is not proven); its way out changes no line of the fork's own."""
     if failure is None or site.action not in CHANGING:
         return site
-    if site.action is Action.STRIP:
-        p = pieces or Pieces()
-        way_out = "serve this file without --kv-cache-dtype fp8 (with a bf16 cache the fused op writes and the bypass is skipped)"
-        if p.guard_args and p.guard_assigned is None:
-            way_out = (
-                f"restore the lost guard before the call, `{p.guard_args[0]} = not self.{p.flag_attr}`"
-                + ("" if p.flag_set else f' (and `self.{p.flag_attr} = "fp8" in self.{DTYPE_ATTR}` in __init__)')
-                + ", then " + way_out
-            )
-        reason = (
-            f"{site.reason.split('; `run` takes')[0]}; `run` cannot take the bypass out: {failure}. "
-            f"What else the post-call block and `{p.insert_method}` do is not proven, so no line is "
-            f"advised for deletion and nothing was changed. Until the bypass's author takes it out: {way_out}"
+    if site.action is not Action.STRIP:
+        return replace(site, state=SiteState.UNSUPPORTED, action=Action.REFUSE, reason=failure)
+    p = pieces or Pieces()
+    way_out = "serve this file without --kv-cache-dtype fp8 (with a bf16 cache the fused op writes and the bypass is skipped)"
+    if p.guard_args and p.guard_assigned is None:
+        way_out = (
+            f"restore the lost guard before the call, `{p.guard_args[0]} = not self.{p.flag_attr}`"
+            + ("" if p.flag_set else f' (and `self.{p.flag_attr} = "fp8" in self.{DTYPE_ATTR}` in __init__)')
+            + ", then " + way_out
         )
-        return replace(site, state=SiteState.HALF_APPLIED, action=Action.REFUSE, reason=reason)
-    return replace(site, state=SiteState.UNSUPPORTED, action=Action.REFUSE, reason=failure)
+    reason = (
+        f"{site.reason.split('; `run` takes')[0]}; `run` cannot take the bypass out: {failure}. "
+        f"What else the post-call block and `{p.insert_method}` do is not proven, so no line is "
+        f"advised for deletion and nothing was changed. Until the bypass's author takes it out: {way_out}"
+    )
+    return replace(site, state=SiteState.HALF_APPLIED, action=Action.REFUSE, reason=reason)
 
 
 def _where(sites: list[InsertSite]) -> str:
