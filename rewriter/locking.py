@@ -1,23 +1,18 @@
-"""One ``run`` at a time per file: an exclusive ``flock`` on the file itself.
+"""One ``run`` at a time per file: an exclusive ``flock`` on the file's own inode, at its real path.
 
-The lock is taken on the target's real path (a symlink and its target share
-it), on the file's own inode: no lock file is created, so none can be left
-behind. ``os.replace`` gives the path a new inode, so a run that waited on the
-old one re-opens the path and locks again until the inode it holds is the one
-the path names. Locks are taken in sorted order (two runs over overlapping
-files cannot deadlock) and held from before the first read to after the last
-write, so a second run reads what the first one wrote. Advisory: only
-mm3-codemod takes it; ``check`` and ``preview`` never write and never wait.
-Without ``fcntl`` (Windows) there is no lock.
+No lock file, so none can be left behind. ``os.replace`` gives the path a new inode, so a run
+that waited on the old one locks again until the inode it holds is the one the path names.
+Locks are taken in sorted order (no deadlock) and held from before the first read to after the
+last write. Advisory: ``check`` and ``preview`` never wait. Without ``fcntl`` (Windows), no lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 try:
@@ -37,7 +32,7 @@ class LockTimeout(Exception):
         self.path = path
 
 
-@contextmanager
+@contextlib.contextmanager
 def locked(
     paths: Iterable[Path],
     timeout: float = DEFAULT_TIMEOUT,
@@ -70,7 +65,8 @@ def _lock(real: Path, deadline: float, timeout: float, on_wait: Callable[[Path],
         except OSError:
             return None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            opened = os.fstat(fd)
+            if not stat.S_ISREG(opened.st_mode):
                 os.close(fd)
                 return None
             while True:
@@ -84,17 +80,10 @@ def _lock(real: Path, deadline: float, timeout: float, on_wait: Callable[[Path],
                     if time.monotonic() >= deadline:
                         raise LockTimeout(real, timeout) from None
                     time.sleep(_POLL)
-            if _same_file(fd, real):
-                return fd
+            with contextlib.suppress(OSError):  # the path is gone: as replaced
+                if os.path.samestat(opened, os.stat(real)):
+                    return fd
         except BaseException:
             os.close(fd)
             raise
         os.close(fd)  # replaced while we waited: lock the file the path names now
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        now = os.stat(path)
-    except OSError:
-        return False
-    return os.path.samestat(os.fstat(fd), now)
