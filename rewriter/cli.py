@@ -163,8 +163,7 @@ def _targets(command: str, *args: Any, **kwargs: Any) -> tuple[list[Target], Rep
 
 
 def print_diffs(report: Report, only: FileStatus | None = None) -> None:
-    """Each file's unified diff on stdout; on stderr, the folder to apply it from when that
-    is not the working folder."""
+    """Each file's unified diff on stdout; on stderr, the folder to apply it from (if not this one)."""
     roots = []
     for target, result in zip(report.targets, report.files):
         if result.diff and (only is None or result.status is only):

@@ -187,9 +187,8 @@ def write_targets(
 
 
 def _prove_all(report: Report, prove: bool) -> None:
-    """Judge each file about to be written by the semantic level, before anything is staged.
-    Where something is refused or failed already, nothing will be written: nothing to prove
-    (and torch is not imported)."""
+    """Judge each file about to be written by the semantic level, before anything is staged; none
+    where something failed already (nothing will be written, and torch is not imported)."""
     to_write = [f for f in report.files if f.status is FileStatus.NEEDS_REWRITE and f.new is not None]
     if not to_write or any(f.failed for f in report.files):
         return
@@ -259,8 +258,7 @@ def _no_interrupt() -> Iterator[None]:
 
 @contextlib.contextmanager
 def example_copy() -> Iterator[Path]:
-    """A private copy of the bundled example, so that `run --example` never
-    writes into the installed package; removed again afterwards."""
+    """A private copy of the bundled example, removed afterwards: `run --example` never writes the package."""
     with tempfile.TemporaryDirectory(prefix="mm3-codemod-example-") as folder:
         target = Path(folder) / "example_model.py"
         shutil.copyfile(example_path(), target)

@@ -22,6 +22,7 @@ except ImportError:  # pragma: no cover - not POSIX
 
 DEFAULT_TIMEOUT = 30.0  # seconds a run waits for another run's lock
 _POLL = 0.05
+OnWait = Callable[[Path], None] | None  # called with a path whose lock another run holds
 
 
 class LockTimeout(Exception):
@@ -33,11 +34,7 @@ class LockTimeout(Exception):
 
 
 @contextlib.contextmanager
-def locked(
-    paths: Iterable[Path],
-    timeout: float = DEFAULT_TIMEOUT,
-    on_wait: Callable[[Path], None] | None = None,
-) -> Iterator[None]:
+def locked(paths: Iterable[Path], timeout: float = DEFAULT_TIMEOUT, on_wait: OnWait = None) -> Iterator[None]:
     """Hold an exclusive lock on every file of ``paths`` that exists; ``on_wait(path)`` is
     called once for each file whose lock another run holds."""
     held: list[int] = []
@@ -53,7 +50,7 @@ def locked(
             os.close(fd)  # closing the descriptor releases its flock
 
 
-def _lock(real: Path, deadline: float, timeout: float, on_wait: Callable[[Path], None] | None) -> int | None:
+def _lock(real: Path, deadline: float, timeout: float, on_wait: OnWait) -> int | None:
     """The descriptor holding the lock; None for what is no regular file
     (missing, unreadable, a folder: reading it reports why)."""
     if fcntl is None:  # pragma: no cover
