@@ -1,12 +1,8 @@
 """The ``mm3-codemod`` command line: each option declared once, each command's body.
 
-``check`` sits in pre-commit and ``survey`` walks dozens of environments, and
-importing typer costs a third of a native file's `check`. So a plain command line
-(the command's own options, in their plain forms) is read here, from the
-declarations in ``COMMANDS``, without typer; anything else (``--help``,
-``--version``, an unknown option, a value to explain as wrong, ``--``) goes to
-the typer app that ``typer_app`` builds from the same declarations. Both call
-the same body, so the output is the same whichever read the command line.
+Importing typer costs a third of a native file's `check`, so a plain command line is read
+here from ``COMMANDS`` without typer; anything else (``--help``, an unknown option, a bad
+value, ``--``) goes to the typer app built from the same declarations. Both call the same body.
 """
 
 from __future__ import annotations
@@ -112,6 +108,16 @@ REVERT_OPTIONS = (
     *REPORT,
 )
 KERNELS_HELP = "A vLLM kernel library (_C*.so) to load instead of vllm._custom_ops (no GPU: fails)."
+TP_HELP = (
+    "Run the semantic and kernel levels at this tensor-parallel size too, every rank (repeatable; "
+    "default: one TP that shards the KV heads and one that replicates them; --tp 1: TP=1 only; "
+    "a row asked for that cannot run fails)."
+)
+ENGINE_HELP = (
+    "Also serve a tiny random-weight MiniMax-M3 built from the file with vLLM's offline engine, "
+    "bf16 vs fp8 KV cache (CUDA GPU and vLLM; minutes; where it cannot run, it fails)."
+)
+BLOCK_SIZE_HELP, BACKEND_HELP = "The engine level's block size.", "The engine level's attention backend."
 VERIFY_OPTIONS = (
     PATHS,
     Option("--python", "python", "Interpreter whose vLLM to verify and import with.", "EXE"),
@@ -121,39 +127,10 @@ VERIFY_OPTIONS = (
     Option("--require-gpu", "require_gpu", "Fail, rather than skip, when the kernel level cannot run."),
     Option("--require-import", "require_import", "Fail, rather than skip, when the import level cannot run."),
     Option("--timing/--no-timing", "timing", "Time the kernels (GPU only).", default=True),
-    Option(
-        "--tp",
-        "tp",
-        "Run the semantic and kernel levels at this tensor-parallel size too, every rank (repeatable; "
-        "default: one TP that shards the KV heads and one that replicates them; --tp 1: TP=1 only; "
-        "a row asked for that cannot run fails).",
-        "N",
-        int,
-        many=True,
-        minimum=1,
-    ),
-    Option(
-        "--engine",
-        "engine",
-        "Also serve a tiny random-weight MiniMax-M3 built from the file with vLLM's offline engine, "
-        "bf16 vs fp8 KV cache (CUDA GPU and vLLM; minutes; where it cannot run, it fails).",
-    ),
-    Option(
-        "--engine-block-size",
-        "engine_block_size",
-        "The engine level's block size.",
-        "N",
-        int,
-        default=128,
-        minimum=1,
-    ),
-    Option(
-        "--engine-backend",
-        "engine_backend",
-        "The engine level's attention backend.",
-        "NAME",
-        default="TRITON_ATTN",
-    ),
+    Option("--tp", "tp", TP_HELP, "N", int, many=True, minimum=1),
+    Option("--engine", "engine", ENGINE_HELP),
+    Option("--engine-block-size", "engine_block_size", BLOCK_SIZE_HELP, "N", int, default=128, minimum=1),
+    Option("--engine-backend", "engine_backend", BACKEND_HELP, "NAME", default="TRITON_ATTN"),
     Option("--engine-eager", "engine_eager", "Run the engine level with enforce_eager (no CUDA graphs)."),
     Option("--verbose -v", "verbose", "Show every check."),
     JSON,
@@ -177,24 +154,16 @@ def stderr(wide: bool = False) -> Console:
     return console(sys.stderr, width=width)
 
 
-def _targets(
-    command: str,
-    paths: list[Path],
-    pythons: list[str],
-    roots: list[Path],
-    example: bool = False,
-    no_vllm: dict[str, str] | None = None,
-    versions: bool = False,
-) -> tuple[list[Target], Report | None]:
+def _targets(command: str, *args: Any, **kwargs: Any) -> tuple[list[Target], Report | None]:
+    """``resolve(*args, **kwargs)``; where it fails, no targets and the report that says why."""
     try:
-        return resolve(paths, pythons, roots, example, no_vllm, versions), None
+        return resolve(*args, **kwargs), None
     except TargetError as exc:
         return [], Report(command, [], error=str(exc))
 
 
 def print_diffs(report: Report, only: FileStatus | None = None) -> None:
-    """Each file's unified diff on stdout; on stderr, the folder to apply it from when that
-    is not the working folder."""
+    """Each file's unified diff on stdout; on stderr, the folder to apply it from (if not this one)."""
     roots = []
     for target, result in zip(report.targets, report.files):
         if result.diff and (only is None or result.status is only):
@@ -203,10 +172,8 @@ def print_diffs(report: Report, only: FileStatus | None = None) -> None:
             if root is not None and os.path.abspath(root) != os.getcwd() and root not in roots:
                 roots.append(root)
     for root in roots:
-        say(
-            stderr(),
-            f"diff paths are relative to {shown_path(root)}: apply it there (git apply, or patch -p1)",
-        )
+        where = f"diff paths are relative to {shown_path(root)}: apply it there (git apply, or patch -p1)"
+        say(stderr(), where)
 
 
 def write_diff(diff: str, encoding: str) -> None:
@@ -231,7 +198,7 @@ def _finish(report: Report, o: SimpleNamespace, err: Console | None = None) -> i
     print_human(report, err or stderr(), show_all=o.show_all)
     if o.as_json:
         print_json(report)
-    return int(report.exit_code)
+    return report.exit_code
 
 
 def check(o: SimpleNamespace) -> int:
@@ -307,19 +274,16 @@ def survey(o: SimpleNamespace) -> int:
     # survey alone shows versions: only it asks a source tree's version file or git for one
     targets, failed = _targets("survey", o.paths, o.pythons, o.roots, no_vllm=no_vllm, versions=True)
     err = stderr(wide=True)
-    if failed:
-        report = failed
-    elif len(targets) > PROGRESS_MIN_TARGETS and err.is_terminal and not o.as_json:
-        from rich.progress import Progress
+    if failed or len(targets) <= PROGRESS_MIN_TARGETS or not err.is_terminal or o.as_json:
+        return _finish(failed or survey_targets(targets, o.jobs, no_vllm=no_vllm), o, err)
+    from rich.progress import Progress
 
-        # Refreshed by hand (no refresh thread): the pool forks its workers first.
-        with Progress(console=err, transient=True, auto_refresh=False) as progress:
-            task = progress.add_task("surveying", total=len(targets))
-            report = survey_targets(
-                targets, o.jobs, lambda: progress.update(task, advance=1, refresh=True), no_vllm
-            )
-    else:
-        report = survey_targets(targets, o.jobs, no_vllm=no_vllm)
+    # Refreshed by hand (no refresh thread): the pool forks its workers first.
+    with Progress(console=err, transient=True, auto_refresh=False) as progress:
+        task = progress.add_task("surveying", total=len(targets))
+        report = survey_targets(
+            targets, o.jobs, lambda: progress.update(task, advance=1, refresh=True), no_vllm
+        )
     return _finish(report, o, err)
 
 
@@ -418,15 +382,11 @@ def read_plain(argv: list[str]) -> tuple[str, dict[str, Any]] | None:
         return None
     options = COMMANDS[argv[0]][0]
     values = {o.dest: [] if o.many else o.default for o in options}
-    switches: dict[str, tuple[Option, bool]] = {}
-    valued: dict[str, Option] = {}
-    for declared in options:
-        for spelling in declared.flags:
-            if declared.is_flag:
-                on, _, off = spelling.partition("/")
-                switches.update({on: (declared, True)} | ({off: (declared, False)} if off else {}))
-            else:
-                valued[spelling] = declared
+    valued = {spelling: o for o in options if not o.is_flag for spelling in o.flags}
+    switches: dict[str, tuple[Option, bool]] = {}  # "--timing": (its option, True), "--no-timing": False
+    for o in options:
+        for flag in o.flags if o.is_flag else ():
+            switches.update(zip(flag.split("/"), ((o, True), (o, False))))
     rest = argv[1:]
     while rest:
         arg = rest.pop(0)
@@ -436,17 +396,12 @@ def read_plain(argv: list[str]) -> tuple[str, dict[str, Any]] | None:
             values[switch.dest] = state
         elif name in valued and not (eq and not name.startswith("--")):  # click reads "-j=2" as "=2"
             taking = valued[name]
-            if not eq:
-                if not rest:
-                    return None
-                text = rest.pop(0)
-            value = _value(taking, text)
+            if not eq and not rest:
+                return None
+            value = _value(taking, text if eq else rest.pop(0))
             if value is None:
                 return None
-            if taking.many:
-                values[taking.dest].append(value)
-            else:
-                values[taking.dest] = value
+            values[taking.dest] = [*values[taking.dest], value] if taking.many else value
         elif arg and not arg.startswith("-"):
             values["paths"].append(Path(arg))
         else:
@@ -501,12 +456,12 @@ def typer_app() -> typer.Typer:
 
         return check
 
-    def command_function(name: str, help: str, parameters: list[inspect.Parameter]) -> Callable[..., None]:
+    def command(name: str, options: tuple[Option, ...], body: Callable[..., int]) -> Callable[..., None]:
         def function(**values: Any) -> None:
             raise typer.Exit(call(name, values))
 
-        function.__doc__ = help
-        setattr(function, "__signature__", inspect.Signature(parameters))  # what typer reads
+        function.__doc__ = body.__doc__ or ""
+        setattr(function, "__signature__", inspect.Signature([parameter(o) for o in options]))  # for typer
         return function
 
     app = typer.Typer(
@@ -516,8 +471,7 @@ def typer_app() -> typer.Typer:
         help="Rewrite vLLM's MiniMax-M3 NVIDIA model so that an fp8 KV cache works on SM89 GPUs.",
     )
     for name, (options, body) in COMMANDS.items():
-        parameters = [parameter(o) for o in options]
-        app.command(name)(command_function(name, body.__doc__ or "", parameters))
+        app.command(name)(command(name, options, body))
 
     def version(value: bool) -> None:
         if value:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import enum
 import os
 import re
 import shutil
@@ -33,15 +32,6 @@ from rewriter.locking import DEFAULT_TIMEOUT, LockTimeout, locked
 from rewriter.targets import Target, example_path
 
 
-class ExitCode(enum.IntEnum):
-    OK = 0  # nothing to do, or done
-    # check/preview/survey (or a dry run): a rewrite is needed; a fix with --exit-non-zero-on-fix
-    NEEDS_REWRITE = 1
-    ERROR = 2  # a target could not be handled; nothing written
-
-
-# Commands that only look: a needed rewrite is their exit 1.
-DRY_COMMANDS = ("check", "preview", "survey")
 NOT_WRITTEN = "nothing written: a target could not be written"
 
 
@@ -57,17 +47,17 @@ class Report:
 
     @property
     def dry(self) -> bool:
-        return self.dry_run or self.command in DRY_COMMANDS
+        return self.dry_run or self.command in ("check", "preview", "survey")  # commands that only look
 
     @property
-    def exit_code(self) -> ExitCode:
+    def exit_code(self) -> int:
+        """2: a target could not be handled (nothing written); 1: a rewrite is needed (a dry run),
+        or a file was written with --exit-non-zero-on-fix; 0: nothing to do, or done."""
         if self.error or any(f.failed for f in self.files):
-            return ExitCode.ERROR
-        if self.dry and any(f.status is FileStatus.NEEDS_REWRITE for f in self.files):
-            return ExitCode.NEEDS_REWRITE
-        if self.exit_non_zero_on_fix and any(f.status is FileStatus.REWRITTEN for f in self.files):
-            return ExitCode.NEEDS_REWRITE
-        return ExitCode.OK
+            return 2
+        if self.dry and self.count(FileStatus.NEEDS_REWRITE):
+            return 1
+        return 1 if self.exit_non_zero_on_fix and self.count(FileStatus.REWRITTEN) else 0
 
     def count(self, status: FileStatus) -> int:
         return sum(1 for f in self.files if f.status is status)
@@ -191,16 +181,14 @@ def write_targets(
         report = plan()
         for result in report.files:
             if os.path.realpath(result.path) == str(exc.path):
-                result.status = FileStatus.ERROR
-                result.error = str(exc)
+                result.status, result.error = FileStatus.ERROR, str(exc)
         report.note = "nothing written: a target was locked by another mm3-codemod"
         return report
 
 
 def _prove_all(report: Report, prove: bool) -> None:
-    """Judge each file about to be written by the semantic level, before anything is staged.
-    Where something is refused or failed already, nothing will be written: nothing to prove
-    (and torch is not imported)."""
+    """Judge each file about to be written by the semantic level, before anything is staged; none
+    where something failed already (nothing will be written, and torch is not imported)."""
     to_write = [f for f in report.files if f.status is FileStatus.NEEDS_REWRITE and f.new is not None]
     if not to_write or any(f.failed for f in report.files):
         return
@@ -225,8 +213,7 @@ def _write_all(report: Report, backup: bool) -> None:
             except FileError as exc:
                 for done in staged:
                     discard(done)
-                result.status = FileStatus.ERROR
-                result.error = str(exc)
+                result.status, result.error = FileStatus.ERROR, str(exc)
                 report.note = NOT_WRITTEN
                 return
     with _no_interrupt():
@@ -236,25 +223,28 @@ def _write_all(report: Report, backup: bool) -> None:
             except FileError as exc:
                 for rest in staged[i:]:
                     discard(rest)
-                stage.result.status = FileStatus.ERROR
-                stage.result.error = str(exc)
+                stage.result.status, stage.result.error = FileStatus.ERROR, str(exc)
                 report.note = f"{i} file(s) were rewritten before this failure" if i else NOT_WRITTEN
                 return
 
 
 @contextlib.contextmanager
 def _no_interrupt() -> Iterator[None]:
-    """Hold Ctrl-C (SIGINT) back until every staged file is in place: all or nothing, across
-    files too. It arrives once they are (the renames take milliseconds).
+    """Hold Ctrl-C (SIGINT) back until every staged file is in place (the renames take
+    milliseconds): all or nothing, across files too.
 
     A handler that only notes it, not a signal mask: a mask holds it back from this thread
-    alone, and another thread of the process takes it instead (torch's OpenMP pool, which the
-    proof of a run on several threads left behind: the second file was not renamed), after
+    alone, and another thread takes it instead (torch's OpenMP pool, left by the proof), after
     which Python runs the handler here all the same. Off the main thread, which cannot set a
-    handler, the mask."""
+    handler, the mask (where there is one)."""
     if threading.current_thread() is not threading.main_thread():
-        with _sigint_masked():
+        mask = getattr(signal, "pthread_sigmask", None)  # None: not POSIX
+        blocked = mask(signal.SIG_BLOCK, {signal.SIGINT}) if mask else None
+        try:
             yield
+        finally:
+            if mask:
+                mask(signal.SIG_SETMASK, blocked)
         return
     held: list[int] = []
     before = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
@@ -267,21 +257,8 @@ def _no_interrupt() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _sigint_masked() -> Iterator[None]:
-    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - not POSIX
-        yield
-        return
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
-
-
-@contextlib.contextmanager
 def example_copy() -> Iterator[Path]:
-    """A private copy of the bundled example, so that `run --example` never
-    writes into the installed package; removed again afterwards."""
+    """A private copy of the bundled example, removed afterwards: `run --example` never writes the package."""
     with tempfile.TemporaryDirectory(prefix="mm3-codemod-example-") as folder:
         target = Path(folder) / "example_model.py"
         shutil.copyfile(example_path(), target)

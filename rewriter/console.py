@@ -1,13 +1,9 @@
 """Where human output goes and whether it is coloured: one decision for every command.
 
-``--color auto`` (the default) colours a terminal unless ``NO_COLOR`` is set to
-anything but the empty string (no-color.org); ``always`` and ``never`` override
-both. "No colour" means no escape codes at all, bold included. rich is
-imported only when a console is made.
-
-Text is printed with ``say``, never as a rich markup string: paths and the
-source that reasons quote hold brackets (``self.kv_caches[layer_idx]``, a
-folder named ``[/x]``) that markup would eat or choke on.
+``--color auto`` colours a terminal unless ``NO_COLOR`` is set and not empty (no-color.org);
+"no colour" means no escape codes at all, bold included. rich is imported only when a console
+is made. Text goes through ``say``, never as rich markup: paths and quoted source hold brackets
+(``self.kv_caches[layer_idx]``, a folder named ``[/x]``) that markup would eat or choke on.
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
-"""One ``run`` at a time per file: an exclusive ``flock`` on the file itself.
+"""One ``run`` at a time per file: an exclusive ``flock`` on the file's own inode, at its real path.
 
-The lock is taken on the target's real path (a symlink and its target share
-it), on the file's own inode: no lock file is created, so none can be left
-behind. ``os.replace`` gives the path a new inode, so a run that waited on the
-old one re-opens the path and locks again until the inode it holds is the one
-the path names. Locks are taken in sorted order (two runs over overlapping
-files cannot deadlock) and held from before the first read to after the last
-write, so a second run reads what the first one wrote. Advisory: only
-mm3-codemod takes it; ``check`` and ``preview`` never write and never wait.
-Without ``fcntl`` (Windows) there is no lock.
+No lock file, so none can be left behind. ``os.replace`` gives the path a new inode, so a run
+that waited on the old one locks again until the inode it holds is the one the path names.
+Locks are taken in sorted order (no deadlock) and held from before the first read to after the
+last write. Advisory: ``check`` and ``preview`` never wait. Without ``fcntl`` (Windows), no lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 try:
@@ -27,6 +22,7 @@ except ImportError:  # pragma: no cover - not POSIX
 
 DEFAULT_TIMEOUT = 30.0  # seconds a run waits for another run's lock
 _POLL = 0.05
+OnWait = Callable[[Path], None] | None  # called with a path whose lock another run holds
 
 
 class LockTimeout(Exception):
@@ -37,12 +33,8 @@ class LockTimeout(Exception):
         self.path = path
 
 
-@contextmanager
-def locked(
-    paths: Iterable[Path],
-    timeout: float = DEFAULT_TIMEOUT,
-    on_wait: Callable[[Path], None] | None = None,
-) -> Iterator[None]:
+@contextlib.contextmanager
+def locked(paths: Iterable[Path], timeout: float = DEFAULT_TIMEOUT, on_wait: OnWait = None) -> Iterator[None]:
     """Hold an exclusive lock on every file of ``paths`` that exists; ``on_wait(path)`` is
     called once for each file whose lock another run holds."""
     held: list[int] = []
@@ -58,7 +50,7 @@ def locked(
             os.close(fd)  # closing the descriptor releases its flock
 
 
-def _lock(real: Path, deadline: float, timeout: float, on_wait: Callable[[Path], None] | None) -> int | None:
+def _lock(real: Path, deadline: float, timeout: float, on_wait: OnWait) -> int | None:
     """The descriptor holding the lock; None for what is no regular file
     (missing, unreadable, a folder: reading it reports why)."""
     if fcntl is None:  # pragma: no cover
@@ -70,7 +62,8 @@ def _lock(real: Path, deadline: float, timeout: float, on_wait: Callable[[Path],
         except OSError:
             return None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            opened = os.fstat(fd)
+            if not stat.S_ISREG(opened.st_mode):
                 os.close(fd)
                 return None
             while True:
@@ -84,17 +77,10 @@ def _lock(real: Path, deadline: float, timeout: float, on_wait: Callable[[Path],
                     if time.monotonic() >= deadline:
                         raise LockTimeout(real, timeout) from None
                     time.sleep(_POLL)
-            if _same_file(fd, real):
-                return fd
+            with contextlib.suppress(OSError):  # the path is gone: as replaced
+                if os.path.samestat(opened, os.stat(real)):
+                    return fd
         except BaseException:
             os.close(fd)
             raise
         os.close(fd)  # replaced while we waited: lock the file the path names now
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        now = os.stat(path)
-    except OSError:
-        return False
-    return os.path.samestat(os.fstat(fd), now)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import multiprocessing
 import os
@@ -55,7 +56,9 @@ def survey_targets(
         import codemods.analysis  # noqa: F401
 
         context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else None)
-        with context.Pool(jobs, initializer=_leave_interrupt_to_parent) as pool:
+        # Ctrl-C reaches the workers too: the parent alone answers it (and ends the pool).
+        leave_interrupt_to_parent = functools.partial(signal.signal, signal.SIGINT, signal.SIG_IGN)
+        with context.Pool(jobs, initializer=leave_interrupt_to_parent) as pool:
             for result in pool.imap(survey_file, paths, chunksize):
                 files.append(result)
                 tick()
@@ -63,8 +66,3 @@ def survey_targets(
     targets = [*targets, *(Target(Path(python), f"--python {python}") for python, _ in environments)]
     files += [FileResult(Path(python), FileStatus.NO_VLLM, error=why) for python, why in environments]
     return Report("survey", targets, files)
-
-
-def _leave_interrupt_to_parent() -> None:
-    """Ctrl-C reaches the workers too: the parent alone answers it (and ends the pool)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)

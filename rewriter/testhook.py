@@ -1,8 +1,5 @@
-"""Fault injection for the test suite only: ``MM3_CODEMOD_TEST_HOOK``.
-
-When the variable is unset (always, outside the tests) ``at()`` returns at
-once and nothing changes. The tests set it to ``POINT=ACTION[,POINT=ACTION…]``
-to stop, kill or fail a real ``mm3-codemod`` process at one moment of a write:
+"""Fault injection for the test suite only: ``MM3_CODEMOD_TEST_HOOK=POINT=ACTION[,POINT=ACTION…]``
+stops, kills or fails a real ``mm3-codemod`` at one moment of a write; unset, ``at()`` does nothing.
 
 points (in the order ``run`` reaches them, per file for the write points):
     locked        every target's lock is held, nothing read yet
