@@ -10,23 +10,29 @@ import os
 import sys
 import time
 
-T0 = time.time()
-spec = json.load(open(sys.argv[1]))
-os.environ.update(spec.get("env", {}))
-report, sys.stdout = sys.stdout, sys.stderr  # vLLM logs to stdout: keep it off the report line
 
-from rewriter.verify import engine_child as ec  # noqa: E402
-from transformers import AutoConfig  # noqa: E402
-from vllm.transformers_utils.configs.minimax_m3 import MiniMaxM3TextConfig  # noqa: E402
+def main() -> None:
+    T0 = time.time()
+    spec = json.load(open(sys.argv[1]))
+    os.environ.update(spec.get("env", {}))
+    report, sys.stdout = sys.stdout, sys.stderr  # vLLM logs to stdout: keep it off the report line
 
-AutoConfig.register("minimax_m3_text", MiniMaxM3TextConfig, exist_ok=True)
-why = ec.probe_flashinfer_norm()
-notes = [ec.install_norm_fallback(why)] if why else []
-full = {**ec.DEFAULTS, **spec}
-batch = ec.prompts(full["prompt_lengths"], full["vocab"], full["seed"])
-res = ec.run_job(spec["job"], full, spec["ckpt"], batch)
-res["since_process_start"] = round(time.time() - T0, 2)
-res["notes"] = res.get("notes", []) + notes
-print(json.dumps(res), file=report)
-report.flush()
-os._exit(0)
+    from rewriter.verify import engine_child as ec
+    from transformers import AutoConfig
+    from vllm.transformers_utils.configs.minimax_m3 import MiniMaxM3TextConfig
+
+    AutoConfig.register("minimax_m3_text", MiniMaxM3TextConfig, exist_ok=True)
+    why = ec.probe_flashinfer_norm()
+    notes = [ec.install_norm_fallback(why)] if why else []
+    full = {**ec.DEFAULTS, **spec}
+    batch = ec.prompts(full["prompt_lengths"], full["vocab"], full["seed"])
+    res = ec.run_job(spec["job"], full, spec["ckpt"], batch)
+    res["since_process_start"] = round(time.time() - T0, 2)
+    res["notes"] = res.get("notes", []) + notes
+    print(json.dumps(res), file=report)
+    report.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine core, which imports this module again
+    main()

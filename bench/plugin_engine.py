@@ -21,6 +21,7 @@ Out: OUT/plugin.json, OUT/plugin_logs.txt.
 import argparse
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -101,6 +102,9 @@ def main() -> int:
         ("apply fork-era fp8, engine core process", era_text, FP8,
          {"VLLM_PLUGINS": "mm3_codemod_apply", "MM3_CODEMOD_SERVE_CACHE": served}),
     ]
+    jobs.insert(1, ("check fork-era fp8, engine core in-process", era_text, FP8, {"MM3_CODEMOD_PLUGIN": "check", **inproc}))
+    only = os.environ.get("PLUGIN_ONLY")  # a regex: run only the jobs whose label it finds
+    jobs = [j for j in jobs if not only or re.search(only, j[0])]
     logs = []
     for label, text, dtype, extra in jobs:
         left = a.budget - (time.time() - t0)
@@ -128,7 +132,8 @@ def main() -> int:
         except (IndexError, json.JSONDecodeError):
             res = {"status": "no-report", "returncode": p.returncode}
         res["wall_s"] = round(time.time() - t, 1)
-        res["mm3_lines"] = [ln[-400:] for ln in lines if "mm3-codemod" in ln and "Traceback" not in ln][:12]
+        res["mm3_lines"] = [ln[-400:] for ln in lines if "mm3-codemod" in ln][:12]
+        res["first_log_line"], res["last_log_line"] = (lines[0][:200], lines[-1][:200]) if lines else ("", "")
         res["weight_lines"] = [ln[-200:] for ln in lines if re.search(r"[Ll]oading weights|[Mm]odel loading took|load_weights", ln)][:6]
         res["installed_sha256_after"] = hashlib.sha256(installed.read_bytes()).hexdigest()
         res["installed_unchanged"] = installed.read_text() == text
@@ -161,7 +166,7 @@ def main() -> int:
     (out / "plugin.json").write_text(json.dumps(report, indent=1))
     with open(out / "plugin_logs.txt", "w") as f:
         for label, lines in logs:
-            f.write(f"===== {label}\n" + "\n".join(lines[-120:]) + "\n")
+            f.write(f"===== {label}\n" + "\n".join(ln for ln in lines if "qutlass" not in ln)[-40000:] + "\n")
     print(f"device script: {time.time() - t0:.0f} s", flush=True)
     return 0
 

@@ -110,7 +110,7 @@ with zipfile.ZipFile(whl) as z:
 PYEOF
 du -sh "$W/pack/site/vllm"
 
-tar -C "$W/pack" -cf - site whl | xz -9e -T2 -c >"$W/v24.tar.xz"
+tar -C "$W/pack" -cf - site whl | xz "${XZ_LEVEL:--9e}" -T2 -c >"$W/v24.tar.xz"
 echo "v24.tar.xz: $(du -m "$W/v24.tar.xz" | cut -f1) MiB"
 rm -rf .gpu/v24_*
 split -b "${PART_MB}M" -d -a 1 "$W/v24.tar.xz" "$W/v24.tar.xz.part"
