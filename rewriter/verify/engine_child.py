@@ -427,6 +427,8 @@ def main() -> None:
             }
         )
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # The level judges the file itself: mm3-codemod's own vLLM plugin, where installed, stays out.
+    os.environ.setdefault("MM3_CODEMOD_PLUGIN", "off")
     os.environ.setdefault(
         "VLLM_DISABLE_COMPILE_CACHE", "1"
     )  # a file's code must never reuse another's graphs
