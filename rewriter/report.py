@@ -43,16 +43,8 @@ def envelope(
     summary: dict[str, int],
 ) -> dict[str, object]:
     """The one JSON shape every command prints with ``--json`` (``verify`` adds ``kernel``)."""
-    return {
-        "tool": "mm3-codemod",
-        "version": __version__,
-        "command": command,
-        "exit_code": int(exit_code),
-        "error": error,
-        "note": note,
-        "files": files,
-        "summary": summary,
-    }
+    outcome = {"command": command, "exit_code": int(exit_code), "error": error, "note": note}
+    return {"tool": "mm3-codemod", "version": __version__, **outcome, "files": files, "summary": summary}
 
 
 def to_json(report: Report) -> dict[str, object]:
@@ -67,10 +59,8 @@ def to_json(report: Report) -> dict[str, object]:
 
 
 def _target_fields(report: Report, target: Target, result: FileResult) -> dict[str, object]:
-    fields: dict[str, object] = {"origin": target.origin}
-    if report.command == "survey":
-        fields["vllm_version"] = shown_version(target, result)
-    return fields
+    survey = {"vllm_version": shown_version(target, result)} if report.command == "survey" else {}
+    return {"origin": target.origin, **survey}
 
 
 def shown_version(target: Target, result: FileResult) -> str | None:
@@ -239,19 +229,17 @@ def command_for(verb: str, report: Report, indices: Iterable[int]) -> str:
     under pre-commit, the configured hook that runs it, else a command that works from the
     user's shell."""
     targets = [report.targets[i] for i in indices]
-    example = any(t.origin == "--example" for t in targets)
-    names = [shlex.quote(shown_path(t.path)) for t in targets if t.origin != "--example"]
-    if under_pre_commit() and not example:
-        hook = configured_hook(verb)
-        if hook is not None:
-            hook_id, stage = hook
-            return " ".join(
-                ["pre-commit run", shlex.quote(hook_id), *([f"--hook-stage {stage}"] if stage else [])]
-                + ["--files", *names]
-            )
+    commands = mm3_commands(verb, targets)
+    if not under_pre_commit() or any(t.origin == "--example" for t in targets):
+        return "; ".join(commands)
+    hook = configured_hook(verb)
+    if hook is None:
         direct = direct_command()
-        return "; ".join(direct + c.removeprefix("mm3-codemod") for c in mm3_commands(verb, targets))
-    return "; ".join(mm3_commands(verb, targets))
+        return "; ".join(direct + c.removeprefix("mm3-codemod") for c in commands)
+    hook_id, stage = hook
+    stages = [f"--hook-stage {stage}"] if stage else []
+    names = [shlex.quote(shown_path(t.path)) for t in targets]
+    return " ".join(["pre-commit run", shlex.quote(hook_id), *stages, "--files", *names])
 
 
 def mm3_commands(verb: str, targets: Iterable[Target]) -> list[str]:
@@ -259,27 +247,20 @@ def mm3_commands(verb: str, targets: Iterable[Target]) -> list[str]:
     EXE`` or ``--vllm-root DIR`` by that option (the import level of ``verify`` needs the
     interpreter), other files by path, ``--example`` as such. ``verify`` takes one ``--python``:
     a command per interpreter."""
-    options: list[tuple[str, str]] = []
-    names: list[str] = []
-    example = False
+    targets = list(targets)
+    pythons: dict[str, None] = {}  # ordered sets of options
+    roots: dict[str, None] = {}
+    names = []
     for t in targets:
         option, _, value = t.origin.partition(" ")
         if option in ("--python", "--vllm-root") and value:
-            if (option, value) not in options:
-                options.append((option, value))
-        elif t.origin == "--example":
-            example = True
-        else:
+            (pythons if option == "--python" else roots)[f"{option} {shlex.quote(value)}"] = None
+        elif t.origin != "--example":
             names.append(shlex.quote(shown_path(t.path)))
-    pythons = [o for o in options if o[0] == "--python"]
-    rest = [o for o in options if o[0] != "--python"]
-    groups = [[p] for p in pythons] if verb == "verify" and len(pythons) > 1 else [pythons]
-    commands = []
-    for i, group in enumerate(groups):
-        words = [f"{o} {shlex.quote(v)}" for o, v in group + (rest if i == 0 else [])]
-        tail = (["--example"] if example else []) + names if i == 0 else []
-        commands.append(" ".join(["mm3-codemod", verb, *words, *tail]))
-    return commands
+    example = ["--example"] if any(t.origin == "--example" for t in targets) else []
+    groups = [[p] for p in pythons] if verb == "verify" and len(pythons) > 1 else [list(pythons)]
+    first = " ".join(["mm3-codemod", verb, *groups[0], *roots, *example, *names])
+    return [first, *(" ".join(["mm3-codemod", verb, *group]) for group in groups[1:])]
 
 
 # How to launch with the bypass in place: the seed's command line (on SM89 FlashInfer
@@ -296,15 +277,12 @@ def next_steps(report: Report) -> list[str]:
     steps = []
     pending = [i for i, f in enumerate(report.files) if f.status is FileStatus.NEEDS_REWRITE]
     if report.dry and pending and report.command != "survey":
-        strips = all(
-            s.action is Action.STRIP for i in pending for s in report.files[i].sites if s.action in CHANGING
-        )
+        actions = {s.action for i in pending for s in report.files[i].sites if s.action in CHANGING}
         if report.command == "revert":
             steps.append(f"to take the fp8 bypass out: {command_for('revert', report, pending)}")
-        elif strips:
-            steps.append(f"to take the stale bypass out: {command_for('run', report, pending)}")
         else:
-            steps.append(f"to apply the fp8 bypass: {command_for('run', report, pending)}")
+            what = "take the stale bypass out" if actions <= {Action.STRIP} else "apply the fp8 bypass"
+            steps.append(f"to {what}: {command_for('run', report, pending)}")
     written = [i for i, f in enumerate(report.files) if f.status is FileStatus.REWRITTEN]
     if written and under_pre_commit():
         names = " ".join(shlex.quote(shown_path(report.files[i].path)) for i in written)
@@ -435,15 +413,14 @@ def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
     """The column headers, then each file: its path on a line of its own (folded only
     after a ``/``), and its rows in columns of one width throughout."""
     files = survey_rows(report, show_all)
-    minimum = [len(name) for name in _COLUMNS]
-    maximum = list(minimum)
-    for _, rows in files:
-        for version, site, state, why in rows:
-            state_width = max(len(line) for line in state.plain.splitlines())
-            narrowest = [len(version), site.shortest, state_width, _WHY_MIN]  # a long word may be cut
-            widest = [len(version), len(site.text), state_width, len(why)]
-            minimum = [max(a, b) for a, b in zip(minimum, narrowest)]
-            maximum = [max(a, b) for a, b in zip(maximum, widest)]
+    rows = [row for _, file_rows in files for row in file_rows]
+    states = [max(len(line) for line in state.plain.splitlines()) for _, _, state, _ in rows]
+    # Each column's narrowest and widest width (a long word of the reason may be cut).
+    narrowest = [(len(v), site.shortest, w, _WHY_MIN) for (v, site, _, _), w in zip(rows, states)]
+    widest = [(len(v), len(site.text), w, len(why)) for (v, site, _, why), w in zip(rows, states)]
+    headers = [len(name) for name in _COLUMNS]
+    minimum = [max(column) for column in zip(headers, *narrowest)]
+    maximum = [max(column) for column in zip(headers, *widest)]
     widths = _fit(minimum, maximum, width - COLUMN_GAP * (len(_COLUMNS) - 1))
     sections: list[Section] = [
         (
@@ -462,7 +439,7 @@ def file_sections(
     of its own, never in a column that would cut it), and its rows in columns of ``widths``
     throughout (survey's table and verify's). No vertical rules: 80 columns are few."""
 
-    def columns(header: bool) -> Table:
+    def columns(rows: list[tuple[RenderableType, ...]], header: bool = False) -> Table:
         table = Table(
             box=box.SIMPLE_HEAD,  # its rules are blanks but for the line under the header
             show_header=header,
@@ -473,13 +450,11 @@ def file_sections(
         )
         for name, column_width in zip(headers, widths):
             table.add_column(name, width=column_width, overflow="fold")
-        return table
-
-    parts: list[RenderableType] = [Text(title, style="bold"), columns(header=True)]
-    for head, rows in sections:
-        parts += head
-        table = columns(header=False)
         for row in rows:
             table.add_row(*row)
-        parts.append(table)
+        return table
+
+    parts: list[RenderableType] = [Text(title, style="bold"), columns([], header=True)]
+    for head, rows in sections:
+        parts += [*head, columns(rows)]
     return Group(*parts)
