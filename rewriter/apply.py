@@ -271,20 +271,9 @@ def plan_revert_file(path: Path, name: str | None = None) -> FileResult:
 
 def _plan(path: Path, name: str | None = None, revert: bool = False, transform: bool = True) -> FileResult:
     """Read, pre-filter, parse, analyze; then rewrite (or revert) and validate the new bytes."""
+    result = FileResult(path, FileStatus.ERROR)
     try:
-        raw = read_bytes(path)
-    except FileError as exc:
-        return FileResult(path, FileStatus.ERROR, error=str(exc))
-    if FUSED_OP.encode() not in raw:  # no mention of the op: no parse at all
-        return FileResult(path, FileStatus.NO_SITES, original=raw)
-    sites = None if revert else prefilter(raw)  # native files: LibCST is never imported
-    if sites is not None:
-        return FileResult(
-            path, FileStatus.UNCHANGED if sites else FileStatus.NO_SITES, sites=sites, original=raw
-        )
-    result = FileResult(path, FileStatus.ERROR, original=raw)
-    try:
-        _plan_with_libcst(result, name, revert, transform)
+        _fill_plan(result, name, revert, transform)
     except FileError as exc:
         result.status, result.error = FileStatus.ERROR, str(exc)
     except RecursionError:  # deeper than LibCST can go, below the limits: never a traceback
@@ -293,11 +282,18 @@ def _plan(path: Path, name: str | None = None, revert: bool = False, transform: 
     return result
 
 
-def _plan_with_libcst(result: FileResult, name: str | None, revert: bool, transform: bool) -> None:
+def _fill_plan(result: FileResult, name: str | None, revert: bool, transform: bool) -> None:
     """Fill in ``result``; ``FileError`` says why the file cannot be rewritten."""
+    raw = result.original = read_bytes(result.path)
+    if FUSED_OP.encode() not in raw:  # no mention of the op: no parse at all
+        result.status = FileStatus.NO_SITES
+        return
+    sites = None if revert else prefilter(raw)  # native files: LibCST is never imported
+    if sites is not None:
+        result.status, result.sites = FileStatus.UNCHANGED if sites else FileStatus.NO_SITES, sites
+        return
     from codemods.analysis import analyze, analyze_revert, revert as revert_module
 
-    raw = result.original
     module = _parse(raw)
     analysis = analyze_revert(module) if revert else analyze(module, raw)
     result.sites = analysis.sites
@@ -337,8 +333,7 @@ def _plan_with_libcst(result: FileResult, name: str | None, revert: bool, transf
 def _compile(source: bytes, path: Path) -> None:
     """Compile ``source`` with this Python; raises ``SyntaxError``."""
     with warnings.catch_warnings():
-        # The file's own warnings (`x is 1`, "\d") are not ours to print.
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # the file's own warnings (`x is 1`, "\d") are not ours to print
         compile(source.removeprefix(BOM), str(path), "exec", dont_inherit=True)
 
 
@@ -366,8 +361,7 @@ def validate(new: bytes, path: Path, expected_patched: int) -> list[InsertSite]:
 
 
 def _validate_revert(new: bytes, path: Path) -> None:
-    """The reverted source parses, compiles, and carries no bypass any more: a second revert
-    finds nothing, and no site is left patched or half-applied."""
+    """The reverted source parses, compiles, and neither pass finds a bypass (or half of one) left."""
     from codemods.analysis import analyze, analyze_revert
 
     module = _parse_and_compile(new, path)
@@ -407,8 +401,7 @@ def _temp_prefix(real: Path) -> str:
 
 @dataclass
 class StagedWrite:
-    """A rewrite ready to be moved into place: the new bytes fsynced beside the target, with its
-    mode (and a backup made, if asked for)."""
+    """A rewrite ready to be moved into place: the new bytes fsynced beside the target (a backup)."""
 
     result: FileResult
     real: Path
@@ -501,8 +494,7 @@ def _write_backup(real: Path, data: bytes, mode: int, owner: tuple[int, int]) ->
 
 
 def _write_temp(path: Path, data: bytes, mode: int, owner: tuple[int, int]) -> Path:
-    """``data`` in a new fsynced file beside ``path`` with ``mode`` and, as far as this user may
-    give it, ``owner`` (uid, gid); removed again on failure."""
+    """``data`` in a new fsynced file beside ``path`` with ``mode`` and ``owner``; removed on failure."""
     try:
         fd, name = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=TEMP_SUFFIX)
     except OSError as exc:
@@ -523,11 +515,10 @@ def _write_temp(path: Path, data: bytes, mode: int, owner: tuple[int, int]) -> P
         _chown(temp, *owner)
         os.chmod(temp, mode)  # after chown, which may clear set-id bits
         testhook.at("temp-synced")
-    except OSError as exc:
+    except BaseException as exc:
         _unlink(temp)
-        raise FileError(f"cannot write: {exc.strerror or exc}; nothing written") from exc
-    except BaseException:
-        _unlink(temp)
+        if isinstance(exc, OSError):
+            raise FileError(f"cannot write: {exc.strerror or exc}; nothing written") from exc
         raise
     return temp
 
@@ -536,11 +527,9 @@ def _chown(path: Path, uid: int, gid: int) -> None:
     """Give ``path`` this owner and group, or as much of it as this user may (root: both;
     anyone: a group they are in); what is not permitted stays theirs, as with ``cp``."""
     for want in ((uid, gid), (-1, gid)):
-        try:
+        with contextlib.suppress(PermissionError):
             os.chown(path, *want)
             return
-        except PermissionError:
-            continue
 
 
 def _unlink(path: Path) -> None:

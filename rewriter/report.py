@@ -89,8 +89,7 @@ def colour_diff(diff: str) -> str:
 
 
 def shown_sites(result: FileResult, show_all: bool) -> list[InsertSite]:
-    """The sites a report lists: not-a-site calls only with ``--all`` - unless a file has
-    nothing else, where they are what explains why nothing is done."""
+    """The sites a report lists: not-a-site calls only with ``--all`` or where a file has no other."""
     sites = [s for s in result.sites if show_all or s.state is not SiteState.NOT_A_SITE]
     return sites or result.sites
 
@@ -100,8 +99,7 @@ def _where(site: InsertSite) -> str:
 
 
 def print_human(report: Report, err: Console, show_all: bool = False) -> None:
-    """Per-site lines (survey: its table), per-file errors, one summary line, what to do next
-    (all on stderr)."""
+    """Per-site lines (survey: its table), per-file errors, a summary line, what to do next."""
     if report.error:
         say(err, f"error: {report.error}", style="red")
         return
@@ -137,10 +135,8 @@ def print_human(report: Report, err: Console, show_all: bool = False) -> None:
 
 # --- what to do next -------------------------------------------------------------------
 
-# The hook of .pre-commit-hooks.yaml that runs each command, and whether it is a
-# manual-stage hook. Under pre-commit, mm3-codemod itself may not be on PATH, and the
-# user's config may list other hooks or other ids: advice names a hook only where the
-# config in use has one that runs the command (``configured_hook``).
+# The hook of .pre-commit-hooks.yaml that runs each command, and whether it is manual-stage.
+# Advice names a hook only where the config in use has one that runs the command.
 HOOKS = {
     "run": ("mm3-codemod", False),
     "check": ("mm3-codemod-check", False),
@@ -154,17 +150,14 @@ def under_pre_commit() -> bool:
 
 
 def entry_verb(entry: str) -> str | None:
-    """The mm3-codemod command a hook's ``entry`` runs (``mm3-codemod run …``, ``python -m
-    mm3_codemod check …``), else None."""
+    """The mm3-codemod command a hook's ``entry`` runs (``mm3-codemod run …``), else None."""
     try:
         words = shlex.split(entry)
     except ValueError:
         return None
     for i, word in enumerate(words[:-1]):
-        name = os.path.basename(word)
-        if name in ("mm3-codemod", "mm3-codemod.exe") or (
-            word in ("mm3_codemod", "rewriter") and i and words[i - 1] == "-m"
-        ):
+        module = word in ("mm3_codemod", "rewriter") and i and words[i - 1] == "-m"
+        if os.path.basename(word) in ("mm3-codemod", "mm3-codemod.exe") or module:
             return words[i + 1]
     return None
 
@@ -225,9 +218,8 @@ def direct_command() -> str:
 
 
 def command_for(verb: str, report: Report, indices: Iterable[int]) -> str:
-    """The exact command line that runs ``mm3-codemod <verb>`` on those files of the report:
-    under pre-commit, the configured hook that runs it, else a command that works from the
-    user's shell."""
+    """The command line that runs ``mm3-codemod <verb>`` on those files of the report: under
+    pre-commit, the configured hook that runs it, else a command that works from the user's shell."""
     targets = [report.targets[i] for i in indices]
     commands = mm3_commands(verb, targets)
     if not under_pre_commit() or any(t.origin == "--example" for t in targets):
@@ -243,10 +235,9 @@ def command_for(verb: str, report: Report, indices: Iterable[int]) -> str:
 
 
 def mm3_commands(verb: str, targets: Iterable[Target]) -> list[str]:
-    """``mm3-codemod <verb>`` on ``targets`` as the user named them: the files of a ``--python
-    EXE`` or ``--vllm-root DIR`` by that option (the import level of ``verify`` needs the
-    interpreter), other files by path, ``--example`` as such. ``verify`` takes one ``--python``:
-    a command per interpreter."""
+    """``mm3-codemod <verb>`` on ``targets`` as the user named them: by ``--python EXE`` or
+    ``--vllm-root DIR`` (verify's import level needs the interpreter), by path, or ``--example``.
+    ``verify`` takes one ``--python``: a command per interpreter."""
     targets = list(targets)
     pythons: dict[str, None] = {}  # ordered sets of options
     roots: dict[str, None] = {}
@@ -388,8 +379,7 @@ Section = tuple[list[RenderableType], list[tuple[RenderableType, ...]]]
 
 
 def survey_rows(report: Report, show_all: bool = False) -> list[tuple[str, list[Row]]]:
-    """Each file listed, with one row per insert site; a file without one shows why
-    (its not-a-site calls, or its status)."""
+    """Each file listed, with a row per insert site; a file without one, a row saying why."""
     files = []
     for target, result in zip(report.targets, report.files):
         if result.status is FileStatus.NO_SITES and not result.sites and not show_all:
@@ -410,8 +400,7 @@ def survey_rows(report: Report, show_all: bool = False) -> list[tuple[str, list[
 
 
 def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
-    """The column headers, then each file: its path on a line of its own (folded only
-    after a ``/``), and its rows in columns of one width throughout."""
+    """survey's table of ``survey_rows`` (``file_sections``), its columns fit to ``width``."""
     files = survey_rows(report, show_all)
     rows = [row for _, file_rows in files for row in file_rows]
     states = [max(len(line) for line in state.plain.splitlines()) for _, _, state, _ in rows]

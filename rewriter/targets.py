@@ -3,6 +3,7 @@ with ``importlib.util.find_spec``, never imported: importing it is slow and want
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
@@ -70,18 +71,12 @@ def tree_version(package: Path, thorough: bool) -> str | None:
     return version_in_file(package) or git_describe(package.parent)
 
 
-# Where a vLLM tree says its version: setuptools-scm writes _version.py (`__version__ = version
-# = '0.9.1.dev3+g…'`); older trees kept a literal `__version__ = "0.6.1"` in version.py.
-VERSION_FILES = ("_version.py", "version.py")
-VERSION_NAMES = ("__version__", "version")
-
-
 def version_in_file(package: Path) -> str | None:
-    """The string a top-level ``__version__`` / ``version`` is set to in the package's version
-    file (read, never imported); None where no such file sets one."""
+    """The string a top-level ``__version__``/``version`` is set to in the package's version file:
+    setuptools-scm's ``_version.py``, else the ``version.py`` of older trees (read, never imported)."""
     import ast
 
-    for name in VERSION_FILES:
+    for name in ("_version.py", "version.py"):
         try:
             module = ast.parse((package / name).read_bytes())
         except (OSError, SyntaxError, ValueError, RecursionError):
@@ -90,14 +85,13 @@ def version_in_file(package: Path) -> str | None:
             if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Constant):
                 names = node.targets if isinstance(node, ast.Assign) else [node.target]
                 value = node.value.value
-                if any(isinstance(n, ast.Name) and n.id in VERSION_NAMES for n in names):
+                if any(isinstance(n, ast.Name) and n.id in ("__version__", "version") for n in names):
                     if isinstance(value, str) and value.strip():
                         return value.strip()
     return None
 
 
-# How long `git describe` may take before the version is "unknown".
-GIT_TIMEOUT = 10.0
+GIT_TIMEOUT = 10.0  # how long `git describe` may take before the version is "unknown"
 
 
 def git_describe(checkout: Path) -> str | None:
@@ -165,11 +159,6 @@ def nvidia_dir(root: Path, origin: str) -> Path:
     )
 
 
-def package_of(folder: Path) -> Path:
-    """The ``vllm`` package folder a model folder (one of ``MODEL_DIRS``) is in."""
-    return folder.parents[len(MODEL_PACKAGE)]
-
-
 def model_files(folders: Sequence[Path]) -> list[Path]:
     """Every ``*.py`` under the model folders, folder by folder (``python_files``)."""
     return [path for folder in folders for path in python_files(folder)]
@@ -231,23 +220,18 @@ def _is_answer(report: object) -> bool:
     return paths and (version is None or isinstance(version, str))
 
 
-# How long another interpreter may take to answer (it imports nothing heavy).
-PYTHON_TIMEOUT = 120.0
+PYTHON_TIMEOUT = 120.0  # how long another interpreter may take to answer (it imports nothing heavy)
 
 
 def run_python(
     argv: list[str], timeout: float, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run another interpreter (``argv[0]``) in a session of its own; its output as text. On a
-    timeout (``subprocess.TimeoutExpired``) or Ctrl-C it is killed with everything it started:
-    a wrapper script's children would keep running, and keep its pipes open."""
+    """Run another interpreter (``argv[0]``) in a session of its own (Ctrl-C reaches only this
+    process); its output as text. On a timeout (``subprocess.TimeoutExpired``) or Ctrl-C it is
+    killed with everything it started: a wrapper script's children would keep its pipes open."""
+    pipe = subprocess.PIPE
     with subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        start_new_session=True,  # its own process group; Ctrl-C reaches only this process
+        argv, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, env=env, start_new_session=True
     ) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -263,8 +247,6 @@ def run_python(
 
 def vllm_of_current_interpreter() -> Path:
     """The vLLM package folder of this interpreter (no import of vllm)."""
-    import importlib.util
-
     who = f"{sys.executable} (current interpreter)"
     try:
         spec = importlib.util.find_spec("vllm")
@@ -275,8 +257,7 @@ def vllm_of_current_interpreter() -> Path:
 
 
 def source_tree_around(folder: Path) -> Path | None:
-    """The vLLM source tree ``folder`` is in: the nearest folder, ``folder`` or above,
-    that holds one of the model folders (``vllm/models/minimax_m3/nvidia/`` or ``amd/``)."""
+    """The vLLM source tree ``folder`` is in: the nearest folder up that holds a model folder."""
     folder = Path(os.path.abspath(folder))
     for candidate in (folder, *folder.parents):
         if any(candidate.joinpath("vllm", *parts).is_dir() for parts in MODEL_DIRS):
@@ -294,9 +275,8 @@ def shown_path(path: Path) -> str:
 
 
 def default_targets(versions: bool = False) -> list[Target]:
-    """No target named: the vLLM source tree the working folder is in, else this interpreter's
-    vLLM; both, when they are different trees, is a question for the user. ``versions``: a source
-    tree's version as ``tree_version``'s thorough look tells it."""
+    """No target named: the vLLM source tree the working folder is in, else this interpreter's vLLM;
+    both, when they differ, is a question for the user. ``versions``: as in ``tree_version``."""
     tree = source_tree_around(Path.cwd())
     try:
         package: Path | None = vllm_of_current_interpreter()
@@ -326,8 +306,7 @@ def default_targets(versions: bool = False) -> list[Target]:
 
 
 def installed_version(package: Path) -> str | None:
-    """This interpreter's vLLM version: the metadata beside the package, else
-    ``importlib.metadata`` (an editable install); vllm itself is not imported."""
+    """This interpreter's vLLM version: the metadata beside the package, else importlib.metadata."""
     import importlib.metadata
 
     try:
@@ -390,15 +369,14 @@ def resolve(
             files = python_files(path)
             if not files:
                 raise TargetError(f"{path}: directory holds no .py files")
-            root = _path_root(path, path)
-            targets += [Target(f, str(path), root=root) for f in files]
+            targets += [Target(f, str(path), root=_path_root(path, path)) for f in files]
         elif path.exists() or path.is_symlink():
             targets.append(Target(path, "path", root=_path_root(path, path.parent)))
         else:
             raise TargetError(f"{path}: no such file or directory")
     for root in vllm_roots:
         folders = model_dirs(root, "--vllm-root")
-        version = tree_version(package_of(folders[0]), versions)
+        version = tree_version(folders[0].parents[len(MODEL_PACKAGE)], versions)  # the vllm package
         targets += [Target(f, f"--vllm-root {root}", version, root) for f in model_files(folders)]
     for python in pythons:
         try:
