@@ -186,6 +186,8 @@ def rewrite(analysis: FileAnalysis) -> cst.Module:
 # that still overflows the stack raises RecursionError, which planning reports the same way.
 MAX_BRACKETS = 200
 MAX_OPERATORS = 2000  # per statement: every token but literals, brackets, commas and colons
+TOO_DEEP = f"brackets nest more than {MAX_BRACKETS} deep"
+TOO_LONG = f"a statement of more than {MAX_OPERATORS} operators"
 SPLIT_IT = "split it (mm3-codemod reads the file with LibCST, which recurses once per level of nesting)"
 _NOT_OPERATORS = {tokenize.NUMBER, tokenize.STRING, tokenize.NL, tokenize.COMMENT, tokenize.INDENT}
 _NOT_OPERATORS |= {tokenize.DEDENT, tokenize.ENCODING}
@@ -201,18 +203,13 @@ def _check_nesting(body: bytes) -> None:
                 operators = 0
             elif token.type == tokenize.OP and token.string in ("(", "[", "{"):
                 depth += 1
-                if depth > MAX_BRACKETS:
-                    raise FileError(
-                        f"line {token.start[0]}: brackets nest more than {MAX_BRACKETS} deep; {SPLIT_IT}"
-                    )
             elif token.type == tokenize.OP and token.string in (")", "]", "}"):
                 depth -= 1
             elif token.type not in _NOT_OPERATORS and token.string not in (",", ":"):
                 operators += 1
-                if operators > MAX_OPERATORS:
-                    raise FileError(
-                        f"line {token.start[0]}: a statement of more than {MAX_OPERATORS} operators; {SPLIT_IT}"
-                    )
+            if depth > MAX_BRACKETS or operators > MAX_OPERATORS:
+                what = TOO_DEEP if depth > MAX_BRACKETS else TOO_LONG
+                raise FileError(f"line {token.start[0]}: {what}; {SPLIT_IT}")
     except (tokenize.TokenError, SyntaxError):
         return
 
@@ -225,7 +222,7 @@ def _parse(raw: bytes, ours: bool = False) -> cst.Module:
     if not ours:
         _check_nesting(body)
     try:
-        module = cst.parse_module(body)
+        return cst.parse_module(body)
     except cst.ParserSyntaxError as exc:
         try:  # Python's own word on where and what, as `python file.py` would say it
             compile(body, "<file>", "exec", dont_inherit=True)
@@ -238,7 +235,6 @@ def _parse(raw: bytes, ours: bool = False) -> cst.Module:
         ) from exc
     except (UnicodeDecodeError, LookupError, SyntaxError) as exc:
         raise FileError(f"cannot decode source: {exc}") from exc
-    return module
 
 
 def _lost_tail(module: cst.Module, raw: bytes) -> bytes:

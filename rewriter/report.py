@@ -22,16 +22,11 @@ from rewriter import __version__
 from rewriter.apply import FileResult, FileStatus
 from rewriter.commands import Report
 from rewriter.console import say, write_stdout
+from rewriter.proof import proof_line
 from rewriter.targets import Target, shown_path
 
-STATE_STYLE = {
-    SiteState.NEEDS_BYPASS: "yellow",
-    SiteState.HALF_APPLIED: "yellow",
-    SiteState.PATCHED: "green",
-    SiteState.NATIVE: "green",
-    SiteState.NOT_A_SITE: "dim",
-    SiteState.UNSUPPORTED: "red",
-}
+STATE_STYLE = {SiteState.NEEDS_BYPASS: "yellow", SiteState.HALF_APPLIED: "yellow", SiteState.PATCHED: "green"}
+STATE_STYLE |= {SiteState.NATIVE: "green", SiteState.NOT_A_SITE: "dim", SiteState.UNSUPPORTED: "red"}
 
 
 def envelope(
@@ -48,14 +43,9 @@ def envelope(
 
 
 def to_json(report: Report) -> dict[str, object]:
-    return envelope(
-        report.command,
-        report.exit_code,
-        report.error,
-        report.note,
-        [f.to_json() | _target_fields(report, t, f) for t, f in zip(report.targets, report.files)],
-        {status.value: report.count(status) for status in FileStatus},
-    )
+    files = [f.to_json() | _target_fields(report, t, f) for t, f in zip(report.targets, report.files)]
+    summary = {status.value: report.count(status) for status in FileStatus}
+    return envelope(report.command, report.exit_code, report.error, report.note, files, summary)
 
 
 def _target_fields(report: Report, target: Target, result: FileResult) -> dict[str, object]:
@@ -120,8 +110,6 @@ def print_human(report: Report, err: Console, show_all: bool = False) -> None:
         if result.backup:
             say(err, f"backup: {result.backup}")
         if result.proof is not None and result.status is FileStatus.REWRITTEN:
-            from rewriter.proof import proof_line
-
             verify = mm3_commands("verify", [target])[0]
             line = proof_line(result, example=target.origin == "--example", verify=verify)
             if line:
@@ -204,11 +192,9 @@ def direct_command() -> str:
     else by its path (a hook environment pre-commit built is on the hook's PATH only)."""
     hook_env = os.path.normcase(os.path.join(sys.prefix, ""))
     own_env = os.path.basename(os.path.normpath(sys.prefix)).startswith("py_env-")  # pre-commit's
-    user_path = [
-        d
-        for d in os.environ.get("PATH", "").split(os.pathsep)
-        if d and not (own_env and os.path.normcase(os.path.abspath(d)).startswith(hook_env))
-    ]
+    user_path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d]
+    if own_env:  # not the hook environment pre-commit put first on the hook's PATH
+        user_path = [d for d in user_path if not os.path.normcase(os.path.abspath(d)).startswith(hook_env)]
     if shutil.which("mm3-codemod", path=os.pathsep.join(user_path)):
         return "mm3-codemod"
     script = Path(sys.executable).parent / "mm3-codemod"
@@ -339,9 +325,8 @@ class Folded:
 
 
 def brief_reason(site: InsertSite) -> str:
-    """The start of the site's reason, to its first ": " or "; " (``check`` prints it whole),
-    with the missing pieces of a half-applied bypass; a stale bypass on a native call keeps what
-    it breaks now (to the first "; ")."""
+    """The site's reason to its first ": " or "; " (``check`` prints it whole), with what a half-applied
+    bypass misses; a stale bypass on a native call keeps what it breaks now (to the first "; ")."""
     if site.action is Action.STRIP:
         return site.reason.split("; ", 1)[0]
     text = re.split(r": |; ", site.reason, maxsplit=1)[0]
@@ -352,7 +337,6 @@ def brief_reason(site: InsertSite) -> str:
 
 
 # survey's columns, under a line naming each file; "state" also says what run would do.
-# No vertical rules: 80 columns are few.
 _COLUMNS = ("vLLM", "site", "state", "why")
 COLUMN_GAP = 2
 _WHY_MIN = 12  # narrower, the reason becomes a word per line
@@ -360,9 +344,8 @@ _CUT_MIN = 8  # where even whole names do not fit: cut, but keep this much of th
 
 
 def _fit(minimum: list[int], maximum: list[int], available: int) -> list[int]:
-    """Column widths within ``available``: each as wide as its widest cell, then the widest
-    shrunk first, never below its narrowest whole name; where even that is too wide, the
-    reason and then the site give way (cut), never the version or the state."""
+    """Column widths within ``available``: the widest cells shrunk first, never below a whole name;
+    where even that is too wide, the reason and then the site are cut, never the version or state."""
     widths = list(maximum)
     for floor in (minimum, [*minimum[:3], _CUT_MIN], [minimum[0], _CUT_MIN, minimum[2], _CUT_MIN]):
         while sum(widths) > available:
@@ -378,9 +361,10 @@ Row = tuple[str, Folded, Text, str]
 Section = tuple[list[RenderableType], list[tuple[RenderableType, ...]]]
 
 
-def survey_rows(report: Report, show_all: bool = False) -> list[tuple[str, list[Row]]]:
-    """Each file listed, with a row per insert site; a file without one, a row saying why."""
-    files = []
+def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
+    """survey's table (``file_sections``): each file listed, with a row per insert site (a file
+    without one, a row saying why), its columns fit to ``width``."""
+    files: list[tuple[str, list[Row]]] = []
     for target, result in zip(report.targets, report.files):
         if result.status is FileStatus.NO_SITES and not result.sites and not show_all:
             continue
@@ -396,37 +380,27 @@ def survey_rows(report: Report, show_all: bool = False) -> list[tuple[str, list[
                     state.append(f"\n-> {site.action.value}")
                 rows.append((version, Folded(f"{_where(site)}:{site.line}", "."), state, brief_reason(site)))
         files.append((shown_path(result.path), rows))
-    return files
-
-
-def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
-    """survey's table of ``survey_rows`` (``file_sections``), its columns fit to ``width``."""
-    files = survey_rows(report, show_all)
-    rows = [row for _, file_rows in files for row in file_rows]
-    states = [max(len(line) for line in state.plain.splitlines()) for _, _, state, _ in rows]
+    all_rows = [row for _, file_rows in files for row in file_rows]
+    states = [max(len(line) for line in state.plain.splitlines()) for _, _, state, _ in all_rows]
     # Each column's narrowest and widest width (a long word of the reason may be cut).
-    narrowest = [(len(v), site.shortest, w, _WHY_MIN) for (v, site, _, _), w in zip(rows, states)]
-    widest = [(len(v), len(site.text), w, len(why)) for (v, site, _, why), w in zip(rows, states)]
+    narrowest = [(len(v), site.shortest, w, _WHY_MIN) for (v, site, _, _), w in zip(all_rows, states)]
+    widest = [(len(v), len(site.text), w, len(why)) for (v, site, _, why), w in zip(all_rows, states)]
     headers = [len(name) for name in _COLUMNS]
     minimum = [max(column) for column in zip(headers, *narrowest)]
     maximum = [max(column) for column in zip(headers, *widest)]
     widths = _fit(minimum, maximum, width - COLUMN_GAP * (len(_COLUMNS) - 1))
-    sections: list[Section] = [
-        (
-            [Folded(path, "/", style="bold")],
-            [(Text(version), site, state, Folded(why, " =.")) for version, site, state, why in rows],
-        )
-        for path, rows in files
-    ]
+    sections: list[Section] = []
+    for path, file_rows in files:
+        cells = [(Text(version), site, state, Folded(why, " =.")) for version, site, state, why in file_rows]
+        sections.append(([Folded(path, "/", style="bold")], cells))
     return file_sections("mm3-codemod survey", _COLUMNS, widths, sections)
 
 
 def file_sections(
     title: str, headers: Sequence[str], widths: Sequence[int], sections: list[Section]
 ) -> Group:
-    """``title``, the column headers, then each file: the lines that name it (its path on a line
-    of its own, never in a column that would cut it), and its rows in columns of ``widths``
-    throughout (survey's table and verify's). No vertical rules: 80 columns are few."""
+    """``title``, the column headers, then each file: the lines that name it (never in a column that
+    would cut its path), then its rows in columns of ``widths``. No vertical rules: 80 columns are few."""
 
     def columns(rows: list[tuple[RenderableType, ...]], header: bool = False) -> Table:
         table = Table(
