@@ -151,10 +151,7 @@ def _through_proc(path: Path) -> bool:
     current, pending, links = Path("/"), list((Path.cwd() / path).parts[1:]), 0
     while pending:
         part = pending.pop(0)
-        if part == "..":
-            current = current.parent
-            continue
-        step = current / part
+        step = current.parent if part == ".." else current / part  # current holds no link: nor its parent
         try:
             st = os.lstat(step)
         except OSError:
@@ -520,8 +517,7 @@ def _write_temp(path: Path, data: bytes, mode: int, owner: tuple[int, int]) -> P
 
 
 def _chown(path: Path, uid: int, gid: int) -> None:
-    """Give ``path`` this owner and group, or as much of it as this user may (root: both;
-    anyone: a group they are in); what is not permitted stays theirs, as with ``cp``."""
+    """Give ``path`` this owner and group, or as much of it as this user may (as ``cp`` does)."""
     for want in ((uid, gid), (-1, gid)):
         with contextlib.suppress(PermissionError):
             os.chown(path, *want)

@@ -22,9 +22,8 @@ def install() -> str:
 
 
 def prove(result: FileResult) -> Proof:
-    """The semantic level on ``result.new`` as the text of ``result.path`` (not yet written), in
-    every row ``verify`` runs it in (TP=1, then its tensor-parallel sizes). Without a working
-    torch, or where the level itself breaks, the file is unproven: never a traceback."""
+    """The semantic level on ``result.new`` as ``result.path`` in each row ``verify`` runs (TP=1, then
+    its TP sizes). Without a working torch, or where the level breaks, unproven: never a traceback."""
     if importlib.util.find_spec("torch") is None:
         return Proof(UNAVAILABLE, "torch is not installed")
     from rewriter.verify import tp

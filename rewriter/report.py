@@ -43,14 +43,12 @@ def envelope(
 
 
 def to_json(report: Report) -> dict[str, object]:
-    files = [f.to_json() | _target_fields(report, t, f) for t, f in zip(report.targets, report.files)]
+    files = []
+    for target, result in zip(report.targets, report.files):
+        survey = {"vllm_version": shown_version(target, result)} if report.command == "survey" else {}
+        files.append(result.to_json() | {"origin": target.origin, **survey})
     summary = {status.value: report.count(status) for status in FileStatus}
     return envelope(report.command, report.exit_code, report.error, report.note, files, summary)
-
-
-def _target_fields(report: Report, target: Target, result: FileResult) -> dict[str, object]:
-    survey = {"vllm_version": shown_version(target, result)} if report.command == "survey" else {}
-    return {"origin": target.origin, **survey}
 
 
 def shown_version(target: Target, result: FileResult) -> str | None:

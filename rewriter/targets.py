@@ -226,9 +226,8 @@ PYTHON_TIMEOUT = 120.0  # how long another interpreter may take to answer (it im
 def run_python(
     argv: list[str], timeout: float, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run another interpreter (``argv[0]``) in a session of its own (Ctrl-C reaches only this
-    process); its output as text. On a timeout (``subprocess.TimeoutExpired``) or Ctrl-C it is
-    killed with everything it started: a wrapper script's children would keep its pipes open."""
+    """Run another interpreter in a session of its own (Ctrl-C reaches only us); its output as text.
+    On a timeout or Ctrl-C it is killed with all it started (a wrapper's children keep pipes open)."""
     pipe = subprocess.PIPE
     with subprocess.Popen(
         argv, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, env=env, start_new_session=True
