@@ -151,7 +151,7 @@ def _through_proc(path: Path) -> bool:
     current, pending, links = Path("/"), list((Path.cwd() / path).parts[1:]), 0
     while pending:
         part = pending.pop(0)
-        step = current.parent if part == ".." else current / part  # current holds no link: nor its parent
+        step = current.parent if part == ".." else current / part  # ``current`` holds no link
         try:
             st = os.lstat(step)
         except OSError:

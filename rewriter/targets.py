@@ -85,9 +85,9 @@ def version_in_file(package: Path) -> str | None:
             if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Constant):
                 names = node.targets if isinstance(node, ast.Assign) else [node.target]
                 value = node.value.value
-                if any(isinstance(n, ast.Name) and n.id in ("__version__", "version") for n in names):
-                    if isinstance(value, str) and value.strip():
-                        return value.strip()
+                named = any(isinstance(n, ast.Name) and n.id in ("__version__", "version") for n in names)
+                if named and isinstance(value, str) and value.strip():
+                    return value.strip()
     return None
 
 
@@ -170,7 +170,7 @@ def python_files(folder: Path) -> list[Path]:
     found: list[Path] = []
     for where, folders, files in os.walk(folder, onerror=lambda exc: found.append(Path(exc.filename))):
         folders[:] = [name for name in folders if not name.startswith(".") and name != "__pycache__"]
-        found += [Path(where, name) for name in files if name.endswith(".py") and not name.startswith(".")]
+        found.extend(Path(where, f) for f in files if f.endswith(".py") and not f.startswith("."))
     return sorted(found)
 
 
@@ -226,8 +226,9 @@ PYTHON_TIMEOUT = 120.0  # how long another interpreter may take to answer (it im
 def run_python(
     argv: list[str], timeout: float, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run another interpreter in a session of its own (Ctrl-C reaches only us); its output as text.
-    On a timeout or Ctrl-C it is killed with all it started (a wrapper's children keep pipes open)."""
+    """Run another interpreter in a session of its own (Ctrl-C reaches this process only); its output
+    as text. On a timeout or Ctrl-C it is killed with all it started: a wrapper script's children
+    would keep running, and keep its pipes open."""
     pipe = subprocess.PIPE
     with subprocess.Popen(
         argv, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, env=env, start_new_session=True
