@@ -1,12 +1,6 @@
-"""Parse -> analyze -> rewrite -> validate -> atomic write, one file at a time.
-
-Nothing is written unless the new source parses, compiles, and a second pass
-of the codemod finds every rewritten site ``patched`` (black's discipline);
-for ``revert``, a second pass finds no bypass left.
-
-LibCST is imported only for a file that the pre-filter cannot answer: a
-native file is checked without it (``codemods/prefilter.py``).
-"""
+"""Parse -> analyze -> rewrite -> validate -> atomic write, one file at a time. Nothing is written
+unless the new source parses, compiles and a second pass finds every rewritten site ``patched``
+(``revert``: no bypass left). LibCST is imported only for a file the pre-filter cannot answer."""
 
 from __future__ import annotations
 
@@ -33,7 +27,7 @@ from rewriter import testhook
 if TYPE_CHECKING:
     import libcst as cst
 
-    from codemods.analysis import FileAnalysis, RevertAnalysis
+    from codemods.analysis import FileAnalysis
 
 BOM = b"\xef\xbb\xbf"
 
@@ -52,9 +46,8 @@ class FileError(Exception):
     """A one-line reason why a file could not be handled."""
 
 
-# What `run` proved of a file's new source before writing it (rewriter/proof.py): verify's
-# semantic level passed, failed, or was skipped (the stand-in cannot run the file); torch was
-# unavailable; or proving was off (--no-prove).
+# What `run` proved of a file's new source before writing it (rewriter/proof.py): verify's semantic
+# level passed, failed or was skipped (the stand-in cannot run it); no torch; or --no-prove.
 PASSED, FAILED, SKIPPED, UNAVAILABLE, OFF = "passed", "failed", "skipped", "unavailable", "off"
 LEVEL = "semantic"
 
@@ -132,9 +125,8 @@ def read_bytes(path: Path) -> bytes:
 
 
 def source_text(raw: bytes) -> str:
-    """A Python file's bytes as text, decoded as ``run`` reads them: a UTF-8 BOM dropped, then
-    the PEP 263 coding line (``# -*- coding: latin-1 -*-``), else UTF-8 (what LibCST and
-    ``compile`` make of the same bytes). ``FileError`` where they cannot be decoded so."""
+    """A Python file's bytes as text, as LibCST and ``compile`` decode them: a UTF-8 BOM dropped,
+    then the PEP 263 coding line, else UTF-8. ``FileError`` where they cannot be decoded so."""
     body = raw.removeprefix(BOM)
     try:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(body).readline)
@@ -144,15 +136,13 @@ def source_text(raw: bytes) -> str:
 
 
 def read_source(path: Path | str) -> str:
-    """The text of the file at ``path``, read (``read_bytes``) and decoded (``source_text``) as
-    ``run`` reads it: every reader of a model file's text in ``verify`` goes through here."""
+    """The text of the file at ``path`` as ``run`` reads it: every reader in ``verify`` uses this."""
     return source_text(read_bytes(Path(path)))
 
 
 def _through_proc(path: Path) -> bool:
-    """Whether a symlink on the way to ``path`` lives in /proc (``/dev/stdin`` ->
-    ``/proc/self/fd/0``): what such a link names is whatever a process has open (``run
-    /dev/stdin < other.py`` would rewrite other.py), not the file the path spells."""
+    """Whether a symlink on the way to ``path`` lives in /proc (``/dev/stdin`` -> ``/proc/self/fd/0``):
+    it names whatever a process has open (``run /dev/stdin < other.py``), not the file spelled."""
     try:
         proc = os.stat("/proc").st_dev
     except OSError:
@@ -161,10 +151,7 @@ def _through_proc(path: Path) -> bool:
     current, pending, links = Path("/"), list((Path.cwd() / path).parts[1:]), 0
     while pending:
         part = pending.pop(0)
-        if part == "..":
-            current = current.parent
-            continue
-        step = current / part
+        step = current.parent if part == ".." else current / part  # ``current`` holds no link
         try:
             st = os.lstat(step)
         except OSError:
@@ -183,47 +170,29 @@ def _through_proc(path: Path) -> bool:
     return False
 
 
-def analyze(module: cst.Module, source: bytes | None = None) -> FileAnalysis:
-    """The LibCST codemod's analysis (imported here, on first need)."""
-    from codemods.analysis import analyze as analyze_module
-
-    return analyze_module(module, source)
-
-
 def rewrite(analysis: FileAnalysis) -> cst.Module:
+    """The LibCST codemod's rewrite (``codemods.analysis``, imported on first need, as elsewhere)."""
     from codemods.analysis import rewrite as rewrite_module
 
     return rewrite_module(analysis)
 
 
-def analyze_revert(module: cst.Module, source: bytes | None = None) -> RevertAnalysis:
-    """Like ``analyze`` (``source`` unused), for taking the bypass out again."""
-    from codemods.analysis import analyze_revert as analyze_module
-
-    return analyze_module(module)
-
-
-def revert_module(analysis: RevertAnalysis) -> cst.Module:
-    from codemods.analysis import revert
-
-    return revert(analysis)
-
-
-# What LibCST cannot take: brackets nested deeper than Python's own limit (its native
-# parser crashes on a few thousand), and a statement of thousands of operators (its parser
-# slows down with their square: 20,000 terms take minutes). Python's tokenizer measures both
-# in milliseconds, for any file; nesting below these that still overflows Python's stack
-# (a sum of 500 terms) raises RecursionError, which planning reports the same way.
+# What LibCST cannot take: brackets nested deeper than Python's own limit (its native parser
+# crashes on a few thousand), and a statement of thousands of operators (its parser slows down
+# with their square). Python's tokenizer measures both in milliseconds; nesting below these
+# that still overflows the stack raises RecursionError, which planning reports the same way.
 MAX_BRACKETS = 200
 MAX_OPERATORS = 2000  # per statement: every token but literals, brackets, commas and colons
+TOO_DEEP = f"brackets nest more than {MAX_BRACKETS} deep"
+TOO_LONG = f"a statement of more than {MAX_OPERATORS} operators"
 SPLIT_IT = "split it (mm3-codemod reads the file with LibCST, which recurses once per level of nesting)"
 _NOT_OPERATORS = {tokenize.NUMBER, tokenize.STRING, tokenize.NL, tokenize.COMMENT, tokenize.INDENT}
 _NOT_OPERATORS |= {tokenize.DEDENT, tokenize.ENCODING}
 
 
 def _check_nesting(body: bytes) -> None:
-    """Refuse, before LibCST sees it, a file nested deeper or chained longer than it can take.
-    What the tokenizer cannot read is left to LibCST, which says what is wrong with it."""
+    """Refuse a file nested deeper or chained longer than LibCST can take, before it sees it;
+    what the tokenizer cannot read is left to LibCST, which says what is wrong with it."""
     depth = operators = 0
     try:
         for token in tokenize.tokenize(io.BytesIO(body).readline):
@@ -231,18 +200,13 @@ def _check_nesting(body: bytes) -> None:
                 operators = 0
             elif token.type == tokenize.OP and token.string in ("(", "[", "{"):
                 depth += 1
-                if depth > MAX_BRACKETS:
-                    raise FileError(
-                        f"line {token.start[0]}: brackets nest more than {MAX_BRACKETS} deep; {SPLIT_IT}"
-                    )
             elif token.type == tokenize.OP and token.string in (")", "]", "}"):
                 depth -= 1
             elif token.type not in _NOT_OPERATORS and token.string not in (",", ":"):
                 operators += 1
-                if operators > MAX_OPERATORS:
-                    raise FileError(
-                        f"line {token.start[0]}: a statement of more than {MAX_OPERATORS} operators; {SPLIT_IT}"
-                    )
+            if depth > MAX_BRACKETS or operators > MAX_OPERATORS:
+                what = TOO_DEEP if depth > MAX_BRACKETS else TOO_LONG
+                raise FileError(f"line {token.start[0]}: {what}; {SPLIT_IT}")
     except (tokenize.TokenError, SyntaxError):
         return
 
@@ -255,7 +219,7 @@ def _parse(raw: bytes, ours: bool = False) -> cst.Module:
     if not ours:
         _check_nesting(body)
     try:
-        module = cst.parse_module(body)
+        return cst.parse_module(body)
     except cst.ParserSyntaxError as exc:
         try:  # Python's own word on where and what, as `python file.py` would say it
             compile(body, "<file>", "exec", dont_inherit=True)
@@ -268,14 +232,11 @@ def _parse(raw: bytes, ours: bool = False) -> cst.Module:
         ) from exc
     except (UnicodeDecodeError, LookupError, SyntaxError) as exc:
         raise FileError(f"cannot decode source: {exc}") from exc
-    return module
 
 
 def _lost_tail(module: cst.Module, raw: bytes) -> bytes:
-    """What LibCST's round trip drops at the end of ``raw`` (the last ``\\r`` of a file whose
-    lines end in a lone ``\\r``), to put back after the rewrite. Anything else it would not
-    give back byte for byte is refused: everything but the rewrite must stay as it was.
-    (Only such a file is generated again to see: ``\\n`` and ``\\r\\n`` files come back whole.)"""
+    """What LibCST's round trip drops at the end of ``raw`` (the last ``\\r`` of a file whose lines
+    end in a lone ``\\r``), to put back. Any other loss is refused (``\\n`` files lose nothing)."""
     body = raw.removeprefix(BOM)
     if b"\r" not in body.replace(b"\r\n", b""):
         return b""
@@ -288,35 +249,24 @@ def _lost_tail(module: cst.Module, raw: bytes) -> bytes:
 def plan_file(path: Path, name: str | None = None) -> FileResult:
     """Analyze one file and, where a rewrite is needed, prepare the validated new bytes;
     ``name`` is the path the diff names (``Target.diff_name``; default: the file's name)."""
-    return _plan(path, analyze, rewrite, lambda new, a: validate(new, path, a.patched_after), True, name)
+    return _plan(path, name)
 
 
 def classify_file(path: Path) -> FileResult:
     """Each site's state only: nothing is rewritten or validated (``verify``)."""
-    return _plan(path, analyze, None, None, quick=True)
+    return _plan(path, transform=False)
 
 
 def plan_revert_file(path: Path, name: str | None = None) -> FileResult:
     """Like ``plan_file``, for taking the bypass out again (``revert``)."""
-    return _plan(path, analyze_revert, revert_module, lambda new, _: validate_revert(new, path), False, name)
+    return _plan(path, name, revert=True)
 
 
-def _plan(path: Path, analyze_module, transform, check, quick: bool, name: str | None = None) -> FileResult:
-    """Read, pre-filter, parse, analyze; then transform and ``check`` the new bytes."""
+def _plan(path: Path, name: str | None = None, revert: bool = False, transform: bool = True) -> FileResult:
+    """Read, pre-filter, parse, analyze; then rewrite (or revert) and validate the new bytes."""
+    result = FileResult(path, FileStatus.ERROR)
     try:
-        raw = read_bytes(path)
-    except FileError as exc:
-        return FileResult(path, FileStatus.ERROR, error=str(exc))
-    if FUSED_OP.encode() not in raw:  # no mention of the op: no parse at all
-        return FileResult(path, FileStatus.NO_SITES, original=raw)
-    sites = prefilter(raw) if quick else None  # native files: LibCST is never imported
-    if sites is not None:
-        return FileResult(
-            path, FileStatus.UNCHANGED if sites else FileStatus.NO_SITES, sites=sites, original=raw
-        )
-    result = FileResult(path, FileStatus.ERROR, original=raw)
-    try:
-        _plan_with_libcst(result, analyze_module, transform, check, name)
+        _fill_plan(result, name, revert, transform)
     except FileError as exc:
         result.status, result.error = FileStatus.ERROR, str(exc)
     except RecursionError:  # deeper than LibCST can go, below the limits: never a traceback
@@ -325,15 +275,23 @@ def _plan(path: Path, analyze_module, transform, check, quick: bool, name: str |
     return result
 
 
-def _plan_with_libcst(result: FileResult, analyze_module, transform, check, name: str | None) -> None:
+def _fill_plan(result: FileResult, name: str | None, revert: bool, transform: bool) -> None:
     """Fill in ``result``; ``FileError`` says why the file cannot be rewritten."""
-    raw = result.original
+    raw = result.original = read_bytes(result.path)
+    if FUSED_OP.encode() not in raw:  # no mention of the op: no parse at all
+        result.status = FileStatus.NO_SITES
+        return
+    sites = None if revert else prefilter(raw)  # native files: LibCST is never imported
+    if sites is not None:
+        result.status, result.sites = FileStatus.UNCHANGED if sites else FileStatus.NO_SITES, sites
+        return
+    from codemods.analysis import analyze, analyze_revert, revert as revert_module
+
     module = _parse(raw)
-    analysis = analyze_module(module, raw)
+    analysis = analyze_revert(module) if revert else analyze(module, raw)
     result.sites = analysis.sites
-    if analysis.refused:
+    if analysis.refused:  # planning writes nothing; a command that writes says so in its note
         first = analysis.refused[0]
-        # Planning writes nothing; a command that writes says so in its note.
         result.status = FileStatus.REFUSED
         result.error = f"refused at line {first.line} ({first.state.value})"
         return
@@ -341,7 +299,7 @@ def _plan_with_libcst(result: FileResult, analyze_module, transform, check, name
         result.status = FileStatus.UNCHANGED if analysis.sites else FileStatus.NO_SITES
         return
     result.status = FileStatus.NEEDS_REWRITE
-    if transform is None:  # classify only
+    if not transform:  # classify only
         return
     try:
         _compile(raw, result.path)
@@ -353,8 +311,12 @@ def _plan_with_libcst(result: FileResult, analyze_module, transform, check, name
         ) from exc
     tail = _lost_tail(module, raw)
     try:
-        new = (BOM if raw.startswith(BOM) else b"") + transform(analysis).bytes + tail
-        result.new_sites = check(new, analysis) or []
+        changed = revert_module(analysis) if revert else rewrite(analysis)
+        new = (BOM if raw.startswith(BOM) else b"") + changed.bytes + tail
+        if revert:
+            _validate_revert(new, result.path)
+        else:
+            result.new_sites = validate(new, result.path, analysis.patched_after)
     except FileError as exc:
         raise FileError(f"rewrite failed validation: {exc}") from exc
     result.new, result.encoding = new, module.encoding
@@ -364,8 +326,7 @@ def _plan_with_libcst(result: FileResult, analyze_module, transform, check, name
 def _compile(source: bytes, path: Path) -> None:
     """Compile ``source`` with this Python; raises ``SyntaxError``."""
     with warnings.catch_warnings():
-        # The file's own warnings (`x is 1`, "\d") are not ours to print.
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # the file's own warnings (`x is 1`, "\d") are not ours to print
         compile(source.removeprefix(BOM), str(path), "exec", dont_inherit=True)
 
 
@@ -380,23 +341,24 @@ def _parse_and_compile(new: bytes, path: Path) -> cst.Module:
 
 def validate(new: bytes, path: Path, expected_patched: int) -> list[InsertSite]:
     """The new source parses, compiles, and a second pass has nothing to do; its sites."""
-    module = _parse_and_compile(new, path)
-    again = analyze(module, new)
-    for s in again.sites:
+    from codemods.analysis import analyze
+
+    sites = analyze(_parse_and_compile(new, path), new).sites
+    for s in sites:
         if s.action is not Action.NONE:
             raise FileError(f"second pass still finds line {s.line} {s.state.value}: {s.reason}")
-    patched = sum(1 for s in again.sites if s.state is SiteState.PATCHED)
+    patched = sum(1 for s in sites if s.state is SiteState.PATCHED)
     if patched < expected_patched:
         raise FileError(f"second pass finds {patched} patched site(s), expected {expected_patched}")
-    return again.sites
+    return sites
 
 
-def validate_revert(new: bytes, path: Path) -> None:
-    """The reverted source parses, compiles, and carries no bypass any more:
-    a second revert finds nothing, and no site is left patched or half-applied."""
+def _validate_revert(new: bytes, path: Path) -> None:
+    """The reverted source parses, compiles, and neither pass finds a bypass (or half of one) left."""
+    from codemods.analysis import analyze, analyze_revert
+
     module = _parse_and_compile(new, path)
-    again = analyze_revert(module)
-    for s in again.sites:
+    for s in analyze_revert(module).sites:
         if s.action is not Action.NONE:
             raise FileError(f"second pass still finds line {s.line} {s.action.value}: {s.reason}")
     stale = [s for s in analyze(module).sites if s.state in (SiteState.PATCHED, SiteState.HALF_APPLIED)]
@@ -405,23 +367,16 @@ def validate_revert(new: bytes, path: Path) -> None:
 
 
 def _lines(raw: bytes, encoding: str) -> list[str]:
-    """The file's lines as ``patch`` and ``git apply`` read them: ended by ``\n`` only, each
-    with its ending (``\r\n`` stays; ``str.splitlines`` would also split at ``\r``, ``\x0c``,
-    ``\x1c``, ``\u2028``... and make a diff no tool applies)."""
-    body = raw.removeprefix(BOM)
-    lines = body.decode(encoding).split("\n")
+    """The file's lines as ``patch`` and ``git apply`` read them: ended by ``\n`` only, with their
+    endings (``str.splitlines`` would also split at ``\r``, ``\x0c``, ``\u2028``...)."""
+    lines = raw.removeprefix(BOM).decode(encoding).split("\n")
     return [line + "\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
 
 
 def unified_diff(name: str, old: bytes, new: bytes, encoding: str) -> str:
     """A git-style diff of ``name`` (a relative POSIX path): ``a/``/``b/`` prefixes, so that
     ``git apply`` and ``patch -p1`` take it from the folder that ``name`` is relative to."""
-    lines = difflib.unified_diff(
-        _lines(old, encoding),
-        _lines(new, encoding),
-        fromfile=f"a/{name}",
-        tofile=f"b/{name}",
-    )
+    lines = difflib.unified_diff(_lines(old, encoding), _lines(new, encoding), f"a/{name}", f"b/{name}")
     return "".join(
         line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
     )
@@ -439,8 +394,7 @@ def _temp_prefix(real: Path) -> str:
 
 @dataclass
 class StagedWrite:
-    """A rewrite ready to be moved into place: the new bytes are on disk beside
-    the target, fsynced, with its mode (and a backup made, if asked for)."""
+    """A rewrite ready to be moved into place: the new bytes fsynced beside the target (a backup)."""
 
     result: FileResult
     real: Path
@@ -533,8 +487,7 @@ def _write_backup(real: Path, data: bytes, mode: int, owner: tuple[int, int]) ->
 
 
 def _write_temp(path: Path, data: bytes, mode: int, owner: tuple[int, int]) -> Path:
-    """``data`` in a new fsynced file beside ``path`` with ``mode`` and, as far as this user
-    may give it, ``owner`` (uid, gid); removed again on failure."""
+    """``data`` in a new fsynced file beside ``path`` with ``mode`` and ``owner``; removed on failure."""
     try:
         fd, name = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=TEMP_SUFFIX)
     except OSError as exc:
@@ -555,24 +508,20 @@ def _write_temp(path: Path, data: bytes, mode: int, owner: tuple[int, int]) -> P
         _chown(temp, *owner)
         os.chmod(temp, mode)  # after chown, which may clear set-id bits
         testhook.at("temp-synced")
-    except OSError as exc:
+    except BaseException as exc:
         _unlink(temp)
-        raise FileError(f"cannot write: {exc.strerror or exc}; nothing written") from exc
-    except BaseException:
-        _unlink(temp)
+        if isinstance(exc, OSError):
+            raise FileError(f"cannot write: {exc.strerror or exc}; nothing written") from exc
         raise
     return temp
 
 
 def _chown(path: Path, uid: int, gid: int) -> None:
-    """Give ``path`` this owner and group, or as much of it as this user may (root: both;
-    anyone: a group they are in); what is not permitted stays theirs, as with ``cp``."""
+    """Give ``path`` this owner and group, or as much of it as this user may (as ``cp`` does)."""
     for want in ((uid, gid), (-1, gid)):
-        try:
+        with contextlib.suppress(PermissionError):
             os.chown(path, *want)
             return
-        except PermissionError:
-            continue
 
 
 def _unlink(path: Path) -> None:
@@ -582,12 +531,9 @@ def _unlink(path: Path) -> None:
 
 def _fsync_dir(folder: Path) -> None:
     """Make the rename durable; not every system can fsync a folder."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
+        try:
             os.fsync(fd)
-    finally:
-        os.close(fd)
+        finally:
+            os.close(fd)

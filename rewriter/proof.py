@@ -1,32 +1,17 @@
-"""``run`` proves before it writes: the semantic level of ``verify`` on the new source.
-
-Where torch is importable, each file ``run`` is about to write is judged as ``verify``
-would judge it once written (``rewriter.verify.layers.semantic_level``: the layer's own methods,
-compiled out of the new source, on the stand-in with reference ops, bf16 cache against fp8
-cache; both paths of a file that asks ``is_compiling()``). A failed proof writes nothing. A
-file the stand-in cannot run, or a machine without torch, is written and said to be unproven,
-with the command that proves it. torch is imported here only, and only for a file to write:
-``check``, ``preview`` and a ``run`` with nothing to do never import it.
-"""
+"""``run`` proves before it writes: ``verify``'s semantic level (``rewriter.verify.layers``) on the
+new source of each file to write, bf16 cache against fp8 cache on the stand-in. A failed proof
+writes nothing; a file the stand-in cannot run, or a machine without torch, is written and said to
+be unproven, with the command that proves it. torch is imported here only, for a file to write."""
 
 from __future__ import annotations
 
 import importlib.util
 import shlex
 
-from rewriter.apply import (
-    FAILED,
-    LEVEL,
-    OFF,
-    PASSED,
-    SKIPPED,
-    UNAVAILABLE,
-    FileError,
-    FileResult,
-    Proof,
-    source_text,
-)
+from rewriter.apply import FAILED, LEVEL, OFF, PASSED, SKIPPED, UNAVAILABLE, FileResult, Proof, source_text
 from rewriter.targets import shown_path
+
+NO_PROVE = Proof(OFF, "--no-prove: not run before writing")
 
 
 def install() -> str:
@@ -36,19 +21,9 @@ def install() -> str:
     return install_torch()
 
 
-def engine_step() -> str:
-    """What runs a file the stand-in cannot (``rewriter.verify.levels.ENGINE_STEP``)."""
-    from rewriter.verify.levels import ENGINE_STEP
-
-    return ENGINE_STEP
-
-
 def prove(result: FileResult) -> Proof:
-    """The semantic level on ``result.new``, as the text of ``result.path`` (not yet written),
-    in every row ``verify`` runs it in (TP=1, then its default tensor-parallel sizes: ~0.1 s
-    warm for all of them). Where torch is missing or cannot be imported, or the level itself
-    breaks (not the file's code: the level catches that), the file is unproven, never a
-    traceback."""
+    """The semantic level on ``result.new`` as ``result.path`` in each row ``verify`` runs (TP=1, then
+    its TP sizes). Without a working torch, or where the level breaks, unproven: never a traceback."""
     if importlib.util.find_spec("torch") is None:
         return Proof(UNAVAILABLE, "torch is not installed")
     from rewriter.verify import tp
@@ -59,12 +34,8 @@ def prove(result: FileResult) -> Proof:
         import_torch()
     except Exception as exc:  # a broken install: as good as none
         return Proof(UNAVAILABLE, f"torch cannot be imported here: {type(exc).__name__}: {exc}")
-
     assert result.new is not None
-    try:
-        source = source_text(result.new)
-    except FileError as exc:  # planning decoded these very bytes: not expected
-        return Proof(FAILED, str(exc))
+    source = source_text(result.new)  # these bytes compiled in planning: they decode
     classes = insert_classes(result.new_sites)
     if not classes:  # not expected: a rewrite is of a layer class's insert call
         return Proof(SKIPPED, "no layer class with an insert site in the new source")
@@ -76,12 +47,10 @@ def prove(result: FileResult) -> Proof:
     for status, word in ((Status.FAILED, FAILED), (Status.SKIPPED, SKIPPED)):
         first = next((row for row in rows if row.status is status), None)
         if first is not None:  # TP=1's reason, else the first TP row's (it names TP and rank)
-            return Proof(word, first.reason if first is rows[0] else f"{first.level}: {first.reason}", details)
+            reason = first.reason if first is rows[0] else f"{first.level}: {first.reason}"
+            return Proof(word, reason, details)
     also = " and ".join(row.level.removeprefix(LEVEL).strip() for row in rows[1:])
     return Proof(PASSED, rows[0].reason + (f"; {also} too" if also else ""), details)
-
-
-NO_PROVE = Proof(OFF, "--no-prove: not run before writing")
 
 
 def failure(proof: Proof) -> str:
@@ -90,9 +59,8 @@ def failure(proof: Proof) -> str:
 
 
 def proof_line(result: FileResult, example: bool, verify: str | None = None) -> str | None:
-    """What the human report says of a written file's proof: proven, or unproven and how to
-    prove it (``verify``: that command, with the options that named the file; for
-    ``--example``, whose copy is gone, running it again)."""
+    """What the human report says of a written file's proof: proven, or unproven and how to prove
+    it (``verify``: the command that names the file; ``--example``, whose copy is gone: run again)."""
     proof = result.proof
     if proof is None or proof.status == FAILED:
         return None
@@ -106,6 +74,8 @@ def proof_line(result: FileResult, example: bool, verify: str | None = None) -> 
     elif proof.status == OFF:
         why, how = proof.reason, ("run it again without --no-prove" if example else verify)
     else:
+        from rewriter.verify.levels import ENGINE_STEP  # what runs a file the stand-in cannot
+
         why = f"the {LEVEL} level cannot run it here: {proof.reason}"
-        how = None if example else f"{verify} {engine_step()}"  # the kernel level has the same stand-in
+        how = None if example else f"{verify} {ENGINE_STEP}"  # the kernel level has the same stand-in
     return f"unproven: {name}: {why}" + (f"; to prove it: {how}" if how else "")

@@ -22,16 +22,11 @@ from rewriter import __version__
 from rewriter.apply import FileResult, FileStatus
 from rewriter.commands import Report
 from rewriter.console import say, write_stdout
+from rewriter.proof import proof_line
 from rewriter.targets import Target, shown_path
 
-STATE_STYLE = {
-    SiteState.NEEDS_BYPASS: "yellow",
-    SiteState.HALF_APPLIED: "yellow",
-    SiteState.PATCHED: "green",
-    SiteState.NATIVE: "green",
-    SiteState.NOT_A_SITE: "dim",
-    SiteState.UNSUPPORTED: "red",
-}
+STATE_STYLE = {SiteState.NEEDS_BYPASS: "yellow", SiteState.HALF_APPLIED: "yellow", SiteState.PATCHED: "green"}
+STATE_STYLE |= {SiteState.NATIVE: "green", SiteState.NOT_A_SITE: "dim", SiteState.UNSUPPORTED: "red"}
 
 
 def envelope(
@@ -43,34 +38,17 @@ def envelope(
     summary: dict[str, int],
 ) -> dict[str, object]:
     """The one JSON shape every command prints with ``--json`` (``verify`` adds ``kernel``)."""
-    return {
-        "tool": "mm3-codemod",
-        "version": __version__,
-        "command": command,
-        "exit_code": int(exit_code),
-        "error": error,
-        "note": note,
-        "files": files,
-        "summary": summary,
-    }
+    outcome = {"command": command, "exit_code": int(exit_code), "error": error, "note": note}
+    return {"tool": "mm3-codemod", "version": __version__, **outcome, "files": files, "summary": summary}
 
 
 def to_json(report: Report) -> dict[str, object]:
-    return envelope(
-        report.command,
-        report.exit_code,
-        report.error,
-        report.note,
-        [f.to_json() | _target_fields(report, t, f) for t, f in zip(report.targets, report.files)],
-        {status.value: report.count(status) for status in FileStatus},
-    )
-
-
-def _target_fields(report: Report, target: Target, result: FileResult) -> dict[str, object]:
-    fields: dict[str, object] = {"origin": target.origin}
-    if report.command == "survey":
-        fields["vllm_version"] = shown_version(target, result)
-    return fields
+    files = []
+    for target, result in zip(report.targets, report.files):
+        survey = {"vllm_version": shown_version(target, result)} if report.command == "survey" else {}
+        files.append(result.to_json() | {"origin": target.origin, **survey})
+    summary = {status.value: report.count(status) for status in FileStatus}
+    return envelope(report.command, report.exit_code, report.error, report.note, files, summary)
 
 
 def shown_version(target: Target, result: FileResult) -> str | None:
@@ -99,8 +77,7 @@ def colour_diff(diff: str) -> str:
 
 
 def shown_sites(result: FileResult, show_all: bool) -> list[InsertSite]:
-    """The sites a report lists: not-a-site calls only with ``--all`` - unless a file has
-    nothing else, where they are what explains why nothing is done."""
+    """The sites a report lists: not-a-site calls only with ``--all`` or where a file has no other."""
     sites = [s for s in result.sites if show_all or s.state is not SiteState.NOT_A_SITE]
     return sites or result.sites
 
@@ -110,8 +87,7 @@ def _where(site: InsertSite) -> str:
 
 
 def print_human(report: Report, err: Console, show_all: bool = False) -> None:
-    """Per-site lines (survey: its table), per-file errors, one summary line, what to do next
-    (all on stderr)."""
+    """Per-site lines (survey: its table), per-file errors, a summary line, what to do next."""
     if report.error:
         say(err, f"error: {report.error}", style="red")
         return
@@ -132,8 +108,6 @@ def print_human(report: Report, err: Console, show_all: bool = False) -> None:
         if result.backup:
             say(err, f"backup: {result.backup}")
         if result.proof is not None and result.status is FileStatus.REWRITTEN:
-            from rewriter.proof import proof_line
-
             verify = mm3_commands("verify", [target])[0]
             line = proof_line(result, example=target.origin == "--example", verify=verify)
             if line:
@@ -147,10 +121,8 @@ def print_human(report: Report, err: Console, show_all: bool = False) -> None:
 
 # --- what to do next -------------------------------------------------------------------
 
-# The hook of .pre-commit-hooks.yaml that runs each command, and whether it is a
-# manual-stage hook. Under pre-commit, mm3-codemod itself may not be on PATH, and the
-# user's config may list other hooks or other ids: advice names a hook only where the
-# config in use has one that runs the command (``configured_hook``).
+# The hook of .pre-commit-hooks.yaml that runs each command, and whether it is manual-stage.
+# Advice names a hook only where the config in use has one that runs the command.
 HOOKS = {
     "run": ("mm3-codemod", False),
     "check": ("mm3-codemod-check", False),
@@ -164,17 +136,14 @@ def under_pre_commit() -> bool:
 
 
 def entry_verb(entry: str) -> str | None:
-    """The mm3-codemod command a hook's ``entry`` runs (``mm3-codemod run …``, ``python -m
-    mm3_codemod check …``), else None."""
+    """The mm3-codemod command a hook's ``entry`` runs (``mm3-codemod run …``), else None."""
     try:
         words = shlex.split(entry)
     except ValueError:
         return None
     for i, word in enumerate(words[:-1]):
-        name = os.path.basename(word)
-        if name in ("mm3-codemod", "mm3-codemod.exe") or (
-            word in ("mm3_codemod", "rewriter") and i and words[i - 1] == "-m"
-        ):
+        module = word in ("mm3_codemod", "rewriter") and i and words[i - 1] == "-m"
+        if os.path.basename(word) in ("mm3-codemod", "mm3-codemod.exe") or module:
             return words[i + 1]
     return None
 
@@ -221,11 +190,9 @@ def direct_command() -> str:
     else by its path (a hook environment pre-commit built is on the hook's PATH only)."""
     hook_env = os.path.normcase(os.path.join(sys.prefix, ""))
     own_env = os.path.basename(os.path.normpath(sys.prefix)).startswith("py_env-")  # pre-commit's
-    user_path = [
-        d
-        for d in os.environ.get("PATH", "").split(os.pathsep)
-        if d and not (own_env and os.path.normcase(os.path.abspath(d)).startswith(hook_env))
-    ]
+    user_path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d]
+    if own_env:  # not the hook environment pre-commit put first on the hook's PATH
+        user_path = [d for d in user_path if not os.path.normcase(os.path.abspath(d)).startswith(hook_env)]
     if shutil.which("mm3-codemod", path=os.pathsep.join(user_path)):
         return "mm3-codemod"
     script = Path(sys.executable).parent / "mm3-codemod"
@@ -235,51 +202,40 @@ def direct_command() -> str:
 
 
 def command_for(verb: str, report: Report, indices: Iterable[int]) -> str:
-    """The exact command line that runs ``mm3-codemod <verb>`` on those files of the report:
-    under pre-commit, the configured hook that runs it, else a command that works from the
-    user's shell."""
+    """The command line that runs ``mm3-codemod <verb>`` on those files of the report: under
+    pre-commit, the configured hook that runs it, else a command that works from the user's shell."""
     targets = [report.targets[i] for i in indices]
-    example = any(t.origin == "--example" for t in targets)
-    names = [shlex.quote(shown_path(t.path)) for t in targets if t.origin != "--example"]
-    if under_pre_commit() and not example:
-        hook = configured_hook(verb)
-        if hook is not None:
-            hook_id, stage = hook
-            return " ".join(
-                ["pre-commit run", shlex.quote(hook_id), *([f"--hook-stage {stage}"] if stage else [])]
-                + ["--files", *names]
-            )
+    commands = mm3_commands(verb, targets)
+    if not under_pre_commit() or any(t.origin == "--example" for t in targets):
+        return "; ".join(commands)
+    hook = configured_hook(verb)
+    if hook is None:
         direct = direct_command()
-        return "; ".join(direct + c.removeprefix("mm3-codemod") for c in mm3_commands(verb, targets))
-    return "; ".join(mm3_commands(verb, targets))
+        return "; ".join(direct + c.removeprefix("mm3-codemod") for c in commands)
+    hook_id, stage = hook
+    stages = [f"--hook-stage {stage}"] if stage else []
+    names = [shlex.quote(shown_path(t.path)) for t in targets]
+    return " ".join(["pre-commit run", shlex.quote(hook_id), *stages, "--files", *names])
 
 
 def mm3_commands(verb: str, targets: Iterable[Target]) -> list[str]:
-    """``mm3-codemod <verb>`` on ``targets`` as the user named them: the files of a ``--python
-    EXE`` or ``--vllm-root DIR`` by that option (the import level of ``verify`` needs the
-    interpreter), other files by path, ``--example`` as such. ``verify`` takes one ``--python``:
-    a command per interpreter."""
-    options: list[tuple[str, str]] = []
-    names: list[str] = []
-    example = False
+    """``mm3-codemod <verb>`` on ``targets`` as the user named them: by ``--python EXE`` or
+    ``--vllm-root DIR`` (verify's import level needs the interpreter), by path, or ``--example``.
+    ``verify`` takes one ``--python``: a command per interpreter."""
+    targets = list(targets)
+    pythons: dict[str, None] = {}  # ordered sets of options
+    roots: dict[str, None] = {}
+    names = []
     for t in targets:
         option, _, value = t.origin.partition(" ")
         if option in ("--python", "--vllm-root") and value:
-            if (option, value) not in options:
-                options.append((option, value))
-        elif t.origin == "--example":
-            example = True
-        else:
+            (pythons if option == "--python" else roots)[f"{option} {shlex.quote(value)}"] = None
+        elif t.origin != "--example":
             names.append(shlex.quote(shown_path(t.path)))
-    pythons = [o for o in options if o[0] == "--python"]
-    rest = [o for o in options if o[0] != "--python"]
-    groups = [[p] for p in pythons] if verb == "verify" and len(pythons) > 1 else [pythons]
-    commands = []
-    for i, group in enumerate(groups):
-        words = [f"{o} {shlex.quote(v)}" for o, v in group + (rest if i == 0 else [])]
-        tail = (["--example"] if example else []) + names if i == 0 else []
-        commands.append(" ".join(["mm3-codemod", verb, *words, *tail]))
-    return commands
+    example = ["--example"] if any(t.origin == "--example" for t in targets) else []
+    groups = [[p] for p in pythons] if verb == "verify" and len(pythons) > 1 else [list(pythons)]
+    first = " ".join(["mm3-codemod", verb, *groups[0], *roots, *example, *names])
+    return [first, *(" ".join(["mm3-codemod", verb, *group]) for group in groups[1:])]
 
 
 # How to launch with the bypass in place: the seed's command line (on SM89 FlashInfer
@@ -296,15 +252,12 @@ def next_steps(report: Report) -> list[str]:
     steps = []
     pending = [i for i, f in enumerate(report.files) if f.status is FileStatus.NEEDS_REWRITE]
     if report.dry and pending and report.command != "survey":
-        strips = all(
-            s.action is Action.STRIP for i in pending for s in report.files[i].sites if s.action in CHANGING
-        )
+        actions = {s.action for i in pending for s in report.files[i].sites if s.action in CHANGING}
         if report.command == "revert":
             steps.append(f"to take the fp8 bypass out: {command_for('revert', report, pending)}")
-        elif strips:
-            steps.append(f"to take the stale bypass out: {command_for('run', report, pending)}")
         else:
-            steps.append(f"to apply the fp8 bypass: {command_for('run', report, pending)}")
+            what = "take the stale bypass out" if actions <= {Action.STRIP} else "apply the fp8 bypass"
+            steps.append(f"to {what}: {command_for('run', report, pending)}")
     written = [i for i, f in enumerate(report.files) if f.status is FileStatus.REWRITTEN]
     if written and under_pre_commit():
         names = " ".join(shlex.quote(shown_path(report.files[i].path)) for i in written)
@@ -370,9 +323,8 @@ class Folded:
 
 
 def brief_reason(site: InsertSite) -> str:
-    """The start of the site's reason, to its first ": " or "; " (``check`` prints it whole),
-    with the missing pieces of a half-applied bypass; a stale bypass on a native call keeps what
-    it breaks now (to the first "; ")."""
+    """The site's reason to its first ": " or "; " (``check`` prints it whole), with what a half-applied
+    bypass misses; a stale bypass on a native call keeps what it breaks now (to the first "; ")."""
     if site.action is Action.STRIP:
         return site.reason.split("; ", 1)[0]
     text = re.split(r": |; ", site.reason, maxsplit=1)[0]
@@ -383,7 +335,6 @@ def brief_reason(site: InsertSite) -> str:
 
 
 # survey's columns, under a line naming each file; "state" also says what run would do.
-# No vertical rules: 80 columns are few.
 _COLUMNS = ("vLLM", "site", "state", "why")
 COLUMN_GAP = 2
 _WHY_MIN = 12  # narrower, the reason becomes a word per line
@@ -391,9 +342,8 @@ _CUT_MIN = 8  # where even whole names do not fit: cut, but keep this much of th
 
 
 def _fit(minimum: list[int], maximum: list[int], available: int) -> list[int]:
-    """Column widths within ``available``: each as wide as its widest cell, then the widest
-    shrunk first, never below its narrowest whole name; where even that is too wide, the
-    reason and then the site give way (cut), never the version or the state."""
+    """Column widths within ``available``: the widest cells shrunk first, never below a whole name;
+    where even that is too wide, the reason and then the site are cut, never the version or state."""
     widths = list(maximum)
     for floor in (minimum, [*minimum[:3], _CUT_MIN], [minimum[0], _CUT_MIN, minimum[2], _CUT_MIN]):
         while sum(widths) > available:
@@ -409,10 +359,10 @@ Row = tuple[str, Folded, Text, str]
 Section = tuple[list[RenderableType], list[tuple[RenderableType, ...]]]
 
 
-def survey_rows(report: Report, show_all: bool = False) -> list[tuple[str, list[Row]]]:
-    """Each file listed, with one row per insert site; a file without one shows why
-    (its not-a-site calls, or its status)."""
-    files = []
+def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
+    """survey's table (``file_sections``): each file listed, with a row per insert site (a file
+    without one, a row saying why), its columns fit to ``width``."""
+    files: list[tuple[str, list[Row]]] = []
     for target, result in zip(report.targets, report.files):
         if result.status is FileStatus.NO_SITES and not result.sites and not show_all:
             continue
@@ -428,41 +378,29 @@ def survey_rows(report: Report, show_all: bool = False) -> list[tuple[str, list[
                     state.append(f"\n-> {site.action.value}")
                 rows.append((version, Folded(f"{_where(site)}:{site.line}", "."), state, brief_reason(site)))
         files.append((shown_path(result.path), rows))
-    return files
-
-
-def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
-    """The column headers, then each file: its path on a line of its own (folded only
-    after a ``/``), and its rows in columns of one width throughout."""
-    files = survey_rows(report, show_all)
-    minimum = [len(name) for name in _COLUMNS]
-    maximum = list(minimum)
-    for _, rows in files:
-        for version, site, state, why in rows:
-            state_width = max(len(line) for line in state.plain.splitlines())
-            narrowest = [len(version), site.shortest, state_width, _WHY_MIN]  # a long word may be cut
-            widest = [len(version), len(site.text), state_width, len(why)]
-            minimum = [max(a, b) for a, b in zip(minimum, narrowest)]
-            maximum = [max(a, b) for a, b in zip(maximum, widest)]
+    all_rows = [row for _, file_rows in files for row in file_rows]
+    states = [max(len(line) for line in state.plain.splitlines()) for _, _, state, _ in all_rows]
+    # Each column's narrowest and widest width (a long word of the reason may be cut).
+    narrowest = [(len(v), site.shortest, w, _WHY_MIN) for (v, site, _, _), w in zip(all_rows, states)]
+    widest = [(len(v), len(site.text), w, len(why)) for (v, site, _, why), w in zip(all_rows, states)]
+    headers = [len(name) for name in _COLUMNS]
+    minimum = [max(column) for column in zip(headers, *narrowest)]
+    maximum = [max(column) for column in zip(headers, *widest)]
     widths = _fit(minimum, maximum, width - COLUMN_GAP * (len(_COLUMNS) - 1))
-    sections: list[Section] = [
-        (
-            [Folded(path, "/", style="bold")],
-            [(Text(version), site, state, Folded(why, " =.")) for version, site, state, why in rows],
-        )
-        for path, rows in files
-    ]
+    sections: list[Section] = []
+    for path, file_rows in files:
+        cells = [(Text(version), site, state, Folded(why, " =.")) for version, site, state, why in file_rows]
+        sections.append(([Folded(path, "/", style="bold")], cells))
     return file_sections("mm3-codemod survey", _COLUMNS, widths, sections)
 
 
 def file_sections(
     title: str, headers: Sequence[str], widths: Sequence[int], sections: list[Section]
 ) -> Group:
-    """``title``, the column headers, then each file: the lines that name it (its path on a line
-    of its own, never in a column that would cut it), and its rows in columns of ``widths``
-    throughout (survey's table and verify's). No vertical rules: 80 columns are few."""
+    """``title``, the column headers, then each file: the lines that name it (never in a column that
+    would cut its path), then its rows in columns of ``widths``. No vertical rules: 80 columns are few."""
 
-    def columns(header: bool) -> Table:
+    def columns(rows: list[tuple[RenderableType, ...]], header: bool = False) -> Table:
         table = Table(
             box=box.SIMPLE_HEAD,  # its rules are blanks but for the line under the header
             show_header=header,
@@ -473,13 +411,11 @@ def file_sections(
         )
         for name, column_width in zip(headers, widths):
             table.add_column(name, width=column_width, overflow="fold")
-        return table
-
-    parts: list[RenderableType] = [Text(title, style="bold"), columns(header=True)]
-    for head, rows in sections:
-        parts += head
-        table = columns(header=False)
         for row in rows:
             table.add_row(*row)
-        parts.append(table)
+        return table
+
+    parts: list[RenderableType] = [Text(title, style="bold"), columns([], header=True)]
+    for head, rows in sections:
+        parts += [*head, columns(rows)]
     return Group(*parts)

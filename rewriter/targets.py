@@ -3,6 +3,8 @@ with ``importlib.util.find_spec``, never imported: importing it is slow and want
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import json
 import os
 import signal
@@ -13,10 +15,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-# The one list of the model folders the tool finds by itself, under ``vllm/``: MiniMax-M3 ships
-# one per platform, each with the same sparse layer and fused insert op. --vllm-root, --python,
-# the installed vLLM, the source tree around the working folder and survey all look in every one
-# of them (in this order); the pre-commit hooks' ``files:`` pattern is ``HOOK_FILES``, made from it.
+# The one list of the model folders under ``vllm/`` (MiniMax-M3 ships one per platform, each with
+# the same sparse layer and insert op): every way of finding files looks in each, in this order.
 MODEL_PACKAGE = ("models", "minimax_m3")
 PLATFORMS = ("nvidia", "amd")
 MODEL_DIRS = tuple((*MODEL_PACKAGE, platform) for platform in PLATFORMS)
@@ -46,22 +46,16 @@ class Target:
     def diff_name(self) -> str:
         """The path a diff names: relative to ``root`` (POSIX), else the file's name."""
         path = Path(os.path.abspath(self.path))
-        if self.root is not None:
-            try:
-                return path.relative_to(os.path.abspath(self.root)).as_posix()
-            except ValueError:
-                pass
+        if self.root is not None and path.is_relative_to(os.path.abspath(self.root)):
+            return path.relative_to(os.path.abspath(self.root)).as_posix()
         return path.name
 
 
 def dist_version_beside(package: Path) -> str | None:
-    """The version in ``vllm-*.dist-info/METADATA`` (or an egg-info's PKG-INFO)
-    next to the ``vllm`` package folder; None if there is none or several disagree."""
-    versions = set()
-    for meta in [
-        *package.parent.glob("vllm-*.dist-info/METADATA"),
-        *package.parent.glob("vllm*.egg-info/PKG-INFO"),
-    ]:
+    """The version in ``vllm-*.dist-info/METADATA`` (or an egg-info's PKG-INFO) next to the ``vllm``
+    package folder; None if there is none or several disagree."""
+    versions, parent = set(), package.parent
+    for meta in [*parent.glob("vllm-*.dist-info/METADATA"), *parent.glob("vllm*.egg-info/PKG-INFO")]:
         headers = _metadata_headers(meta)
         if headers.get("name", "").lower().replace("_", "-") == "vllm" and headers.get("version"):
             versions.add(headers["version"])
@@ -70,26 +64,19 @@ def dist_version_beside(package: Path) -> str | None:
 
 def tree_version(package: Path, thorough: bool) -> str | None:
     """The version of the vLLM whose package folder is ``package``: the metadata beside it; with
-    ``thorough`` (survey shows versions, the other commands need not pay for them), else the
-    tree's version file, else ``git describe --tags`` of the checkout it is the top of."""
+    ``thorough`` (survey's), else its version file, else ``git describe --tags`` of its checkout."""
     version = dist_version_beside(package)
-    if thorough:
-        version = version or version_in_file(package) or git_describe(package.parent)
-    return version
-
-
-# Where a vLLM tree says its version: setuptools-scm writes _version.py (`__version__ = version
-# = '0.9.1.dev3+g…'`); older trees kept a literal `__version__ = "0.6.1"` in version.py.
-VERSION_FILES = ("_version.py", "version.py")
-VERSION_NAMES = ("__version__", "version")
+    if version or not thorough:
+        return version
+    return version_in_file(package) or git_describe(package.parent)
 
 
 def version_in_file(package: Path) -> str | None:
-    """The string a top-level ``__version__`` / ``version`` is set to in the package's version
-    file (read, never imported); None where no such file sets one."""
+    """The string a top-level ``__version__``/``version`` is set to in the package's version file:
+    setuptools-scm's ``_version.py``, else the ``version.py`` of older trees (read, never imported)."""
     import ast
 
-    for name in VERSION_FILES:
+    for name in ("_version.py", "version.py"):
         try:
             module = ast.parse((package / name).read_bytes())
         except (OSError, SyntaxError, ValueError, RecursionError):
@@ -98,20 +85,18 @@ def version_in_file(package: Path) -> str | None:
             if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Constant):
                 names = node.targets if isinstance(node, ast.Assign) else [node.target]
                 value = node.value.value
-                if any(isinstance(n, ast.Name) and n.id in VERSION_NAMES for n in names):
-                    if isinstance(value, str) and value.strip():
-                        return value.strip()
+                named = any(isinstance(n, ast.Name) and n.id in ("__version__", "version") for n in names)
+                if named and isinstance(value, str) and value.strip():
+                    return value.strip()
     return None
 
 
-# How long `git describe` may take before the version is "unknown".
-GIT_TIMEOUT = 10.0
+GIT_TIMEOUT = 10.0  # how long `git describe` may take before the version is "unknown"
 
 
 def git_describe(checkout: Path) -> str | None:
-    """``git describe --tags`` of a git checkout whose top is ``checkout`` (not a site-packages
-    somewhere inside another repository), a leading ``v`` dropped (``v0.9.1-3-gabc`` is
-    ``0.9.1-3-gabc``); None where git is missing, fails, has no tag to tell or takes too long."""
+    """``git describe --tags`` of a checkout whose top is ``checkout`` (not a folder inside another
+    repository), a leading ``v`` dropped; None where git is missing, fails or has no tag to tell."""
     if not (checkout / ".git").exists():  # a folder, or a file in a worktree
         return None
     try:
@@ -133,14 +118,12 @@ def git_describe(checkout: Path) -> str | None:
 
 def _metadata_headers(path: Path) -> dict[str, str]:
     """``Name:`` / ``Version:`` of a core-metadata file (the header block only)."""
-    headers: dict[str, str] = {}
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
-        return headers
-    for line in text.splitlines():
-        if not line.strip():
-            break
+        return {}
+    headers: dict[str, str] = {}
+    for line in itertools.takewhile(str.strip, lines):  # to the first blank line
         key, sep, value = line.partition(":")
         if sep and key.lower() in ("name", "version"):
             headers.setdefault(key.lower(), value.strip())
@@ -161,11 +144,9 @@ def model_dirs(root: Path, origin: str) -> list[Path]:
         found = [base.joinpath(*parts) for parts in MODEL_DIRS if base.joinpath(*parts).is_dir()]
         if found:
             return found
-    if (root / "vllm").is_dir() or (root / "__init__.py").is_file():
-        raise TargetError(f"{root}: {origin}: this vLLM has no MiniMax-M3 model (no {MODEL_DIRS_SHOWN})")
-    raise TargetError(
-        f"{root}: {origin}: not a vLLM checkout, site-packages or package (no {MODEL_DIRS_SHOWN})"
-    )
+    vllm = (root / "vllm").is_dir() or (root / "__init__.py").is_file()
+    what = "this vLLM has no MiniMax-M3 model" if vllm else "not a vLLM checkout, site-packages or package"
+    raise TargetError(f"{root}: {origin}: {what} (no {MODEL_DIRS_SHOWN})")
 
 
 def nvidia_dir(root: Path, origin: str) -> Path:
@@ -178,27 +159,18 @@ def nvidia_dir(root: Path, origin: str) -> Path:
     )
 
 
-def package_of(folder: Path) -> Path:
-    """The ``vllm`` package folder a model folder (one of ``MODEL_DIRS``) is in."""
-    return folder.parents[len(MODEL_PACKAGE)]
-
-
 def model_files(folders: Sequence[Path]) -> list[Path]:
     """Every ``*.py`` under the model folders, folder by folder (``python_files``)."""
     return [path for folder in folders for path in python_files(folder)]
 
 
 def python_files(folder: Path) -> list[Path]:
-    """Every ``*.py`` file under ``folder`` (hidden ones and cache folders skipped), and every folder
-    that cannot be listed: never skipped in silence, a target whose planning says why (as in ruff)."""
+    """Every ``*.py`` file under ``folder`` (hidden ones, cache and symlinked folders skipped), and
+    every folder that cannot be listed: never skipped in silence, a target whose planning says why."""
     found: list[Path] = []
-
-    def unreadable(exc: OSError) -> None:
-        found.append(Path(exc.filename))
-
-    for where, folders, files in os.walk(folder, onerror=unreadable):  # symlinked folders: not entered
+    for where, folders, files in os.walk(folder, onerror=lambda exc: found.append(Path(exc.filename))):
         folders[:] = [name for name in folders if not name.startswith(".") and name != "__pycache__"]
-        found += [Path(where, name) for name in files if name.endswith(".py") and not name.startswith(".")]
+        found.extend(Path(where, f) for f in files if f.endswith(".py") and not f.startswith("."))
     return sorted(found)
 
 
@@ -244,31 +216,22 @@ def _is_answer(report: object) -> bool:
     if "error" in report:
         return isinstance(report["error"], str)
     locations, version = report.get("locations"), report.get("version")
-    return (
-        isinstance(locations, list)
-        and all(isinstance(p, str) and p for p in locations)
-        and (version is None or isinstance(version, str))
-    )
+    paths = isinstance(locations, list) and all(isinstance(p, str) and p for p in locations)
+    return paths and (version is None or isinstance(version, str))
 
 
-# How long another interpreter may take to answer (it imports nothing heavy).
-PYTHON_TIMEOUT = 120.0
+PYTHON_TIMEOUT = 120.0  # how long another interpreter may take to answer (it imports nothing heavy)
 
 
 def run_python(
     argv: list[str], timeout: float, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run another interpreter (``argv[0]``) in a session of its own; its output as text
-    (undecodable bytes replaced). On a timeout (``subprocess.TimeoutExpired``) or Ctrl-C it
-    is killed with everything it started, not only the interpreter: a wrapper script's
-    children would keep running, and keep its pipes open."""
+    """Run another interpreter in a session of its own (Ctrl-C reaches this process only); its output
+    as text. On a timeout or Ctrl-C it is killed with all it started: a wrapper script's children
+    would keep running, and keep its pipes open."""
+    pipe = subprocess.PIPE
     with subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        start_new_session=True,  # its own process group; Ctrl-C reaches only this process
+        argv, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, env=env, start_new_session=True
     ) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -284,8 +247,6 @@ def run_python(
 
 def vllm_of_current_interpreter() -> Path:
     """The vLLM package folder of this interpreter (no import of vllm)."""
-    import importlib.util
-
     who = f"{sys.executable} (current interpreter)"
     try:
         spec = importlib.util.find_spec("vllm")
@@ -296,8 +257,7 @@ def vllm_of_current_interpreter() -> Path:
 
 
 def source_tree_around(folder: Path) -> Path | None:
-    """The vLLM source tree ``folder`` is in: the nearest folder, ``folder`` or above,
-    that holds one of the model folders (``vllm/models/minimax_m3/nvidia/`` or ``amd/``)."""
+    """The vLLM source tree ``folder`` is in: the nearest folder up that holds a model folder."""
     folder = Path(os.path.abspath(folder))
     for candidate in (folder, *folder.parents):
         if any(candidate.joinpath("vllm", *parts).is_dir() for parts in MODEL_DIRS):
@@ -306,9 +266,8 @@ def source_tree_around(folder: Path) -> Path | None:
 
 
 def shown_path(path: Path) -> str:
-    """A path as the user would type it from the working folder: relative when it is
-    in that folder or one of the folders it is in (``..``), else absolute — a
-    ``../sibling`` path would read differently depending on where the checkout lives."""
+    """A path as the user would type it from the working folder: relative when it is in that folder
+    or one it is in (``..``), else absolute (``../sibling`` reads differently from elsewhere)."""
     absolute, cwd = Path(os.path.abspath(path)), Path.cwd()
     if absolute.is_relative_to(cwd) or cwd.is_relative_to(absolute):
         return Path(os.path.relpath(absolute, cwd)).as_posix()
@@ -316,46 +275,38 @@ def shown_path(path: Path) -> str:
 
 
 def default_targets(versions: bool = False) -> list[Target]:
-    """No target named: the vLLM source tree the working folder is in, else this
-    interpreter's vLLM; both, when they are different trees, is a question for the user.
-    ``versions``: tell a source tree's version as ``tree_version``'s thorough look does."""
+    """No target named: the vLLM source tree the working folder is in, else this interpreter's vLLM;
+    both, when they differ, is a question for the user. ``versions``: as in ``tree_version``."""
     tree = source_tree_around(Path.cwd())
     try:
         package: Path | None = vllm_of_current_interpreter()
-        missing: TargetError | None = None
     except VllmNotInstalled as exc:
-        package, missing = None, exc
-    installed = (
-        package
-        if package is not None and any(package.joinpath(*parts).is_dir() for parts in MODEL_DIRS)
-        else None
-    )
-    if tree is not None and installed is not None:
-        if os.path.realpath(installed) != os.path.realpath(tree / "vllm"):
+        if tree is None:
+            raise TargetError(
+                f"{exc}, and {Path.cwd()} is not inside a vLLM source tree (no {MODEL_DIRS_SHOWN}); "
+                "name the files (PATH...), a fork checkout or site-packages (--vllm-root DIR), "
+                "or another environment (--python EXE)"
+            ) from None
+        package = None
+    if tree is not None:
+        installed = package is not None and any(package.joinpath(*parts).is_dir() for parts in MODEL_DIRS)
+        if installed and os.path.realpath(package) != os.path.realpath(tree / "vllm"):
             raise TargetError(
                 f"{shown_path(tree)}: two vLLMs could be meant: this source tree and the one installed "
-                f"for {sys.executable} ({installed}); choose with --vllm-root {shown_path(tree)} (this tree) "
+                f"for {sys.executable} ({package}); choose with --vllm-root {shown_path(tree)} (this tree) "
                 f"or --python {sys.executable} (the installed one)"
             )
-    if tree is not None:
         folders = model_dirs(tree, f"source tree {tree}")
         version = tree_version(tree / "vllm", versions)
         return [Target(f, f"source tree {tree}", version, tree) for f in model_files(folders)]
-    if package is None:
-        raise TargetError(
-            f"{missing}, and {Path.cwd()} is not inside a vLLM source tree"
-            f" (no {MODEL_DIRS_SHOWN}); "
-            "name the files (PATH...), a fork checkout or site-packages (--vllm-root DIR), "
-            "or another environment (--python EXE)"
-        )
+    assert package is not None  # else raised above
     folders = model_dirs(package, f"vLLM of {sys.executable}")
     version = installed_version(package)
     return [Target(f, "current interpreter", version, package.parent) for f in model_files(folders)]
 
 
 def installed_version(package: Path) -> str | None:
-    """This interpreter's vLLM version: the metadata beside the package, else
-    ``importlib.metadata`` (an editable install); vllm itself is not imported."""
+    """This interpreter's vLLM version: the metadata beside the package, else importlib.metadata."""
     import importlib.metadata
 
     try:
@@ -409,25 +360,23 @@ def resolve(
     no_vllm: dict[str, str] | None = None,
     versions: bool = False,
 ) -> list[Target]:
-    """All files to process, each file once (the first name it is given by), in a stable order;
-    with nothing given, ``default_targets``. Given ``no_vllm``, an interpreter without a vLLM
-    is put there (interpreter -> why) rather than being an error. ``versions``: a source tree's
-    version from its version file or git too (``tree_version``)."""
+    """All files to process, each once (by the first name given), in a stable order; with nothing
+    given, ``default_targets``. Given ``no_vllm``, an interpreter without a vLLM is put there
+    (interpreter -> why) rather than being an error. ``versions``: as in ``tree_version``."""
     targets: list[Target] = []
     for path in paths:
         if path.is_dir():
             files = python_files(path)
             if not files:
                 raise TargetError(f"{path}: directory holds no .py files")
-            root = _path_root(path, path)
-            targets += [Target(f, str(path), root=root) for f in files]
+            targets += [Target(f, str(path), root=_path_root(path, path)) for f in files]
         elif path.exists() or path.is_symlink():
             targets.append(Target(path, "path", root=_path_root(path, path.parent)))
         else:
             raise TargetError(f"{path}: no such file or directory")
     for root in vllm_roots:
         folders = model_dirs(root, "--vllm-root")
-        version = tree_version(package_of(folders[0]), versions)
+        version = tree_version(folders[0].parents[len(MODEL_PACKAGE)], versions)  # the vllm package
         targets += [Target(f, f"--vllm-root {root}", version, root) for f in model_files(folders)]
     for python in pythons:
         try:
