@@ -211,14 +211,13 @@ def parse_method(code: str, module: cst.Module, **changes: object) -> cst.Functi
     return new.with_changes(**changes)
 
 
-Statements = list[cst.BaseStatement]
-Replace = Callable[[cst.BaseStatement, cst.BaseStatement], tuple[Statements, list[cst.EmptyLine]]]
+Replace = Callable[..., tuple[list[cst.BaseStatement], list[cst.EmptyLine]]]
 
 
 def splice(original: cst.IndentedBlock, updated: cst.IndentedBlock, replace: Replace) -> cst.IndentedBlock:
     """Each statement of the block -> ``replace(original, updated)``: the statements in its place
     and the comment lines handed on to the next statement kept (after the last: the block's end)."""
-    body: Statements = []
+    body: list[cst.BaseStatement] = []
     carried: list[cst.EmptyLine] = []
     for orig, new in zip(original.body, updated.body, strict=True):
         replacement, handed = replace(orig, new)
