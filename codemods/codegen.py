@@ -4,7 +4,7 @@ and newline, and removing the imports a change left unused."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import libcst as cst
 
@@ -12,13 +12,10 @@ from codemods import anchors as a
 
 
 # What the templates write must pass the fork's own pre-commit (vLLM's `ruff check`, line
-# length 88, and `ruff format`): each is spelled as ruff format spells it, and each line
-# fits in 88 columns at the indent it lands at (a method of a class: 8, the post-call
-# block: 12) with the names a real file fills in; a call that would not fit is written
-# one argument per line with a magic trailing comma, a long message as implicitly
-# concatenated parts (tests/test_lint_output.py). FLAG's and GUARD's comment lines are
-# how revert knows the bypass's own comments (fp8_kv_revert.BYPASS_COMMENTS), in files
-# written by every earlier version too: their text stays as it is.
+# length 88, and `ruff format`): each is spelled as ruff format spells it, each line within 88
+# columns at the indent it lands at (tests/test_lint_output.py). FLAG's and GUARD's comment
+# lines are how revert knows the bypass's own comments (BYPASS_COMMENTS), in files written by
+# every earlier version too: their text stays as it is.
 # The names `run` writes where the file has no piece of that role (a fork's own names are
 # kept): only here - the finders know each piece by what it does (tests/test_codegen_names.py).
 FP8_FLAG = "_fp8_kv"
@@ -107,6 +104,15 @@ INDEX_WRITE = """\
 """
 
 
+def indented(text: str, indent: str) -> str:
+    return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
+
+
+# The new write method: its index write is INDEX_WRITE with these names of its own.
+METHOD_NAMES = {
+    "idx_key": "idx_key", "idx_cache": "idx_cache", "idx_dtype": "idx_dtype", "index_key": "index_key",
+    "index_slots": "index_slot_mapping", "scale": "scale",
+}
 INSERT_KV_METHOD = '''\
 def {name}(
 {I}self,
@@ -135,7 +141,7 @@ def {name}(
 {I}{I}scale,
 {I}{I}scale,
 {I})
-{index_write}'''
+''' + indented(INDEX_WRITE, "{I}")
 
 
 # What `revert` puts back: the fork-era `_insert_kv`, reading the slot mappings from the
@@ -176,10 +182,6 @@ def _insert_kv(
 {I}idx_cache[index_meta.slot_mapping] = index_key.to(idx_cache.dtype)
 '''
 
-def indented(text: str, indent: str) -> str:
-    return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
-
-
 # Said in the new `_insert_kv`'s docstring where it replaced the fork-era one: `revert` reads it
 # to know that a method was there before (and that imports only it used may be gone).
 REPLACED_SAYS = "It replaces the fork-era form"
@@ -197,35 +199,51 @@ def render(template: str, module: cst.Module, depth: int = 1, **names: str) -> s
 
 
 def parse_statements(text: str, module: cst.Module) -> list[cst.BaseStatement]:
-    """Parse generated code with the file's indent and newline; comments included."""
-    # A leading `pass` keeps the first comment lines on the first statement
-    # instead of the module header.
+    """Parse generated code with the file's indent and newline; comments included (a leading
+    `pass` keeps the first comment lines on the first statement, not the module header)."""
     parsed = cst.parse_module("pass" + module.default_newline + text, config=module.config_for_parsing)
     return list(parsed.body[1:])
+
+
+def parse_method(code: str, module: cst.Module, **changes: object) -> cst.FunctionDef:
+    (new,) = parse_statements(code, module)
+    assert isinstance(new, cst.FunctionDef)
+    return new.with_changes(**changes)
+
+
+Replace = Callable[..., tuple[list[cst.BaseStatement], list[cst.EmptyLine]]]
+
+
+def splice(original: cst.IndentedBlock, updated: cst.IndentedBlock, replace: Replace) -> cst.IndentedBlock:
+    """Each statement of the block -> ``replace(original, updated)``: the statements in its place
+    and the comment lines handed on to the next statement kept (after the last: the block's end)."""
+    body: list[cst.BaseStatement] = []
+    carried: list[cst.EmptyLine] = []
+    for orig, new in zip(original.body, updated.body, strict=True):
+        replacement, handed = replace(orig, new)
+        carried += handed
+        if replacement and carried:
+            first = replacement[0]
+            replacement[0] = first.with_changes(leading_lines=[*carried, *first.leading_lines])
+            carried = []
+        body += replacement
+    return updated.with_changes(body=body, footer=[*carried, *updated.footer])
 
 
 # --- imports ------------------------------------------------------------------------------
 
 
 _STATEMENT_CONTAINERS = (
-    cst.Module,
-    cst.IndentedBlock,
-    cst.BaseCompoundStatement,
-    cst.Else,
-    cst.ExceptHandler,
-    cst.ExceptStarHandler,
-    cst.Finally,
-    cst.MatchCase,
+    cst.Module, cst.IndentedBlock, cst.BaseCompoundStatement, cst.Else,
+    cst.ExceptHandler, cst.ExceptStarHandler, cst.Finally, cst.MatchCase,
 )
 
 
 def remove_unused_imports(
     module: cst.Module, candidates: set[str], silent: Sequence[cst.CSTNode] = ()
 ) -> cst.Module:
-    """Remove from-import aliases among ``candidates`` that nothing reads any more.
-
-    ``silent``: statements known to mention none of them (not visited).
-    """
+    """Remove from-import aliases among ``candidates`` that nothing reads any more (``silent``:
+    statements known to mention none of them, not visited)."""
     if not candidates:
         return module
     uses = a.name_uses(module, skip=silent)
@@ -241,10 +259,8 @@ def remove_unused_imports(
         def leave_SimpleStatementLine(
             self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
         ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
-            if len(updated.body) != 1 or not isinstance(updated.body[0], cst.ImportFrom):
-                return updated
-            imp = updated.body[0]
-            if isinstance(imp.names, cst.ImportStar):
+            imp = updated.body[0] if len(updated.body) == 1 else None
+            if not isinstance(imp, cst.ImportFrom) or isinstance(imp.names, cst.ImportStar):
                 return updated
             names = list(imp.names)
             keep = [n for n in names if n.asname is not None or a.code(n.name) not in unused]
@@ -280,13 +296,13 @@ SEED_COMMENTS = (
 )
 
 
-def _comment_text(comment: str) -> str:
+def comment_text(comment: str) -> str:
     return " ".join(comment.lstrip("#").split())
 
 
 def _template_comments(template: str) -> tuple[str, ...]:
     lines = (line.strip() for line in template.splitlines())
-    return tuple(_comment_text(line) for line in lines if line.startswith("#"))
+    return tuple(comment_text(line) for line in lines if line.startswith("#"))
 
 
 BYPASS_COMMENTS = (_template_comments(FLAG), _template_comments(GUARD), *SEED_COMMENTS)
@@ -296,15 +312,11 @@ def strip_bypass_comments(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]
     """Leading lines without any run of comment lines that is a bypass comment block."""
     out = list(lines)
     for block in BYPASS_COMMENTS:
-        n = len(block)
         i = 0
-        while i + n <= len(out):
-            window = out[i : i + n]
-            if all(
-                line.comment is not None and _comment_text(line.comment.value) == text
-                for line, text in zip(window, block, strict=True)
-            ):
-                del out[i : i + n]
+        while i + len(block) <= len(out):
+            window = out[i : i + len(block)]
+            if tuple(comment_text(line.comment.value) if line.comment else None for line in window) == block:
+                del out[i : i + len(block)]
             else:
                 i += 1
     return out

@@ -1,10 +1,9 @@
 """The rewrite's plan and its application: route fp8 KV-cache writes around MiniMax-M3's
 bf16-only fused insert op.
 
-For a call that needs work (``analysis.classify``, from ``sites``' facts and
-``schema``'s verdict), ``plan_bypass`` checks every name the bypass needs
-(``proofs``) and fills the templates (``codegen``) into a ``BypassPlan``, or
-refuses (``Unsupported``); ``Fp8KvBypass`` applies the plan. What it writes::
+For a call that needs work (``analysis.classify``), ``plan_bypass`` checks every name the bypass
+needs (``proofs``) and fills the templates (``codegen``) into a ``BypassPlan``, or refuses
+(``Unsupported``); ``Fp8KvBypass`` applies the plan. What it writes::
 
     # before: a fork-era forward              # after
     ops.fused_…(qkv, …,                        insert_via_fused = not self._fp8_kv
@@ -15,73 +14,52 @@ refuses (``Unsupported``); ``Fp8KvBypass`` applies the plan. What it writes::
                                                    k, v, index_k = <strided views of qkv>
                                                    self._insert_kv(k, v, index_k, slots, index_slots)
 
-plus ``self._fp8_kv = "fp8" in self.kv_cache_dtype`` in ``__init__`` and an
-``_insert_kv`` that writes with ``reshape_and_cache_flash`` (which quantizes and
-skips padded slot -1). An older ``_insert_kv`` whose index write is a raw scatter
-is upgraded in place (``_scatter_edits``).
+plus ``self._fp8_kv = "fp8" in self.kv_cache_dtype`` in ``__init__`` and an ``_insert_kv`` that
+writes with ``reshape_and_cache_flash`` (which quantizes and skips padded slot -1). An older
+``_insert_kv`` whose index write is a raw scatter is upgraded in place (``_scatter_edits``).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import libcst as cst
 
 from codemods import anchors as a
 from codemods import codegen, schema
-from codemods.codegen import (
-    FLAG,
-    GUARD,
-    INDEX_STORE,
-    INDEX_WRITE,
-    INSERT_KV_METHOD,
-    NATIVE_GUARD,
-    POST_INSERT,
-    REPLACED,
-    SCALE,
-    SCALE_LOCAL,
-    SCALE_READ,
-    indented,
-    parse_statements,
-    remove_unused_imports,
-    render,
-)
+from codemods.codegen import parse_statements, render
 from codemods.model import FileModel
 from codemods.proofs import bare_import, cache_args, dtype_anchor, op_namespace, qkv_and_slots, widths
 from codemods.schema import Unsupported
 from codemods.sites import FoundCall, FoundPieces, other_insert_kv_call
 from codemods.sourcemap import SourceMap
 
-# --- the plan -------------------------------------------------------------------
-
 
 @dataclass
 class BypassPlan:
-    """Everything the transformer needs, found in and checked against the file."""
+    """Everything the transformer needs, found in and checked against the file (a code of ""
+    adds nothing)."""
 
     cls: cst.ClassDef
     method: cst.FunctionDef
     op: a.OpCall
     call_slot: a.StatementSlot
     guard: str
-    add_guard: bool
-    guard_code: str
-    wrap_args: list[schema.OpParam]
-    add_post_insert: bool
-    post_insert_code: str
-    flag_slot: a.StatementSlot | None  # insert `self._fp8_kv = ...` (and the scale) after it
+    guard_code: str  # goes before the call
+    wrap_args: list[schema.OpParam]  # `X` -> `X if <guard> else None`
+    # the wrapped arguments whose line would pass vLLM's line length (88): each goes on its own
+    # lines in parentheses, as ruff format writes an argument that does not fit
+    split_args: list[schema.OpParam]
+    post_insert_code: str  # goes after the call
+    flag_slot: a.StatementSlot  # insert `self._fp8_kv = ...` (and the scale) after it
     flag_code: str
     insert_kv: str  # keep | replace | add | upgrade
     insert_kv_code: str
-    old_insert_kv: cst.FunctionDef | None
+    old_insert_kv: cst.FunctionDef | None  # the one insert_kv_code replaces
     reshape_import: tuple[cst.SimpleStatementLine, cst.ImportFrom] | None
-    scopes: tuple[cst.CSTNode, ...] = ()  # the defs/classes the transformer must enter
-    # statement -> the code that replaces it (the upgrade of an older `_insert_kv`)
-    edits: list[tuple[cst.BaseStatement, str]] = field(default_factory=list)
-    # the wrapped arguments whose line would pass vLLM's line length (88): each goes on its own
-    # lines in parentheses, as ruff format writes an argument that does not fit
-    split_args: list[schema.OpParam] = field(default_factory=list)
+    scopes: tuple[cst.CSTNode, ...]  # the defs/classes the transformer must enter
+    edits: list[tuple[cst.BaseStatement, str]]  # statement -> its new code (the upgrade)
 
 
 def _fresh(name: str, taken: set[str]) -> str:
@@ -95,7 +73,7 @@ def _fresh(name: str, taken: set[str]) -> str:
 
 def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundPieces) -> BypassPlan:
     """Find and check every name the bypass needs; raise ``Unsupported`` if one is missing."""
-    cls, method, op, module, functions = found.cls, found.method, found.op, m.module, m.functions
+    cls, method, op, module = found.cls, found.method, found.op, m.module
     assert cls is not None and method is not None
     if method.name.value == "__init__":
         raise Unsupported("the insert call is in __init__, not in a forward path")
@@ -104,10 +82,8 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
         raise Unsupported(f"class {cls.name.value} has no __init__ to hold `self.{p.flag_attr}`")
     if m.imports.get("torch") != "torch":
         raise Unsupported("the module does not `import torch`, which the bypass uses")
-    imports = a.module_imports(module)
-    insert_kv = {"absent": "add", "metadata": "replace", "slots": "keep"}.get(p.insert_kv)
-    if p.insert_kv in schema.OLDER_FORMS:
-        insert_kv = "upgrade"
+    forms = {"absent": "add", "metadata": "replace", "slots": "keep"}
+    insert_kv = "upgrade" if p.insert_kv in schema.OLDER_FORMS else forms.get(p.insert_kv)
     if insert_kv is None:
         raise Unsupported(
             f"`{p.insert_method}` exists in a form that is neither the attn_metadata one nor the slot-mapping one"
@@ -144,88 +120,58 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     init_attrs = a.self_assignments(init)
     w = widths(op, method, slot, init_attrs)
     flag_slot = dtype_anchor(init, init_attrs)
-    dtype_attr = f"self.{schema.DTYPE_ATTR}"
     if flag_slot is None:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
     namespace = op_namespace(op, m.imports)
-    reshape_import = bare_import(module, imports) if namespace is None else None
-    reshape_call = schema.RESHAPE_OP if namespace is None else f"{namespace}.{schema.RESHAPE_OP}"
+    reshape_import = bare_import(module, a.module_imports(module)) if namespace is None else None
+    reshape = schema.RESHAPE_OP if namespace is None else f"{namespace}.{schema.RESHAPE_OP}"
 
     # The upgrade: the raw index scatters of `_insert_kv` and of what it hands its work to.
     upgraded: list[cst.FunctionDef] = []
     if insert_kv == "upgrade":
         assert old_insert_kv is not None
-        upgraded = [old_insert_kv, *a.delegates(old_insert_kv, cls, functions)]
+        upgraded = [old_insert_kv, *a.delegates(old_insert_kv, cls, m.functions)]
     edits: list[tuple[cst.BaseStatement, str]] = []
     for fn in upgraded:
         for scatter in a.raw_scatters(fn):
             edits += _scatter_edits(fn, scatter, module)
         for check, write in a.bf16_index_writes(fn):
             edits += _bf16_index_edits(fn, check, write, module)
-    reads_scale = insert_kv in ("add", "replace") or p.scale_read or any(SCALE_READ in code for _, code in edits)
-    scale_code = render(SCALE, module) if reads_scale and not p.scale_set else ""
+    upgrade_reads_scale = any(codegen.SCALE_READ in code for _, code in edits)
+    reads_scale = insert_kv in ("add", "replace") or p.scale_read or upgrade_reads_scale
+    scale_code = render(codegen.SCALE, module) if reads_scale and not p.scale_set else ""
     if p.flag_set and scale_code:  # the scale goes right after the statement of __init__ that sets the flag
         flag_slot = _flag_statement(m, cls, init, p.flag_attr) or flag_slot
+    dtype_attr = f"self.{schema.DTYPE_ATTR}"
     add_flag = not p.flag_set and not native
-    local = {f"n_{k}": _fresh(k, taken) for k in ("kv", "k0", "ik0", "k", "v", "index_k")}
+    flag_code = render(codegen.FLAG, module, dtype=dtype_attr, flag=p.flag_attr) if add_flag else ""
+    flag_code += scale_code
+    guard_code = render(
+        codegen.NATIVE_GUARD if native else codegen.GUARD,
+        module, guard=guard, flag=p.flag_attr, compiling=m.compile_test(),
+    )
+    post_insert_code = render(
+        codegen.POST_INSERT, module, guard=guard, qkv=qkv, insert_kv=name,
+        kv_width=w.kv, q_width=w.q, index_q_width=w.index_q, idx_head_dim=w.idx_head_dim,
+        main_slots=main_slots, index_slots=index_slots,
+        **{f"n_{k}": _fresh(k, taken) for k in ("kv", "k0", "ik0", "k", "v", "index_k")},
+    )
+    insert_kv_code = render(
+        codegen.INSERT_KV_METHOD.replace("{replaced}", codegen.REPLACED if insert_kv == "replace" else ""),
+        module,
+        len(found.outer) + 1,
+        name=name, kv_cache=caches[schema.KV_CACHE.keyword], index_cache=caches[schema.INDEX_CACHE.keyword],
+        num_kv_heads=w.num_kv_heads, head_dim=w.head_dim, idx_head_dim=w.idx_head_dim,
+        dtype=dtype_attr, reshape=reshape, **codegen.METHOD_NAMES,
+    )
     return BypassPlan(
-        cls=cls,
-        method=method,
-        op=op,
-        call_slot=slot,
-        guard=guard,
-        add_guard=p.guard_assigned is None and p.guard_inline is None,
-        guard_code=render(
-            NATIVE_GUARD if native else GUARD, module, guard=guard, flag=p.flag_attr, compiling=m.compile_test()
-        ),
+        cls=cls, method=method, op=op, call_slot=slot, guard=guard,
+        guard_code=guard_code if p.guard_assigned is None and p.guard_inline is None else "",
         wrap_args=wrap,
         split_args=_split_args(m, op, slot.statement, wrap, guard),
-        add_post_insert=not p.post_insert,
-        post_insert_code=render(
-            POST_INSERT,
-            module,
-            guard=guard,
-            qkv=qkv,
-            kv_width=w.kv,
-            q_width=w.q,
-            index_q_width=w.index_q,
-            idx_head_dim=w.idx_head_dim,
-            main_slots=main_slots,
-            index_slots=index_slots,
-            insert_kv=name,
-            **local,
-        ),
-        flag_slot=flag_slot if (add_flag or scale_code) else None,
-        flag_code=(render(FLAG, module, dtype=dtype_attr, flag=p.flag_attr) if add_flag else "") + scale_code,
-        insert_kv=insert_kv,
-        insert_kv_code=render(
-            INSERT_KV_METHOD,
-            module,
-            len(found.outer) + 1,
-            name=name,
-            # filled in before the method's newlines are made the file's (render): no "\r\r\n"
-            replaced=REPLACED.format(D=module.default_indent * (len(found.outer) + 2)) if insert_kv == "replace" else "",
-            kv_cache=caches[schema.KV_CACHE.keyword],
-            num_kv_heads=w.num_kv_heads,
-            head_dim=w.head_dim,
-            dtype=dtype_attr,
-            reshape=reshape_call,
-            index_write=indented(
-                INDEX_WRITE.format(
-                    I=module.default_indent,
-                    idx_key="idx_key",
-                    idx_cache="idx_cache",
-                    idx_dtype="idx_dtype",
-                    index_key="index_key",
-                    index_cache=caches[schema.INDEX_CACHE.keyword],
-                    idx_head_dim=w.idx_head_dim,
-                    index_slots="index_slot_mapping",
-                    reshape=reshape_call,
-                    scale="scale",
-                ),
-                module.default_indent,
-            ),
-        ),
+        post_insert_code="" if p.post_insert else post_insert_code,
+        flag_slot=flag_slot, flag_code=flag_code,
+        insert_kv=insert_kv, insert_kv_code=insert_kv_code,
         old_insert_kv=old_insert_kv if insert_kv == "replace" else None,
         reshape_import=reshape_import,
         scopes=(*found.outer, cls, method, init, *upgraded),
@@ -238,20 +184,17 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
 
 def _flag_statement(m: FileModel, cls: cst.ClassDef, init: cst.FunctionDef, flag: str) -> a.StatementSlot | None:
     """The last top-level statement of ``__init__`` that sets ``self.<flag>``: one of the flag's
-    defining statements (``FileModel.flag_definition``: an ``if`` that only sets it, a call of
-    its setter method), or one that assigns it, itself or in a block it holds."""
+    defining statements (``FileModel.flag_definition``), or one that assigns it anywhere in it."""
     defining = {id(s) for s in m.flag_definition(cls, init, flag)}
-    block = init.body
-    if not isinstance(block, cst.IndentedBlock):
+    if not isinstance(init.body, cst.IndentedBlock):
         return None
-    found = None
-    for index, stmt in enumerate(block.body):
-        assigns = any(
-            isinstance(n, cst.AssignTarget) and a.self_attr(n.target) == flag for n in a.walk_all(stmt)
-        )
-        if id(stmt) in defining or assigns:
-            found = a.StatementSlot(block, index)
-    return found
+    setting = [
+        index
+        for index, stmt in enumerate(init.body.body)
+        if id(stmt) in defining
+        or any(isinstance(n, cst.AssignTarget) and a.self_attr(n.target) == flag for n in a.walk_all(stmt))
+    ]
+    return a.StatementSlot(init.body, setting[-1]) if setting else None
 
 
 def _scatter_edits(
@@ -267,14 +210,12 @@ def _scatter_edits(
     key = value.func.value if _is_method_call(value, "to") else value  # type: ignore[attr-defined]
     if not (isinstance(key, cst.Name) and key.value in a.param_names(fn)):
         raise Unsupported(f"cannot upgrade `{shown}`: what it writes is not a parameter of {fn.name.value}")
-    view_stmt = None
-    view = target.value
+    view_stmt, view = None, target.value
     if isinstance(target.value, cst.Name):
-        view_slot = _single_assignment(fn, target.value.value, scatter)
-        if view_slot is None:
+        assigned = _single_assignment(fn, target.value.value, scatter)
+        if assigned is None:
             raise Unsupported(f"cannot upgrade `{shown}`: `{target.value.value}` is not assigned once before it")
-        view_stmt = view_slot.statement
-        view = a.simple_assignment(view_stmt)[1]  # type: ignore[index]
+        view_stmt, view = assigned[0].statement, assigned[1]
     if not (_is_method_call(view, "view") and len(view.args) == 2 and a.code(view.args[0].value) == "-1"):  # type: ignore[attr-defined]
         raise Unsupported(f"cannot upgrade `{shown}`: its cache is not `<index cache>.view(-1, <head dim>)`")
     calls = (n for n in a.walk_scope(fn.body) if isinstance(n, cst.Call))
@@ -286,7 +227,7 @@ def _scatter_edits(
         raise Unsupported(f"cannot upgrade `{shown}`: the scale of `{schema.RESHAPE_OP}` is not a plain name")
     taken = a.bound_names(fn)
     write = render(
-        INDEX_WRITE,
+        codegen.INDEX_WRITE,
         module,
         idx_key=_fresh("idx_key", taken),
         idx_cache=target.value.value if isinstance(target.value, cst.Name) else _fresh("idx_cache", taken),
@@ -294,14 +235,12 @@ def _scatter_edits(
         index_key=key.value,
         index_cache=a.code(view.func.value),  # type: ignore[attr-defined]
         idx_head_dim=a.code(view.args[1].value),  # type: ignore[attr-defined]
-        index_slots=slots,
-        reshape=a.code(reshape.func),
-        scale=a.code(scale_arg.value),
+        index_slots=slots, reshape=a.code(reshape.func), scale=a.code(scale_arg.value),
     )
     edits = [(view_stmt, write), (scatter.statement, "")] if view_stmt is not None else [(scatter.statement, write)]
     scale = _ones_scale(fn, scale_arg.value)
     if scale is not None and a.param_names(fn)[:1] == ["self"]:
-        edits.append((scale.statement, render(SCALE_LOCAL, module, scale=a.code(scale_arg.value))))
+        edits.append((scale.statement, render(codegen.SCALE_LOCAL, module, scale=a.code(scale_arg.value))))
     return edits
 
 
@@ -314,7 +253,7 @@ def _bf16_index_edits(
     assert call is not None
     key, cache = a.code(call.args[0].value), a.code(call.args[2].value)
     idx_dtype = _fresh("idx_dtype", a.bound_names(fn))
-    store = render(INDEX_STORE, module, idx_cache=cache, idx_key=key, idx_dtype=idx_dtype)
+    store = render(codegen.INDEX_STORE, module, idx_cache=cache, idx_key=key, idx_dtype=idx_dtype)
     args = list(call.args)
     args[5] = args[5].with_changes(value=cst.Name(idx_dtype))
     new_call = write.statement.with_changes(body=[write.statement.body[0].with_changes(value=call.with_changes(args=args))])  # type: ignore[attr-defined]
@@ -326,20 +265,18 @@ def _is_method_call(node: cst.BaseExpression, name: str) -> bool:
     return isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value == name
 
 
-def _single_assignment(fn: cst.FunctionDef, name: str, before: a.StatementSlot) -> a.StatementSlot | None:
-    """The one statement of ``fn`` that assigns ``name``, if it comes before ``before`` in its block
-    and ``name`` is read nowhere but in ``before``."""
-    assigned = [
-        x
-        for x in a.statement_slots(fn)
-        if (pair := a.simple_assignment(x.statement)) and isinstance(pair[0], cst.Name) and pair[0].value == name
-    ]
-    if len(assigned) != 1 or assigned[0].block is not before.block or assigned[0].index > before.index:
+def _single_assignment(
+    fn: cst.FunctionDef, name: str, before: a.StatementSlot
+) -> tuple[a.StatementSlot, cst.BaseExpression] | None:
+    """The one statement of ``fn`` that assigns ``name`` (and its value), if it comes before
+    ``before`` in its block and ``name`` is read nowhere but in ``before``."""
+    assigned = _assignments(fn, name)
+    if len(assigned) != 1 or assigned[0][0].block is not before.block or assigned[0][0].index > before.index:
         return None
     reads = [
         node
         for x in a.statement_slots(fn)
-        if x.statement is not assigned[0].statement and x.statement is not before.statement
+        if x.statement is not assigned[0][0].statement and x.statement is not before.statement
         for node in a.nodes_in(x.statement)
         if isinstance(node, cst.Name) and node.value == name
     ]
@@ -350,17 +287,18 @@ def _ones_scale(fn: cst.FunctionDef, scale: cst.BaseExpression) -> a.StatementSl
     """``<scale> = torch.ones(...)``: a fill kernel on every call, where the buffer needs none."""
     if not isinstance(scale, cst.Name):
         return None
-    for x in a.statement_slots(fn):
-        pair = a.simple_assignment(x.statement)
-        if (
-            pair
-            and isinstance(pair[0], cst.Name)
-            and pair[0].value == scale.value
-            and isinstance(pair[1], cst.Call)
-            and a.code(pair[1].func).replace(" ", "") == "torch.ones"
-        ):
+    for x, value in _assignments(fn, scale.value):
+        if isinstance(value, cst.Call) and a.code(value.func).replace(" ", "") == "torch.ones":
             return x
     return None
+
+
+def _assignments(fn: cst.FunctionDef, name: str) -> list[tuple[a.StatementSlot, cst.BaseExpression]]:
+    """The ``<name> = <value>`` statements of ``fn``: (where, value)."""
+    pairs = ((x, a.simple_assignment(x.statement)) for x in a.statement_slots(fn))
+    return [
+        (x, pair[1]) for x, pair in pairs if pair and isinstance(pair[0], cst.Name) and pair[0].value == name
+    ]
 
 
 def _guard_name(p: schema.Pieces, taken: set[str]) -> str:
@@ -391,28 +329,37 @@ class Fp8KvBypass(cst.CSTTransformer):
         self.plan = plan
         statements = [plan.call_slot.statement] + ([plan.reshape_import[0]] if plan.reshape_import else [])
         self._enter = {id(n) for n in (*plan.scopes, *statements)}
+        self._edits = {id(stmt): code for stmt, code in plan.edits}
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         # Enter only what holds a change: the other methods, classes and simple
         # statements are kept as they are (visiting them costs, changes nothing).
-        if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.SimpleStatementLine)):
-            if id(node) not in self._enter:
-                return False
+        skippable = isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.SimpleStatementLine))
+        if skippable and id(node) not in self._enter:
+            return False
         return super().on_visit(node)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if original is not self.plan.op.call:
             return updated
         wrap = [self.plan.op.arg(p) for p in self.plan.wrap_args]
+        split = [self.plan.op.arg(p) for p in self.plan.split_args]
         new_args = []
         for orig_arg, arg in zip(original.args, updated.args, strict=True):
             if any(orig_arg is w for w in wrap):
                 value = cst.IfExp(test=cst.Name(self.plan.guard), body=arg.value, orelse=cst.Name("None"))
-                if any(orig_arg is self.plan.op.arg(p) for p in self.plan.split_args):
-                    value = value.with_changes(lpar=[_open(2, self.module)], rpar=[_close(1, self.module)])
+                if any(orig_arg is s for s in split):  # `(` and `)` each end a line, as ruff format writes
+                    lpar = cst.LeftParen(whitespace_after=self._new_line(2))
+                    rpar = cst.RightParen(whitespace_before=self._new_line(1))
+                    value = value.with_changes(lpar=[lpar], rpar=[rpar])
                 arg = arg.with_changes(value=value)
             new_args.append(arg)
         return updated.with_changes(args=new_args)
+
+    def _new_line(self, levels: int) -> cst.ParenthesizedWhitespace:
+        """A new line, ``levels`` indents deeper than the statement."""
+        indent = cst.SimpleWhitespace(self.module.default_indent * levels)
+        return cst.ParenthesizedWhitespace(first_line=cst.TrailingWhitespace(), indent=True, last_line=indent)
 
     def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
         """For a bare-name callee: import ``reshape_and_cache_flash`` beside it."""
@@ -427,55 +374,39 @@ class Fp8KvBypass(cst.CSTTransformer):
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         if original is self.plan.old_insert_kv:
-            (new,) = parse_statements(self.plan.insert_kv_code, self.module)
-            assert isinstance(new, cst.FunctionDef)
-            return new.with_changes(leading_lines=original.leading_lines, decorators=original.decorators)
+            code, lines, decorators = self.plan.insert_kv_code, original.leading_lines, original.decorators
+            return codegen.parse_method(code, self.module, leading_lines=lines, decorators=decorators)
         return updated
 
     def leave_IndentedBlock(
         self, original: cst.IndentedBlock, updated: cst.IndentedBlock
     ) -> cst.IndentedBlock:
         plan = self.plan
-        edits = {id(stmt): code for stmt, code in plan.edits}
-        if any(id(stmt) in edits for stmt in original.body):
-            body, carried = self._edited(original, updated, edits)
-            return updated.with_changes(body=body, footer=[*carried, *updated.footer])
+        if any(id(stmt) in self._edits for stmt in original.body):
+            return codegen.splice(original, updated, self._edited)
         body = list(updated.body)
         if original is plan.call_slot.block:
             i = plan.call_slot.index
-            after = parse_statements(plan.post_insert_code, self.module) if plan.add_post_insert else []
-            before = parse_statements(plan.guard_code, self.module) if plan.add_guard else []
-            body[i : i + 1] = [*before, body[i], *after]
-        if plan.flag_slot is not None and original is plan.flag_slot.block:
+            before = parse_statements(plan.guard_code, self.module)
+            body[i : i + 1] = [*before, body[i], *parse_statements(plan.post_insert_code, self.module)]
+        if original is plan.flag_slot.block:
             i = plan.flag_slot.index
             body[i + 1 : i + 1] = parse_statements(plan.flag_code, self.module)
         if original is plan.cls.body and plan.insert_kv == "add":
-            (new,) = parse_statements(plan.insert_kv_code, self.module)
-            assert isinstance(new, cst.FunctionDef)
-            new = new.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
-            index = next(i for i, s in enumerate(original.body) if s is plan.method)
-            body.insert(index, new)
+            blank = [cst.EmptyLine(indent=False)]
+            new = codegen.parse_method(plan.insert_kv_code, self.module, leading_lines=blank)
+            body.insert(next(i for i, s in enumerate(original.body) if s is plan.method), new)
         return updated.with_changes(body=body)
 
     def _edited(
-        self, original: cst.IndentedBlock, updated: cst.IndentedBlock, edits: dict[int, str]
+        self, original: cst.BaseStatement, updated: cst.BaseStatement
     ) -> tuple[list[cst.BaseStatement], list[cst.EmptyLine]]:
-        """The block with each edited statement replaced by its new code (none: removed);
-        the comments above it stay, but for those of the code it replaces (those above
-        a removed last statement go to the block's end)."""
-        body: list[cst.BaseStatement] = []
-        carried: list[cst.EmptyLine] = []
-        for orig, new in zip(original.body, updated.body, strict=True):
-            replacement = [new]
-            if id(orig) in edits:
-                carried += [line for line in new.leading_lines if not _replaced_comment(line)]
-                replacement = parse_statements(edits[id(orig)], self.module)
-            if replacement and carried:
-                first = replacement[0]
-                replacement[0] = first.with_changes(leading_lines=[*carried, *first.leading_lines])
-                carried = []
-            body += replacement
-        return body, carried
+        """An edited statement -> its new code (none: removed), and the comments above it but
+        those of the code it replaces."""
+        if id(original) not in self._edits:
+            return [updated], []
+        kept = [line for line in updated.leading_lines if not _replaced_comment(line)]
+        return parse_statements(self._edits[id(original)], self.module), kept
 
 
 # Comments of the code the upgrade replaces (the tool's earlier form and the
@@ -484,9 +415,11 @@ REPLACED_COMMENTS = (
     "Index-key cache: one vector per token, scattered by slot.",
     "Index-key cache: single vector per token, scatter by slot.",
 )
-
-
 LINE_LENGTH = 88  # vLLM's ruff line length
+
+
+def _replaced_comment(line: cst.EmptyLine) -> bool:
+    return line.comment is not None and codegen.comment_text(line.comment.value) in REPLACED_COMMENTS
 
 
 def _split_args(
@@ -496,7 +429,9 @@ def _split_args(
     wrapped one on that line) would make longer than vLLM's line length."""
     lines = m.module.code.splitlines()
     ends = {param: _end_line(m, statement, arg) for param in wrap if (arg := op.arg(param)) is not None}
-    grown = {line: len(lines[line - 1]) + sum(len(f" if {guard} else None") for e in ends.values() if e == line) for line in ends.values()}
+    grown = {line: len(lines[line - 1]) for line in ends.values()}
+    for line in ends.values():
+        grown[line] += len(f" if {guard} else None")
     return [param for param, line in ends.items() if grown[line] > LINE_LENGTH]
 
 
@@ -513,27 +448,6 @@ def _end_line(m: FileModel, statement: cst.BaseStatement, arg: cst.Arg) -> int:
     return m.positions[arg.value].end.line
 
 
-def _open(levels: int, module: cst.Module) -> cst.LeftParen:
-    """``(`` then a new line, ``levels`` indents deeper than the statement."""
-    return cst.LeftParen(
-        whitespace_after=cst.ParenthesizedWhitespace(
-            first_line=cst.TrailingWhitespace(), indent=True, last_line=cst.SimpleWhitespace(module.default_indent * levels)
-        )
-    )
-
-
-def _close(levels: int, module: cst.Module) -> cst.RightParen:
-    return cst.RightParen(
-        whitespace_before=cst.ParenthesizedWhitespace(
-            first_line=cst.TrailingWhitespace(), indent=True, last_line=cst.SimpleWhitespace(module.default_indent * levels)
-        )
-    )
-
-
-def _replaced_comment(line: cst.EmptyLine) -> bool:
-    return line.comment is not None and " ".join(line.comment.value.lstrip("#").split()) in REPLACED_COMMENTS
-
-
 def apply_plan(module: cst.Module, plan: BypassPlan, source_map: SourceMap | None = None) -> cst.Module:
     """Rewrite one site; then drop imports that only the replaced method used."""
     new = module.visit(Fp8KvBypass(module, plan))
@@ -542,27 +456,20 @@ def apply_plan(module: cst.Module, plan: BypassPlan, source_map: SourceMap | Non
         dropped = a.names_read(plan.old_insert_kv) - added
         if source_map is not None:
             dropped &= source_map.from_imported()  # only those can lose their import
-        new = remove_unused_imports(new, dropped, _silent_statements(module, source_map, dropped))
+        new = codegen.remove_unused_imports(new, dropped, _silent_statements(module, source_map, dropped))
     return new
 
 
 def _silent_statements(
     module: cst.Module, source_map: SourceMap | None, names: set[str]
 ) -> list[cst.CSTNode]:
-    """Statements of ``module`` whose text holds none of ``names``: nothing to count there.
-
-    The rewrite keeps untouched statements as the same objects, so they can be
-    skipped in the rewritten module too.
-    """
+    """Statements of ``module`` whose text holds none of ``names``: nothing to count there (the
+    rewrite keeps untouched statements as the same objects, so they are skipped in its result too)."""
     if source_map is None:
         return []
     try:
         words = [n.encode(module.encoding) for n in names]
     except (UnicodeEncodeError, LookupError):
         return []
-    silent = []
-    for stmt, _, _ in source_map.spans.values():
-        text = source_map.text(stmt)
-        if text is not None and not any(w in text for w in words):
-            silent.append(stmt)
-    return silent
+    texts = ((stmt, source_map.text(stmt)) for stmt, _, _ in source_map.spans.values())
+    return [stmt for stmt, text in texts if text is not None and not any(w in text for w in words)]

@@ -1,22 +1,17 @@
-"""Revert the fp8 KV-cache bypass: the structural inverse of ``fp8_kv_bypass``.
-
-It finds the bypass with the same finders as the rewrite (``collect_pieces``
-and the anchors) and takes out what the rewrite put in, so that
-``revert(run(x)) == x`` byte for byte on every before-state fixture:
+"""Revert the fp8 KV-cache bypass: the structural inverse of ``fp8_kv_bypass``, found with the
+same finders (``sites.collect_pieces``), so that ``revert(run(x)) == x`` byte for byte on every
+before-state fixture:
 
 1. the cache arguments ``X if insert_via_fused else None`` become ``X`` again;
-2. ``insert_via_fused = not self._fp8_kv``, ``self._fp8_kv = ...`` and the
-   guarded post-call block (slices + ``self._insert_kv(...)``) go, with the
-   comment lines that the rewrite (or the seed write-up's diff) put above them;
-3. ``_insert_kv`` taking the slot mappings is restored to the canonical
-   ``attn_metadata`` form (``fp8_kv_bypass.INSERT_KV_METADATA``, the fork-era method)
-   where the file imports the metadata classes that form asserts on, and is
-   removed where it does not: such a file never had the attn_metadata form, so
-   the rewrite added the method. The metadata class that ``run`` dropped as an
-   unused import is imported again beside its sibling.
+2. the guard, the flag and the guarded post-call block go, with the comment lines that the
+   rewrite (or the seed write-up's diff) put above them;
+3. the slot-mapping ``_insert_kv`` goes back to the fork-era ``attn_metadata`` form
+   (``codegen.INSERT_KV_METADATA``) where the file imports the metadata classes that form
+   asserts on (the one ``run`` dropped as unused comes back beside its sibling), and is
+   removed where it does not: such a file never had that form.
 
-On a native call carrying a stale or half-applied bypass, the result is a clean
-native call. Anything it cannot prove is refused, with the reason.
+On a native call carrying a stale or half-applied bypass, the result is a clean native call.
+Anything it cannot prove is refused, with the reason.
 """
 
 from __future__ import annotations
@@ -37,8 +32,6 @@ INDEX_METADATA = "MiniMaxM3IndexerMetadata"
 FORWARD_CONTEXT = "get_forward_context"
 # Why a slot-mapping `_insert_kv` is removed, not restored, on a fork-era call.
 NO_METADATA = "no attn_metadata class is imported, so no fork-era form to restore"
-
-# --- the plan -------------------------------------------------------------------
 
 
 @dataclass
@@ -100,11 +93,12 @@ def plan_site(
             raise Unsupported("the call is not directly in a method: its bypass cannot be delimited")
         return None
     pieces = pieces or sites.collect_pieces(m, cls, method, op, slot)
-    if not pieces.any_bypass(native=op.arg(schema.KV_CACHE_DTYPE) is not None):
+    native = op.arg(schema.KV_CACHE_DTYPE) is not None
+    if not pieces.any_bypass(native=native):
         return None
     if slot is None:
         raise Unsupported("the call is not a statement of its own in a block")
-    if (pieces.compiled_write or pieces.compiled_branch) and op.arg(schema.KV_CACHE_DTYPE) is not None:
+    if (pieces.compiled_write or pieces.compiled_branch) and native:
         raise Unsupported(
             f"on this native call the bypass is torch.compile's cache write ({schema.COMPILED_DESIGN}): "
             "taking it out would leave the compiled path writing no token. Keep it: in eager the "
@@ -131,23 +125,19 @@ def plan_site(
         remove += [scale_slot.statement for scale_slot, _ in attrs.get(codegen.FP8_SCALE, [])]
         buffer = sites.registered_buffer(init, codegen.FP8_SCALE)
         remove += [buffer] if buffer is not None else []
-    if pieces.guard_assigned is not None:
-        remove += [
-            s
-            for s in slot.before()
-            if (pair := a.simple_assignment(s))
-            and isinstance(pair[0], cst.Name)
-            and pair[0].value == pieces.guard_assigned
-        ]
+    for s in slot.before():  # the guard's assignment
+        pair = a.simple_assignment(s)
+        if pair and isinstance(pair[0], cst.Name) and pair[0].value == pieces.guard_assigned:
+            remove.append(s)
     post = _post_call_block(m, slot, pieces)
-    if post is not None:
-        remove.append(post)
+    remove += [post] if post is not None else []
 
     # `X if G else None` cache arguments (or the inlined `None if self.F else X`), and any
     # other argument the guard decides (a merge's `self.kv_cache.size(2) if G else 0` block size).
     unwrap = [arg for arg in op.call.args if _guarded_by(arg, guards, pieces.guard_inline)]
 
-    _check_nothing_left(cls, method, remove, unwrap, guards, m, pieces.flag_attr)
+    gone: list[cst.CSTNode] = [*remove, *(arg.value.test for arg in unwrap)]  # type: ignore[attr-defined]
+    _check_nothing_left(m, cls, method, gone, guards, pieces.flag_attr)
     dead = _dead_module_code(m, remove)
     removed = {id(s) for s in remove}
     for fn in a.methods(cls):
@@ -155,15 +145,10 @@ def plan_site(
             raise Unsupported("removing the bypass would leave an empty block")
 
     plan = RevertPlan(
-        call_statement=slot.statement,
-        unwrap_args=unwrap,
-        remove=remove,
-        pieces=pieces.present(),
-        dead=dead,
-        write_method=pieces.insert_method,
+        slot.statement, unwrap, remove, pieces=pieces.present(), dead=dead, write_method=pieces.insert_method
     )
     if pieces.insert_kv in SLOTS_FORMS:
-        _plan_insert_kv(m, found, slot, post, plan, pieces.insert_method, op.arg(schema.KV_CACHE_DTYPE) is not None)
+        _plan_insert_kv(m, found, slot, post, plan, pieces.insert_method, native)
     elif pieces.insert_kv == "other" and post is not None:
         raise Unsupported(
             f"`{pieces.insert_method}` is neither the attn_metadata form nor the slot-mapping one: cannot restore it"
@@ -175,12 +160,8 @@ def _guarded_by(arg: cst.Arg, guards: set[str], inline: str | None) -> bool:
     """``X if G else <None or a number>`` with ``G`` one of the bypass's guards, or a cache
     argument under the bypass's inlined condition."""
     value = arg.value
-    if inline is not None and sites.guard_of(arg) == inline:
-        return True
-    return (
-        isinstance(value, cst.IfExp)
-        and isinstance(value.test, cst.Name)
-        and value.test.value in guards
+    return (inline is not None and sites.guard_of(arg) == inline) or (
+        isinstance(value, cst.IfExp) and isinstance(value.test, cst.Name) and value.test.value in guards
         and (a.is_none(value.orelse) or isinstance(value.orelse, (cst.Integer, cst.Float)))
     )
 
@@ -200,9 +181,7 @@ def _post_call_block(m: FileModel, slot: a.StatementSlot, pieces: sites.FoundPie
         assigned: set[str] = set()
         if _block_inserts(m, stmt.body, assigned, name) != 1:
             raise Unsupported(f"the post-call block does not hold exactly one `self.{name}(...)`")
-        later = set()
-        for after in slot.after()[index + 1 :]:
-            later |= a.names_read(after)
+        later = set().union(*(a.names_read(after) for after in slot.after()[index + 1 :]))
         if assigned & later:
             raise Unsupported(
                 f"names set in the post-call block are used after it: {', '.join(sorted(assigned & later))}"
@@ -240,43 +219,26 @@ def _is_compile_branch(m: FileModel, stmt: cst.BaseStatement) -> bool:
     if not isinstance(stmt, cst.If) or not isinstance(stmt.orelse, cst.Else):
         return False
     body = stmt.body.body if isinstance(stmt.body, cst.IndentedBlock) else ()
-    return (
-        m.is_compiling(stmt.test)
-        and bool(body)
-        and all(a.expression_call(x) is not None for x in body)
-    )
+    return m.is_compiling(stmt.test) and bool(body) and all(a.expression_call(x) is not None for x in body)
 
 
 def _check_nothing_left(
-    cls: cst.ClassDef,
-    method: cst.FunctionDef,
-    remove: list[cst.BaseStatement],
-    unwrap: list[cst.Arg],
-    guards: set[str],
-    m: FileModel,
-    flag: str,
+    m: FileModel, cls: cst.ClassDef, method: cst.FunctionDef,
+    gone: list[cst.CSTNode], guards: set[str], flag: str,
 ) -> None:
-    """After the removal no read of the flag (``self.<flag>``) or of a guard may remain."""
-    gone: list[cst.CSTNode] = [*remove, *(arg.value.test for arg in unwrap)]  # type: ignore[attr-defined]
+    """After the removal of ``gone`` no read of the flag (``self.<flag>``) or of a guard may remain."""
     removed_nodes = {id(n) for root in gone for n in a.walk_all(root)}
-    for node in a.walk_all(cls.body):
-        if id(node) not in removed_nodes and a.self_attr(node) == flag:
+    flags = [(n, f"`self.{flag}`") for n in a.walk_all(cls.body) if a.self_attr(n) == flag]
+    guard_reads = [n for n in a.walk_scope(method.body) if isinstance(n, cst.Name) and n.value in guards]
+    for node, what in flags + [(n, f"the guard `{n.value}`") for n in guard_reads]:
+        if id(node) not in removed_nodes:
             line = m.positions[node].start.line if node in m.positions else "?"
-            raise Unsupported(f"`self.{flag}` is also used at line {line}, outside the bypass")
-    for node in a.walk_scope(method.body):
-        if id(node) not in removed_nodes and isinstance(node, cst.Name) and node.value in guards:
-            line = m.positions[node].start.line if node in m.positions else "?"
-            raise Unsupported(f"the guard `{node.value}` is also used at line {line}, outside the bypass")
+            raise Unsupported(f"{what} is also used at line {line}, outside the bypass")
 
 
 def _plan_insert_kv(
-    m: FileModel,
-    found: sites.FoundCall,
-    slot: a.StatementSlot,
-    post: cst.If | None,
-    plan: RevertPlan,
-    name: str,
-    native: bool,
+    m: FileModel, found: sites.FoundCall, slot: a.StatementSlot, post: cst.If | None, plan: RevertPlan,
+    name: str, native: bool,
 ) -> None:
     """Restore the attn_metadata ``_insert_kv``, or remove the one the rewrite added
     (on a native call always: the kernel writes the cache, upstream has no ``_insert_kv``)."""
@@ -288,11 +250,8 @@ def _plan_insert_kv(
     if sites.other_insert_kv_call(cls, allowed, name) is not None:
         raise Unsupported(f"`{name}` is also called outside the bypass: its signature must stay")
     imports = a.module_imports(module)
-    metadata = [
-        i
-        for i in imports
-        if i.bound in (MAIN_METADATA, INDEX_METADATA)
-        and i.alias.asname is None
+    metadata = [  # plain from-imports of the metadata classes
+        i for i in imports if i.bound in (MAIN_METADATA, INDEX_METADATA) and i.alias.asname is None
         and any(isinstance(s, cst.ImportFrom) for s in i.statement.body)
     ]
     replaced = codegen.REPLACED_SAYS in a.code(fn)  # run's docstring: a fork-era method was here
@@ -305,14 +264,9 @@ def _plan_insert_kv(
             "(`git checkout <commit> -- <file>`, the commit before `run`'s)"
         )
     if native or not metadata:
-        # The attn_metadata form asserts on the metadata classes: with neither
-        # imported there is nothing to restore it from (run added the method, or
-        # dropped both imports as unused when it replaced the fork-era one).
-        plan.removed_because = (
-            "a native call writes the cache itself"
-            if native
-            else NO_METADATA
-        )
+        # The attn_metadata form asserts on the metadata classes: with neither imported there is
+        # nothing to restore it from (run added the method, or dropped both imports as unused).
+        plan.removed_because = "a native call writes the cache itself" if native else NO_METADATA
         plan.insert_kv = "remove"
         plan.drop_imports = {schema.RESHAPE_OP}
         plan.also_remove = _exclusive_delegates(m, cls, fn, plan.dead if native else [])
@@ -333,12 +287,11 @@ def _plan_insert_kv(
         raise Unsupported(f"`{schema.RESHAPE_OP}` is not imported: cannot restore the attn_metadata {name}")
     reshape = schema.RESHAPE_OP if namespace is None else f"{namespace}.{schema.RESHAPE_OP}"
 
-    holder = metadata[0].statement.body
+    holder = metadata[0]
     plan.metadata_import = next(
-        s for s in holder if isinstance(s, cst.ImportFrom) and metadata[0].alias in s.names
+        s for s in holder.statement.body if isinstance(s, cst.ImportFrom) and holder.alias in s.names
     )
-    bound = {i.bound for i in imports}
-    plan.add_imports = [n for n in (INDEX_METADATA, MAIN_METADATA) if n not in bound]
+    plan.add_imports = missing
     plan.insert_kv = "restore"
     plan.also_remove = _exclusive_delegates(m, cls, fn)
     plan.insert_kv_code = codegen.render(
@@ -347,13 +300,9 @@ def _plan_insert_kv(
         len(found.outer) + 1,
         main_key=_metadata_key(method, op, schema.SLOT_MAPPING, slot),
         index_key=_metadata_key(method, op, schema.INDEX_SLOT_MAPPING, slot),
-        main_metadata=MAIN_METADATA,
-        index_metadata=INDEX_METADATA,
-        kv_cache=caches[schema.KV_CACHE.keyword],
-        index_cache=caches[schema.INDEX_CACHE.keyword],
-        num_kv_heads=w.num_kv_heads,
-        head_dim=w.head_dim,
-        idx_head_dim=w.idx_head_dim,
+        main_metadata=MAIN_METADATA, index_metadata=INDEX_METADATA,
+        kv_cache=caches[schema.KV_CACHE.keyword], index_cache=caches[schema.INDEX_CACHE.keyword],
+        num_kv_heads=w.num_kv_heads, head_dim=w.head_dim, idx_head_dim=w.idx_head_dim,
         dtype=f"self.{DTYPE_ATTR}",
         reshape=reshape,
     )
@@ -365,13 +314,9 @@ def _metadata_key(method: cst.FunctionDef, op: a.OpCall, param: schema.OpParam, 
     value = arg.value if arg is not None else None
     if isinstance(value, cst.Name):
         value = a.local_value(method, value.value, slot)
-    if (
-        isinstance(value, cst.Subscript)
-        and len(value.slice) == 1
-        and isinstance(value.slice[0].slice, cst.Index)
-        and a.is_pure(value.slice[0].slice.value)
-    ):
-        return a.code(value.slice[0].slice.value)
+    key = value.slice[0].slice if isinstance(value, cst.Subscript) and len(value.slice) == 1 else None
+    if isinstance(key, cst.Index) and a.is_pure(key.value):
+        return a.code(key.value)
     raise Unsupported(
         f"`{param.keyword}` is not `<slot mappings>[<layer key>]`: cannot tell which attn_metadata "
         "entry the restored write method reads"
@@ -409,10 +354,8 @@ def _dead_module_code(m: FileModel, removed: list[cst.CSTNode]) -> list[cst.Base
             if isinstance(stmt, cst.FunctionDef):
                 uses = _uses(m, stmt.name.value, stmt)
             else:
-                call = a.expression_call(stmt)
-                name = next(
-                    (x.value.evaluated_value for x in call.args if isinstance(x.value, cst.SimpleString)), None
-                ) if call is not None else None
+                args = call.args if (call := a.expression_call(stmt)) is not None else ()
+                name = next((x.value.evaluated_value for x in args if isinstance(x.value, cst.SimpleString)), None)
                 if name is None:
                     continue
                 uses = [n for n in _uses(m, name, stmt) if not isinstance(n, cst.SimpleString)]
@@ -440,6 +383,18 @@ class Fp8KvRevert(cst.CSTTransformer):
     def _removed(self, node: cst.CSTNode) -> bool:
         return any(node is r for r in self.remove)
 
+    def _without_bypass(
+        self, original: cst.BaseStatement, updated: cst.BaseStatement
+    ) -> tuple[list[cst.BaseStatement], list[cst.EmptyLine]]:
+        """A removed statement hands its comments on but the bypass's; the call loses the bypass's."""
+        if self._removed(original):
+            kept = codegen.strip_bypass_comments(updated.leading_lines)
+            return [], [line for line in kept if line.comment is not None]
+        if original is self.plan.call_statement:
+            lines = codegen.strip_bypass_comments(updated.leading_lines)
+            return [updated.with_changes(leading_lines=lines)], []
+        return [updated], []
+
     def leave_Arg(self, original: cst.Arg, updated: cst.Arg) -> cst.Arg:
         if any(original is arg for arg in self.plan.unwrap_args):
             assert isinstance(updated.value, cst.IfExp)
@@ -449,9 +404,8 @@ class Fp8KvRevert(cst.CSTTransformer):
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         if self.plan.insert_kv == "restore" and original is self.plan.old_insert_kv:
-            (new,) = codegen.parse_statements(self.plan.insert_kv_code, self.module)
-            assert isinstance(new, cst.FunctionDef)
-            return new.with_changes(leading_lines=original.leading_lines, decorators=original.decorators)
+            code, lines, decorators = self.plan.insert_kv_code, original.leading_lines, original.decorators
+            return codegen.parse_method(code, self.module, leading_lines=lines, decorators=decorators)
         return updated
 
     def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
@@ -472,20 +426,7 @@ class Fp8KvRevert(cst.CSTTransformer):
     ) -> cst.IndentedBlock:
         if not any(self._removed(s) or s is self.plan.call_statement for s in original.body):
             return updated
-        body: list[cst.BaseStatement] = []
-        carried: list[cst.EmptyLine] = []
-        for orig, new in zip(original.body, updated.body, strict=True):
-            if self._removed(orig):
-                kept = codegen.strip_bypass_comments(new.leading_lines)
-                carried += [line for line in kept if line.comment is not None]
-                continue
-            if orig is self.plan.call_statement:
-                new = new.with_changes(leading_lines=codegen.strip_bypass_comments(new.leading_lines))
-            if carried:
-                new = new.with_changes(leading_lines=[*carried, *new.leading_lines])
-                carried = []
-            body.append(new)
-        return updated.with_changes(body=body, footer=[*carried, *updated.footer])
+        return codegen.splice(original, updated, self._without_bypass)
 
 
 def add_import_alias(imp: cst.ImportFrom, name: str) -> cst.ImportFrom:
@@ -503,10 +444,8 @@ def add_import_alias(imp: cst.ImportFrom, name: str) -> cst.ImportFrom:
     index = len(names)
     if keys == sorted(keys):
         index = next((i for i, k in enumerate(keys) if k > key(name)), len(names))
-    middle = next(
-        (n.comma for n in names[:-1] if isinstance(n.comma, cst.Comma)),
-        cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")),
-    )
+    commas = (n.comma for n in names[:-1] if isinstance(n.comma, cst.Comma))
+    middle = next(commas, cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
     if index == len(names):
         new = cst.ImportAlias(name=cst.Name(name), comma=names[-1].comma)
         names[-1] = names[-1].with_changes(comma=middle)
