@@ -103,6 +103,14 @@ def main() -> int:
          {"VLLM_PLUGINS": "mm3_codemod_apply", "MM3_CODEMOD_SERVE_CACHE": served}),
     ]
     jobs.insert(1, ("check fork-era fp8, engine core in-process", era_text, FP8, {"MM3_CODEMOD_PLUGIN": "check", **inproc}))
+    # vLLM 0.24 turns on its breakable CUDA graphs by itself, which disables its torch.compile
+    # pipeline; these two starts opt out of that, so the served module runs compiled too.
+    compiled = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0", **inproc}
+    jobs += [
+        ("apply fork-era fp8, torch.compile", era_text, FP8,
+         {"MM3_CODEMOD_PLUGIN": "apply", "MM3_CODEMOD_SERVE_CACHE": served, **compiled}),
+        ("check native fp8, torch.compile", native_text, FP8, {"MM3_CODEMOD_PLUGIN": "check", **compiled}),
+    ]
     only = os.environ.get("PLUGIN_ONLY")  # a regex: run only the jobs whose label it finds
     jobs = [j for j in jobs if not only or re.search(only, j[0])]
     logs = []
@@ -134,6 +142,7 @@ def main() -> int:
         res["wall_s"] = round(time.time() - t, 1)
         res["mm3_lines"] = [ln[-400:] for ln in lines if "mm3-codemod" in ln][:12]
         res["first_log_line"], res["last_log_line"] = (lines[0][:200], lines[-1][:200]) if lines else ("", "")
+        res["compile_lines"] = [ln[-200:] for ln in lines if re.search(r"torch.compile|Dynamo|[Cc]ompil(ed|ing) .*graph|backends.py", ln)][:6]
         res["weight_lines"] = [ln[-200:] for ln in lines if re.search(r"[Ll]oading weights|[Mm]odel loading took|load_weights", ln)][:6]
         res["installed_sha256_after"] = hashlib.sha256(installed.read_bytes()).hexdigest()
         res["installed_unchanged"] = installed.read_text() == text
@@ -154,6 +163,8 @@ def main() -> int:
         ("check fork-era bf16", "check native fp8", "native fp8 vs bf16 (the noise floor)"),
         ("check native fp8", "apply fork-era fp8", "apply fp8 vs native fp8"),
         ("apply fork-era fp8", "apply fork-era fp8, engine core process", "apply fp8: in-process vs engine-core process"),
+        ("check native fp8, torch.compile", "apply fork-era fp8, torch.compile", "apply fp8 vs native fp8, torch.compile"),
+        ("apply fork-era fp8", "apply fork-era fp8, torch.compile", "apply fp8: breakable graphs vs torch.compile"),
     ):
         if outs(x) is not None and outs(y) is not None:
             c = compare_outputs(x, outs(x), y, outs(y))

@@ -10,7 +10,7 @@
 #   bash bench/vllm024_pack.sh          # then the two device calls: see docs/h200.md,
 #                                       # "Verified against vLLM 0.24.0"
 #
-# One tar, xz-compressed and split, holding:
+# One tar, xz-compressed (XZ_LEVEL, default -9e; -2 packs in minutes on a busy 2-core machine) and split, holding:
 #   site/vllm/…                the wheel's Python package (.py, .json, .jinja) and the
 #                              kernel libraries the import reaches on a CUDA machine:
 #                              _C_stable_libtorch.abi3.so (ops, read at import time)
