@@ -17,9 +17,10 @@ def main() -> None:
     os.environ.update(spec.get("env", {}))
     report, sys.stdout = sys.stdout, sys.stderr  # vLLM logs to stdout: keep it off the report line
 
-    from rewriter.verify import engine_child as ec
     from transformers import AutoConfig
     from vllm.transformers_utils.configs.minimax_m3 import MiniMaxM3TextConfig
+
+    from rewriter.verify import engine_child as ec
 
     AutoConfig.register("minimax_m3_text", MiniMaxM3TextConfig, exist_ok=True)
     why = ec.probe_flashinfer_norm()

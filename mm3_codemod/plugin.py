@@ -79,12 +79,12 @@ def cache_dtype() -> str | None:
     """The KV-cache dtype of the config vLLM is building the model under, or None."""
     try:
         from vllm import config
-    except Exception:  # noqa: BLE001 - no vLLM here: nothing to stop
+    except Exception:  # no vLLM here: nothing to stop
         return None
     current = getattr(config, "get_current_vllm_config_or_none", None)
     try:
         vllm_config = current() if current else config.get_current_vllm_config()
-    except Exception:  # noqa: BLE001 - outside a config context
+    except Exception:  # outside a config context
         return None
     cache = getattr(vllm_config, "cache_config", None)
     return str(cache.cache_dtype) if cache is not None else None
@@ -102,7 +102,7 @@ class ModelHook(importlib.abc.MetaPathFinder):
     def guards(self, name: str) -> bool:
         return name.startswith(self.prefixes)
 
-    def find_spec(self, fullname, path, target=None):  # noqa: ANN001 - the finder protocol
+    def find_spec(self, fullname, path, target=None):  # the import system's finder protocol
         if not self.guards(fullname):
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
@@ -115,7 +115,7 @@ class ModelHook(importlib.abc.MetaPathFinder):
             spec.loader = GuardedLoader(spec.loader, served)
         return spec
 
-    def guard_loaded(self, module) -> None:  # noqa: ANN001
+    def guard_loaded(self, module) -> None:
         served = self.judged(Path(module.__file__))
         if isinstance(served, Path):
             served = Stop(module.__file__, "imported before the plugin was loaded; not served", ())
@@ -127,7 +127,7 @@ class ModelHook(importlib.abc.MetaPathFinder):
         """``judge``, where the tool's own failure never stops vLLM: it says so, in one line."""
         try:
             return self.judge(path)
-        except Exception as exc:  # noqa: BLE001 - a bug of this tool: vLLM goes on as without it
+        except Exception as exc:
             logger.warning("mm3-codemod: %s: not checked (%s: %s); imported as it is", path, type(exc).__name__, exc)
             return None
 
@@ -263,7 +263,7 @@ class Stop:
 
             self.line += f"; fix: {direct_command()} run {shlex.quote(path)} (or serve with {MODE_VAR}=apply)"
 
-    def arm(self, module) -> None:  # noqa: ANN001
+    def arm(self, module) -> None:
         """The layer classes of the sites (every class the module defines where a site is in
         no class) check the KV-cache dtype before their ``__init__`` runs."""
         named = self.classes or [
@@ -275,13 +275,13 @@ class Stop:
             if isinstance(cls, type) and not hasattr(cls.__init__, "_mm3_codemod_stop"):
                 cls.__init__ = self.guarded(cls.__init__)
 
-    def guarded(self, init):  # noqa: ANN001, ANN201
+    def guarded(self, init):
         import functools
 
         line = self.line
 
         @functools.wraps(init)
-        def __init__(self, *args, **kwargs):  # noqa: ANN001, ANN202, N807
+        def __init__(self, *args, **kwargs):
             dtype = cache_dtype()
             if dtype is not None and dtype.startswith(FP8):
                 raise Fp8KvCacheStop(f"mm3-codemod: --kv-cache-dtype {dtype}: {line}")
@@ -297,15 +297,15 @@ class GuardedLoader(importlib.abc.Loader):
     def __init__(self, loader: importlib.abc.Loader, stop: Stop) -> None:
         self.loader, self.stop = loader, stop
 
-    def create_module(self, spec):  # noqa: ANN001, ANN201
+    def create_module(self, spec):
         return self.loader.create_module(spec)
 
-    def exec_module(self, module) -> None:  # noqa: ANN001
+    def exec_module(self, module) -> None:
         self.loader.exec_module(module)
         self.stop.arm(module)
         logger.info("mm3-codemod: %s; a bf16 KV cache runs as it is, an fp8 start stops here", self.stop.line)
 
-    def __getattr__(self, name: str):  # noqa: ANN204 - get_source, get_filename ...: vLLM's loader's
+    def __getattr__(self, name: str):
         return getattr(self.loader, name)
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, tree)
 model = Path(tree, "vllm", "models", "minimax_m3", "nvidia", "model.py")
 facts: dict[str, object] = {}
 
-from vllm.plugins import load_general_plugins  # noqa: E402 - the real loader, from TREE
+from vllm.plugins import load_general_plugins  # the real loader, from TREE
 
 load_general_plugins()
 facts["loaded_at_plugin_time"] = sorted(m for m in ("libcst", "typer", "rich", "rewriter.apply") if m in sys.modules)
@@ -52,7 +52,7 @@ config.get_current_vllm_config_or_none = lambda: types.SimpleNamespace(
 )
 sys.modules["vllm.config"] = config
 
-import vllm.models.minimax_m3.nvidia.model as module  # noqa: E402
+import vllm.models.minimax_m3.nvidia.model as module
 
 facts["file"] = module.__file__
 cls = getattr(module, class_name)
@@ -67,7 +67,7 @@ try:
     cls.__init__(layer, config_ns, cache, types.SimpleNamespace(model_config=None))
     facts["constructed"] = True
     facts["fp8_flag"] = {k: v for k, v in vars(layer).items() if isinstance(v, bool)}
-except Exception as exc:  # noqa: BLE001 - the facts say what it was
+except Exception as exc:
     facts["constructed"] = False
     facts["error"] = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
 print(json.dumps(facts))
