@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_real_wheels import vllm_wheel
+from test_real_wheels import vllm_wheel
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "tests" / "plugin_harness.py"
