@@ -1,7 +1,8 @@
 """vLLM plugin (entry point group ``vllm.general_plugins``): guard the MiniMax-M3 model file
 vLLM imports, in every vLLM process (API server, engine core, each tensor-parallel worker).
 
-Loading the plugin imports nothing but the standard library; it puts one import hook
+Loading the plugin imports the standard library and ``rewriter.targets`` (the model folders)
+only, no LibCST, typer or rich (tests/test_plugin.py checks); it puts one import hook
 (``sys.meta_path``) in front of vLLM's MiniMax-M3 model packages (``vllm/models/minimax_m3/
 nvidia/`` and ``amd/``). When vLLM imports one of their modules, the hook asks the same
 analysis as ``mm3-codemod check`` about the installed file, and by ``MM3_CODEMOD_PLUGIN``:
