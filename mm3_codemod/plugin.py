@@ -140,7 +140,13 @@ class ModelHook(importlib.abc.MetaPathFinder):
             raw = path.read_bytes()
         except OSError:  # vLLM's own import says what is wrong with it
             return None
-        verdict = Verdict.load(path, raw) or Verdict.of(path, raw)
+        result = None
+        verdict = Verdict.load(path, raw)
+        if verdict is None:  # one analysis; apply's also plans the rewrite it may serve
+            from rewriter.apply import classify_file, plan_file
+
+            result = (plan_file if self.how == "apply" else classify_file)(path)
+            verdict = Verdict.of(path, result)
         took = f"{time.perf_counter() - started:.2f} s"
         if verdict.fine:
             if verdict.states:
@@ -150,7 +156,7 @@ class ModelHook(importlib.abc.MetaPathFinder):
             return Stop(str(path), f"{verdict.states}: `run` refuses it: {verdict.refusal}", verdict.classes, fix=False)
         if self.how != "apply":
             return Stop(str(path), verdict.states, verdict.classes)
-        served = verdict.serve(started)
+        served = verdict.serve(started, result)
         if isinstance(served, Path):
             return served
         return Stop(str(path), f"{verdict.states}: {served}", verdict.classes, fix=False)
@@ -183,10 +189,10 @@ class Verdict:
             return None
 
     @classmethod
-    def of(cls, path: Path, raw: bytes) -> Verdict:
-        from rewriter.apply import FileStatus, classify_file
+    def of(cls, path: Path, result) -> Verdict:
+        """The verdict of ``classify_file``'s or ``plan_file``'s result, keyed by the bytes it read."""
+        from rewriter.apply import FileStatus
 
-        result = classify_file(path)
         fine = result.status in (FileStatus.NO_SITES, FileStatus.UNCHANGED)
         work = [s for s in result.sites if s.state.value not in (*FINE, "not-a-site")]
         if fine:
@@ -202,7 +208,7 @@ class Verdict:
             "classes": sorted({s.class_name for s in work}) if all(s.class_name for s in work) else [],
             "refusal": None if fine or not refused else (work[0].reason if work else result.error),
         }
-        verdict = cls(path, cls.key_of(raw), facts)
+        verdict = cls(path, cls.key_of(result.original), facts)
         if not (fine and all(s.state.value == "native" for s in result.sites)):  # the fast path needs no cache
             verdict.save()
         return verdict
@@ -214,9 +220,10 @@ class Verdict:
         except OSError as exc:  # a read-only home: every start analyses again
             logger.debug("mm3-codemod: the cache is not writable: %s", exc)
 
-    def serve(self, started: float) -> Path | str:
+    def serve(self, started: float, result=None) -> Path | str:
         """The proven rewrite, as a file of the cache (proven now unless this file's rewrite was
-        proven before), or why it cannot be served."""
+        proven before), or why it cannot be served; ``result``: this start's ``plan_file`` of the
+        file, where it made one."""
         served = cache_dir() / f"{self.path.stem}-{self.key}.py"
         known = self.facts.get("served")
         try:
@@ -231,7 +238,8 @@ class Verdict:
         from rewriter.apply import FileStatus, plan_file
         from rewriter.proof import prove
 
-        result = plan_file(self.path)
+        if result is None:  # the verdict came from the cache, its rewrite did not
+            result = plan_file(self.path)
         if result.status is not FileStatus.NEEDS_REWRITE or result.new is None:  # changed meanwhile
             return f"the file changed while it was read ({result.status.value})"
         proof = prove(result)
