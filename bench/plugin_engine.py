@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from vllm024_engine import fork_era  # the engine bench's fork-era edit, one copy
 FP8 = "fp8_e4m3"
 
 COSTS = r"""
@@ -55,13 +57,6 @@ for key, mode, path, folder in (
     out[key] = type(verdict).__name__
 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}))
 """
-
-
-def fork_era(text: str) -> str:
-    new, n = re.subn(r"(\n[ \t]+index_q,\n)[ \t]+self\.kv_cache_dtype,\n([ \t]+\)\n)", r"\1\2", text)
-    if n != 1:
-        raise SystemExit(f"the sparse call's kv_cache_dtype argument: {n} matches, expected 1")
-    return new
 
 
 def main() -> int:

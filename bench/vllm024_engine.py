@@ -71,13 +71,12 @@ def mutate(text: str, edit: str) -> str:
     return text.replace(INSERT_CALL, edit)
 
 
-def fork_era(src: Path, dst: Path) -> None:
+def fork_era(text: str) -> str:
     """The sparse call without its kv_cache_dtype argument (the fork's 19-argument call)."""
-    text = src.read_text()
     new, n = re.subn(r"(\n[ \t]+index_q,\n)[ \t]+self\.kv_cache_dtype,\n([ \t]+\)\n)", r"\1\2", text)
     if n != 1:
-        raise SystemExit(f"{src}: the sparse call's kv_cache_dtype argument: {n} matches, expected 1")
-    dst.write_text(new)
+        raise SystemExit(f"the sparse call's kv_cache_dtype argument: {n} matches, expected 1")
+    return new
 
 
 def mm3(*args: str) -> tuple[int, str]:
@@ -150,7 +149,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="v24eng-"))
     orig = Path(a.site, "vllm/models/minimax_m3/nvidia/model.py")
     before, after = work / "fork_era_model.py", work / "rewritten_model.py"
-    fork_era(orig, before)
+    before.write_text(fork_era(orig.read_text()))
     after.write_text(before.read_text())
     steps = {}
     steps["check_before"] = mm3("check", str(before))
