@@ -23,7 +23,7 @@ HARNESS = ROOT / "tests" / "plugin_harness.py"
 FIXTURES = ROOT / "fixtures"
 NEEDS_BYPASS = FIXTURES / "no_insert_kv" / "model.py"  # the layer: SparseAttentionLayer
 PATCHED = FIXTURES / "no_insert_kv" / "expected.py"  # `run`'s rewrite of it
-OUTDATED = ROOT / "tests" / "data" / "plugin_outdated.py"
+OUTDATED = "outdated"  # made from PATCHED by `outdated()`
 HALF_APPLIED = FIXTURES / "half_native" / "model.py"
 NATIVE = FIXTURES / "native" / "model.py"
 REFUSED = FIXTURES / "two_candidates" / "model.py"
@@ -44,7 +44,19 @@ def vllm_python(tmp_path_factory) -> Path:
     return root
 
 
-def install(vllm_python: Path, tmp_path: Path, model: Path) -> Path:
+def outdated() -> bytes:
+    """`run`'s rewrite of the needs-bypass layer with an older bypass's index write instead of
+    its own: the keys scattered by slot, slot -1 included (``outdated``)."""
+    text = PATCHED.read_text()
+    start, end = text.index("        # Index-key cache: one head per token"), text.index("    def forward")
+    scatter = (
+        "        idx_cache = self.indexer.index_cache.kv_cache.view(-1, self.index_dim)\n"
+        "        idx_cache[index_slot_mapping] = index_key.to(idx_cache.dtype)\n\n"
+    )
+    return (text[:start] + scatter + text[end:]).encode()
+
+
+def install(vllm_python: Path, tmp_path: Path, model: Path | str) -> Path:
     """A vLLM tree (hard links to the wheel's files) whose MiniMax-M3 package holds ``model``
     as ``nvidia/model.py``; the package's own ``__init__`` (it imports every submodule) is
     replaced by an empty one."""
@@ -55,7 +67,7 @@ def install(vllm_python: Path, tmp_path: Path, model: Path) -> Path:
     (package / "nvidia").mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "nvidia" / "__init__.py").write_text("")
-    shutil.copyfile(model, package / "nvidia" / "model.py")
+    (package / "nvidia" / "model.py").write_bytes(outdated() if model == OUTDATED else model.read_bytes())
     return tree
 
 
