@@ -182,9 +182,7 @@ def _insert_kv(
 {I}idx_cache[index_meta.slot_mapping] = index_key.to(idx_cache.dtype)
 '''
 
-# Said in the new `_insert_kv`'s docstring where it replaced the fork-era one: `revert` reads it
-# to know that a method was there before (and that imports only it used may be gone).
-REPLACED_SAYS = "It replaces the fork-era form"
+# Said in the new `_insert_kv`'s docstring where it replaced the fork-era one.
 REPLACED = """
 
 {D}It replaces the fork-era form, which read the slot mappings from

@@ -254,15 +254,7 @@ def _plan_insert_kv(
         i for i in imports if i.bound in (MAIN_METADATA, INDEX_METADATA) and i.alias.asname is None
         and any(isinstance(s, cst.ImportFrom) for s in i.statement.body)
     ]
-    replaced = codegen.REPLACED_SAYS in a.code(fn)  # run's docstring: a fork-era method was here
     missing = [n for n in (INDEX_METADATA, MAIN_METADATA) if n not in {i.bound for i in imports}]
-    if replaced and not native and len(missing) == 2:
-        raise Unsupported(
-            f"`run` replaced the fork's attn_metadata `{name}` here (its docstring says so) and dropped "
-            f"the imports only that method used ({', '.join(missing)}): where they came from is not in "
-            "the file any more, so the original cannot be restored. Restore the file from version control "
-            "(`git checkout <commit> -- <file>`, the commit before `run`'s)"
-        )
     if native or not metadata:
         # The attn_metadata form asserts on the metadata classes: with neither imported there is
         # nothing to restore it from (run added the method, or dropped both imports as unused).

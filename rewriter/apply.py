@@ -79,6 +79,7 @@ class FileResult:
     new: bytes | None = field(default=None, repr=False)
     new_sites: list[InsertSite] = field(default_factory=list, repr=False)  # the new source's (run)
     proof: Proof | None = None  # `run`: the semantic level on ``new`` before it is written
+    not_an_undo: bool = False  # `revert` refused: taking the bypass out would not give back run's input
 
     @property
     def failed(self) -> bool:
@@ -257,16 +258,62 @@ def classify_file(path: Path) -> FileResult:
     return _plan(path, transform=False)
 
 
-def plan_revert_file(path: Path, name: str | None = None) -> FileResult:
-    """Like ``plan_file``, for taking the bypass out again (``revert``)."""
-    return _plan(path, name, revert=True)
+def plan_revert_file(path: Path, name: str | None = None, whole_bypass: bool = False) -> FileResult:
+    """Like ``plan_file``, for taking the bypass out again (``revert``): refused where that would
+    not give back what ``run`` started from (``undo_refusal``), unless ``whole_bypass``."""
+    result = _plan(path, name, revert=True)
+    if result.new is not None and not whole_bypass and (why := undo_refusal(result)):
+        result.status, result.new, result.diff, result.not_an_undo = FileStatus.REFUSED, None, "", True
+        for site in result.sites:
+            if site.action is Action.REVERT:
+                site.action, site.reason = Action.REFUSE, f"cannot revert: {why}"
+                result.error = f"refused at line {site.line} ({site.state.value})"
+    return result
 
 
-def _plan(path: Path, name: str | None = None, revert: bool = False, transform: bool = True) -> FileResult:
-    """Read, pre-filter, parse, analyze; then rewrite (or revert) and validate the new bytes."""
+def undo_refusal(reverted: FileResult) -> str | None:
+    """Why the planned revert is not an undo of ``run``, else None. It is one where ``run``, given
+    what the revert leaves, writes this file again byte for byte; or has nothing to do there (a
+    stale bypass on a native call, which ``run`` takes out too: nothing of its own is undone)."""
+    raw, path = reverted.original, reverted.path
+    again = _plan(path, raw=reverted.new)
+    if again.status is FileStatus.UNCHANGED or again.new == raw:
+        return None
+    if again.new is None:
+        why = f"`run` cannot put a bypass back into what it leaves ({again.error})"
+    else:
+        ours, runs = raw.splitlines(), again.new.splitlines()
+        opcodes = difflib.SequenceMatcher(None, ours, runs, autojunk=False).get_opcodes()
+        _, i, j, k, m = next(op for op in opcodes if op[0] != "equal")
+        has, writes = _first_words(ours[i:j], reverted.encoding), _first_words(runs[k:m], reverted.encoding)
+        why = (
+            f"this bypass is not the one `run` writes into the file without it (line {i + 1} has {has};"
+            f" `run` writes {writes})"
+        )
+    backup = path.with_name(path.name + ".orig")
+    restore = f"from {backup}, the copy `run --backup` kept," if backup.is_file() else "from version control"
+    return (
+        f"{why}, so taking it out would not give back the file as it was before `run` (a fork's own"
+        f" bypass, or one `run` upgraded). Restore that {restore} or take the whole bypass out with"
+        " `revert --whole-bypass`"
+    )
+
+
+def _first_words(lines: list[bytes], encoding: str, width: int = 60) -> str:
+    """The first line of ``lines`` with words on it, quoted and cut to ``width``; else ``nothing``."""
+    line = next((x.decode(encoding, "replace").strip() for x in lines if x.strip()), None)
+    if line is None:
+        return "nothing"
+    return f"`{line if len(line) <= width else line[: width - 3] + '...'}`"
+
+
+def _plan(
+    path: Path, name: str | None = None, revert: bool = False, transform: bool = True, raw: bytes | None = None
+) -> FileResult:
+    """Read (or take ``raw``), pre-filter, parse, analyze; then rewrite (or revert) and validate the new bytes."""
     result = FileResult(path, FileStatus.ERROR)
     try:
-        _fill_plan(result, name, revert, transform)
+        _fill_plan(result, name, revert, transform, raw)
     except FileError as exc:
         result.status, result.error = FileStatus.ERROR, str(exc)
     except RecursionError:  # deeper than LibCST can go, below the limits: never a traceback
@@ -275,9 +322,9 @@ def _plan(path: Path, name: str | None = None, revert: bool = False, transform: 
     return result
 
 
-def _fill_plan(result: FileResult, name: str | None, revert: bool, transform: bool) -> None:
+def _fill_plan(result: FileResult, name: str | None, revert: bool, transform: bool, raw: bytes | None) -> None:
     """Fill in ``result``; ``FileError`` says why the file cannot be rewritten."""
-    raw = result.original = read_bytes(result.path)
+    raw = result.original = read_bytes(result.path) if raw is None else raw
     if FUSED_OP.encode() not in raw:  # no mention of the op: no parse at all
         result.status = FileStatus.NO_SITES
         return

@@ -99,11 +99,16 @@ RUN_OPTIONS = (
     Option("--prove/--no-prove", "prove", PROVE_HELP, default=True),
     *REPORT,
 )
+WHOLE_HELP = (
+    "Also take out a bypass whose removal does not give back what `run` started from (a fork's own"
+    " bypass, or one run upgraded): the whole bypass goes."
+)
 REVERT_OPTIONS = (
     *TARGETS,
     Option("--dry-run", "dry_run", "Write nothing; exit 1 when a file carries a bypass to take out."),
     Option("--check", "check", "Old spelling of --dry-run.", hidden=True),
     Option("--diff", "diff", "Write nothing; print the diff a revert would apply (stdout)."),
+    Option("--whole-bypass", "whole_bypass", WHOLE_HELP),
     *WRITES,
     *REPORT,
 )
@@ -250,6 +255,7 @@ def _write(command: str, o: SimpleNamespace, dry: bool, copy: Path | None = None
         lock_timeout=o.lock_timeout,
         on_wait=lambda path: say(stderr(), f"waiting for {path}: {waiting}"),
         prove=getattr(o, "prove", False),
+        whole_bypass=getattr(o, "whole_bypass", False),
     )
     if copy is not None and not failed:
         say(stderr(), f"the bundled example, copied to {copy} for this run (removed afterwards)")

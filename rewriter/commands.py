@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from codemods.schema import CHANGING, Action
+from codemods.schema import CHANGING, Action, SiteState
 from rewriter import testhook
 from rewriter.apply import (
     FileError,
@@ -44,6 +44,7 @@ class Report:
     note: str | None = None
     dry_run: bool = False  # `run`/`revert` with --dry-run or --diff: planned, nothing written
     exit_non_zero_on_fix: bool = False  # exit 1 when a file was written (pre-commit's fixer contract)
+    verb: str = ""  # the command with the options a suggested rerun keeps (`revert --whole-bypass`)
 
     @property
     def dry(self) -> bool:
@@ -65,7 +66,20 @@ class Report:
 
 def analyze_targets(command: str, targets: list[Target]) -> Report:
     """Plan every target; nothing is written (``check``, ``preview``)."""
-    return Report(command, targets, [honour_off(plan_file(t.path, name=t.diff_name)) for t in targets])
+    return Report(command, targets, [shares_revert(honour_off(plan_file(t.path, name=t.diff_name))) for t in targets])
+
+
+def shares_revert(result: FileResult) -> FileResult:
+    """A patched site that ``revert`` would refuse says why, in ``revert``'s own words: the two
+    commands answer alike (``revert`` plans the file only where a site is patched)."""
+    if not any(s.state is SiteState.PATCHED for s in result.sites):
+        return result
+    refused = {s.line: s.reason for s in plan_revert_file(result.path).sites if s.action is Action.REFUSE}
+    for site in result.sites:
+        why = refused.get(site.line, "").removeprefix("cannot revert: ")
+        if site.state is SiteState.PATCHED and why and why not in site.reason:
+            site.reason += f"; `revert` refuses it: {why}"
+    return result
 
 
 # --- the opt-out: `# mm3-codemod: off` ---------------------------------------------------
@@ -147,22 +161,26 @@ def write_targets(
     lock_timeout: float = DEFAULT_TIMEOUT,
     on_wait: Callable[[Path], None] | None = None,
     prove: bool = True,
+    whole_bypass: bool = False,
 ) -> Report:
     """Rewrite (``run``) or revert every target that needs it, all or nothing: a vLLM tree is
     left fully rewritten or as it was (barring a failing rename, which the report names).
     ``run`` proves each new file first (``rewriter.proof``; ``prove=False``: ``--no-prove``):
-    one that fails its proof is an error, and nothing is written."""
+    one that fails its proof is an error, and nothing is written. ``revert`` takes out only a
+    bypass whose removal gives back what ``run`` started from, unless ``whole_bypass``."""
 
     def plan() -> Report:
         if command == "run":
             files = [honour_off(plan_file(t.path, name=t.diff_name)) for t in targets]
         else:
-            files = [plan_revert_file(t.path, name=t.diff_name) for t in targets]
+            files = [plan_revert_file(t.path, t.diff_name, whole_bypass) for t in targets]
             if os.environ.get("PRE_COMMIT") == "1":  # the revert hook: it stays reverted
                 for target, result in zip(targets, files):
                     if result.status is FileStatus.NEEDS_REWRITE:
                         mark_off(result, target.diff_name)
-        return Report(command, targets, files, dry_run=dry_run, exit_non_zero_on_fix=exit_non_zero_on_fix)
+        report = Report(command, targets, files, dry_run=dry_run, exit_non_zero_on_fix=exit_non_zero_on_fix)
+        report.verb = "revert --whole-bypass" if whole_bypass else command
+        return report
 
     if dry_run:
         return plan()  # writes nothing: no lock to wait for

@@ -332,7 +332,8 @@ MATRIX = {
         "native_stale_bypass",
     ): (1, "model.py", f"to take the stale bypass out: pre-commit run mm3-codemod --files {MODEL}"),
     ("mm3-codemod-revert", "native_stale_bypass"): (1, "reverted.py", "1 file reverted."),
-    ("mm3-codemod-revert", "patched"): (1, "reverted.py", f"git add {MODEL}"),
+    # the seed's hand patch: not run's, so taking it out is no undo; the way out works from a shell
+    ("mm3-codemod-revert", "patched"): (2, "model.py", f"mm3-codemod revert --whole-bypass {MODEL}"),
     ("mm3-codemod-revert", "native"): (None, "model.py", ""),
 }
 

@@ -57,8 +57,21 @@ def run_file(path: Path) -> FileStatus:
     return commands.write_targets("run", [Target(path, "test")]).files[0].status
 
 
-def revert_file(path: Path) -> FileStatus:
-    return commands.write_targets("revert", [Target(path, "test")]).files[0].status
+def revert_file(path: Path, whole: bool = False) -> FileStatus:
+    return commands.write_targets("revert", [Target(path, "test")], whole_bypass=whole).files[0].status
+
+
+def refuses_undo(path: Path) -> str:
+    """``revert`` (without --whole-bypass) refuses before writing, as not an undo; its reason."""
+    before = path.read_bytes()
+    report = commands.write_targets("revert", [Target(path, "test")])
+    (result,) = report.files
+    assert result.status is FileStatus.REFUSED and result.not_an_undo, result
+    assert path.read_bytes() == before
+    (site,) = [s for s in result.sites if s.action is Action.REFUSE]
+    assert "not the one `run` writes" in site.reason or "cannot put a bypass back" in site.reason
+    assert "--whole-bypass" in site.reason
+    return site.reason
 
 
 # --- round trips ---------------------------------------------------------------------
@@ -85,6 +98,60 @@ def test_run_of_revert_is_the_patched_file(name: str, tmp_path: Path) -> None:
     assert target.read_bytes() == patched
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_revert_after_run_gives_back_the_original_or_refuses_before_writing(name: str, tmp_path: Path) -> None:
+    """Whatever ``run`` wrote, ``revert`` gives back what it started from, or refuses with the
+    reason and writes nothing: never a third file."""
+    original = (FIXTURES / name / "model.py").read_bytes()
+    target = copy(FIXTURES / name / "model.py", tmp_path)
+    if run_file(target) is not FileStatus.REWRITTEN:
+        pytest.skip("run writes nothing here")
+    ran = target.read_bytes()
+    report = commands.write_targets("revert", [Target(target, "test")])
+    if report.files[0].status is FileStatus.REWRITTEN:
+        assert target.read_bytes() == original
+    elif name in NATIVE_STRIPS:  # run took a stale bypass off a native call: none to take out
+        assert report.files[0].status is FileStatus.UNCHANGED and target.read_bytes() == ran
+    else:
+        assert report.exit_code == 2 and target.read_bytes() == ran
+        assert all(s.reason.startswith("cannot revert: ") for s in report.files[0].sites if s.action is Action.REFUSE)
+
+
+def test_what_revert_gives_back_is_decided_by_run_itself(tmp_path: Path) -> None:
+    """The fixtures of both kinds are there: run's input comes back where it had no bypass, and
+    a fork's own bypass that run upgraded is refused, naming the first line run writes otherwise."""
+    gave_back, refused = [], []
+    for name in ALL:
+        target = copy(FIXTURES / name / "model.py", tmp_path, f"{name}.py")
+        if run_file(target) is FileStatus.REWRITTEN:
+            status = revert_file(target)
+            (gave_back if status is FileStatus.REWRITTEN else refused).append(name)
+    assert set(BEFORE_STATES) <= set(gave_back)
+    assert {"amd_fork_era", "seed_form", "old_form"} <= set(refused)
+    reason = refuses_undo(copy(FIXTURES / "amd_fork_era" / "expected.py", tmp_path))
+    assert "line 209 has `# The HIP build of the fused op" in reason
+
+
+def test_the_whole_bypass_command_it_suggests_works_as_written(tmp_path: Path) -> None:
+    target = copy(FIXTURES / "patched" / "model.py", tmp_path)
+    proc = cli("revert", target.name, cwd=tmp_path)
+    assert proc.returncode == 2 and target.read_bytes() == (FIXTURES / "patched" / "model.py").read_bytes()
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("to take the whole bypass out anyway: ")]
+    words = line.split(": ", 1)[1].split()
+    assert words[:3] == ["mm3-codemod", "revert", "--whole-bypass"]
+    again = cli(*words[1:], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert target.read_bytes() == (FIXTURES / "patched" / "reverted.py").read_bytes()
+
+
+def test_check_says_what_revert_refuses(tmp_path: Path) -> None:
+    target = copy(FIXTURES / "seed_form" / "expected.py", tmp_path)
+    why = refuses_undo(target).removeprefix("cannot revert: ")
+    checked = commands.analyze_targets("check", [Target(target, "test")])
+    (site,) = [s for s in checked.files[0].sites if s.state is SiteState.PATCHED]
+    assert why in site.reason
+
+
 @pytest.mark.parametrize("name", sorted(REVERTED))
 def test_revert_leaves_a_clean_file(name: str, tmp_path: Path) -> None:
     """The seed's own patch, the half-applied merges and the stale native bypass."""
@@ -92,7 +159,9 @@ def test_revert_leaves_a_clean_file(name: str, tmp_path: Path) -> None:
     clean = FIXTURES / REVERTED[name] / "model.py"
     assert body(reverted) == body(clean.read_bytes())  # reverted.py is the hand-written clean file
     target = copy(FIXTURES / name / "model.py", tmp_path)
-    assert revert_file(target) is FileStatus.REWRITTEN
+    if name not in NATIVE_STRIPS:  # a bypass run did not write: taking it out is not an undo
+        refuses_undo(target)
+    assert revert_file(target, whole=name not in NATIVE_STRIPS) is FileStatus.REWRITTEN
     assert target.read_bytes() == reverted
     assert revert_file(target) is FileStatus.UNCHANGED
 
@@ -127,7 +196,8 @@ def test_run_on_a_bypassed_native_call_is_its_revert(name: str, tmp_path: Path) 
 @pytest.mark.parametrize("name", ["half_applied", "patch_fuzz"])
 def test_revert_of_completed_half_applied_files(name: str, tmp_path: Path) -> None:
     target = copy(FIXTURES / name / "expected.py", tmp_path)
-    revert_file(target)
+    refuses_undo(target)  # run completed a merge's half: its removal is not what was there before
+    revert_file(target, whole=True)
     assert target.read_bytes() == (FIXTURES / name / "reverted.py").read_bytes()
 
 
@@ -135,7 +205,8 @@ def test_the_seed_patch_cannot_come_back_byte_for_byte(tmp_path: Path) -> None:
     """run(revert(y)) == y holds for run's own output only: the seed's comments and
     wide index_k slice are not what run writes. It ends in run's patched form."""
     target = copy(FIXTURES / "patched" / "model.py", tmp_path)
-    revert_file(target)
+    refuses_undo(target)
+    revert_file(target, whole=True)
     run_file(target)
     assert target.read_bytes() != (FIXTURES / "patched" / "model.py").read_bytes()
     assert body(target.read_bytes()) == body((FIXTURES / "fork_era" / "expected.py").read_bytes())
@@ -144,7 +215,7 @@ def test_the_seed_patch_cannot_come_back_byte_for_byte(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", ALL)
 def test_revert_is_idempotent_on_every_fixture(name: str, tmp_path: Path) -> None:
     target = copy(FIXTURES / name / "model.py", tmp_path)
-    first = commands.write_targets("revert", [Target(target, "test")])
+    first = commands.write_targets("revert", [Target(target, "test")], whole_bypass=True)
     assert first.exit_code == 0
     once = target.read_bytes()
     second = plan_revert_file(target)
@@ -445,7 +516,7 @@ def test_revert_over_a_vllm_root(tmp_path: Path) -> None:
         },
         init="raise RuntimeError('vllm was imported')\n",
     )
-    proc = cli("revert", "--json", "--vllm-root", str(tmp_path))
+    proc = cli("revert", "--json", "--whole-bypass", "--vllm-root", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     statuses = {Path(f["path"]).name: f["status"] for f in json.loads(proc.stdout)["files"]}
     assert statuses == {"model.py": "rewritten", "mtp.py": "no-sites"}

@@ -207,7 +207,7 @@ def test_torch_and_vllm_are_never_imported(tmp_path: Path) -> None:
         f"""
         import sys
         from rewriter.cli import main
-        for args in (["survey", "-j", "2", {str(work)!r}], ["revert", {str(work)!r}]):
+        for args in (["survey", "-j", "2", {str(work)!r}], ["revert", "--whole-bypass", {str(work)!r}]):
             try:
                 main(args, plain=False)
             except SystemExit as exc:
