@@ -39,24 +39,53 @@ COSTS = r"""
 import json, os, sys, time
 from pathlib import Path
 import torch  # a vLLM process has it already: not the plugin's cost
+step, path = sys.argv[1], Path(sys.argv[2])
+os.environ["MM3_CODEMOD_SERVE_CACHE"] = sys.argv[3]
 t = time.perf_counter()
 import mm3_codemod.plugin as plugin
-plugin.install("check")
-out = {"load_and_install_s": time.perf_counter() - t}
-native, era, cache = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
-# (measure, mode, file, cache folder): a fresh folder is a first start, the same one a later start
-for key, mode, path, folder in (
-    ("check_native", "check", native, "a"), ("check_fork_era_first", "check", era, "b"),
-    ("check_fork_era_again", "check", era, "b"), ("apply_fork_era_first", "apply", era, "c"),
-    ("apply_fork_era_again", "apply", era, "c"),
-):
-    os.environ["MM3_CODEMOD_SERVE_CACHE"] = os.path.join(cache, folder)
-    t = time.perf_counter()
-    verdict = plugin.ModelHook(mode).judge(path)
-    out[key + "_s"] = time.perf_counter() - t
-    out[key] = type(verdict).__name__
-print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}))
+if step == "load":
+    plugin.install("check")
+else:
+    mode, _, when = step.partition("_")
+    verdict = plugin.ModelHook(mode).judge(path)  # at import
+    if when == "fp8" and isinstance(verdict, plugin.Stop):  # the first layer built for fp8
+        verdict = verdict.settled()
+print(json.dumps({"s": round(time.perf_counter() - t, 3), "answer": type(verdict).__name__ if step != "load" else ""}))
 """
+# (measure, step, file, cache folder): a fresh folder is a first start, the same one a later
+# start; "written" is the file `run` wrote, its verdict left in folder "w" (or not: "h", a
+# file patched some other way, or `run` under another user's cache)
+COST_STEPS = (
+    ("load_and_install", "load", "native", "a"),
+    ("check_native", "check_import", "native", "a"),
+    ("check_fork_era_bf16_start", "check_import", "era", "b"),
+    ("check_fork_era_fp8_first", "check_fp8", "era", "b"),
+    ("check_fork_era_fp8_again", "check_fp8", "era", "b"),
+    ("check_run_written_fp8", "check_fp8", "written", "w"),
+    ("check_patched_not_by_this_run_fp8_first", "check_fp8", "written", "h"),
+    ("apply_fork_era_first", "apply_import", "era", "c"),
+    ("apply_fork_era_again", "apply_import", "era", "c"),
+)
+
+
+def costs(work: Path) -> dict:
+    """Each step in a fresh interpreter (as each vLLM start is one)."""
+    written = work / "written" / "model.py"
+    written.parent.mkdir()
+    shutil.copyfile(work / "era" / "model.py", written)
+    env = {**os.environ, "MM3_CODEMOD_SERVE_CACHE": str(work / "costs" / "w")}
+    ran = subprocess.run([sys.executable, "-m", "mm3_codemod", "run", str(written)], capture_output=True, text=True, env=env)
+    out: dict = {"run_exit": ran.returncode}
+    for key, step, name, folder in COST_STEPS:
+        path = written if name == "written" else work / name / "model.py"
+        proc = subprocess.run([sys.executable, "-c", COSTS, step, str(path), str(work / "costs" / folder)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            out[key] = {"error": proc.stderr[-1500:]}
+            continue
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        out[key + "_s"], out[key] = got["s"], got["answer"]
+    return out
 
 
 def main() -> int:
@@ -76,9 +105,7 @@ def main() -> int:
     (work / "era" / "model.py").write_text(era_text)
     report: dict = {"python": sys.version.split()[0], "jobs": {}, "comparisons": []}
 
-    proc = subprocess.run([sys.executable, "-c", COSTS, str(work / "native" / "model.py"), str(work / "era" / "model.py"),
-                           str(work / "costs")], capture_output=True, text=True)
-    report["costs"] = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"error": proc.stderr[-2000:]}
+    report["costs"] = costs(work)
     print("costs:", report["costs"], flush=True)
 
     sys.path.insert(0, str(Path(a.site)))

@@ -27,18 +27,17 @@ import hashlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import json
 import logging
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from rewriter.verdicts import Verdict, atomic_write, cache_dir
 
 MODE_VAR = "MM3_CODEMOD_PLUGIN"
 MODES = ("check", "apply", "off")
 APPLY_ENTRY = "mm3_codemod_apply"  # the entry point that selects apply through VLLM_PLUGINS
-FINE = ("native", "patched")  # the states an fp8 start needs (check's words)
 FP8 = "fp8"  # every fp8 KV-cache dtype vLLM knows ("fp8", "fp8_e4m3", "fp8_e5m2") starts so
 
 logger = logging.getLogger("vllm.plugins.mm3_codemod")  # vLLM's handlers print it
@@ -124,25 +123,42 @@ class ModelHook(importlib.abc.MetaPathFinder):
         if served is not None:
             served.arm(module)
 
-    def judged(self, path: Path) -> Stop | Path | None:
-        """``judge``, where the tool's own failure never stops vLLM: it says so, in one line."""
+    def judged(self, path: Path, judge=None) -> Stop | Path | None:
+        """``judge`` (or another judge of ``path``), where the tool's own failure never stops
+        vLLM: it says so, in one line."""
         try:
-            return self.judge(path)
+            return (judge or self.judge)(path)
         except Exception as exc:
             logger.warning("mm3-codemod: %s: not checked (%s: %s); imported as it is", path, type(exc).__name__, exc)
             return None
 
     def judge(self, path: Path) -> Stop | Path | None:
         """None: import the file as it is; a ``Stop``: as it is, with the stop armed; a path:
-        the proven rewrite to import instead (apply)."""
+        the proven rewrite to import instead (apply). ``check`` reads a file the pre-filter
+        cannot answer (no LibCST) only when a layer of it is built for an fp8 cache: a bf16
+        start never pays for the analysis."""
         started = time.perf_counter()
         try:
             raw = path.read_bytes()
         except OSError:  # vLLM's own import says what is wrong with it
             return None
-        result = None
         verdict = Verdict.load(path, raw)
-        if verdict is None:  # one analysis; apply's also plans the rewrite it may serve
+        if verdict is None and self.how == "check":
+            from rewriter.apply import FileResult, FileStatus, quick_sites
+
+            sites = quick_sites(raw)
+            if sites is None:  # judged at the first fp8 layer (``Stop.settled``)
+                now = lambda p: self.decided(p, raw, started=time.perf_counter())  # noqa: E731
+                return Stop(str(path), "", (), later=lambda: self.judged(path, now))
+            status = FileStatus.UNCHANGED if sites else FileStatus.NO_SITES
+            verdict = Verdict.of(path, FileResult(path, status, sites, original=raw))
+        return self.decided(path, raw, verdict, started)
+
+    def decided(self, path: Path, raw: bytes, verdict: Verdict | None = None, started: float = 0.0):
+        """``judge``'s answer from the verdict; without one, from one analysis of the file
+        (apply's also plans the rewrite it may serve)."""
+        result = None
+        if verdict is None:
             from rewriter.apply import classify_file, plan_file
 
             result = (plan_file if self.how == "apply" else classify_file)(path)
@@ -156,121 +172,72 @@ class ModelHook(importlib.abc.MetaPathFinder):
             return Stop(str(path), f"{verdict.states}: `run` refuses it: {verdict.refusal}", verdict.classes, fix=False)
         if self.how != "apply":
             return Stop(str(path), verdict.states, verdict.classes)
-        served = verdict.serve(started, result)
+        served = serve(verdict, started, result)
         if isinstance(served, Path):
             return served
         return Stop(str(path), f"{verdict.states}: {served}", verdict.classes, fix=False)
 
 
-class Verdict:
-    """What the analysis says of one installed file, kept in the cache under its bytes' digest
-    (and the tool's version): every process of a start, and every later start, reads the same
-    verdict and serves the same proven rewrite without analysing again."""
+def serve(verdict: Verdict, started: float, result=None) -> Path | str:
+    """The proven rewrite, as a file of the cache (proven now unless this file's rewrite was
+    proven before), or why it cannot be served; ``result``: this start's ``plan_file`` of the
+    file, where it made one."""
+    served = cache_dir() / f"{verdict.path.stem}-{verdict.key}.py"
+    known = verdict.facts.get("served")
+    try:
+        if known and hashlib.sha256(served.read_bytes()).hexdigest() == known["sha256"]:
+            logger.info(
+                "mm3-codemod: serving %s, the rewrite of %s proven before: %s (%.2f s)",
+                served, verdict.path, known["proof"], time.perf_counter() - started,
+            )
+            return served
+    except OSError:
+        pass
+    from rewriter.apply import FileStatus, plan_file
+    from rewriter.proof import prove
 
-    def __init__(self, path: Path, key: str, facts: dict) -> None:
-        self.path, self.key, self.facts = path, key, facts
-        self.fine: bool = facts["fine"]
-        self.states: str = facts["states"]
-        self.classes: tuple[str, ...] = tuple(facts["classes"])
-        self.refusal: str | None = facts["refusal"]
-
-    @staticmethod
-    def key_of(raw: bytes) -> str:
-        from rewriter import __version__
-
-        return hashlib.sha256(__version__.encode() + b"\0" + raw).hexdigest()[:32]
-
-    @classmethod
-    def load(cls, path: Path, raw: bytes) -> Verdict | None:
-        key = cls.key_of(raw)
-        try:
-            return cls(path, key, json.loads((cache_dir() / f"{path.stem}-{key}.json").read_text()))
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-
-    @classmethod
-    def of(cls, path: Path, result) -> Verdict:
-        """The verdict of ``classify_file``'s or ``plan_file``'s result, keyed by the bytes it read."""
-        from rewriter.apply import FileStatus
-
-        fine = result.status in (FileStatus.NO_SITES, FileStatus.UNCHANGED)
-        work = [s for s in result.sites if s.state.value not in (*FINE, "not-a-site")]
-        if fine:
-            states = ", ".join(sorted({s.state.value for s in result.sites if s.state.value in FINE}))
-        else:
-            states = ", ".join(f"{s.state.value} at line {s.line}" for s in work) or "unreadable"
-        refused = result.status is not FileStatus.NEEDS_REWRITE
-        facts = {
-            "installed": str(path),
-            "fine": fine,
-            "states": states,
-            # the layer classes to arm; none where a site is outside a class (then: all)
-            "classes": sorted({s.class_name for s in work}) if all(s.class_name for s in work) else [],
-            "refusal": None if fine or not refused else (work[0].reason if work else result.error),
-        }
-        verdict = cls(path, cls.key_of(result.original), facts)
-        if not (fine and all(s.state.value == "native" for s in result.sites)):  # the fast path needs no cache
-            verdict.save()
-        return verdict
-
-    def save(self) -> None:
-        try:
-            cache_dir().mkdir(parents=True, exist_ok=True)
-            _atomic(cache_dir() / f"{self.path.stem}-{self.key}.json", json.dumps(self.facts).encode())
-        except OSError as exc:  # a read-only home: every start analyses again
-            logger.debug("mm3-codemod: the cache is not writable: %s", exc)
-
-    def serve(self, started: float, result=None) -> Path | str:
-        """The proven rewrite, as a file of the cache (proven now unless this file's rewrite was
-        proven before), or why it cannot be served; ``result``: this start's ``plan_file`` of the
-        file, where it made one."""
-        served = cache_dir() / f"{self.path.stem}-{self.key}.py"
-        known = self.facts.get("served")
-        try:
-            if known and hashlib.sha256(served.read_bytes()).hexdigest() == known["sha256"]:
-                logger.info(
-                    "mm3-codemod: serving %s, the rewrite of %s proven before: %s (%.2f s)",
-                    served, self.path, known["proof"], time.perf_counter() - started,
-                )
-                return served
-        except OSError:
-            pass
-        from rewriter.apply import FileStatus, plan_file
-        from rewriter.proof import prove
-
-        if result is None:  # the verdict came from the cache, its rewrite did not
-            result = plan_file(self.path)
-        if result.status is not FileStatus.NEEDS_REWRITE or result.new is None:  # changed meanwhile
-            return f"the file changed while it was read ({result.status.value})"
-        proof = prove(result)
-        if not proof.proven:
-            return f"its rewrite is not proven ({proof.status}: {proof.reason}), so it is not served"
-        try:
-            cache_dir().mkdir(parents=True, exist_ok=True)
-            _atomic(served, result.new)
-        except OSError as exc:
-            return f"the proven rewrite cannot be kept in {cache_dir()} ({exc}), so it is not served"
-        self.facts["served"] = {"sha256": hashlib.sha256(result.new).hexdigest(), "proof": proof.reason}
-        self.save()
-        logger.info(
-            "mm3-codemod: serving the rewrite of %s from %s, proven now: %s (%.2f s); the installed file is unchanged",
-            self.path, served, proof.reason, time.perf_counter() - started,
-        )
-        return served
-
+    if result is None:  # the verdict came from the cache, its rewrite did not
+        result = plan_file(verdict.path)
+    if result.status is not FileStatus.NEEDS_REWRITE or result.new is None:  # changed meanwhile
+        return f"the file changed while it was read ({result.status.value})"
+    proof = prove(result)
+    if not proof.proven:
+        return f"its rewrite is not proven ({proof.status}: {proof.reason}), so it is not served"
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        atomic_write(served, result.new)
+    except OSError as exc:
+        return f"the proven rewrite cannot be kept in {cache_dir()} ({exc}), so it is not served"
+    verdict.facts["served"] = {"sha256": hashlib.sha256(result.new).hexdigest(), "proof": proof.reason}
+    verdict.save()
+    logger.info(
+        "mm3-codemod: serving the rewrite of %s from %s, proven now: %s (%.2f s); the installed file is unchanged",
+        verdict.path, served, proof.reason, time.perf_counter() - started,
+    )
+    return served
 
 class Stop:
-    """What stops an fp8 start: the line, and the layer classes that raise it."""
+    """What stops an fp8 start: the line, and the layer classes that raise it; ``later``: the
+    file is not judged yet, and the first fp8 layer built asks it (then every class is armed)."""
 
-    def __init__(self, path: str, why: str, classes: tuple[str, ...], fix: bool = True) -> None:
-        from rewriter.report import direct_command
-
-        self.classes = classes
+    def __init__(self, path: str, why: str, classes: tuple[str, ...], fix: bool = True, later=None) -> None:
+        self.classes, self.later = classes, later
         self.line = f"{path}: {why}: an fp8 KV cache crashes in the fused insert op"
-        if fix:
+        if later is not None:
+            self.line = f"{path}: judged when a layer is built for an fp8 KV cache (a bf16 start is not checked)"
+        elif fix:
             import shlex
 
+            from rewriter.report import direct_command
+
             self.line += f"; fix: {direct_command()} run {shlex.quote(path)} (or serve with {MODE_VAR}=apply)"
+
+    def settled(self) -> Stop | None:
+        """The stop an fp8 layer raises, or None: a file judged later is judged now, once."""
+        if self.later is not None:
+            self.later, judged = None, self.later()
+            self.line = judged.line if judged is not None else ""
+        return self if self.line else None
 
     def arm(self, module) -> None:
         """The layer classes of the sites (every class the module defines where a site is in
@@ -287,16 +254,16 @@ class Stop:
     def guarded(self, init):
         import functools
 
-        line = self.line
+        stop = self
 
         @functools.wraps(init)
         def __init__(self, *args, **kwargs):
             dtype = cache_dtype()
-            if dtype is not None and dtype.startswith(FP8):
-                raise Fp8KvCacheStop(f"mm3-codemod: --kv-cache-dtype {dtype}: {line}")
+            if dtype is not None and dtype.startswith(FP8) and (judged := stop.settled()) is not None:
+                raise Fp8KvCacheStop(f"mm3-codemod: --kv-cache-dtype {dtype}: {judged.line}")
             init(self, *args, **kwargs)
 
-        __init__._mm3_codemod_stop = line
+        __init__._mm3_codemod_stop = stop
         return __init__
 
 
@@ -312,20 +279,8 @@ class GuardedLoader(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         self.loader.exec_module(module)
         self.stop.arm(module)
-        logger.info("mm3-codemod: %s; a bf16 KV cache runs as it is, an fp8 start stops here", self.stop.line)
+        then = "" if self.stop.later else "; a bf16 KV cache runs as it is, an fp8 start stops here"
+        logger.info("mm3-codemod: %s%s", self.stop.line, then)
 
     def __getattr__(self, name: str):
         return getattr(self.loader, name)
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(os.environ.get("MM3_CODEMOD_SERVE_CACHE") or os.path.join(base, "mm3-codemod", "served"))
-
-
-def _atomic(path: Path, data: bytes) -> None:
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as out:
-        out.write(data)
-    os.chmod(temp, 0o644)  # readable where the cache is shared (a docker image's)
-    os.replace(temp, path)

@@ -322,13 +322,16 @@ def _plan(
     return result
 
 
+def quick_sites(raw: bytes) -> list[InsertSite] | None:
+    """Each site's state where the ``ast`` pre-filter can tell (none: no mention of the op);
+    None where it takes the full analysis. Native files: LibCST is never imported."""
+    return [] if FUSED_OP.encode() not in raw else prefilter(raw)
+
+
 def _fill_plan(result: FileResult, name: str | None, revert: bool, transform: bool, raw: bytes | None) -> None:
     """Fill in ``result``; ``FileError`` says why the file cannot be rewritten."""
     raw = result.original = read_bytes(result.path) if raw is None else raw
-    if FUSED_OP.encode() not in raw:  # no mention of the op: no parse at all
-        result.status = FileStatus.NO_SITES
-        return
-    sites = None if revert else prefilter(raw)  # native files: LibCST is never imported
+    sites = quick_sites(raw) if not revert or FUSED_OP.encode() not in raw else None
     if sites is not None:
         result.status, result.sites = FileStatus.UNCHANGED if sites else FileStatus.NO_SITES, sites
         return

@@ -30,6 +30,7 @@ from rewriter.apply import (
 )
 from rewriter.locking import DEFAULT_TIMEOUT, LockTimeout, locked
 from rewriter.targets import Target, example_path
+from rewriter.verdicts import remember
 
 
 NOT_WRITTEN = "nothing written: a target could not be written"
@@ -65,8 +66,12 @@ class Report:
 
 
 def analyze_targets(command: str, targets: list[Target]) -> Report:
-    """Plan every target; nothing is written (``check``, ``preview``)."""
-    return Report(command, targets, [shares_revert(honour_off(plan_file(t.path, name=t.diff_name))) for t in targets])
+    """Plan every target; nothing is written (``check``, ``preview``) but the verdict on a
+    patched file, for the plugin (``rewriter.verdicts``)."""
+    files = [shares_revert(honour_off(plan_file(t.path, name=t.diff_name))) for t in targets]
+    for result in files:
+        remember(result)
+    return Report(command, targets, files)
 
 
 def shares_revert(result: FileResult) -> FileResult:
@@ -194,6 +199,9 @@ def write_targets(
             if command == "run":
                 _prove_all(report, prove)
             _write_all(report, backup)
+            if command == "run":  # the plugin's first fp8 start after it needs no analysis
+                for result in report.files:
+                    remember(result)
             return report
     except LockTimeout as exc:
         report = plan()

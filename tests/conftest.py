@@ -328,6 +328,14 @@ def make_vllm_tree(root: Path, files: dict[str, bytes], init: str = "") -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def verdict_cache(tmp_path_factory):
+    """`run` leaves a verdict for the plugin in the user's cache (rewriter.verdicts): under the
+    tests, in a folder of theirs, never the real ~/.cache (a test that needs its own sets it)."""
+    os.environ.setdefault("MM3_CODEMOD_SERVE_CACHE", str(tmp_path_factory.mktemp("verdicts")))
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def no_temp_folder_left(tmp_path_factory):
     """Everything temporary that the code under test makes - in this process or in the CLI,
     pre-commit and pip processes the tests start - goes under one TMPDIR, which must be
