@@ -125,6 +125,15 @@ def main() -> int:
          {"VLLM_PLUGINS": "mm3_codemod_apply", "MM3_CODEMOD_SERVE_CACHE": served}),
     ]
     jobs.insert(1, ("check fork-era fp8, engine core in-process", era_text, FP8, {"MM3_CODEMOD_PLUGIN": "check", **inproc}))
+    # the file `run` wrote (costs()), installed: with the verdict `run` left, and in a fresh cache
+    # (patched some other way), where check judges it when its first layer is built for fp8
+    written = (work / "written" / "model.py").read_text()
+    jobs += [
+        ("check run-written fp8", written, FP8,
+         {"MM3_CODEMOD_PLUGIN": "check", "MM3_CODEMOD_SERVE_CACHE": str(work / "costs" / "w"), **inproc}),
+        ("check run-written fp8, fresh cache", written, FP8,
+         {"MM3_CODEMOD_PLUGIN": "check", "MM3_CODEMOD_SERVE_CACHE": str(work / "fresh"), **inproc}),
+    ]
     # vLLM 0.24 turns on its breakable CUDA graphs by itself, which disables its torch.compile
     # pipeline; these two starts opt out of that, so the served module runs compiled too.
     compiled = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0", **inproc}
@@ -185,6 +194,8 @@ def main() -> int:
         ("check fork-era bf16", "check native fp8", "native fp8 vs bf16 (the noise floor)"),
         ("check native fp8", "apply fork-era fp8", "apply fp8 vs native fp8"),
         ("apply fork-era fp8", "apply fork-era fp8, engine core process", "apply fp8: in-process vs engine-core process"),
+        ("check fork-era bf16", "check run-written fp8", "run's file fp8 vs bf16"),
+        ("apply fork-era fp8", "check run-written fp8", "apply fp8 vs run's file fp8 (the same bytes)"),
         ("check native fp8, torch.compile", "apply fork-era fp8, torch.compile", "apply fp8 vs native fp8, torch.compile"),
         ("apply fork-era fp8", "apply fork-era fp8, torch.compile", "apply fp8: breakable graphs vs torch.compile"),
     ):
