@@ -54,14 +54,6 @@ class RevertPlan:
     write_method: str = ""  # the file's name for it (``sites.FoundPieces.insert_method``)
 
 
-def plan_strip(m: FileModel, found: sites.FoundCall, pieces: sites.FoundPieces) -> RevertPlan:
-    """``run`` on a native call that carries bypass pieces: the revert of that site."""
-    plan = plan_site(m, found, pieces)
-    if plan is None:
-        raise Unsupported("no bypass piece could be delimited")
-    return plan
-
-
 def revert_reason(plan: RevertPlan) -> str:
     have = ", ".join(k for k, v in plan.pieces.items() if v) or "a read of a flag nothing sets"
     what = {
