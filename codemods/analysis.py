@@ -14,7 +14,7 @@ from codemods.fp8_kv_bypass import BypassPlan, apply_plan, plan_bypass
 from codemods.fp8_kv_revert import RevertPlan, apply_revert, plan_site, revert_reason
 from codemods.schema import CHANGING, Action, InsertSite, SiteState, Unsupported
 from codemods.model import FileModel
-from codemods.sites import CallFinder, FoundCall, FoundPieces, call_facts, collect_pieces, find_calls
+from codemods.sites import FoundCall, FoundPieces, call_facts, collect_pieces, find_calls
 from codemods.sourcemap import SourceMap
 
 
@@ -125,11 +125,7 @@ revert = rewrite
 def analyze_revert(module: cst.Module) -> RevertAnalysis:
     """Find every call of the fused op; plan the removal of a bypass around it."""
     m = FileModel.of(module)
-    finder = CallFinder(m.wrappers)
-    module.visit(finder)
-    for found in finder.found:  # the finder leaves numbering to its caller
-        found.line = m.positions[found.call].start.line
-
+    finder = find_calls(module, m.source_map, m.wrappers)
     sites: list[InsertSite] = []
     plans: list[RevertPlan | None] = []
     for found in finder.found:
