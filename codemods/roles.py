@@ -405,8 +405,7 @@ def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int)
 def flags(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object] = {}) -> dict[str, bool]:
     """Each attribute ``__init__`` assigns: whether it is a flag - true for every fp8 dtype and
     false for "auto" when ``__init__`` returns, whatever statements decide it."""
-    calls = [n.value for n in ast.walk(init) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)]
-    called = [scope.methods.get(m) for call in calls if (m := _self_member(call.func)) is not None]
+    called = [scope.methods.get(m) for m in init_calls(init)]
     assigned = {
         attr
         for method in (init, *(fn for fn in called if fn is not None))
@@ -420,6 +419,13 @@ def flags(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object] = {}) 
         *fp8, auto = [run.get(f"self.{attr}", _MISSING) for run in runs]
         found[attr] = all(v is not _MISSING for v in (*fp8, auto)) and all(fp8) and not auto
     return found
+
+
+def init_calls(init: ast.FunctionDef) -> set[str]:
+    """The methods ``__init__`` calls on ``self`` as statements (``self.m(…)``): those whose
+    assignments the reading of a flag follows (``_self_call``)."""
+    calls = (n.value for n in ast.walk(init) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call))
+    return {m for call in calls if (m := _self_member(call.func)) is not None}
 
 
 def _targets(node: ast.AST) -> list[ast.expr]:
