@@ -58,6 +58,15 @@ def callee(call: ast.Call) -> str | None:
     return call.func.attr if isinstance(call.func, ast.Attribute) else None
 
 
+def passes_slots(node: ast.AST, slots: list[ast.expr]) -> bool:
+    """A call handed every one of ``slots``, a call's slot mappings (``self.<write>(…, slots,
+    index_slots)``): what the fused op would write by, compared as Python's own trees."""
+    if not isinstance(node, ast.Call):
+        return False
+    args = {ast.dump(a) for a in (*node.args, *(k.value for k in node.keywords))}
+    return all(ast.dump(s) in args for s in slots)
+
+
 def is_scale_value(node: ast.expr) -> bool:
     """``torch.ones(…)``: the identity scale as the bypass makes it."""
     return isinstance(node, ast.Call) and dotted(node.func) == "torch.ones"

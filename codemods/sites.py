@@ -358,11 +358,12 @@ def collect_pieces(
 
 
 def _passes_slots(node: cst.CSTNode, main: cst.Arg | None, index: cst.Arg | None) -> bool:
-    """``self.<m>(…, <the call's slot mappings>)``: a method handed what the fused op would write by."""
+    """``self.<m>(…, <the call's slot mappings>)``: a method handed what the fused op would write by
+    (``roles.passes_slots``, prefilter's rule)."""
     if not (isinstance(node, cst.Call) and a.self_attr(node.func) is not None) or main is None or index is None:
         return False
-    values = [arg.value for arg in node.args]
-    return any(a.same_expr(v, main.value) for v in values) and any(a.same_expr(v, index.value) for v in values)
+    trees = [roles.expression(a.code(n)) for n in (node, main.value, index.value)]
+    return None not in trees and roles.passes_slots(trees[0], trees[1:])  # type: ignore[arg-type]
 
 
 def _slots_none_somewhere(method: cst.FunctionDef, op: a.OpCall) -> bool:
