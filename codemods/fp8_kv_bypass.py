@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import libcst as cst
 
 from codemods import anchors as a
-from codemods import codegen, schema
+from codemods import codegen, roles, schema
 from codemods.codegen import parse_statements, render
 from codemods.model import FileModel
 from codemods.proofs import bare_import, dtype_anchor, qkv_and_slots, write_names
@@ -283,7 +283,7 @@ def _ones_scale(fn: cst.FunctionDef, scale: cst.BaseExpression) -> a.StatementSl
     if not isinstance(scale, cst.Name):
         return None
     for x, value in _assignments(fn, scale.value):
-        if isinstance(value, cst.Call) and a.code(value.func).replace(" ", "") == "torch.ones":
+        if roles.is_scale_value(roles.expression(a.code(value))):
             return x
     return None
 

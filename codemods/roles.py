@@ -67,7 +67,7 @@ def passes_slots(node: ast.AST, slots: list[ast.expr]) -> bool:
     return all(ast.dump(s) in args for s in slots)
 
 
-def is_scale_value(node: ast.expr) -> bool:
+def is_scale_value(node: ast.expr | None) -> bool:
     """``torch.ones(…)``: the identity scale as the bypass makes it."""
     return isinstance(node, ast.Call) and dotted(node.func) == "torch.ones"
 

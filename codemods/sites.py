@@ -403,7 +403,7 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
     setters = {"__init__", *roles.init_calls(m.scope(cls).methods["__init__"])} if p.flag_set else set()
     scale = init_attrs.get(codegen.FP8_SCALE, [])[:1]
     scale_tree = roles.expression(a.code(scale[0][1])) if scale else None
-    own = {id(scale[0][1])} if scale_tree is not None and roles.is_scale_value(scale_tree) else set()
+    own = {id(scale[0][1])} if roles.is_scale_value(scale_tree) else set()
     for method in a.methods(cls):
         for node in a.all_statements(method.body):
             stored = {a.self_attr(t) for t in _store_targets(node)}
