@@ -443,7 +443,7 @@ def _end_line(m: FileModel, statement: cst.BaseStatement, arg: cst.Arg) -> int:
     return m.positions[arg.value].end.line
 
 
-def apply_plan(module: cst.Module, plan: BypassPlan, source_map: SourceMap | None = None) -> cst.Module:
+def apply_plan(module: cst.Module, plan: BypassPlan, source_map: SourceMap | None) -> cst.Module:
     """Rewrite one site; then drop imports that only the replaced method used."""
     new = module.visit(Fp8KvBypass(module, plan))
     if plan.old_insert_kv is not None:

@@ -274,7 +274,7 @@ class _Stop(Exception):
 
 
 def attribute_values(
-    init: ast.FunctionDef, dtype: str, scope: Scope, base: Mapping[str, object] = {}
+    init: ast.FunctionDef, dtype: str, scope: Scope, base: Mapping[str, object]
 ) -> dict[str, object]:
     """What each ``self.<attr>`` holds when ``__init__`` returns, with ``self.kv_cache_dtype``
     (and whatever ``__init__`` sets it from) equal to ``dtype``: the attributes whose value is
@@ -411,7 +411,7 @@ def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int)
     env.update({k: v for k, v in inner.items() if k.startswith("self.")})
 
 
-def flags(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object] = {}) -> dict[str, bool]:
+def flags(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object]) -> dict[str, bool]:
     """Each attribute ``__init__`` assigns: whether it is a flag - true for every fp8 dtype and
     false for "auto" when ``__init__`` returns, whatever statements decide it."""
     called = [scope.methods.get(m) for m in init_calls(init)]

@@ -252,7 +252,7 @@ def is_insert_kv_call(node: cst.CSTNode, name: str = codegen.INSERT_KV) -> bool:
     return isinstance(node, cst.Call) and a.self_attr(node.func) == name
 
 
-def other_insert_kv_call(cls: cst.ClassDef, allowed: set[int], name: str = codegen.INSERT_KV) -> cst.CSTNode | None:
+def other_insert_kv_call(cls: cst.ClassDef, allowed: set[int], name: str) -> cst.CSTNode | None:
     """The first ``self.<name>(...)`` in the class that is none of the ``allowed`` nodes (by id)."""
     return a.first_in(cls.body, lambda n: is_insert_kv_call(n, name) and id(n) not in allowed)
 
