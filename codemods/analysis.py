@@ -11,10 +11,10 @@ import libcst as cst
 from codemods import anchors as a
 from codemods import codegen, schema
 from codemods.fp8_kv_bypass import BypassPlan, apply_plan, plan_bypass
-from codemods.fp8_kv_revert import RevertPlan, apply_revert, plan_site, plan_strip, revert_reason
+from codemods.fp8_kv_revert import RevertPlan, apply_revert, plan_site, revert_reason
 from codemods.schema import CHANGING, Action, InsertSite, SiteState, Unsupported
 from codemods.model import FileModel
-from codemods.sites import CallFinder, FoundCall, FoundPieces, call_facts, collect_pieces, find_calls
+from codemods.sites import FoundCall, FoundPieces, call_facts, collect_pieces, find_calls
 from codemods.sourcemap import SourceMap
 
 
@@ -93,7 +93,9 @@ def classify(
         if decided.state is SiteState.PATCHED:  # what `revert` would say of it, said here too
             plan_site(m, found, found_pieces[-1])
         elif decided.action is Action.STRIP:  # the strip is the revert of that one site
-            plan = plan_strip(m, found, found_pieces[-1])
+            plan = plan_site(m, found, found_pieces[-1])
+            if plan is None:
+                raise Unsupported("no bypass piece could be delimited")
         elif decided.action in CHANGING:
             assert slot is not None
             plan = plan_bypass(m, found, slot, found_pieces[-1])
@@ -123,11 +125,7 @@ revert = rewrite
 def analyze_revert(module: cst.Module) -> RevertAnalysis:
     """Find every call of the fused op; plan the removal of a bypass around it."""
     m = FileModel.of(module)
-    finder = CallFinder(m.wrappers)
-    module.visit(finder)
-    for found in finder.found:  # the finder leaves numbering to its caller
-        found.line = m.positions[found.call].start.line
-
+    finder = find_calls(module, m.source_map, m.wrappers)
     sites: list[InsertSite] = []
     plans: list[RevertPlan | None] = []
     for found in finder.found:

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import libcst as cst
 
 from codemods import anchors as a
-from codemods import codegen, schema
+from codemods import codegen, roles, schema
 from codemods.codegen import parse_statements, render
 from codemods.model import FileModel
-from codemods.proofs import bare_import, cache_args, dtype_anchor, op_namespace, qkv_and_slots, widths
+from codemods.proofs import bare_import, dtype_anchor, qkv_and_slots, write_names
 from codemods.schema import Unsupported
-from codemods.sites import FoundCall, FoundPieces, other_insert_kv_call
+from codemods.sites import FoundCall, FoundPieces, guard_of, other_insert_kv_call
 from codemods.sourcemap import SourceMap
 
 
@@ -115,16 +115,14 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
         )
     taken = a.bound_names(method)
     guard = _guard_name(p, taken)
-    caches, wrap = cache_args(op, method, slot)
-    qkv, main_slots, index_slots = qkv_and_slots(op)
     init_attrs = a.self_assignments(init)
-    w = widths(op, method, slot, init_attrs)
+    names, w = write_names(op, method, slot, init_attrs, m.imports)
+    wrap = [param for param in (schema.KV_CACHE, schema.INDEX_CACHE) if guard_of(op.arg(param)) is None]
+    qkv, main_slots, index_slots = qkv_and_slots(op)
     flag_slot = dtype_anchor(init, init_attrs)
-    if flag_slot is None:
-        raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
-    namespace = op_namespace(op, m.imports)
-    reshape_import = bare_import(module, a.module_imports(module)) if namespace is None else None
-    reshape = schema.RESHAPE_OP if namespace is None else f"{namespace}.{schema.RESHAPE_OP}"
+    assert flag_slot is not None  # write_names proved that __init__ sets the dtype
+    bare = names["reshape"] == schema.RESHAPE_OP
+    reshape_import = bare_import(module, a.module_imports(module)) if bare else None
 
     # The upgrade: the raw index scatters of `_insert_kv` and of what it hands its work to.
     upgraded: list[cst.FunctionDef] = []
@@ -142,9 +140,8 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     scale_code = render(codegen.SCALE, module) if reads_scale and not p.scale_set else ""
     if p.flag_set and scale_code:  # the scale goes right after the statement of __init__ that sets the flag
         flag_slot = _flag_statement(m, cls, init, p.flag_attr) or flag_slot
-    dtype_attr = f"self.{schema.DTYPE_ATTR}"
     add_flag = not p.flag_set and not native
-    flag_code = render(codegen.FLAG, module, dtype=dtype_attr, flag=p.flag_attr) if add_flag else ""
+    flag_code = render(codegen.FLAG, module, dtype=names["dtype"], flag=p.flag_attr) if add_flag else ""
     flag_code += scale_code
     guard_code = render(
         codegen.NATIVE_GUARD if native else codegen.GUARD,
@@ -160,9 +157,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
         codegen.INSERT_KV_METHOD.replace("{replaced}", codegen.REPLACED if insert_kv == "replace" else ""),
         module,
         len(found.outer) + 1,
-        name=name, kv_cache=caches[schema.KV_CACHE.keyword], index_cache=caches[schema.INDEX_CACHE.keyword],
-        num_kv_heads=w.num_kv_heads, head_dim=w.head_dim, idx_head_dim=w.idx_head_dim,
-        dtype=dtype_attr, reshape=reshape, **codegen.METHOD_NAMES,
+        name=name, **names, **codegen.METHOD_NAMES,
     )
     return BypassPlan(
         cls=cls, method=method, op=op, call_slot=slot, guard=guard,
@@ -288,7 +283,7 @@ def _ones_scale(fn: cst.FunctionDef, scale: cst.BaseExpression) -> a.StatementSl
     if not isinstance(scale, cst.Name):
         return None
     for x, value in _assignments(fn, scale.value):
-        if isinstance(value, cst.Call) and a.code(value.func).replace(" ", "") == "torch.ones":
+        if roles.is_scale_value(roles.expression(a.code(value))):
             return x
     return None
 
@@ -448,7 +443,7 @@ def _end_line(m: FileModel, statement: cst.BaseStatement, arg: cst.Arg) -> int:
     return m.positions[arg.value].end.line
 
 
-def apply_plan(module: cst.Module, plan: BypassPlan, source_map: SourceMap | None = None) -> cst.Module:
+def apply_plan(module: cst.Module, plan: BypassPlan, source_map: SourceMap | None) -> cst.Module:
     """Rewrite one site; then drop imports that only the replaced method used."""
     new = module.visit(Fp8KvBypass(module, plan))
     if plan.old_insert_kv is not None:

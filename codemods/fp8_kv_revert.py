@@ -23,7 +23,7 @@ import libcst as cst
 from codemods import anchors as a
 from codemods import codegen, proofs, schema, sites
 from codemods.model import FileModel
-from codemods.schema import DTYPE_ATTR, SLOTS_FORMS, Unsupported
+from codemods.schema import SLOTS_FORMS, Unsupported
 
 
 # The metadata classes the attn_metadata ``_insert_kv`` asserts on.
@@ -52,14 +52,6 @@ class RevertPlan:
     removed_because: str = ""
     dead: list[cst.BaseStatement] = field(default_factory=list)  # module code only the bypass used
     write_method: str = ""  # the file's name for it (``sites.FoundPieces.insert_method``)
-
-
-def plan_strip(m: FileModel, found: sites.FoundCall, pieces: sites.FoundPieces) -> RevertPlan:
-    """``run`` on a native call that carries bypass pieces: the revert of that site."""
-    plan = plan_site(m, found, pieces)
-    if plan is None:
-        raise Unsupported("no bypass piece could be delimited")
-    return plan
 
 
 def revert_reason(plan: RevertPlan) -> str:
@@ -269,15 +261,9 @@ def _plan_insert_kv(
     init = a.find_method(cls, "__init__")
     if init is None:
         raise Unsupported(f"class {cls.name.value} has no __init__")
-    caches, _ = proofs.cache_args(op, method, slot)
-    init_attrs = a.self_assignments(init)
-    w = proofs.widths(op, method, slot, init_attrs)
-    if DTYPE_ATTR not in init_attrs:
-        raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
-    namespace = proofs.op_namespace(op, m.imports)
-    if namespace is None and not any(i.bound == schema.RESHAPE_OP for i in imports):
+    names, _ = proofs.write_names(op, method, slot, a.self_assignments(init), m.imports)
+    if names["reshape"] == schema.RESHAPE_OP and not any(i.bound == schema.RESHAPE_OP for i in imports):
         raise Unsupported(f"`{schema.RESHAPE_OP}` is not imported: cannot restore the attn_metadata {name}")
-    reshape = schema.RESHAPE_OP if namespace is None else f"{namespace}.{schema.RESHAPE_OP}"
 
     holder = metadata[0]
     plan.metadata_import = next(
@@ -292,11 +278,7 @@ def _plan_insert_kv(
         len(found.outer) + 1,
         main_key=_metadata_key(method, op, schema.SLOT_MAPPING, slot),
         index_key=_metadata_key(method, op, schema.INDEX_SLOT_MAPPING, slot),
-        main_metadata=MAIN_METADATA, index_metadata=INDEX_METADATA,
-        kv_cache=caches[schema.KV_CACHE.keyword], index_cache=caches[schema.INDEX_CACHE.keyword],
-        num_kv_heads=w.num_kv_heads, head_dim=w.head_dim, idx_head_dim=w.idx_head_dim,
-        dtype=f"self.{DTYPE_ATTR}",
-        reshape=reshape,
+        main_metadata=MAIN_METADATA, index_metadata=INDEX_METADATA, **names,
     )
 
 

@@ -214,12 +214,12 @@ def _qualified(imp: a.ImportedName) -> str:
     return f"{base}.{name}" if base else name
 
 
-def pass_through_wrappers(module: cst.Module, levels: int = 2) -> dict[str, a.Wrapper]:
+def pass_through_wrappers(module: cst.Module) -> dict[str, a.Wrapper]:
     """Module functions whose every call of the op (or of a wrapper found one level
     down) passes only the function's own parameters, by name: followed two levels."""
     functions = a.module_functions(module)
     found: dict[str, a.Wrapper] = {}
-    for _ in range(levels):
+    for _ in range(2):
         for name, fn in functions.items():
             if name not in found and (wrapper := _as_wrapper(fn, found)) is not None:
                 found[name] = wrapper

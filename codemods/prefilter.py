@@ -75,14 +75,6 @@ def _after(call: ast.Call, method: ast.FunctionDef) -> list[ast.stmt]:
     return []
 
 
-def _passes_slots(node: ast.AST, slots: list[str]) -> bool:
-    """A call handed the call's slot mappings (``self.<write>(…, slots, index_slots)``)."""
-    if not isinstance(node, ast.Call):
-        return False
-    args = {ast.dump(a) for a in (*node.args, *(k.value for k in node.keywords))}
-    return all(s in args for s in slots)
-
-
 def _site(
     call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str], has_flag: Callable[[ast.ClassDef], bool]
 ) -> schema.InsertSite:
@@ -103,8 +95,8 @@ def _site(
         raise _Defer  # a fork-era call, or a dtype whose text LibCST may give differently
     if has_cache:
         slots = [schema.bind_arg(p, args, keywords) for p in (schema.SLOT_MAPPING, schema.INDEX_SLOT_MAPPING)]
-        dumped = [ast.dump(s) for s in slots if s is not None]
-        if has_flag(cls) or any(_passes_slots(n, dumped) for s in _after(call, method) for n in ast.walk(s)):
+        passed = [s for s in slots if s is not None]
+        if has_flag(cls) or any(roles.passes_slots(n, passed) for s in _after(call, method) for n in ast.walk(s)):
             raise _Defer  # a flag, or a post-call write: the pieces of a bypass, whatever their names
     facts = schema.CallFacts(
         line=call.lineno, class_name=cls.name, method=method.name, module_function=None, nested_in=None,

@@ -37,12 +37,31 @@ def op_namespace(op: a.OpCall, imports: Mapping[str, str]) -> str | None:
     return namespace
 
 
-def cache_args(
-    op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot
-) -> tuple[dict[str, str], list[schema.OpParam]]:
-    """The cache expressions `_insert_kv` can reach, and which arguments still need the guard."""
+def write_names(
+    op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments,
+    imports: Mapping[str, str],
+) -> tuple[dict[str, str], _Widths]:
+    """What a write method is filled in with, the bypass's (``codegen.INSERT_KV_METHOD``) and the
+    fork-era one ``revert`` restores (``INSERT_KV_METADATA``) alike: the caches the call passes
+    (``cache_args``), the widths of their views (``widths``, also returned), the cache dtype, and
+    ``reshape_and_cache_flash`` where the module reaches it (``op_namespace``; bare: the op's own name)."""
+    caches = cache_args(op, method, slot)
+    w = widths(op, method, slot, init_attrs)
+    if schema.DTYPE_ATTR not in init_attrs:
+        raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
+    namespace = op_namespace(op, imports)
+    names = {
+        "kv_cache": caches[schema.KV_CACHE.keyword], "index_cache": caches[schema.INDEX_CACHE.keyword],
+        "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim, "idx_head_dim": w.idx_head_dim,
+        "dtype": f"self.{schema.DTYPE_ATTR}",
+        "reshape": schema.RESHAPE_OP if namespace is None else f"{namespace}.{schema.RESHAPE_OP}",
+    }
+    return names, w
+
+
+def cache_args(op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot) -> dict[str, str]:
+    """The cache expressions `_insert_kv` can reach (an argument under a condition: a guard's)."""
     caches: dict[str, str] = {}
-    wrap: list[schema.OpParam] = []
     for param in (schema.KV_CACHE, schema.INDEX_CACHE):
         arg = op.arg(param)
         if arg is None or a.is_none(arg.value):
@@ -51,8 +70,6 @@ def cache_args(
             raise Unsupported(
                 f"`{param.keyword}` is a conditional that cannot be guarded: {a.code(arg.value)}"
             )
-        if guard_of(arg) is None:
-            wrap.append(param)
         value = unguarded(arg)
         resolved = a.resolve_self_expr(method, value, slot)
         if resolved is None:
@@ -61,7 +78,7 @@ def cache_args(
                 "(or a local proven to hold one on every path to the call) that the write method can reach"
             )
         caches[param.keyword] = a.code(resolved)
-    return caches, wrap
+    return caches
 
 
 def qkv_and_slots(op: a.OpCall) -> tuple[str, str, str]:

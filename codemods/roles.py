@@ -58,7 +58,16 @@ def callee(call: ast.Call) -> str | None:
     return call.func.attr if isinstance(call.func, ast.Attribute) else None
 
 
-def is_scale_value(node: ast.expr) -> bool:
+def passes_slots(node: ast.AST, slots: list[ast.expr]) -> bool:
+    """A call handed every one of ``slots``, a call's slot mappings (``self.<write>(…, slots,
+    index_slots)``): what the fused op would write by, compared as Python's own trees."""
+    if not isinstance(node, ast.Call):
+        return False
+    args = {ast.dump(a) for a in (*node.args, *(k.value for k in node.keywords))}
+    return all(ast.dump(s) in args for s in slots)
+
+
+def is_scale_value(node: ast.expr | None) -> bool:
     """``torch.ones(…)``: the identity scale as the bypass makes it."""
     return isinstance(node, ast.Call) and dotted(node.func) == "torch.ones"
 
@@ -265,7 +274,7 @@ class _Stop(Exception):
 
 
 def attribute_values(
-    init: ast.FunctionDef, dtype: str, scope: Scope, base: Mapping[str, object] = {}
+    init: ast.FunctionDef, dtype: str, scope: Scope, base: Mapping[str, object]
 ) -> dict[str, object]:
     """What each ``self.<attr>`` holds when ``__init__`` returns, with ``self.kv_cache_dtype``
     (and whatever ``__init__`` sets it from) equal to ``dtype``: the attributes whose value is
@@ -402,11 +411,10 @@ def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int)
     env.update({k: v for k, v in inner.items() if k.startswith("self.")})
 
 
-def flags(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object] = {}) -> dict[str, bool]:
+def flags(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object]) -> dict[str, bool]:
     """Each attribute ``__init__`` assigns: whether it is a flag - true for every fp8 dtype and
     false for "auto" when ``__init__`` returns, whatever statements decide it."""
-    calls = [n.value for n in ast.walk(init) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)]
-    called = [scope.methods.get(m) for call in calls if (m := _self_member(call.func)) is not None]
+    called = [scope.methods.get(m) for m in init_calls(init)]
     assigned = {
         attr
         for method in (init, *(fn for fn in called if fn is not None))
@@ -420,6 +428,13 @@ def flags(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object] = {}) 
         *fp8, auto = [run.get(f"self.{attr}", _MISSING) for run in runs]
         found[attr] = all(v is not _MISSING for v in (*fp8, auto)) and all(fp8) and not auto
     return found
+
+
+def init_calls(init: ast.FunctionDef) -> set[str]:
+    """The methods ``__init__`` calls on ``self`` as statements (``self.m(…)``): those whose
+    assignments the reading of a flag follows (``_self_call``)."""
+    calls = (n.value for n in ast.walk(init) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call))
+    return {m for call in calls if (m := _self_member(call.func)) is not None}
 
 
 def _targets(node: ast.AST) -> list[ast.expr]:

@@ -201,7 +201,7 @@ OLDER_FORMS = {
 }
 
 
-def insert_kv_form(reads_metadata: bool, params_after_self: int, raw_scatter: bool, bf16_index: bool = False) -> str:
+def insert_kv_form(reads_metadata: bool, params_after_self: int, raw_scatter: bool, bf16_index: bool) -> str:
     """Which `_insert_kv` the class has (``fp8_kv_bypass`` says when it has none, "absent"):
     the fork-era ``(self, key, value, index_key)`` reading attn_metadata, the bypass's with the
     two slot mappings after those (current, raw scatter or bf16 index write), or other.
@@ -398,7 +398,7 @@ def _half_applied_reason(p: Pieces, present: dict[str, bool]) -> str:
 # --- once the changes are planned --------------------------------------------------------
 
 
-def planned(site: InsertSite, failure: str | None, pieces: Pieces | None = None) -> InsertSite:
+def planned(site: InsertSite, failure: str | None, pieces: Pieces | None) -> InsertSite:
     """A changing verdict whose plan could not be proven safe (``failure`` says why) is refused.
     A strip it cannot prove advises no deletion (what else the file's post-call block and write
     method do is not proven); its way out changes no line of the fork's own."""

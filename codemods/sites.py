@@ -252,7 +252,7 @@ def is_insert_kv_call(node: cst.CSTNode, name: str = codegen.INSERT_KV) -> bool:
     return isinstance(node, cst.Call) and a.self_attr(node.func) == name
 
 
-def other_insert_kv_call(cls: cst.ClassDef, allowed: set[int], name: str = codegen.INSERT_KV) -> cst.CSTNode | None:
+def other_insert_kv_call(cls: cst.ClassDef, allowed: set[int], name: str) -> cst.CSTNode | None:
     """The first ``self.<name>(...)`` in the class that is none of the ``allowed`` nodes (by id)."""
     return a.first_in(cls.body, lambda n: is_insert_kv_call(n, name) and id(n) not in allowed)
 
@@ -353,16 +353,17 @@ def collect_pieces(
         p.compiled_branch = a.first_in(stmt, m.compiled_path_write) is not None and slots_none
         break
     p.insert_kv = _insert_kv_form(a.find_method(cls, p.insert_method), cls, m.functions)
-    _taken_names(cls, init_attrs if mentions_flag or p.flag_from_file else {}, p)
+    _taken_names(m, cls, init_attrs if mentions_flag or p.flag_from_file else {}, p)
     return p
 
 
 def _passes_slots(node: cst.CSTNode, main: cst.Arg | None, index: cst.Arg | None) -> bool:
-    """``self.<m>(…, <the call's slot mappings>)``: a method handed what the fused op would write by."""
+    """``self.<m>(…, <the call's slot mappings>)``: a method handed what the fused op would write by
+    (``roles.passes_slots``, prefilter's rule)."""
     if not (isinstance(node, cst.Call) and a.self_attr(node.func) is not None) or main is None or index is None:
         return False
-    values = [arg.value for arg in node.args]
-    return any(a.same_expr(v, main.value) for v in values) and any(a.same_expr(v, index.value) for v in values)
+    trees = [roles.expression(a.code(n)) for n in (node, main.value, index.value)]
+    return None not in trees and roles.passes_slots(trees[0], trees[1:])  # type: ignore[arg-type]
 
 
 def _slots_none_somewhere(method: cst.FunctionDef, op: a.OpCall) -> bool:
@@ -379,7 +380,7 @@ def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Modu
     return all(isinstance(n, cst.Param) or id(getattr(n, "target", None)) in plain for n in nodes)
 
 
-def _taken_names(cls: cst.ClassDef, init_attrs: a.Assignments, p: schema.Pieces) -> None:
+def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: schema.Pieces) -> None:
     """How the class uses the bypass's names (its flag and write method by their roles, the scale
     by its own name) otherwise than the bypass does, in words: in ``p.taken`` where ``run`` would
     write the name (a clash), in ``p.role_problems`` where it is the file's own piece."""
@@ -399,10 +400,10 @@ def _taken_names(cls: cst.ClassDef, init_attrs: a.Assignments, p: schema.Pieces)
         note(p.insert_method, f"`{p.insert_method}` is bound in the class body other than by one plain `def`")
     # Not a clash: __init__'s first scale assignment where it is the bypass's, and a proven
     # flag's assignments in __init__ and the methods it calls (``roles.flags``: all of it).
-    setters = {"__init__", *_init_calls(cls)} if p.flag_set else set()
+    setters = {"__init__", *roles.init_calls(m.scope(cls).methods["__init__"])} if p.flag_set else set()
     scale = init_attrs.get(codegen.FP8_SCALE, [])[:1]
     scale_tree = roles.expression(a.code(scale[0][1])) if scale else None
-    own = {id(scale[0][1])} if scale_tree is not None and roles.is_scale_value(scale_tree) else set()
+    own = {id(scale[0][1])} if roles.is_scale_value(scale_tree) else set()
     for method in a.methods(cls):
         for node in a.all_statements(method.body):
             stored = {a.self_attr(t) for t in _store_targets(node)}
@@ -426,13 +427,6 @@ def registered_buffer(init: cst.FunctionDef | None, name: str) -> cst.BaseStatem
         if named and a.self_attr(call.func) == "register_buffer":  # type: ignore[union-attr]
             return slot.statement
     return None
-
-
-def _init_calls(cls: cst.ClassDef) -> set[str]:
-    """The methods ``__init__`` calls on ``self``."""
-    init = a.find_method(cls, "__init__")
-    calls = (n for n in a.walk_all(init.body) if isinstance(n, cst.Call)) if init is not None else ()
-    return {name for call in calls if (name := a.self_attr(call.func)) is not None}
 
 
 def _store_targets(stmt: cst.CSTNode) -> list[cst.BaseExpression]:
