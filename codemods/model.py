@@ -80,8 +80,9 @@ class FileModel:
         """Every place a name is named - a name, an attribute (``x.name``), a string - but
         where a def or class is given its own name, by the name: one walk of the file."""
         found: dict[str, list[cst.CSTNode]] = {}
-        defined = {id(n.name) for n in a.nodes_in(self.module) if isinstance(n, (cst.FunctionDef, cst.ClassDef))}
-        for n in a.nodes_in(self.module):
+        nodes = a.nodes_in(self.module)
+        defined = {id(n.name) for n in nodes if isinstance(n, (cst.FunctionDef, cst.ClassDef))}
+        for n in nodes:
             if id(n) in defined:
                 continue
             if isinstance(n, cst.Name):
