@@ -58,9 +58,10 @@ class Verdict:
             return None
 
     @classmethod
-    def of(cls, path: Path, result: FileResult, raw: bytes | None = None) -> Verdict:
+    def of(cls, path: Path, result: FileResult, raw: bytes | None = None, keep: bool = True) -> Verdict:
         """The verdict of a ``classify_file`` / ``plan_file`` result on the bytes it read; with
-        ``raw``, of ``run``'s new bytes (``result.new_sites``: what its second pass found)."""
+        ``raw``, of ``run``'s new bytes (``result.new_sites``: what its second pass found).
+        Kept in the cache unless ``keep`` is False (the pre-filter's answer: as quick again)."""
         from rewriter.apply import FileStatus
 
         sites = result.sites if raw is None else result.new_sites
@@ -80,7 +81,7 @@ class Verdict:
             "refusal": None if fine or not refused else (work[0].reason if work else result.error),
         }
         verdict = cls(path, cls.key_of(result.original if raw is None else raw), facts)
-        if not (fine and all(s.state.value == "native" for s in sites)):  # the fast path needs no cache
+        if keep:
             verdict.save()
         return verdict
 

@@ -1,0 +1,95 @@
+"""The verdict the plugin reads (rewriter/verdicts.py) and check's lazy judgement, without vLLM:
+`run` and `check` leave their verdict on the bytes they wrote or found patched; the plugin's
+check judges a file the pre-filter cannot answer only when a layer is built for fp8, and a
+failure of that judgement never stops vLLM. tests/test_plugin.py runs the same through
+vLLM's own plugin loader (slow)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, ROOT
+
+from mm3_codemod import plugin
+from rewriter import commands
+from rewriter.targets import Target
+from rewriter.verdicts import Verdict
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("MM3_CODEMOD_SERVE_CACHE", str(folder))
+    return folder
+
+
+def test_run_leaves_the_verdict_on_the_bytes_it_wrote(tmp_path: Path, cache: Path) -> None:
+    target = tmp_path / "model.py"
+    shutil.copyfile(FIXTURES / "fork_era" / "model.py", target)
+    assert Verdict.load(target, target.read_bytes()) is None
+    commands.write_targets("run", [Target(target, "test")], dry_run=True)
+    assert not cache.exists()  # a dry run wrote nothing, and keeps no verdict
+    commands.write_targets("run", [Target(target, "test")], prove=False)
+    verdict = Verdict.load(target, target.read_bytes())
+    assert verdict is not None and verdict.fine and verdict.states == "patched"
+    assert Verdict.load(target, (FIXTURES / "fork_era" / "model.py").read_bytes()) is None
+
+
+def test_check_leaves_one_on_a_patched_file_only(tmp_path: Path, cache: Path) -> None:
+    for name in ("patched", "fork_era", "native"):
+        target = tmp_path / f"{name}.py"
+        shutil.copyfile(FIXTURES / name / "model.py", target)
+        commands.analyze_targets("check", [Target(target, "test")])
+    kept = {p.name.split("-")[0] for p in cache.glob("*.json")}
+    assert kept == {"patched"}  # native needs none (the pre-filter answers); fork_era needs work
+
+
+LAZY = """
+import sys
+from pathlib import Path
+from mm3_codemod import plugin
+stop = plugin.ModelHook("check").judge(Path(sys.argv[1]))
+print(type(stop).__name__, stop.later is not None, "libcst" in sys.modules)
+judged = stop.settled()
+print(judged.line if judged else None)
+print("libcst" in sys.modules)
+"""
+
+
+def test_check_judges_only_when_an_fp8_layer_is_built(tmp_path: Path, cache: Path) -> None:
+    """At import: the pre-filter alone (no LibCST) and a stop armed in every class; the first
+    fp8 layer judges the file, once."""
+    proc = subprocess.run(
+        [sys.executable, "-c", LAZY, str(FIXTURES / "fork_era" / "model.py")],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    at_import, line, after = proc.stdout.splitlines()
+    assert at_import == "Stop True False"
+    assert "needs-bypass at line" in line and "fix: " in line
+    assert after == "True"
+
+
+def test_a_failing_judgement_never_stops_vllm(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(self, path, raw, verdict=None, started=0.0):
+        raise RuntimeError("a bug of the tool")
+
+    monkeypatch.setattr(plugin.ModelHook, "decided", broken)
+    stop = plugin.ModelHook("check").judge(FIXTURES / "fork_era" / "model.py")
+    assert isinstance(stop, plugin.Stop) and stop.later is not None
+    with caplog.at_level(logging.WARNING, logger=plugin.logger.name):
+        assert stop.settled() is None  # the layer is built as it is
+    assert "not checked (RuntimeError: a bug of the tool); imported as it is" in caplog.text
+    assert stop.settled() is None  # judged once
+
+
+def test_a_native_file_is_answered_at_import_and_needs_no_verdict(cache: Path) -> None:
+    assert plugin.ModelHook("check").judge(FIXTURES / "native" / "model.py") is None
+    assert not cache.exists() or not list(cache.glob("*.json"))
