@@ -327,6 +327,8 @@ def _forget(node: ast.AST, env: dict[str, object]) -> None:
             targets = [sub.target]
         elif isinstance(sub, (ast.With, ast.AsyncWith)):
             targets = [i.optional_vars for i in sub.items if i.optional_vars is not None]
+        elif isinstance(sub, ast.Delete):  # `del self.x`: it holds nothing afterwards
+            targets = sub.targets
         for target in targets:
             for name in {dotted(part) for part in ast.walk(target)} - {None, DTYPE}:  # type: ignore[arg-type]
                 env.pop(name, None)

@@ -406,3 +406,22 @@ def test_a_guard_rebound_between_its_assignment_and_the_call_is_not_the_guard(tm
         ("        ops.fused_minimax_m3_qknorm_rope_kv_insert(\n", "        if positions.numel() == 0:\n            insert_via_fused = True\n        ops.fused_minimax_m3_qknorm_rope_kv_insert(\n"),
     )
     assert_refused(tmp_path, source, "has a condition the bypass did not write")
+
+
+# --- a flag that __init__ deletes again -----------------------------------------------------------
+
+FLAG_LINE = '        self._fp8_kv = "fp8" in self.kv_cache_dtype\n'
+PATCHED_RUN = (FIXTURES / "fork_era" / "expected.py").read_text()
+
+
+def test_a_flag_deleted_in_init_is_no_flag(tmp_path: Path) -> None:
+    """`del self._fp8_kv` after its assignment: every forward raises AttributeError, so the
+    file is not patched (check once said it was, exit 0); set again afterwards, it is."""
+    deleted = edit(PATCHED_RUN, (FLAG_LINE, FLAG_LINE + "        del self._fp8_kv\n"))
+    assert_refused(tmp_path, deleted, "`self._fp8_kv`")
+    again = edit(PATCHED_RUN, (FLAG_LINE, FLAG_LINE + "        del self._fp8_kv\n" + FLAG_LINE))
+    path = tmp_path / "again.py"
+    path.write_text(again)
+    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
+    assert result.status is FileStatus.UNCHANGED
+    assert [s.state.value for s in result.sites if s.state.value != "not-a-site"] == ["patched"]

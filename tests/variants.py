@@ -331,6 +331,9 @@ RESPELLINGS = (
         _flag_statements('{F} = False\nif {D} != "auto":\n    {F} = True\n'),
         (f"self.{FLAG} = ",),
     ),
+    Respelling(
+        "flag-deleted-then-set", "flag", _flag_statements('{F} = None\ndel {F}\n{F} = "fp8" in {D}\n'), (f"self.{FLAG} = ",)
+    ),
     Respelling("flag-via-local", "flag", _flag_statements('quantized = {D}.startswith("fp8")\n{F} = quantized\n'), (f"self.{FLAG} = ",)),
     Respelling(
         "flag-module-constant",
