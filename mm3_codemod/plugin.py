@@ -221,10 +221,10 @@ class Stop:
     file is not judged yet, and the first fp8 layer built asks it (then every class is armed)."""
 
     def __init__(self, path: str, why: str, classes: tuple[str, ...], fix: bool = True, later=None) -> None:
-        self.classes, self.later = classes, later
+        self.classes, self.later, self.told = classes, later, False
         self.line = f"{path}: {why}: an fp8 KV cache crashes in the fused insert op"
         if later is not None:
-            self.line = f"{path}: judged when a layer is built for an fp8 KV cache (a bf16 start is not checked)"
+            self.line = f"{path}: not judged (it is when a layer is built for an fp8 KV cache)"
         elif fix:
             import shlex
 
@@ -261,6 +261,9 @@ class Stop:
             dtype = cache_dtype()
             if dtype is not None and dtype.startswith(FP8) and (judged := stop.settled()) is not None:
                 raise Fp8KvCacheStop(f"mm3-codemod: --kv-cache-dtype {dtype}: {judged.line}")
+            if stop.later is not None and not stop.told:  # not judged: said once, by the first layer
+                logger.info("mm3-codemod: %s; this start's KV cache is %s: runs as it is", stop.line, dtype or "not set")
+                stop.told = True
             init(self, *args, **kwargs)
 
         __init__._mm3_codemod_stop = stop
@@ -279,8 +282,8 @@ class GuardedLoader(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         self.loader.exec_module(module)
         self.stop.arm(module)
-        then = "" if self.stop.later else "; a bf16 KV cache runs as it is, an fp8 start stops here"
-        logger.info("mm3-codemod: %s%s", self.stop.line, then)
+        if self.stop.later is None:  # one a file judged later says when its first layer is built
+            logger.info("mm3-codemod: %s; a bf16 KV cache runs as it is, an fp8 start stops here", self.stop.line)
 
     def __getattr__(self, name: str):
         return getattr(self.loader, name)
