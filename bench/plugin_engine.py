@@ -118,7 +118,9 @@ def main() -> int:
     inproc = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     jobs = [
         ("check fork-era fp8", era_text, FP8, {"MM3_CODEMOD_PLUGIN": "check"}),
-        ("check fork-era bf16", era_text, "auto", {"MM3_CODEMOD_PLUGIN": "check", **inproc}),
+        # its own fresh cache: not the verdict the fp8 start before it left (a bf16 start judges nothing)
+        ("check fork-era bf16", era_text, "auto",
+         {"MM3_CODEMOD_PLUGIN": "check", "MM3_CODEMOD_SERVE_CACHE": str(work / "bf16"), **inproc}),
         ("apply fork-era fp8", era_text, FP8, {"MM3_CODEMOD_PLUGIN": "apply", "MM3_CODEMOD_SERVE_CACHE": served, **inproc}),
         ("check native fp8", native_text, FP8, {"MM3_CODEMOD_PLUGIN": "check", **inproc}),
         ("apply fork-era fp8, engine core process", era_text, FP8,
