@@ -98,14 +98,17 @@ def test_run_of_revert_is_the_patched_file(name: str, tmp_path: Path) -> None:
     assert target.read_bytes() == patched
 
 
-@pytest.mark.parametrize("name", ALL)
+# The fixtures `run` rewrites: their expected.py is not their model.py.
+REWRITTEN = [n for n in ALL if (FIXTURES / n / "expected.py").read_bytes() != (FIXTURES / n / "model.py").read_bytes()]
+
+
+@pytest.mark.parametrize("name", REWRITTEN)
 def test_revert_after_run_gives_back_the_original_or_refuses_before_writing(name: str, tmp_path: Path) -> None:
     """Whatever ``run`` wrote, ``revert`` gives back what it started from, or refuses with the
     reason and writes nothing: never a third file."""
     original = (FIXTURES / name / "model.py").read_bytes()
     target = copy(FIXTURES / name / "model.py", tmp_path)
-    if run_file(target) is not FileStatus.REWRITTEN:
-        pytest.skip("run writes nothing here")
+    assert run_file(target) is FileStatus.REWRITTEN
     ran = target.read_bytes()
     report = commands.write_targets("revert", [Target(target, "test")])
     if report.files[0].status is FileStatus.REWRITTEN:
