@@ -340,6 +340,7 @@ def _block(body: list[ast.stmt], env: dict[str, object], scope: Scope, depth: in
 
 
 def _statement(stmt: ast.stmt, env: dict[str, object], scope: Scope, depth: int) -> None:
+    _reflective(stmt, env)
     if isinstance(stmt, ast.Assign):
         for target in stmt.targets:
             _assign(target, stmt.value, env, scope)
@@ -363,6 +364,31 @@ def _statement(stmt: ast.stmt, env: dict[str, object], scope: Scope, depth: int)
         _self_call(stmt.value, env, scope, depth)
     elif not isinstance(stmt, _STEPPED_OVER):
         _forget(stmt, env)  # loops, try, match, nested defs: what they bind is not known afterwards
+
+
+def _reflective(stmt: ast.stmt, env: dict[str, object]) -> None:
+    """An attribute set by name - ``setattr(self, "x", v)``, ``object.__setattr__(self, …)``,
+    ``self.__setattr__("x", v)`` - is no longer known; every one of ``self``'s, where the name
+    is not a literal or ``self.__dict__`` or ``vars(self)`` is reached."""
+    is_self = lambda n: isinstance(n, ast.Name) and n.id == "self"  # noqa: E731
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.Attribute) and node.attr == "__dict__" and is_self(node.value):
+            names = None
+        elif isinstance(node, ast.Call) and callee(node) == "vars" and any(map(is_self, node.args)):
+            names = None
+        elif isinstance(node, ast.Call) and callee(node) in ("setattr", "__setattr__"):
+            on_self = isinstance(node.func, ast.Attribute) and not isinstance(node.func.value, ast.Name)
+            on_self |= isinstance(node.func, ast.Attribute) and is_self(node.func.value)  # self.__setattr__
+            at = next((i + 1 for i, a in enumerate(node.args) if is_self(a)), 0 if on_self else None)
+            if at is None:
+                continue  # another object's attribute
+            name = node.args[at] if at < len(node.args) else None
+            literal = isinstance(name, ast.Constant) and isinstance(name.value, str)
+            names = {f"self.{name.value}"} if literal else None  # type: ignore[union-attr]
+        else:
+            continue
+        for key in names if names is not None else [k for k in env if k.startswith("self.")]:
+            env.pop(key, None)
 
 
 def _either(stmt: ast.If, env: dict[str, object], scope: Scope, depth: int) -> None:

@@ -425,3 +425,28 @@ def test_a_flag_deleted_in_init_is_no_flag(tmp_path: Path) -> None:
     (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
     assert result.status is FileStatus.UNCHANGED
     assert [s.state.value for s in result.sites if s.state.value != "not-a-site"] == ["patched"]
+
+
+@pytest.mark.parametrize(
+    "by_name",
+    [
+        'setattr(self, "_fp8_kv", False)',
+        'object.__setattr__(self, "_fp8_kv", False)',
+        'self.__setattr__("_fp8_kv", False)',
+        'self.__dict__["_fp8_kv"] = False',
+        "vars(self).update(_fp8_kv=False)",
+    ],
+)
+def test_a_flag_set_again_by_name_is_no_proven_flag(tmp_path: Path, by_name: str) -> None:
+    """The flag assigned, then set by name (as nn.Module's own code may): its value is not the
+    assignment's any more. check once said patched (exit 0) about files whose fp8 forward
+    hands the fused op its caches."""
+    assert_refused(tmp_path, edit(PATCHED_RUN, (FLAG_LINE, FLAG_LINE + f"        {by_name}\n")), "`self._fp8_kv`")
+
+
+def test_another_attribute_set_by_name_leaves_the_flag(tmp_path: Path) -> None:
+    source = edit(PATCHED_RUN, (FLAG_LINE, FLAG_LINE + '        setattr(self, "layer_tag", 1)\n'))
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
+    assert [s.state.value for s in result.sites if s.state.value != "not-a-site"] == ["patched"]
