@@ -340,7 +340,9 @@ def _block(body: list[ast.stmt], env: dict[str, object], scope: Scope, depth: in
 
 
 def _statement(stmt: ast.stmt, env: dict[str, object], scope: Scope, depth: int) -> None:
-    _reflective(stmt, env)
+    named = set_by_name(stmt)
+    for key in named if named is not None else [k for k in env if k.startswith("self.")]:
+        env.pop(key, None)  # set by name: no longer known
     if isinstance(stmt, ast.Assign):
         for target in stmt.targets:
             _assign(target, stmt.value, env, scope)
@@ -366,29 +368,32 @@ def _statement(stmt: ast.stmt, env: dict[str, object], scope: Scope, depth: int)
         _forget(stmt, env)  # loops, try, match, nested defs: what they bind is not known afterwards
 
 
-def _reflective(stmt: ast.stmt, env: dict[str, object]) -> None:
-    """An attribute set by name - ``setattr(self, "x", v)``, ``object.__setattr__(self, …)``,
-    ``self.__setattr__("x", v)`` - is no longer known; every one of ``self``'s, where the name
-    is not a literal or ``self.__dict__`` or ``vars(self)`` is reached."""
+def set_by_name(node: ast.AST) -> set[str] | None:
+    """The attributes of ``self`` that ``node`` sets by name - ``setattr(self, "x", v)``,
+    ``object.__setattr__(self, …)``, ``self.__setattr__("x", v)`` - as ``self.x``; None: any
+    of them (the name is not a literal, or ``self.__dict__`` / ``vars(self)`` is written)."""
     is_self = lambda n: isinstance(n, ast.Name) and n.id == "self"  # noqa: E731
-    for node in ast.walk(stmt):
-        if isinstance(node, ast.Attribute) and node.attr == "__dict__" and is_self(node.value):
-            names = None
-        elif isinstance(node, ast.Call) and callee(node) == "vars" and any(map(is_self, node.args)):
-            names = None
-        elif isinstance(node, ast.Call) and callee(node) in ("setattr", "__setattr__"):
-            on_self = isinstance(node.func, ast.Attribute) and not isinstance(node.func.value, ast.Name)
-            on_self |= isinstance(node.func, ast.Attribute) and is_self(node.func.value)  # self.__setattr__
-            at = next((i + 1 for i, a in enumerate(node.args) if is_self(a)), 0 if on_self else None)
+    is_dict = lambda n: (  # noqa: E731
+        (isinstance(n, ast.Attribute) and n.attr == "__dict__" and is_self(n.value))
+        or (isinstance(n, ast.Call) and callee(n) == "vars" and any(map(is_self, n.args)))
+    )
+    found: set[str] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Subscript) and isinstance(sub.ctx, (ast.Store, ast.Del)) and is_dict(sub.value):
+            return None
+        if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and is_dict(sub.func.value):
+            return None  # self.__dict__.update(...), vars(self).setdefault(...)
+        if isinstance(sub, ast.Call) and callee(sub) in ("setattr", "__setattr__"):
+            func = sub.func
+            on_self = isinstance(func, ast.Attribute) and (is_self(func.value) or isinstance(func.value, ast.Call))
+            at = next((i + 1 for i, arg in enumerate(sub.args) if is_self(arg)), 0 if on_self else None)
             if at is None:
                 continue  # another object's attribute
-            name = node.args[at] if at < len(node.args) else None
-            literal = isinstance(name, ast.Constant) and isinstance(name.value, str)
-            names = {f"self.{name.value}"} if literal else None  # type: ignore[union-attr]
-        else:
-            continue
-        for key in names if names is not None else [k for k in env if k.startswith("self.")]:
-            env.pop(key, None)
+            name = sub.args[at] if at < len(sub.args) else None
+            if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
+                return None
+            found.add(f"self.{name.value}")
+    return found
 
 
 def _either(stmt: ast.If, env: dict[str, object], scope: Scope, depth: int) -> None:

@@ -450,3 +450,13 @@ def test_another_attribute_set_by_name_leaves_the_flag(tmp_path: Path) -> None:
     path.write_text(source)
     (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
     assert [s.state.value for s in result.sites if s.state.value != "not-a-site"] == ["patched"]
+
+
+@pytest.mark.parametrize("by_name", ['setattr(self, "_fp8_kv", False)', 'self.__dict__["_fp8_kv"] = False'])
+def test_a_flag_set_by_name_in_another_method_is_refused(tmp_path: Path, by_name: str) -> None:
+    """vLLM calls process_weights_after_loading after __init__: a flag it sets by name is not
+    the one __init__ proved (a plain `self._fp8_kv = False` there was refused already)."""
+    guard = "        insert_via_fused = not self._fp8_kv\n"
+    forward = PATCHED_RUN.rindex("    def forward(", 0, PATCHED_RUN.index(guard))
+    method = f"    def process_weights_after_loading(self):\n        {by_name}\n\n"
+    assert_refused(tmp_path, PATCHED_RUN[:forward] + method + PATCHED_RUN[forward:], "set by name in process_weights")
