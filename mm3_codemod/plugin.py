@@ -155,13 +155,13 @@ class ModelHook(importlib.abc.MetaPathFinder):
         return self.decided(path, raw, verdict, started)
 
     def decided(self, path: Path, raw: bytes, verdict: Verdict | None = None, started: float = 0.0):
-        """``judge``'s answer from the verdict; without one, from one analysis of the file
-        (apply's also plans the rewrite it may serve)."""
+        """``judge``'s answer from the verdict; without one, from one analysis of ``raw``, the
+        bytes read at import (apply's also plans the rewrite it may serve)."""
         result = None
         if verdict is None:
             from rewriter.apply import classify_file, plan_file
 
-            result = (plan_file if self.how == "apply" else classify_file)(path)
+            result = plan_file(path, raw=raw) if self.how == "apply" else classify_file(path, raw=raw)
             verdict = Verdict.of(path, result)
         took = f"{time.perf_counter() - started:.2f} s"
         if verdict.fine:
@@ -172,16 +172,16 @@ class ModelHook(importlib.abc.MetaPathFinder):
             return Stop(str(path), f"{verdict.states}: `run` refuses it: {verdict.refusal}", verdict.classes, fix=False)
         if self.how != "apply":
             return Stop(str(path), verdict.states, verdict.classes)
-        served = serve(verdict, started, result)
+        served = serve(verdict, raw, started, result)
         if isinstance(served, Path):
             return served
         return Stop(str(path), f"{verdict.states}: {served}", verdict.classes, fix=False)
 
 
-def serve(verdict: Verdict, started: float, result=None) -> Path | str:
-    """The proven rewrite, as a file of the cache (proven now unless this file's rewrite was
-    proven before), or why it cannot be served; ``result``: this start's ``plan_file`` of the
-    file, where it made one."""
+def serve(verdict: Verdict, raw: bytes, started: float, result=None) -> Path | str:
+    """The proven rewrite of ``raw`` (the installed bytes the verdict is keyed by), as a file of
+    the cache (proven now unless it was proven before), or why it cannot be served; ``result``:
+    this start's ``plan_file`` of them, where it made one."""
     served = cache_dir() / f"{verdict.path.stem}-{verdict.key}.py"
     known = verdict.facts.get("served")
     try:
@@ -197,9 +197,10 @@ def serve(verdict: Verdict, started: float, result=None) -> Path | str:
     from rewriter.proof import prove
 
     if result is None:  # the verdict came from the cache, its rewrite did not
-        result = plan_file(verdict.path)
-    if result.status is not FileStatus.NEEDS_REWRITE or result.new is None:  # changed meanwhile
-        return f"the file changed while it was read ({result.status.value})"
+        result = plan_file(verdict.path, raw=raw)
+    # a kept record that these bytes' plan does not bear out
+    if result.status is not FileStatus.NEEDS_REWRITE or result.new is None:
+        return f"its rewrite cannot be planned again ({result.status.value}: {result.error})"
     proof = prove(result)
     if not proof.proven:
         return f"its rewrite is not proven ({proof.status}: {proof.reason}), so it is not served"

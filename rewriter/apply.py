@@ -247,21 +247,24 @@ def _lost_tail(module: cst.Module, raw: bytes) -> bytes:
     return body[len(again) :]
 
 
-def plan_file(path: Path, name: str | None = None) -> FileResult:
+def plan_file(path: Path, name: str | None = None, raw: bytes | None = None) -> FileResult:
     """Analyze one file and, where a rewrite is needed, prepare the validated new bytes;
-    ``name`` is the path the diff names (``Target.diff_name``; default: the file's name)."""
-    return _plan(path, name)
+    ``name`` is the path the diff names (``Target.diff_name``; default: the file's name);
+    ``raw``: its bytes, read already (else read here)."""
+    return _plan(path, name, raw=raw)
 
 
-def classify_file(path: Path) -> FileResult:
+def classify_file(path: Path, raw: bytes | None = None) -> FileResult:
     """Each site's state only: nothing is rewritten or validated (``verify``)."""
-    return _plan(path, transform=False)
+    return _plan(path, transform=False, raw=raw)
 
 
-def plan_revert_file(path: Path, name: str | None = None, whole_bypass: bool = False) -> FileResult:
+def plan_revert_file(
+    path: Path, name: str | None = None, whole_bypass: bool = False, raw: bytes | None = None
+) -> FileResult:
     """Like ``plan_file``, for taking the bypass out again (``revert``): refused where that would
     not give back what ``run`` started from (``undo_refusal``), unless ``whole_bypass``."""
-    result = _plan(path, name, revert=True)
+    result = _plan(path, name, revert=True, raw=raw)
     if result.new is not None and not whole_bypass and (why := undo_refusal(result)):
         result.status, result.new, result.diff, result.not_an_undo = FileStatus.REFUSED, None, "", True
         for site in result.sites:

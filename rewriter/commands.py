@@ -79,7 +79,8 @@ def shares_revert(result: FileResult) -> FileResult:
     commands answer alike (``revert`` plans the file only where a site is patched)."""
     if not any(s.state is SiteState.PATCHED for s in result.sites):
         return result
-    refused = {s.line: s.reason for s in plan_revert_file(result.path).sites if s.action is Action.REFUSE}
+    reverted = plan_revert_file(result.path, raw=result.original)  # the bytes check judged, not a new read
+    refused = {s.line: s.reason for s in reverted.sites if s.action is Action.REFUSE}
     for site in result.sites:
         why = refused.get(site.line, "").removeprefix("cannot revert: ")
         if site.state is SiteState.PATCHED and why and why not in site.reason:
