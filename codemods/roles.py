@@ -340,7 +340,7 @@ def _block(body: list[ast.stmt], env: dict[str, object], scope: Scope, depth: in
 
 
 def _statement(stmt: ast.stmt, env: dict[str, object], scope: Scope, depth: int) -> None:
-    named = set_by_name(stmt)
+    named = set_by_name(stmt, scope.imports)
     for key in named if named is not None else [k for k in env if k.startswith("self.")]:
         env.pop(key, None)  # set by name: no longer known
     if isinstance(stmt, ast.Assign):
@@ -368,32 +368,71 @@ def _statement(stmt: ast.stmt, env: dict[str, object], scope: Scope, depth: int)
         _forget(stmt, env)  # loops, try, match, nested defs: what they bind is not known afterwards
 
 
-def set_by_name(node: ast.AST) -> set[str] | None:
-    """The attributes of ``self`` that ``node`` sets by name - ``setattr(self, "x", v)``,
+def set_by_name(node: ast.AST, imports: Mapping[str, str]) -> set[str] | None:
+    """The attributes of ``self`` that ``node`` sets (or deletes) by name - ``setattr(self, "x", v)``,
     ``object.__setattr__(self, …)``, ``self.__setattr__("x", v)`` - as ``self.x``; None: any
-    of them (the name is not a literal, or ``self.__dict__`` / ``vars(self)`` is written)."""
-    is_self = lambda n: isinstance(n, ast.Name) and n.id == "self"  # noqa: E731
-    is_dict = lambda n: (  # noqa: E731
-        (isinstance(n, ast.Attribute) and n.attr == "__dict__" and is_self(n.value))
-        or (isinstance(n, ast.Call) and callee(n) == "vars" and any(map(is_self, n.args)))
-    )
+    of them (the name is not a literal, ``self.__dict__`` / ``vars(self)`` is written, or
+    ``self`` itself goes where its attributes cannot be followed: ``_escapes``)."""
     found: set[str] = set()
     for sub in ast.walk(node):
-        if isinstance(sub, ast.Subscript) and isinstance(sub.ctx, (ast.Store, ast.Del)) and is_dict(sub.value):
+        if isinstance(sub, ast.Subscript) and isinstance(sub.ctx, (ast.Store, ast.Del)) and _is_dict(sub.value):
             return None
-        if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and is_dict(sub.func.value):
+        if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and _is_dict(sub.func.value):
             return None  # self.__dict__.update(...), vars(self).setdefault(...)
-        if isinstance(sub, ast.Call) and callee(sub) in ("setattr", "__setattr__"):
+        if isinstance(sub, ast.Call) and callee(sub) in ("setattr", "__setattr__", "delattr", "__delattr__"):
             func = sub.func
-            on_self = isinstance(func, ast.Attribute) and (is_self(func.value) or isinstance(func.value, ast.Call))
-            at = next((i + 1 for i, arg in enumerate(sub.args) if is_self(arg)), 0 if on_self else None)
+            on_self = isinstance(func, ast.Attribute) and (_is_self(func.value) or isinstance(func.value, ast.Call))
+            at = next((i + 1 for i, arg in enumerate(sub.args) if _is_self(arg)), 0 if on_self else None)
             if at is None:
                 continue  # another object's attribute
             name = sub.args[at] if at < len(sub.args) else None
             if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
                 return None
             found.add(f"self.{name.value}")
-    return found
+    return None if _escapes(node, imports) else found
+
+
+# Builtins that read an object they are handed, never set its attributes.
+_READERS = {"isinstance", "issubclass", "hasattr", "id", "type", "print", "repr", "str", "len", "hash", "callable", "super"}
+
+
+def _is_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _is_dict(node: ast.AST) -> bool:
+    """``self.__dict__`` or ``vars(self)``."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "__dict__" and _is_self(node.value)
+    return isinstance(node, ast.Call) and callee(node) == "vars" and any(map(_is_self, node.args))
+
+
+def _escapes(node: ast.AST, imports: Mapping[str, str]) -> bool:
+    """``self`` itself (not an attribute of it) goes where what is done to it cannot be
+    followed: bound to another name (``me = self``), put in a tuple, handed to a lambda, a
+    function of this file or ``getattr(self, "__setattr__")``; or ``exec``/``eval`` runs.
+    Not an escape: an attribute of it, a call of an imported function or of another
+    object's method (vLLM's code does not set this layer's attributes), a builtin that only
+    reads it, ``setattr`` by a literal name (``set_by_name``), a registration ``ctx[k] = self``."""
+    seen: set[int] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute):
+            seen.add(id(sub.value))
+        elif isinstance(sub, ast.Assign) and all(isinstance(t, ast.Subscript) for t in sub.targets):
+            seen.add(id(sub.value))
+        elif isinstance(sub, ast.Call):
+            if isinstance(sub.func, ast.Name) and sub.func.id in ("exec", "eval"):
+                return True
+            name = sub.func.id if isinstance(sub.func, ast.Name) else None
+            trusted = isinstance(sub.func, ast.Attribute) or name in imports or name in _READERS
+            trusted = trusted or name in ("setattr", "delattr")  # by a literal name: set_by_name reads it
+            if name == "getattr":
+                attr = sub.args[1] if len(sub.args) > 1 else None
+                trusted = isinstance(attr, ast.Constant) and isinstance(attr.value, str) and not attr.value.startswith("__")
+            if trusted:
+                seen.update(id(arg) for arg in (*sub.args, *(k.value for k in sub.keywords)))
+    loads = (sub for sub in ast.walk(node) if _is_self(sub) and isinstance(sub.ctx, ast.Load))  # type: ignore[attr-defined]
+    return any(id(sub) not in seen for sub in loads)
 
 
 def _either(stmt: ast.If, env: dict[str, object], scope: Scope, depth: int) -> None:

@@ -417,7 +417,7 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
                 shown = " ".join(a.code(node).split())
                 note(name, f"`{shown}` in {method.name.value} (the bypass relies on `self.{name}` being set once, in __init__)")
         tree = m.scope(cls).methods.get(method.name.value)
-        named = roles.set_by_name(tree) if tree is not None else set()
+        named = roles.set_by_name(tree, m.imports) if tree is not None else set()
         pieces = {p.flag_attr, codegen.FP8_SCALE}
         for name in sorted(pieces if named is None else {n.removeprefix("self.") for n in named} & pieces):
             if name == p.flag_attr and (p.flag_unproven is not None or method.name.value in setters):

@@ -444,6 +444,51 @@ def test_a_flag_set_again_by_name_is_no_proven_flag(tmp_path: Path, by_name: str
     assert_refused(tmp_path, edit(PATCHED_RUN, (FLAG_LINE, FLAG_LINE + f"        {by_name}\n")), "`self._fp8_kv`")
 
 
+@pytest.mark.parametrize(
+    "escape",
+    [
+        'exec("self._fp8_kv = False")',
+        '(lambda s: setattr(s, "_fp8_kv", False))(self)',
+        'getattr(self, "__setattr__")("_fp8_kv", False)',
+        "me = self\n        me._fp8_kv = False",
+        "layers = (self,)\n        layers[0]._fp8_kv = False",
+        "_reset_cache_mode(self)",
+        'delattr(self, "_fp8_kv")',
+    ],
+    ids=["exec", "lambda", "getattr-setattr", "alias", "tuple", "module-function", "delattr"],
+)
+def test_a_flag_reached_through_self_itself_is_no_proven_flag(tmp_path: Path, escape: str) -> None:
+    """``self`` handed where its attributes cannot be followed (another name, a lambda, a
+    function of this file, ``exec``): check once said patched (exit 0) about each of these
+    files, whose fp8 forward hands the fused op its caches (verify's semantic level fails)."""
+    helper = "\n\ndef _reset_cache_mode(layer):\n    layer._fp8_kv = False\n"
+    source = edit(PATCHED_RUN, (FLAG_LINE, FLAG_LINE + f"        {escape}\n"))
+    assert_refused(tmp_path, source + (helper if "_reset" in escape else ""), "`self._fp8_kv`")
+
+
+@pytest.mark.parametrize("escape", ['exec("self._fp8_kv = False")', "me = self\n        me._fp8_kv = False"])
+def test_a_flag_reached_through_self_in_another_method_is_refused(tmp_path: Path, escape: str) -> None:
+    guard = "        insert_via_fused = not self._fp8_kv\n"
+    forward = PATCHED_RUN.rindex("    def forward(", 0, PATCHED_RUN.index(guard))
+    method = f"    def process_weights_after_loading(self):\n        {escape}\n\n"
+    assert_refused(tmp_path, PATCHED_RUN[:forward] + method + PATCHED_RUN[forward:], "set by name in process_weights")
+
+
+def test_self_handed_to_vllm_or_registered_leaves_the_flag(tmp_path: Path) -> None:
+    """What vLLM's layers do with ``self`` in ``__init__`` - register it in a context dict,
+    hand it to an imported function, read an attribute by a literal name - sets no flag."""
+    lines = (
+        '        get_forward_context().no_compile_layers["mm3"] = self\n'
+        "        kv_cache_dtype_str_to_dtype(self, None)\n"
+        '        getattr(self, "_k_scale", None)\n'
+        "        isinstance(self, nn.Module)\n"
+    )
+    path = tmp_path / "model.py"
+    path.write_text(edit(PATCHED_RUN, (FLAG_LINE, FLAG_LINE + lines)))
+    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
+    assert [s.state.value for s in result.sites if s.state.value != "not-a-site"] == ["patched"]
+
+
 def test_another_attribute_set_by_name_leaves_the_flag(tmp_path: Path) -> None:
     source = edit(PATCHED_RUN, (FLAG_LINE, FLAG_LINE + '        setattr(self, "layer_tag", 1)\n'))
     path = tmp_path / "model.py"

@@ -334,6 +334,12 @@ RESPELLINGS = (
     Respelling(
         "flag-deleted-then-set", "flag", _flag_statements('{F} = None\ndel {F}\n{F} = "fp8" in {D}\n'), (f"self.{FLAG} = ",)
     ),
+    Respelling(
+        "flag-then-registered",
+        "flag",
+        _flag_statements('_LAYERS[id(self)] = self\n{F} = "fp8" in {D}\n', constant="_LAYERS = {}"),
+        (f"self.{FLAG} = ",),
+    ),
     Respelling("flag-via-local", "flag", _flag_statements('quantized = {D}.startswith("fp8")\n{F} = quantized\n'), (f"self.{FLAG} = ",)),
     Respelling(
         "flag-module-constant",
