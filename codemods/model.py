@@ -175,21 +175,19 @@ class FileModel:
 
         _locals: dict[str, object] = {}
         body = list(init.body.body) if isinstance(init.body, cst.IndentedBlock) else []
-        for stmt in body:  # what the top-level locals hold (for the fp8 dtype), where that can be read
-            pair = a.simple_assignment(stmt)
-            value = evaluated(pair[1]) if pair is not None and isinstance(pair[0], cst.Name) else None
-            if value is not None:
-                _locals[pair[0].value] = value  # type: ignore[union-attr]
+        pairs = [(stmt, a.simple_assignment(stmt)) for stmt in body]
+        assigned = [(stmt, p[0].value, p[1]) for stmt, p in pairs if p and isinstance(p[0], cst.Name)]
+        for _, name, expr in assigned:  # what the top-level locals hold (for the fp8 dtype), where readable
+            if (value := evaluated(expr)) is not None:
+                _locals[name] = value
         found = [stmt for stmt in body if only_sets(stmt)]
         # locals read only by those statements (``quantized = "fp8" in d``; ``self.F = quantized``)
-        for stmt in reversed(body):
-            pair = a.simple_assignment(stmt)
-            if pair is None or not isinstance(pair[0], cst.Name) or stmt in found:
+        for stmt, name, expr in reversed(assigned):
+            if stmt in found:
                 continue
-            name = pair[0].value
             readers = [s for s in body if s is not stmt and name in a.names_read(s)]
             only_theirs = readers and all(any(r is f for f in found) for r in readers)
-            if only_theirs and evaluated(pair[1]) is not None:
+            if only_theirs and evaluated(expr) is not None:
                 found.append(stmt)
         return [*found, *setters]
 

@@ -91,7 +91,8 @@ def _site(
     if has_cache:
         slots = [schema.bind_arg(p, args, keywords) for p in (schema.SLOT_MAPPING, schema.INDEX_SLOT_MAPPING)]
         passed = [s for s in slots if s is not None]
-        if has_flag(cls) or any(roles.passes_slots(n, passed) for s in _after(call, method.body) for n in ast.walk(s)):
+        after = _after(call, method.body)
+        if has_flag(cls) or any(roles.passes_slots(n, passed) for s in after for n in ast.walk(s)):
             raise _Defer  # a flag, or a post-call write: the pieces of a bypass, whatever their names
     facts = schema.CallFacts(
         line=call.lineno, class_name=cls.name, method=method.name, module_function=None, nested_in=None,

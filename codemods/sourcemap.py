@@ -91,7 +91,8 @@ def _sub_blocks_of(
     source order: body, handlers, else (an ``elif``: the ``If`` it holds), finally; a one-line
     suite (``if x: y``) holds small statements: not paired. None where the clauses differ."""
     if isinstance(stmt, cst.Match):
-        suites, blocks = [c.body for c in stmt.cases], [c.body for c in node.cases]  # type: ignore[attr-defined]
+        suites = [case.body for case in stmt.cases]
+        blocks = [case.body for case in node.cases]  # type: ignore[attr-defined]
     else:
         suites = [stmt.body, *(h.body for h in getattr(stmt, "handlers", ()))]  # type: ignore[attr-defined]
         suites += [getattr(stmt, "orelse", None), getattr(stmt, "finalbody", None)]
