@@ -33,9 +33,6 @@ class FoundCall:
         return self.op.call
 
 
-_SCOPES = (cst.ClassDef, cst.FunctionDef, cst.Lambda)  # the stack CallFinder keeps
-
-
 class CallFinder(cst.CSTVisitor):
     """Calls of the op, and of its pass-through wrappers (``wrappers``)."""
 
@@ -54,7 +51,7 @@ class CallFinder(cst.CSTVisitor):
             return False  # a statement that holds no call of the op
         if isinstance(node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
             self.statements.append(node)
-        if isinstance(node, _SCOPES):
+        if isinstance(node, a.SCOPES):
             self.stack.append(node)
         return super().on_visit(node)
 
@@ -74,7 +71,7 @@ class CallFinder(cst.CSTVisitor):
             super().on_leave(original_node)
             if isinstance(original_node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
                 self.statements.pop()
-            if isinstance(original_node, _SCOPES):
+            if isinstance(original_node, a.SCOPES):
                 self.stack.pop()
 
     def visit_Call(self, node: cst.Call) -> None:
