@@ -117,12 +117,10 @@ def rewrite(analysis: FileAnalysis) -> cst.Module:
     return module
 
 
-# revert's analysis is the rewrite's, holding RevertPlans; the rewrite applies them.
-RevertAnalysis = FileAnalysis
-revert = rewrite
+revert = rewrite  # revert's analysis is the rewrite's, holding RevertPlans; the rewrite applies them
 
 
-def analyze_revert(module: cst.Module) -> RevertAnalysis:
+def analyze_revert(module: cst.Module) -> FileAnalysis:
     """Find every call of the fused op; plan the removal of a bypass around it."""
     m = FileModel.of(module)
     finder = find_calls(module, m.source_map, m.wrappers)
@@ -139,4 +137,4 @@ def analyze_revert(module: cst.Module) -> RevertAnalysis:
         plans.append(plan)
     sites = schema.one_revert(sites)
     kept = [plan for plan, site in zip(plans, sites) if plan is not None and site.action is Action.REVERT]
-    return RevertAnalysis(module, sites, kept)
+    return FileAnalysis(module, sites, kept)

@@ -105,14 +105,14 @@ def find_method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
     return next((f for f in reversed(methods(cls)) if f.name.value == name), None)
 
 
-_SCOPES = (cst.FunctionDef, cst.Lambda, cst.ClassDef)
+SCOPES = (cst.FunctionDef, cst.Lambda, cst.ClassDef)  # what opens a scope of its own
 
 
 def walk_scope(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
     """Nodes of one function body, not descending into nested defs/lambdas/classes."""
     for child in node.children:
         yield child
-        if not isinstance(child, _SCOPES):
+        if not isinstance(child, SCOPES):
             yield from walk_scope(child)
 
 
@@ -151,7 +151,7 @@ def nodes_in(node: cst.CSTNode, scope_only: bool = False) -> list[cst.CSTNode]:
     while stack:
         children = _child_nodes(stack.pop())
         out += children
-        stack += [c for c in children if not scope_only or not isinstance(c, _SCOPES)]
+        stack += [c for c in children if not scope_only or not isinstance(c, SCOPES)]
     return out
 
 
@@ -321,9 +321,7 @@ def _bound_by(node: cst.CSTNode) -> Iterator[str]:
         yield _import_bound(node)
     elif isinstance(node, (cst.Global, cst.Nonlocal)):
         yield from (item.name.value for item in node.names)
-    elif isinstance(node, (cst.FunctionDef, cst.ClassDef)):
-        yield node.name.value
-    elif isinstance(node, (cst.MatchAs, cst.MatchStar)) and node.name is not None:
+    elif isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.MatchAs, cst.MatchStar)) and node.name is not None:
         yield node.name.value
     elif isinstance(node, cst.MatchMapping) and node.rest is not None:
         yield node.rest.value

@@ -5,9 +5,10 @@ ones (``roles.import_table``), and a flag is known by the value ``__init__`` lea
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import textwrap
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -18,34 +19,19 @@ from codemods import roles, schema
 from codemods.sourcemap import SourceMap
 
 
-class _Defs(Mapping[str, ast.FunctionDef]):
-    """LibCST defs by name, as Python's own tree: the one the source map paired with it,
-    else read from its code, once, when asked for."""
-
-    def __init__(self, defs: dict[str, cst.FunctionDef], source_map: SourceMap | None) -> None:
-        self.defs, self.trees, self.source_map = defs, {}, source_map
-
-    def __getitem__(self, name: str) -> ast.FunctionDef:
-        if name not in self.trees:
-            fn = self.defs[name]
-            node = self.source_map.trees.get(id(fn)) if self.source_map is not None else None
-            try:
-                node = node or ast.parse(textwrap.dedent(a.code(fn.with_changes(leading_lines=[], decorators=[])))).body[0]
-            except (SyntaxError, ValueError, IndexError):
-                raise KeyError(name) from None
-            if not isinstance(node, ast.FunctionDef):
-                raise KeyError(name)
-            self.trees[name] = node
-        return self.trees[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.defs
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.defs)
-
-    def __len__(self) -> int:
-        return len(self.defs)
+def _defs(defs: dict[str, cst.FunctionDef], source_map: SourceMap | None) -> dict[str, ast.FunctionDef]:
+    """LibCST defs by name, as Python's own tree: the one the source map paired with it, else
+    read from its code; a def Python's parser reads as no plain def is left out."""
+    trees = {}
+    for name, fn in defs.items():
+        node = source_map.trees.get(id(fn)) if source_map is not None else None
+        if node is None:
+            code = a.code(fn.with_changes(leading_lines=[], decorators=[]))
+            with contextlib.suppress(SyntaxError, ValueError):
+                node = ast.parse(textwrap.dedent(code)).body[0]
+        if isinstance(node, ast.FunctionDef):
+            trees[name] = node
+    return trees
 
 
 @dataclass
@@ -99,19 +85,21 @@ class FileModel:
     def scope(self, cls: cst.ClassDef) -> roles.Scope:
         """What a flag's expression may call: the module's functions, the class's methods, imports."""
         if id(cls) not in self._scopes:
-            methods = {f.name.value: f for f in a.methods(cls)}
-            self._scopes[id(cls)] = roles.Scope(
-                _Defs(self.functions, self.source_map), _Defs(methods, self.source_map), self.imports
-            )
+            methods = _defs({f.name.value: f for f in a.methods(cls)}, self.source_map)
+            self._scopes[id(cls)] = roles.Scope(self._function_trees, methods, self.imports)
         return self._scopes[id(cls)]
+
+    @functools.cached_property
+    def _function_trees(self) -> dict[str, ast.FunctionDef]:
+        return _defs(self.functions, self.source_map)
 
     @functools.cached_property
     def constants(self) -> dict[str, object]:
         """The module's literal constants (``roles.module_constants``), read once for every class."""
         if self.source_map is None:
             return {}
-        functions = _Defs(self.functions, self.source_map)
-        return roles.module_constants(self.source_map.tree, roles.Scope(functions, {}, self.imports))
+        scope = roles.Scope(self._function_trees, {}, self.imports)
+        return roles.module_constants(self.source_map.tree, scope)
 
     def flags(self, cls: cst.ClassDef) -> dict[str, bool]:
         """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``roles.flags``)."""
@@ -187,21 +175,19 @@ class FileModel:
 
         _locals: dict[str, object] = {}
         body = list(init.body.body) if isinstance(init.body, cst.IndentedBlock) else []
-        for stmt in body:  # what the top-level locals hold (for the fp8 dtype), where that can be read
-            pair = a.simple_assignment(stmt)
-            value = evaluated(pair[1]) if pair is not None and isinstance(pair[0], cst.Name) else None
-            if value is not None:
-                _locals[pair[0].value] = value  # type: ignore[union-attr]
+        pairs = [(stmt, a.simple_assignment(stmt)) for stmt in body]
+        assigned = [(stmt, p[0].value, p[1]) for stmt, p in pairs if p and isinstance(p[0], cst.Name)]
+        for _, name, expr in assigned:  # what the top-level locals hold (for the fp8 dtype), where readable
+            if (value := evaluated(expr)) is not None:
+                _locals[name] = value
         found = [stmt for stmt in body if only_sets(stmt)]
         # locals read only by those statements (``quantized = "fp8" in d``; ``self.F = quantized``)
-        for stmt in reversed(body):
-            pair = a.simple_assignment(stmt)
-            if pair is None or not isinstance(pair[0], cst.Name) or stmt in found:
+        for stmt, name, expr in reversed(assigned):
+            if stmt in found:
                 continue
-            name = pair[0].value
             readers = [s for s in body if s is not stmt and name in a.names_read(s)]
             only_theirs = readers and all(any(r is f for f in found) for r in readers)
-            if only_theirs and evaluated(pair[1]) is not None:
+            if only_theirs and evaluated(expr) is not None:
                 found.append(stmt)
         return [*found, *setters]
 

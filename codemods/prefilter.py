@@ -60,18 +60,13 @@ class _Defer(Exception):
     """A fact ``ast`` cannot read exactly as LibCST does."""
 
 
-def _after(call: ast.Call, method: ast.FunctionDef) -> list[ast.stmt]:
-    """The statements after the one holding ``call``, in its block."""
-    blocks = [method.body]
-    while blocks:
-        body = blocks.pop()
-        for i, stmt in enumerate(body):
-            if any(n is call for n in ast.walk(stmt)):
-                inner = [b for f in ("body", "orelse", "finalbody") for b in [getattr(stmt, f, None)] if b]
-                if any(any(n is call for s in b for n in ast.walk(s)) for b in inner):
-                    blocks += inner
-                    break
-                return body[i + 1 :]
+def _after(call: ast.Call, body: list[ast.stmt]) -> list[ast.stmt]:
+    """The statements after the one holding ``call``, in its block (within ``body``)."""
+    for i, stmt in enumerate(body):
+        if any(n is call for n in ast.walk(stmt)):
+            blocks = (getattr(stmt, f, None) or [] for f in ("body", "orelse", "finalbody"))
+            inner = next((b for b in blocks if any(n is call for s in b for n in ast.walk(s))), None)
+            return _after(call, inner) if inner is not None else body[i + 1 :]
     return []
 
 
@@ -96,7 +91,8 @@ def _site(
     if has_cache:
         slots = [schema.bind_arg(p, args, keywords) for p in (schema.SLOT_MAPPING, schema.INDEX_SLOT_MAPPING)]
         passed = [s for s in slots if s is not None]
-        if has_flag(cls) or any(roles.passes_slots(n, passed) for s in _after(call, method) for n in ast.walk(s)):
+        after = _after(call, method.body)
+        if has_flag(cls) or any(roles.passes_slots(n, passed) for s in after for n in ast.walk(s)):
             raise _Defer  # a flag, or a post-call write: the pieces of a bypass, whatever their names
     facts = schema.CallFacts(
         line=call.lineno, class_name=cls.name, method=method.name, module_function=None, nested_in=None,

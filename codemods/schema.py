@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TypeVar
 
 FUSED_OP = "fused_minimax_m3_qknorm_rope_kv_insert"
@@ -102,16 +102,9 @@ class InsertSite:
     write_method: str = ""  # the method the bypass writes the cache with (the fork's name for it)
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "class": self.class_name,
-            "method": self.method,
-            "line": self.line,
-            "state": self.state.value,
-            "action": self.action.value,
-            "reason": self.reason,
-            "pieces": dict(self.pieces),
-            "write_method": self.write_method,
-        }
+        fields = asdict(self)  # in their order, ``pieces`` copied
+        state, action = self.state.value, self.action.value
+        return {"class": fields.pop("class_name"), **fields, "state": state, "action": action}
 
 
 # --- what the analysis finds at a call ------------------------------------------------

@@ -33,9 +33,6 @@ class FoundCall:
         return self.op.call
 
 
-_SCOPES = (cst.ClassDef, cst.FunctionDef, cst.Lambda)  # the stack CallFinder keeps
-
-
 class CallFinder(cst.CSTVisitor):
     """Calls of the op, and of its pass-through wrappers (``wrappers``)."""
 
@@ -54,7 +51,7 @@ class CallFinder(cst.CSTVisitor):
             return False  # a statement that holds no call of the op
         if isinstance(node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
             self.statements.append(node)
-        if isinstance(node, _SCOPES):
+        if isinstance(node, a.SCOPES):
             self.stack.append(node)
         return super().on_visit(node)
 
@@ -74,7 +71,7 @@ class CallFinder(cst.CSTVisitor):
             super().on_leave(original_node)
             if isinstance(original_node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
                 self.statements.pop()
-            if isinstance(original_node, _SCOPES):
+            if isinstance(original_node, a.SCOPES):
                 self.stack.pop()
 
     def visit_Call(self, node: cst.Call) -> None:
@@ -405,23 +402,20 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
     scale_tree = roles.expression(a.code(scale[0][1])) if scale else None
     own = {id(scale[0][1])} if roles.is_scale_value(scale_tree) else set()
     for method in a.methods(cls):
+        flag_free = p.flag_unproven is not None or method.name.value in setters  # it may set the flag
+        pieces = {p.flag_attr, codegen.FP8_SCALE} - ({p.flag_attr} if flag_free else set())
         for node in a.all_statements(method.body):
             stored = {a.self_attr(t) for t in _store_targets(node)}
             if p.insert_method in stored:
                 note(p.insert_method, f"`self.{p.insert_method}` is assigned in {method.name.value}, hiding the method")
-            for name in sorted(stored & {p.flag_attr, codegen.FP8_SCALE}):
-                if id(getattr(node, "value", None)) in own:
-                    continue
-                if name == p.flag_attr and (p.flag_unproven is not None or method.name.value in setters):
-                    continue
-                shown = " ".join(a.code(node).split())
-                note(name, f"`{shown}` in {method.name.value} (the bypass relies on `self.{name}` being set once, in __init__)")
+            for name in sorted(stored & pieces):
+                if id(getattr(node, "value", None)) not in own:
+                    shown = " ".join(a.code(node).split())
+                    once = f"the bypass relies on `self.{name}` being set once, in __init__"
+                    note(name, f"`{shown}` in {method.name.value} ({once})")
         tree = m.scope(cls).methods.get(method.name.value)
         named = roles.set_by_name(tree, m.imports) if tree is not None else set()
-        pieces = {p.flag_attr, codegen.FP8_SCALE}
         for name in sorted(pieces if named is None else {n.removeprefix("self.") for n in named} & pieces):
-            if name == p.flag_attr and (p.flag_unproven is not None or method.name.value in setters):
-                continue
             note(name, f"`self.{name}` may be set by name in {method.name.value} (the bypass relies on it being set once, in __init__)")
 
 

@@ -88,33 +88,23 @@ def _sub_blocks_of(
     stmt: cst.BaseStatement, node: ast.stmt
 ) -> list[tuple[Sequence[cst.BaseStatement], list[ast.stmt]]] | None:
     """The statement lists inside a compound statement, LibCST's and ast's side by side, in
-    source order (a one-line suite, ``if x: y``, holds small statements: not paired)."""
-    pairs: list[tuple[Sequence[cst.BaseStatement], list[ast.stmt]]] = []
-
-    def block(suite: cst.BaseSuite, nodes: list[ast.stmt]) -> None:
-        if isinstance(suite, cst.IndentedBlock):
-            pairs.append((suite.body, nodes))
-
+    source order: body, handlers, else (an ``elif``: the ``If`` it holds), finally; a one-line
+    suite (``if x: y``) holds small statements: not paired. None where the clauses differ."""
     if isinstance(stmt, cst.Match):
-        if len(stmt.cases) != len(node.cases):  # type: ignore[attr-defined]
-            return None
-        for case, ast_case in zip(stmt.cases, node.cases, strict=True):  # type: ignore[attr-defined]
-            block(case.body, ast_case.body)
-        return pairs
-    block(stmt.body, node.body)  # type: ignore[attr-defined]
-    is_try = isinstance(stmt, (cst.Try, cst.TryStar))
-    if is_try:
-        if len(stmt.handlers) != len(node.handlers) or (stmt.finalbody is None and node.finalbody):
-            return None
-        for handler, ast_handler in zip(stmt.handlers, node.handlers, strict=True):
-            block(handler.body, ast_handler.body)
-    orelse = getattr(stmt, "orelse", None)
-    if isinstance(orelse, cst.If):  # elif
-        pairs.append(([orelse], node.orelse))  # type: ignore[attr-defined]
-    elif orelse is not None:
-        block(orelse.body, node.orelse)  # type: ignore[attr-defined]
-    elif getattr(node, "orelse", None):
-        pairs.append(([], node.orelse))  # type: ignore[attr-defined]  # a mismatch: _map_block says so
-    if is_try and stmt.finalbody is not None:
-        block(stmt.finalbody.body, node.finalbody)
+        suites = [case.body for case in stmt.cases]
+        blocks = [case.body for case in node.cases]  # type: ignore[attr-defined]
+    else:
+        suites = [stmt.body, *(h.body for h in getattr(stmt, "handlers", ()))]  # type: ignore[attr-defined]
+        suites += [getattr(stmt, "orelse", None), getattr(stmt, "finalbody", None)]
+        blocks = [node.body, *(h.body for h in getattr(node, "handlers", ()))]  # type: ignore[attr-defined]
+        blocks += [getattr(node, "orelse", []), getattr(node, "finalbody", [])]
+    if len(suites) != len(blocks):
+        return None
+    pairs: list[tuple[Sequence[cst.BaseStatement], list[ast.stmt]]] = []
+    for suite, nodes in zip(suites, blocks):
+        suite = suite.body if isinstance(suite, (cst.Else, cst.Finally)) else suite
+        if isinstance(suite, cst.If):  # elif
+            pairs.append(([suite], nodes))
+        elif suite is None or isinstance(suite, cst.IndentedBlock):  # none: a mismatch where ast has one
+            pairs.append((suite.body if suite is not None else [], nodes))
     return pairs
