@@ -444,11 +444,7 @@ def stage_write(result: FileResult, backup: bool = False) -> StagedWrite:
     backup). Nothing the user sees changes yet: on failure both are removed (``FileError``)."""
     assert result.new is not None
     real = Path(os.path.realpath(result.path))
-    _check_unchanged(real, result.original)
-    try:
-        st = real.stat()
-    except OSError as exc:
-        raise FileError(f"cannot stat before writing: {exc.strerror or exc}") from exc
+    st = _check_unchanged(real, result.original)
     mode, owner = stat.S_IMODE(st.st_mode), (st.st_uid, st.st_gid)
     if not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
         raise FileError("file is read-only; nothing written")
@@ -482,13 +478,16 @@ def discard(staged: StagedWrite) -> None:
             _unlink(path)
 
 
-def _check_unchanged(real: Path, original: bytes) -> None:
+def _check_unchanged(real: Path, original: bytes) -> os.stat_result:
+    """The file's status, where its bytes are still ``original``."""
     try:
-        current = real.read_bytes()
+        with open(real, "rb") as file:
+            current, st = file.read(), os.fstat(file.fileno())
     except OSError as exc:
         raise FileError(f"cannot re-read before writing: {exc.strerror or exc}") from exc
     if current != original:
         raise FileError("changed by someone else since it was read; nothing written, run again")
+    return st
 
 
 def remove_stray_temps(path: Path) -> None:

@@ -228,8 +228,8 @@ def _prove_all(report: Report, prove: bool) -> None:
     for result in to_write:
         result.proof = proof.prove(result) if prove else proof.NO_PROVE
         if result.proof.status == proof.FAILED:
-            why = f"the rewrite failed its proof ({proof.LEVEL} level): {result.proof.reason}; nothing written"
-            result.status, result.error = FileStatus.ERROR, why
+            why = f"the rewrite failed its proof ({proof.LEVEL} level): {result.proof.reason}"
+            result.status, result.error = FileStatus.ERROR, f"{why}; nothing written"
 
 
 def _write_all(report: Report, backup: bool) -> None:
