@@ -151,7 +151,7 @@ class ModelHook(importlib.abc.MetaPathFinder):
                 now = lambda p: self.decided(p, raw, started=time.perf_counter())  # noqa: E731
                 return Stop(str(path), "", (), later=lambda: self.judged(path, now))
             status = FileStatus.UNCHANGED if sites else FileStatus.NO_SITES
-            verdict = Verdict.of(path, FileResult(path, status, sites, original=raw), keep=False)
+            verdict = Verdict.of(FileResult(path, status, sites, original=raw), keep=False)
         return self.decided(path, raw, verdict, started)
 
     def decided(self, path: Path, raw: bytes, verdict: Verdict | None = None, started: float = 0.0):
@@ -162,7 +162,7 @@ class ModelHook(importlib.abc.MetaPathFinder):
             from rewriter.apply import classify_file, plan_file
 
             result = plan_file(path, raw=raw) if self.how == "apply" else classify_file(path, raw=raw)
-            verdict = Verdict.of(path, result)
+            verdict = Verdict.of(result)
         took = f"{time.perf_counter() - started:.2f} s"
         if verdict.fine:
             if verdict.states:

@@ -172,7 +172,7 @@ def _through_proc(path: Path) -> bool:
 
 
 def rewrite(analysis: FileAnalysis) -> cst.Module:
-    """The LibCST codemod's rewrite (``codemods.analysis``, imported on first need, as elsewhere)."""
+    """The LibCST codemod's rewrite, a revert's too (``codemods.analysis``, imported on first need)."""
     from codemods.analysis import rewrite as rewrite_module
 
     return rewrite_module(analysis)
@@ -247,16 +247,26 @@ def _lost_tail(module: cst.Module, raw: bytes) -> bytes:
     return body[len(again) :]
 
 
-def plan_file(path: Path, name: str | None = None, raw: bytes | None = None) -> FileResult:
-    """Analyze one file and, where a rewrite is needed, prepare the validated new bytes;
+def plan_file(
+    path: Path, name: str | None = None, raw: bytes | None = None, revert: bool = False, transform: bool = True
+) -> FileResult:
+    """Analyze one file and, where a rewrite (or a revert) is needed, prepare the validated new bytes;
     ``name`` is the path the diff names (``Target.diff_name``; default: the file's name);
-    ``raw``: its bytes, read already (else read here)."""
-    return _plan(path, name, raw=raw)
+    ``raw``: its bytes, read already (else read here); ``transform=False``: classify only."""
+    result = FileResult(path, FileStatus.ERROR)
+    try:
+        _fill_plan(result, name, revert, transform, raw)
+    except FileError as exc:
+        result.status, result.error = FileStatus.ERROR, str(exc)
+    except RecursionError:  # deeper than LibCST can go, below the limits: never a traceback
+        result.status, result.sites = FileStatus.ERROR, []
+        result.error = f"an expression is nested too deeply; {SPLIT_IT}"
+    return result
 
 
 def classify_file(path: Path, raw: bytes | None = None) -> FileResult:
     """Each site's state only: nothing is rewritten or validated (``verify``)."""
-    return _plan(path, transform=False, raw=raw)
+    return plan_file(path, raw=raw, transform=False)
 
 
 def plan_revert_file(
@@ -264,7 +274,7 @@ def plan_revert_file(
 ) -> FileResult:
     """Like ``plan_file``, for taking the bypass out again (``revert``): refused where that would
     not give back what ``run`` started from (``undo_refusal``), unless ``whole_bypass``."""
-    result = _plan(path, name, revert=True, raw=raw)
+    result = plan_file(path, name, raw, revert=True)
     if result.new is not None and not whole_bypass and (why := undo_refusal(result)):
         result.status, result.new, result.diff, result.not_an_undo = FileStatus.REFUSED, None, "", True
         for site in result.sites:
@@ -279,7 +289,7 @@ def undo_refusal(reverted: FileResult) -> str | None:
     what the revert leaves, writes this file again byte for byte; or has nothing to do there (a
     stale bypass on a native call, which ``run`` takes out too: nothing of its own is undone)."""
     raw, path = reverted.original, reverted.path
-    again = _plan(path, raw=reverted.new)
+    again = plan_file(path, raw=reverted.new)
     if again.status is FileStatus.UNCHANGED or again.new == raw:
         return None
     if again.new is None:
@@ -310,21 +320,6 @@ def _first_words(lines: list[bytes], encoding: str, width: int = 60) -> str:
     return f"`{line if len(line) <= width else line[: width - 3] + '...'}`"
 
 
-def _plan(
-    path: Path, name: str | None = None, revert: bool = False, transform: bool = True, raw: bytes | None = None
-) -> FileResult:
-    """Read (or take ``raw``), pre-filter, parse, analyze; then rewrite (or revert) and validate the new bytes."""
-    result = FileResult(path, FileStatus.ERROR)
-    try:
-        _fill_plan(result, name, revert, transform, raw)
-    except FileError as exc:
-        result.status, result.error = FileStatus.ERROR, str(exc)
-    except RecursionError:  # deeper than LibCST can go, below the limits: never a traceback
-        result.status, result.sites = FileStatus.ERROR, []
-        result.error = f"an expression is nested too deeply; {SPLIT_IT}"
-    return result
-
-
 def quick_sites(raw: bytes) -> list[InsertSite] | None:
     """Each site's state where the ``ast`` pre-filter can tell (none: no mention of the op);
     None where it takes the full analysis. Native files: LibCST is never imported."""
@@ -332,13 +327,14 @@ def quick_sites(raw: bytes) -> list[InsertSite] | None:
 
 
 def _fill_plan(result: FileResult, name: str | None, revert: bool, transform: bool, raw: bytes | None) -> None:
-    """Fill in ``result``; ``FileError`` says why the file cannot be rewritten."""
+    """Read (or take ``raw``), pre-filter, parse, analyze; then rewrite (or revert) and validate the
+    new bytes into ``result``; ``FileError`` says why the file cannot be rewritten."""
     raw = result.original = read_bytes(result.path) if raw is None else raw
     sites = quick_sites(raw) if not revert or FUSED_OP.encode() not in raw else None
     if sites is not None:
         result.status, result.sites = FileStatus.UNCHANGED if sites else FileStatus.NO_SITES, sites
         return
-    from codemods.analysis import analyze, analyze_revert, revert as revert_module
+    from codemods.analysis import analyze, analyze_revert
 
     module = _parse(raw)
     analysis = analyze_revert(module) if revert else analyze(module, raw)
@@ -364,12 +360,8 @@ def _fill_plan(result: FileResult, name: str | None, revert: bool, transform: bo
         ) from exc
     tail = _lost_tail(module, raw)
     try:
-        changed = revert_module(analysis) if revert else rewrite(analysis)
-        new = (BOM if raw.startswith(BOM) else b"") + changed.bytes + tail
-        if revert:
-            _validate_revert(new, result.path)
-        else:
-            result.new_sites = validate(new, result.path, analysis.patched_after)
+        new = (BOM if raw.startswith(BOM) else b"") + rewrite(analysis).bytes + tail
+        result.new_sites = validate(new, result.path, revert, analysis.patched_after)
     except FileError as exc:
         raise FileError(f"rewrite failed validation: {exc}") from exc
     result.new, result.encoding = new, module.encoding
@@ -383,20 +375,25 @@ def _compile(source: bytes, path: Path) -> None:
         compile(source.removeprefix(BOM), str(path), "exec", dont_inherit=True)
 
 
-def _parse_and_compile(new: bytes, path: Path) -> cst.Module:
+def validate(new: bytes, path: Path, revert: bool, expected_patched: int) -> list[InsertSite]:
+    """The new source parses, compiles, and a second pass has nothing to do; its sites. A revert's:
+    neither pass finds a bypass (or half of one) left; no sites (``run`` proves none)."""
+    from codemods.analysis import analyze, analyze_revert
+
     module = _parse(new, ours=True)
     try:
         _compile(new, path)
     except SyntaxError as exc:
         raise FileError(f"output does not compile: {exc.msg} (line {exc.lineno})") from exc
-    return module
-
-
-def validate(new: bytes, path: Path, expected_patched: int) -> list[InsertSite]:
-    """The new source parses, compiles, and a second pass has nothing to do; its sites."""
-    from codemods.analysis import analyze
-
-    sites = analyze(_parse_and_compile(new, path), new).sites
+    if revert:
+        for s in analyze_revert(module).sites:
+            if s.action is not Action.NONE:
+                raise FileError(f"second pass still finds line {s.line} {s.action.value}: {s.reason}")
+        stale = [s for s in analyze(module).sites if s.state in (SiteState.PATCHED, SiteState.HALF_APPLIED)]
+        if stale:
+            raise FileError(f"line {stale[0].line} is still {stale[0].state.value} after the revert")
+        return []
+    sites = analyze(module, new).sites
     for s in sites:
         if s.action is not Action.NONE:
             raise FileError(f"second pass still finds line {s.line} {s.state.value}: {s.reason}")
@@ -404,19 +401,6 @@ def validate(new: bytes, path: Path, expected_patched: int) -> list[InsertSite]:
     if patched < expected_patched:
         raise FileError(f"second pass finds {patched} patched site(s), expected {expected_patched}")
     return sites
-
-
-def _validate_revert(new: bytes, path: Path) -> None:
-    """The reverted source parses, compiles, and neither pass finds a bypass (or half of one) left."""
-    from codemods.analysis import analyze, analyze_revert
-
-    module = _parse_and_compile(new, path)
-    for s in analyze_revert(module).sites:
-        if s.action is not Action.NONE:
-            raise FileError(f"second pass still finds line {s.line} {s.action.value}: {s.reason}")
-    stale = [s for s in analyze(module).sites if s.state in (SiteState.PATCHED, SiteState.HALF_APPLIED)]
-    if stale:
-        raise FileError(f"line {stale[0].line} is still {stale[0].state.value} after the revert")
 
 
 def _lines(raw: bytes, encoding: str) -> list[str]:
@@ -460,11 +444,7 @@ def stage_write(result: FileResult, backup: bool = False) -> StagedWrite:
     backup). Nothing the user sees changes yet: on failure both are removed (``FileError``)."""
     assert result.new is not None
     real = Path(os.path.realpath(result.path))
-    _check_unchanged(real, result.original)
-    try:
-        st = real.stat()
-    except OSError as exc:
-        raise FileError(f"cannot stat before writing: {exc.strerror or exc}") from exc
+    st = _check_unchanged(real, result.original)
     mode, owner = stat.S_IMODE(st.st_mode), (st.st_uid, st.st_gid)
     if not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
         raise FileError("file is read-only; nothing written")
@@ -498,13 +478,16 @@ def discard(staged: StagedWrite) -> None:
             _unlink(path)
 
 
-def _check_unchanged(real: Path, original: bytes) -> None:
+def _check_unchanged(real: Path, original: bytes) -> os.stat_result:
+    """The file's status, where its bytes are still ``original``."""
     try:
-        current = real.read_bytes()
+        with open(real, "rb") as file:
+            current, st = file.read(), os.fstat(file.fileno())
     except OSError as exc:
         raise FileError(f"cannot re-read before writing: {exc.strerror or exc}") from exc
     if current != original:
         raise FileError("changed by someone else since it was read; nothing written, run again")
+    return st
 
 
 def remove_stray_temps(path: Path) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from codemods.schema import CHANGING, Action, SiteState
 from rewriter import testhook
 from rewriter.apply import (
+    BOM,
     FileError,
     FileResult,
     FileStatus,
@@ -63,6 +64,10 @@ class Report:
 
     def count(self, status: FileStatus) -> int:
         return sum(1 for f in self.files if f.status is status)
+
+
+def under_pre_commit() -> bool:
+    return os.environ.get("PRE_COMMIT") == "1"  # set by pre-commit for its hooks
 
 
 def analyze_targets(command: str, targets: list[Target]) -> Report:
@@ -126,7 +131,7 @@ def honour_off(result: FileResult) -> FileResult:
 
 
 def mark_off(result: FileResult, name: str | None) -> None:
-    """Put ``OFF_LINE`` into the new source of a file ``revert`` takes the bypass out of, after
+    """Put ``OFF_LINE`` into the new source (if any) of a file ``revert`` takes the bypass out of, after
     its opening comment lines (a licence header, a shebang, a coding cookie), in its line ending."""
     new = result.new
     if new is None or off_line(new) is not None:
@@ -137,7 +142,7 @@ def mark_off(result: FileResult, name: str | None) -> None:
         return
     if "#".encode(result.encoding) != b"#":  # not an ASCII-compatible encoding: leave it
         return
-    start = 3 if new.startswith(b"\xef\xbb\xbf") else 0
+    start = len(BOM) if new.startswith(BOM) else 0
     lines = new[start:].splitlines(keepends=True)
     ending = b"\r\n" if lines and lines[0].endswith(b"\r\n") else b"\n"
     head = 0
@@ -180,10 +185,9 @@ def write_targets(
             files = [honour_off(plan_file(t.path, name=t.diff_name)) for t in targets]
         else:
             files = [plan_revert_file(t.path, t.diff_name, whole_bypass) for t in targets]
-            if os.environ.get("PRE_COMMIT") == "1":  # the revert hook: it stays reverted
+            if under_pre_commit():  # the revert hook: it stays reverted
                 for target, result in zip(targets, files):
-                    if result.status is FileStatus.NEEDS_REWRITE:
-                        mark_off(result, target.diff_name)
+                    mark_off(result, target.diff_name)
         report = Report(command, targets, files, dry_run=dry_run, exit_non_zero_on_fix=exit_non_zero_on_fix)
         report.verb = "revert --whole-bypass" if whole_bypass else command
         return report
@@ -224,7 +228,8 @@ def _prove_all(report: Report, prove: bool) -> None:
     for result in to_write:
         result.proof = proof.prove(result) if prove else proof.NO_PROVE
         if result.proof.status == proof.FAILED:
-            result.status, result.error = FileStatus.ERROR, proof.failure(result.proof)
+            why = f"the rewrite failed its proof ({proof.LEVEL} level): {result.proof.reason}"
+            result.status, result.error = FileStatus.ERROR, f"{why}; nothing written"
 
 
 def _write_all(report: Report, backup: bool) -> None:

@@ -6,7 +6,6 @@ be unproven, with the command that proves it. torch is imported here only, for a
 from __future__ import annotations
 
 import importlib.util
-import shlex
 
 from rewriter.apply import FAILED, LEVEL, OFF, PASSED, SKIPPED, UNAVAILABLE, FileResult, Proof, source_text
 from rewriter.targets import shown_path
@@ -53,12 +52,7 @@ def prove(result: FileResult) -> Proof:
     return Proof(PASSED, rows[0].reason + (f"; {also} too" if also else ""), details)
 
 
-def failure(proof: Proof) -> str:
-    """The file's error when its proof failed (one line)."""
-    return f"the rewrite failed its proof ({LEVEL} level): {proof.reason}; nothing written"
-
-
-def proof_line(result: FileResult, example: bool, verify: str | None = None) -> str | None:
+def proof_line(result: FileResult, example: bool, verify: str) -> str | None:
     """What the human report says of a written file's proof: proven, or unproven and how to prove
     it (``verify``: the command that names the file; ``--example``, whose copy is gone: run again)."""
     proof = result.proof
@@ -67,7 +61,6 @@ def proof_line(result: FileResult, example: bool, verify: str | None = None) -> 
     name = shown_path(result.path)
     if proof.proven:
         return f"proven: {name}: the {LEVEL} level passed before writing: {proof.reason}"
-    verify = verify or f"mm3-codemod verify {shlex.quote(name)}"
     if proof.status == UNAVAILABLE:
         why = f"{proof.reason}, so the new code was not run before writing"
         how = f"{install()} and run it again" if example else f"{install()}, then {verify}"

@@ -20,7 +20,7 @@ from rich.text import Text
 from codemods.schema import CHANGING, FUSED_OP, Action, InsertSite, SiteState
 from rewriter import __version__
 from rewriter.apply import FileResult, FileStatus
-from rewriter.commands import Report
+from rewriter.commands import Report, under_pre_commit
 from rewriter.console import say, write_stdout
 from rewriter.proof import proof_line
 from rewriter.targets import Target, shown_path
@@ -129,10 +129,6 @@ HOOKS = {
     "revert": ("mm3-codemod-revert", True),
 }
 PRE_COMMIT_CONFIG = ".pre-commit-config.yaml"  # pre-commit runs hooks at the repository's top
-
-
-def under_pre_commit() -> bool:
-    return os.environ.get("PRE_COMMIT") == "1"  # set by pre-commit for its hooks
 
 
 def entry_verb(entry: str) -> str | None:

@@ -58,7 +58,7 @@ class Verdict:
             return None
 
     @classmethod
-    def of(cls, path: Path, result: FileResult, raw: bytes | None = None, keep: bool = True) -> Verdict:
+    def of(cls, result: FileResult, raw: bytes | None = None, keep: bool = True) -> Verdict:
         """The verdict of a ``classify_file`` / ``plan_file`` result on the bytes it read; with
         ``raw``, of ``run``'s new bytes (``result.new_sites``: what its second pass found).
         Kept in the cache unless ``keep`` is False (the pre-filter's answer: as quick again)."""
@@ -73,14 +73,14 @@ class Verdict:
             states = ", ".join(f"{s.state.value} at line {s.line}" for s in work) or "unreadable"
         refused = result.status is not FileStatus.NEEDS_REWRITE
         facts = {
-            "installed": str(path),
+            "installed": str(result.path),
             "fine": fine,
             "states": states,
             # the layer classes to arm; none where a site is outside a class (then: all)
             "classes": sorted({s.class_name for s in work}) if all(s.class_name for s in work) else [],
             "refusal": None if fine or not refused else (work[0].reason if work else result.error),
         }
-        verdict = cls(path, cls.key_of(result.original if raw is None else raw), facts)
+        verdict = cls(result.path, cls.key_of(result.original if raw is None else raw), facts)
         if keep:
             verdict.save()
         return verdict
@@ -99,6 +99,6 @@ def remember(result: FileResult) -> None:
     from rewriter.apply import FileStatus
 
     if result.status is FileStatus.REWRITTEN and result.new is not None:
-        Verdict.of(result.path, result, result.new)
+        Verdict.of(result, result.new)
     elif result.status is FileStatus.UNCHANGED and any(s.state.value == "patched" for s in result.sites):
-        Verdict.of(result.path, result)
+        Verdict.of(result)
