@@ -116,7 +116,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     taken = a.bound_names(method)
     guard = _guard_name(p, taken)
     init_attrs = a.self_assignments(init)
-    names, w = write_names(op, method, slot, init_attrs, m.imports)
+    names = write_names(op, method, slot, init_attrs, m.imports)
     wrap = [param for param in (schema.KV_CACHE, schema.INDEX_CACHE) if guard_of(op.arg(param)) is None]
     qkv, main_slots, index_slots = qkv_and_slots(op)
     flag_slot = dtype_anchor(init, init_attrs)
@@ -149,8 +149,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     )
     post_insert_code = render(
         codegen.POST_INSERT, module, guard=guard, qkv=qkv, insert_kv=name,
-        kv_width=w.kv, q_width=w.q, index_q_width=w.index_q, idx_head_dim=w.idx_head_dim,
-        main_slots=main_slots, index_slots=index_slots,
+        main_slots=main_slots, index_slots=index_slots, **names,
         **{f"n_{k}": _fresh(k, taken) for k in ("kv", "k0", "ik0", "k", "v", "index_k")},
     )
     insert_kv_code = render(

@@ -261,7 +261,7 @@ def _plan_insert_kv(
     init = a.find_method(cls, "__init__")
     if init is None:
         raise Unsupported(f"class {cls.name.value} has no __init__")
-    names, _ = proofs.write_names(op, method, slot, a.self_assignments(init), m.imports)
+    names = proofs.write_names(op, method, slot, a.self_assignments(init), m.imports)
     if names["reshape"] == schema.RESHAPE_OP and not any(i.bound == schema.RESHAPE_OP for i in imports):
         raise Unsupported(f"`{schema.RESHAPE_OP}` is not imported: cannot restore the attn_metadata {name}")
 
