@@ -243,8 +243,8 @@ def _plan_insert_kv(
         raise Unsupported(f"`{name}` is also called outside the bypass: its signature must stay")
     imports = a.module_imports(module)
     metadata = [  # plain from-imports of the metadata classes
-        i for i in imports if i.bound in (MAIN_METADATA, INDEX_METADATA) and i.alias.asname is None
-        and any(isinstance(s, cst.ImportFrom) for s in i.statement.body)
+        i.importer for i in imports if i.bound in (MAIN_METADATA, INDEX_METADATA) and i.alias.asname is None
+        and isinstance(i.importer, cst.ImportFrom)
     ]
     missing = [n for n in (INDEX_METADATA, MAIN_METADATA) if n not in {i.bound for i in imports}]
     if native or not metadata:
@@ -265,10 +265,7 @@ def _plan_insert_kv(
     if names["reshape"] == schema.RESHAPE_OP and not any(i.bound == schema.RESHAPE_OP for i in imports):
         raise Unsupported(f"`{schema.RESHAPE_OP}` is not imported: cannot restore the attn_metadata {name}")
 
-    holder = metadata[0]
-    plan.metadata_import = next(
-        s for s in holder.statement.body if isinstance(s, cst.ImportFrom) and holder.alias in s.names
-    )
+    plan.metadata_import = metadata[0]
     plan.add_imports = missing
     plan.insert_kv = "restore"
     plan.also_remove = _exclusive_delegates(m, cls, fn)

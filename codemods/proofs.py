@@ -219,16 +219,10 @@ def bare_import(
     if any(i.bound == schema.RESHAPE_OP for i in imports):
         return None
     for imp in imports:
-        if imp.bound == schema.FUSED_OP and imp.alias.asname is None:
-            for small in imp.statement.body:
-                if (
-                    isinstance(small, cst.ImportFrom)
-                    and imp.alias in small.names
-                    and not small.relative
-                    and small.module is not None
-                    and a.code(small.module).replace(" ", "") == "vllm._custom_ops"
-                ):
-                    return imp.statement, small
+        small, plain = imp.importer, imp.bound == schema.FUSED_OP and imp.alias.asname is None
+        if plain and isinstance(small, cst.ImportFrom) and not small.relative and small.module is not None:
+            if a.code(small.module).replace(" ", "") == "vllm._custom_ops":
+                return imp.statement, small
     raise Unsupported(
         f"`{schema.FUSED_OP}` is called by a bare name that `from vllm._custom_ops import …` does not bring in: "
         f"where `{schema.RESHAPE_OP}` is cannot be told; import both from `vllm._custom_ops`, then run again"
