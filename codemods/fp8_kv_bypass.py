@@ -122,7 +122,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     flag_slot = dtype_anchor(init, init_attrs)
     assert flag_slot is not None  # write_names proved that __init__ sets the dtype
     bare = names["reshape"] == schema.RESHAPE_OP
-    reshape_import = bare_import(module, a.module_imports(module)) if bare else None
+    reshape_import = bare_import(a.module_imports(module)) if bare else None
 
     # The upgrade: the raw index scatters of `_insert_kv` and of what it hands its work to.
     upgraded: list[cst.FunctionDef] = []

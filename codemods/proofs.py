@@ -211,18 +211,18 @@ def _is_dtype_conversion(node: cst.CSTNode) -> bool:
     )
 
 
-def bare_import(
-    module: cst.Module, imports: list[a.ImportedName]
-) -> tuple[cst.SimpleStatementLine, cst.ImportFrom] | None:
+def bare_import(imports: list[a.ImportedName]) -> tuple[cst.SimpleStatementLine, cst.ImportFrom] | None:
     """For a bare ``fused_…(…)`` callee: ``from vllm._custom_ops import fused_…``, beside which
     ``reshape_and_cache_flash`` is imported."""
     if any(i.bound == schema.RESHAPE_OP for i in imports):
         return None
     for imp in imports:
-        small, plain = imp.importer, imp.bound == schema.FUSED_OP and imp.alias.asname is None
-        if plain and isinstance(small, cst.ImportFrom) and not small.relative and small.module is not None:
-            if a.code(small.module).replace(" ", "") == "vllm._custom_ops":
-                return imp.statement, small
+        small = imp.importer
+        if not isinstance(small, cst.ImportFrom) or small.relative or small.module is None:
+            continue
+        source = a.code(small.module).replace(" ", "")
+        if imp.bound == schema.FUSED_OP and imp.alias.asname is None and source == "vllm._custom_ops":
+            return imp.statement, small
     raise Unsupported(
         f"`{schema.FUSED_OP}` is called by a bare name that `from vllm._custom_ops import …` does not bring in: "
         f"where `{schema.RESHAPE_OP}` is cannot be told; import both from `vllm._custom_ops`, then run again"
