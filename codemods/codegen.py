@@ -4,7 +4,7 @@ and newline, and removing the imports a change left unused."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import libcst as cst
 
@@ -209,26 +209,80 @@ def parse_method(code: str, module: cst.Module, **changes: object) -> cst.Functi
     return new.with_changes(**changes)
 
 
-Replace = Callable[..., tuple[list[cst.BaseStatement], list[cst.EmptyLine]]]
+class Splice(cst.CSTTransformer):
+    """What the rewrite and the revert both do to a file, by node: a def of ``methods`` becomes
+    its new code (its leading lines and decorators kept), a from-import of ``imports`` gets names
+    (``add_import_alias``), and each statement of ``touched`` becomes what ``replace`` makes of it."""
 
+    def __init__(
+        self, module: cst.Module, methods: dict[int, str], imports: dict[int, list[str]], touched: set[int]
+    ) -> None:
+        super().__init__()
+        self.module, self.methods, self.imports, self.touched = module, methods, imports, touched
 
-def splice(original: cst.IndentedBlock, updated: cst.IndentedBlock, replace: Replace) -> cst.IndentedBlock:
-    """Each statement of the block -> ``replace(original, updated)``: the statements in its place
-    and the comment lines handed on to the next statement kept (after the last: the block's end)."""
-    body: list[cst.BaseStatement] = []
-    carried: list[cst.EmptyLine] = []
-    for orig, new in zip(original.body, updated.body, strict=True):
-        replacement, handed = replace(orig, new)
-        carried += handed
-        if replacement and carried:
-            first = replacement[0]
-            replacement[0] = first.with_changes(leading_lines=[*carried, *first.leading_lines])
-            carried = []
-        body += replacement
-    return updated.with_changes(body=body, footer=[*carried, *updated.footer])
+    def replace(
+        self, original: cst.BaseStatement, updated: cst.BaseStatement
+    ) -> tuple[list[cst.BaseStatement], list[cst.EmptyLine]]:
+        """The statements in the place of one of ``touched``, and the comment lines handed on to
+        the next statement (after the last: kept at the block's end)."""
+        return [updated], []
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+        if id(original) not in self.methods:
+            return updated
+        code, lines, decorators = self.methods[id(original)], original.leading_lines, original.decorators
+        return parse_method(code, self.module, leading_lines=lines, decorators=decorators)
+
+    def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
+        for name in self.imports.get(id(original), ()):
+            updated = add_import_alias(updated, name)
+        return updated
+
+    def leave_IndentedBlock(
+        self, original: cst.IndentedBlock, updated: cst.IndentedBlock
+    ) -> cst.IndentedBlock:
+        if not any(id(s) in self.touched for s in original.body):
+            return updated
+        body: list[cst.BaseStatement] = []
+        carried: list[cst.EmptyLine] = []
+        for orig, new in zip(original.body, updated.body, strict=True):
+            replacement, handed = self.replace(orig, new)
+            carried += handed
+            if replacement and carried:
+                first = replacement[0]
+                replacement[0] = first.with_changes(leading_lines=[*carried, *first.leading_lines])
+                carried = []
+            body += replacement
+        return updated.with_changes(body=body, footer=[*carried, *updated.footer])
 
 
 # --- imports ------------------------------------------------------------------------------
+
+
+def add_import_alias(imp: cst.ImportFrom, name: str) -> cst.ImportFrom:
+    """Add ``name`` to a from-import, in sorted place when the names are sorted
+    (isort's order: constants, classes, then the rest), else at the end; the
+    punctuation is copied from the neighbours (the inverse of removing one)."""
+    assert not isinstance(imp.names, cst.ImportStar)
+    names = list(imp.names)
+
+    def key(text: str) -> tuple[int, str]:
+        kind = 0 if text.isupper() else 1 if text[:1].isupper() else 2
+        return kind, text.lower()
+
+    keys = [key(a.code(n.name)) for n in names]
+    index = len(names)
+    if keys == sorted(keys):
+        index = next((i for i, k in enumerate(keys) if k > key(name)), len(names))
+    commas = (n.comma for n in names[:-1] if isinstance(n.comma, cst.Comma))
+    middle = next(commas, cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+    if index == len(names):
+        new = cst.ImportAlias(name=cst.Name(name), comma=names[-1].comma)
+        names[-1] = names[-1].with_changes(comma=middle)
+    else:
+        new = cst.ImportAlias(name=cst.Name(name), comma=middle)
+    names.insert(index, new)
+    return imp.with_changes(names=names)
 
 
 _STATEMENT_CONTAINERS = (
@@ -306,10 +360,12 @@ def _template_comments(template: str) -> tuple[str, ...]:
 BYPASS_COMMENTS = (_template_comments(FLAG), _template_comments(GUARD), *SEED_COMMENTS)
 
 
-def strip_bypass_comments(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]:
-    """Leading lines without any run of comment lines that is a bypass comment block."""
+def strip_comments(
+    lines: Sequence[cst.EmptyLine], blocks: Sequence[tuple[str, ...]] = BYPASS_COMMENTS
+) -> list[cst.EmptyLine]:
+    """Leading lines without any run of comment lines that is one of ``blocks`` (by their text)."""
     out = list(lines)
-    for block in BYPASS_COMMENTS:
+    for block in blocks:
         i = 0
         while i + len(block) <= len(out):
             window = out[i : i + len(block)]

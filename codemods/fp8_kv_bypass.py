@@ -116,13 +116,13 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     taken = a.bound_names(method)
     guard = _guard_name(p, taken)
     init_attrs = a.self_assignments(init)
-    names, w = write_names(op, method, slot, init_attrs, m.imports)
+    names = write_names(op, method, slot, init_attrs, m.imports)
     wrap = [param for param in (schema.KV_CACHE, schema.INDEX_CACHE) if guard_of(op.arg(param)) is None]
     qkv, main_slots, index_slots = qkv_and_slots(op)
     flag_slot = dtype_anchor(init, init_attrs)
     assert flag_slot is not None  # write_names proved that __init__ sets the dtype
     bare = names["reshape"] == schema.RESHAPE_OP
-    reshape_import = bare_import(module, a.module_imports(module)) if bare else None
+    reshape_import = bare_import(a.module_imports(module)) if bare else None
 
     # The upgrade: the raw index scatters of `_insert_kv` and of what it hands its work to.
     upgraded: list[cst.FunctionDef] = []
@@ -149,8 +149,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     )
     post_insert_code = render(
         codegen.POST_INSERT, module, guard=guard, qkv=qkv, insert_kv=name,
-        kv_width=w.kv, q_width=w.q, index_q_width=w.index_q, idx_head_dim=w.idx_head_dim,
-        main_slots=main_slots, index_slots=index_slots,
+        main_slots=main_slots, index_slots=index_slots, **names,
         **{f"n_{k}": _fresh(k, taken) for k in ("kv", "k0", "ik0", "k", "v", "index_k")},
     )
     insert_kv_code = render(
@@ -315,16 +314,18 @@ def _guard_name(p: schema.Pieces, taken: set[str]) -> str:
 # --- the transformer --------------------------------------------------------------------
 
 
-class Fp8KvBypass(cst.CSTTransformer):
+class Fp8KvBypass(codegen.Splice):
     """Apply one ``BypassPlan``: flag in __init__, guard and insert in the forward path."""
 
     def __init__(self, module: cst.Module, plan: BypassPlan) -> None:
-        super().__init__()
-        self.module = module
         self.plan = plan
+        self._edits = {id(stmt): code for stmt, code in plan.edits}
+        methods = {id(plan.old_insert_kv): plan.insert_kv_code} if plan.old_insert_kv is not None else {}
+        imports = {id(plan.reshape_import[1]): [schema.RESHAPE_OP]} if plan.reshape_import else {}
+        touched = {*self._edits, *map(id, (plan.call_slot.statement, plan.flag_slot.statement, plan.method))}
+        super().__init__(module, methods, imports, touched)
         statements = [plan.call_slot.statement] + ([plan.reshape_import[0]] if plan.reshape_import else [])
         self._enter = {id(n) for n in (*plan.scopes, *statements)}
-        self._edits = {id(stmt): code for stmt, code in plan.edits}
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         # Enter only what holds a change: the other methods, classes and simple
@@ -356,65 +357,35 @@ class Fp8KvBypass(cst.CSTTransformer):
         indent = cst.SimpleWhitespace(self.module.default_indent * levels)
         return cst.ParenthesizedWhitespace(first_line=cst.TrailingWhitespace(), indent=True, last_line=indent)
 
-    def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
-        """For a bare-name callee: import ``reshape_and_cache_flash`` beside it."""
-        if self.plan.reshape_import is None or original is not self.plan.reshape_import[1]:
-            return updated
-        assert not isinstance(updated.names, cst.ImportStar)
-        names = list(updated.names)
-        last = names[-1]
-        names[-1] = last.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-        names.append(cst.ImportAlias(name=cst.Name(schema.RESHAPE_OP), comma=last.comma))
-        return updated.with_changes(names=names)
-
-    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
-        if original is self.plan.old_insert_kv:
-            code, lines, decorators = self.plan.insert_kv_code, original.leading_lines, original.decorators
-            return codegen.parse_method(code, self.module, leading_lines=lines, decorators=decorators)
-        return updated
-
-    def leave_IndentedBlock(
-        self, original: cst.IndentedBlock, updated: cst.IndentedBlock
-    ) -> cst.IndentedBlock:
-        plan = self.plan
-        if any(id(stmt) in self._edits for stmt in original.body):
-            return codegen.splice(original, updated, self._edited)
-        body = list(updated.body)
-        if original is plan.call_slot.block:
-            i = plan.call_slot.index
-            before = parse_statements(plan.guard_code, self.module)
-            body[i : i + 1] = [*before, body[i], *parse_statements(plan.post_insert_code, self.module)]
-        if original is plan.flag_slot.block:
-            i = plan.flag_slot.index
-            body[i + 1 : i + 1] = parse_statements(plan.flag_code, self.module)
-        if original is plan.cls.body and plan.insert_kv == "add":
-            blank = [cst.EmptyLine(indent=False)]
-            new = codegen.parse_method(plan.insert_kv_code, self.module, leading_lines=blank)
-            body.insert(next(i for i, s in enumerate(original.body) if s is plan.method), new)
-        return updated.with_changes(body=body)
-
-    def _edited(
+    def replace(
         self, original: cst.BaseStatement, updated: cst.BaseStatement
     ) -> tuple[list[cst.BaseStatement], list[cst.EmptyLine]]:
-        """An edited statement -> its new code (none: removed), and the comments above it but
-        those of the code it replaces."""
-        if id(original) not in self._edits:
-            return [updated], []
-        kept = [line for line in updated.leading_lines if not _replaced_comment(line)]
-        return parse_statements(self._edits[id(original)], self.module), kept
+        """The guard and the post-call block around the call, the flag after its anchor, the new
+        write method before the forward one; an edited statement -> its new code (none: removed),
+        and the comments above it but those of the code it replaces."""
+        plan, module = self.plan, self.module
+        if id(original) in self._edits:
+            kept = codegen.strip_comments(updated.leading_lines, REPLACED_COMMENTS)
+            return parse_statements(self._edits[id(original)], module), kept
+        new = [updated]
+        if original is plan.call_slot.statement:
+            guard, post = plan.guard_code, plan.post_insert_code
+            new = [*parse_statements(guard, module), updated, *parse_statements(post, module)]
+        if original is plan.flag_slot.statement:
+            new += parse_statements(plan.flag_code, module)
+        if original is plan.method and plan.insert_kv == "add":
+            blank = [cst.EmptyLine(indent=False)]
+            new.insert(0, codegen.parse_method(plan.insert_kv_code, module, leading_lines=blank))
+        return new, []
 
 
 # Comments of the code the upgrade replaces (the tool's earlier form and the
 # seed write-up's), recognised by their text; any other comment stays.
 REPLACED_COMMENTS = (
-    "Index-key cache: one vector per token, scattered by slot.",
-    "Index-key cache: single vector per token, scatter by slot.",
+    ("Index-key cache: one vector per token, scattered by slot.",),
+    ("Index-key cache: single vector per token, scatter by slot.",),
 )
 LINE_LENGTH = 88  # vLLM's ruff line length
-
-
-def _replaced_comment(line: cst.EmptyLine) -> bool:
-    return line.comment is not None and codegen.comment_text(line.comment.value) in REPLACED_COMMENTS
 
 
 def _split_args(

@@ -22,6 +22,7 @@ import libcst as cst
 
 from codemods import anchors as a
 from codemods import codegen, proofs, schema, sites
+from codemods.codegen import add_import_alias  # noqa: F401 - re-exported, where tests import it from
 from codemods.model import FileModel
 from codemods.schema import SLOTS_FORMS, Unsupported
 
@@ -243,8 +244,8 @@ def _plan_insert_kv(
         raise Unsupported(f"`{name}` is also called outside the bypass: its signature must stay")
     imports = a.module_imports(module)
     metadata = [  # plain from-imports of the metadata classes
-        i for i in imports if i.bound in (MAIN_METADATA, INDEX_METADATA) and i.alias.asname is None
-        and any(isinstance(s, cst.ImportFrom) for s in i.statement.body)
+        i.importer for i in imports if i.bound in (MAIN_METADATA, INDEX_METADATA) and i.alias.asname is None
+        and isinstance(i.importer, cst.ImportFrom)
     ]
     missing = [n for n in (INDEX_METADATA, MAIN_METADATA) if n not in {i.bound for i in imports}]
     if native or not metadata:
@@ -261,14 +262,11 @@ def _plan_insert_kv(
     init = a.find_method(cls, "__init__")
     if init is None:
         raise Unsupported(f"class {cls.name.value} has no __init__")
-    names, _ = proofs.write_names(op, method, slot, a.self_assignments(init), m.imports)
+    names = proofs.write_names(op, method, slot, a.self_assignments(init), m.imports)
     if names["reshape"] == schema.RESHAPE_OP and not any(i.bound == schema.RESHAPE_OP for i in imports):
         raise Unsupported(f"`{schema.RESHAPE_OP}` is not imported: cannot restore the attn_metadata {name}")
 
-    holder = metadata[0]
-    plan.metadata_import = next(
-        s for s in holder.statement.body if isinstance(s, cst.ImportFrom) and holder.alias in s.names
-    )
+    plan.metadata_import = metadata[0]
     plan.add_imports = missing
     plan.insert_kv = "restore"
     plan.also_remove = _exclusive_delegates(m, cls, fn)
@@ -343,29 +341,25 @@ def _dead_module_code(m: FileModel, removed: list[cst.CSTNode]) -> list[cst.Base
 # --- the transformer -------------------------------------------------------------
 
 
-class Fp8KvRevert(cst.CSTTransformer):
+class Fp8KvRevert(codegen.Splice):
     """Apply one ``RevertPlan``."""
 
     def __init__(self, module: cst.Module, plan: RevertPlan) -> None:
-        super().__init__()
-        self.module = module
         self.plan = plan
-        self.remove = [*plan.remove, *plan.also_remove, *plan.dead]
-        if plan.insert_kv == "remove" and plan.old_insert_kv is not None:
-            self.remove.append(plan.old_insert_kv)
+        self.remove = {id(n) for n in (*plan.remove, *_gone(plan))}
+        methods = {id(plan.old_insert_kv): plan.insert_kv_code} if plan.insert_kv == "restore" else {}
+        imports = {id(plan.metadata_import): plan.add_imports} if plan.metadata_import is not None else {}
+        super().__init__(module, methods, imports, {*self.remove, id(plan.call_statement)})
 
-    def _removed(self, node: cst.CSTNode) -> bool:
-        return any(node is r for r in self.remove)
-
-    def _without_bypass(
+    def replace(
         self, original: cst.BaseStatement, updated: cst.BaseStatement
     ) -> tuple[list[cst.BaseStatement], list[cst.EmptyLine]]:
         """A removed statement hands its comments on but the bypass's; the call loses the bypass's."""
-        if self._removed(original):
-            kept = codegen.strip_bypass_comments(updated.leading_lines)
+        if id(original) in self.remove:
+            kept = codegen.strip_comments(updated.leading_lines)
             return [], [line for line in kept if line.comment is not None]
         if original is self.plan.call_statement:
-            lines = codegen.strip_bypass_comments(updated.leading_lines)
+            lines = codegen.strip_comments(updated.leading_lines)
             return [updated.with_changes(leading_lines=lines)], []
         return [updated], []
 
@@ -376,62 +370,22 @@ class Fp8KvRevert(cst.CSTTransformer):
             return updated.with_changes(value=kept)
         return updated
 
-    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
-        if self.plan.insert_kv == "restore" and original is self.plan.old_insert_kv:
-            code, lines, decorators = self.plan.insert_kv_code, original.leading_lines, original.decorators
-            return codegen.parse_method(code, self.module, leading_lines=lines, decorators=decorators)
-        return updated
-
-    def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
-        if original is not self.plan.metadata_import:
-            return updated
-        for name in self.plan.add_imports:
-            updated = add_import_alias(updated, name)
-        return updated
-
     def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
         if not self.plan.dead:
             return updated
-        kept = [new for orig, new in zip(original.body, updated.body, strict=True) if not self._removed(orig)]
-        return updated.with_changes(body=kept)
-
-    def leave_IndentedBlock(
-        self, original: cst.IndentedBlock, updated: cst.IndentedBlock
-    ) -> cst.IndentedBlock:
-        if not any(self._removed(s) or s is self.plan.call_statement for s in original.body):
-            return updated
-        return codegen.splice(original, updated, self._without_bypass)
+        kept = zip(original.body, updated.body, strict=True)
+        return updated.with_changes(body=[new for orig, new in kept if id(orig) not in self.remove])
 
 
-def add_import_alias(imp: cst.ImportFrom, name: str) -> cst.ImportFrom:
-    """Add ``name`` to a from-import, in sorted place when the names are sorted
-    (isort's order: constants, classes, then the rest), else at the end; the
-    punctuation is copied from the neighbours (the inverse of removing one)."""
-    assert not isinstance(imp.names, cst.ImportStar)
-    names = list(imp.names)
-
-    def key(text: str) -> tuple[int, str]:
-        kind = 0 if text.isupper() else 1 if text[:1].isupper() else 2
-        return kind, text.lower()
-
-    keys = [key(a.code(n.name)) for n in names]
-    index = len(names)
-    if keys == sorted(keys):
-        index = next((i for i, k in enumerate(keys) if k > key(name)), len(names))
-    commas = (n.comma for n in names[:-1] if isinstance(n.comma, cst.Comma))
-    middle = next(commas, cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-    if index == len(names):
-        new = cst.ImportAlias(name=cst.Name(name), comma=names[-1].comma)
-        names[-1] = names[-1].with_changes(comma=middle)
-    else:
-        new = cst.ImportAlias(name=cst.Name(name), comma=middle)
-    names.insert(index, new)
-    return imp.with_changes(names=names)
+def _gone(plan: RevertPlan) -> list[cst.CSTNode]:
+    """What goes whole besides the bypass's statements: module code only it used, the delegates
+    only ``_insert_kv`` used, and ``_insert_kv`` itself where it is removed."""
+    removed = plan.old_insert_kv if plan.insert_kv == "remove" else None
+    return [*plan.dead, *plan.also_remove] + ([removed] if removed is not None else [])
 
 
 def apply_revert(module: cst.Module, plan: RevertPlan) -> cst.Module:
     new = module.visit(Fp8KvRevert(module, plan))
     # Imports that only removed code used (the compiled path's registration helper, say).
-    removed = [*plan.dead, *plan.also_remove] + ([plan.old_insert_kv] if plan.insert_kv == "remove" else [])
-    candidates = plan.drop_imports | {n for node in removed if node is not None for n in a.names_read(node)}
+    candidates = plan.drop_imports | {n for node in _gone(plan) for n in a.names_read(node)}
     return codegen.remove_unused_imports(new, candidates)

@@ -6,7 +6,6 @@ code that names what it proved or raises ``Unsupported`` saying what was missing
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import libcst as cst
 
@@ -40,27 +39,25 @@ def op_namespace(op: a.OpCall, imports: Mapping[str, str]) -> str | None:
 def write_names(
     op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments,
     imports: Mapping[str, str],
-) -> tuple[dict[str, str], _Widths]:
-    """What a write method is filled in with, the bypass's (``codegen.INSERT_KV_METHOD``) and the
-    fork-era one ``revert`` restores (``INSERT_KV_METADATA``) alike: the caches the call passes
-    (``cache_args``), the widths of their views (``widths``, also returned), the cache dtype, and
-    ``reshape_and_cache_flash`` where the module reaches it (``op_namespace``; bare: the op's own name)."""
-    caches = cache_args(op, method, slot)
-    w = widths(op, method, slot, init_attrs)
+) -> dict[str, str]:
+    """What a write method and the post-call block are filled in with, the bypass's
+    (``codegen.INSERT_KV_METHOD``, ``POST_INSERT``) and the fork-era one ``revert`` restores
+    (``INSERT_KV_METADATA``) alike: the caches the call passes (``cache_args``), the widths of the
+    fused buffer's parts (``widths``), the cache dtype, and ``reshape_and_cache_flash`` where the
+    module reaches it (``op_namespace``; bare: the op's own name)."""
+    names = cache_args(op, method, slot) | widths(op, method, slot, init_attrs)
     if schema.DTYPE_ATTR not in init_attrs:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
     namespace = op_namespace(op, imports)
-    names = {
-        "kv_cache": caches[schema.KV_CACHE.keyword], "index_cache": caches[schema.INDEX_CACHE.keyword],
-        "num_kv_heads": w.num_kv_heads, "head_dim": w.head_dim, "idx_head_dim": w.idx_head_dim,
+    return names | {
         "dtype": f"self.{schema.DTYPE_ATTR}",
         "reshape": schema.RESHAPE_OP if namespace is None else f"{namespace}.{schema.RESHAPE_OP}",
     }
-    return names, w
 
 
 def cache_args(op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot) -> dict[str, str]:
-    """The cache expressions `_insert_kv` can reach (an argument under a condition: a guard's)."""
+    """The cache expressions `_insert_kv` can reach (an argument under a condition: a guard's), by
+    the parameters' keywords (``kv_cache``, ``index_cache``: the templates' names for them)."""
     caches: dict[str, str] = {}
     for param in (schema.KV_CACHE, schema.INDEX_CACHE):
         arg = op.arg(param)
@@ -98,25 +95,15 @@ def qkv_and_slots(op: a.OpCall) -> tuple[str, str, str]:
     return qkv.value.value, slots[0], slots[1]
 
 
-@dataclass
-class _Widths:
-    """Code for the widths of the fused buffer's parts: [q | k | v | index_q | index_k]."""
-
-    q: str
-    kv: str
-    index_q: str
-    head_dim: str
-    idx_head_dim: str  # also the width of index_k: a single head
-    num_kv_heads: str
-
-
 def widths(
     op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments
-) -> _Widths:
-    """Each size by what it is in the fused buffer's layout, never by the first product that fits:
-    a head size is what that part's norms are built with (the call passes their ``.weight``), else
-    the one size that multiplies its head counts in ``__init__``; a width is a
-    ``self.W = <count> * <size>`` of ``__init__`` assigned once, else that product itself."""
+) -> dict[str, str]:
+    """Code for the widths of the fused buffer's parts, [q | k | v | index_q | index_k] (index_k is
+    one head: ``idx_head_dim`` wide), by the names the templates fill in. Each size by what it is
+    in the layout, never by the first product that fits: a head size is what that part's norms are
+    built with (the call passes their ``.weight``), else the one size that multiplies its head
+    counts in ``__init__``; a width is a ``self.W = <count> * <size>`` of ``__init__`` assigned
+    once, else that product itself."""
     counts: dict[str, cst.BaseExpression] = {}
     for param in (schema.NUM_HEADS, schema.NUM_KV_HEADS, schema.NUM_INDEX_HEADS):
         arg = op.arg(param)
@@ -156,14 +143,14 @@ def widths(
         found = (f"self.{attr}" for attr, c, d in products if a.same_expr(c, count) and d == dim)
         return next(found, f"{a.code(count)} * {dim}")
 
-    return _Widths(
-        q=width(counts["num_heads"], head_dim),
-        kv=width(counts["num_kv_heads"], head_dim),
-        index_q=width(counts["num_index_heads"], idx_head_dim),
-        head_dim=head_dim,
-        idx_head_dim=idx_head_dim,
-        num_kv_heads=a.code(counts["num_kv_heads"]),
-    )
+    return {
+        "q_width": width(counts["num_heads"], head_dim),
+        "kv_width": width(counts["num_kv_heads"], head_dim),
+        "index_q_width": width(counts["num_index_heads"], idx_head_dim),
+        "head_dim": head_dim,
+        "idx_head_dim": idx_head_dim,
+        "num_kv_heads": a.code(counts["num_kv_heads"]),
+    }
 
 
 def _products(init_attrs: a.Assignments) -> list[tuple[str, cst.BaseExpression, str]]:
@@ -224,24 +211,18 @@ def _is_dtype_conversion(node: cst.CSTNode) -> bool:
     )
 
 
-def bare_import(
-    module: cst.Module, imports: list[a.ImportedName]
-) -> tuple[cst.SimpleStatementLine, cst.ImportFrom] | None:
+def bare_import(imports: list[a.ImportedName]) -> tuple[cst.SimpleStatementLine, cst.ImportFrom] | None:
     """For a bare ``fused_…(…)`` callee: ``from vllm._custom_ops import fused_…``, beside which
     ``reshape_and_cache_flash`` is imported."""
     if any(i.bound == schema.RESHAPE_OP for i in imports):
         return None
     for imp in imports:
-        if imp.bound == schema.FUSED_OP and imp.alias.asname is None:
-            for small in imp.statement.body:
-                if (
-                    isinstance(small, cst.ImportFrom)
-                    and imp.alias in small.names
-                    and not small.relative
-                    and small.module is not None
-                    and a.code(small.module).replace(" ", "") == "vllm._custom_ops"
-                ):
-                    return imp.statement, small
+        small = imp.importer
+        if not isinstance(small, cst.ImportFrom) or small.relative or small.module is None:
+            continue
+        source = a.code(small.module).replace(" ", "")
+        if imp.bound == schema.FUSED_OP and imp.alias.asname is None and source == "vllm._custom_ops":
+            return imp.statement, small
     raise Unsupported(
         f"`{schema.FUSED_OP}` is called by a bare name that `from vllm._custom_ops import …` does not bring in: "
         f"where `{schema.RESHAPE_OP}` is cannot be told; import both from `vllm._custom_ops`, then run again"
