@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import shutil
 import signal
 import tempfile
@@ -30,7 +31,7 @@ from rewriter.apply import (
     unified_diff,
 )
 from rewriter.locking import DEFAULT_TIMEOUT, LockTimeout, locked
-from rewriter.targets import Target, example_path
+from rewriter.targets import Target, example_path, shown_path
 from rewriter.verdicts import remember
 
 
@@ -73,23 +74,46 @@ def under_pre_commit() -> bool:
 def analyze_targets(command: str, targets: list[Target]) -> Report:
     """Plan every target; nothing is written (``check``, ``preview``) but the verdict on a
     patched file, for the plugin (``rewriter.verdicts``)."""
-    files = [shares_revert(honour_off(plan_file(t.path, name=t.diff_name))) for t in targets]
+    files = [judge_patched(honour_off(plan_file(t.path, name=t.diff_name))) for t in targets]
     for result in files:
         remember(result)
     return Report(command, targets, files)
 
 
-def shares_revert(result: FileResult) -> FileResult:
-    """A patched site that ``revert`` would refuse says why, in ``revert``'s own words: the two
-    commands answer alike (``revert`` plans the file only where a site is patched)."""
+def judge_patched(result: FileResult) -> FileResult:
+    """A patched site is proven by what ``run`` is proven by only where it is ``run``'s own
+    bypass: ``revert`` takes it back out to the file ``run`` started from. Any other (a fork's
+    own, a hand edit) says why ``revert`` refuses it, in ``revert``'s words, and is run:
+    ``verify``'s semantic level on the file as it is. Running it fails: refused (the fp8 path
+    of a wired bypass may still write the wrong rows, or none); not run here: it says so."""
     if not any(s.state is SiteState.PATCHED for s in result.sites):
         return result
     reverted = plan_revert_file(result.path, raw=result.original)  # the bytes check judged, not a new read
     refused = {s.line: s.reason for s in reverted.sites if s.action is Action.REFUSE}
-    for site in result.sites:
-        why = refused.get(site.line, "").removeprefix("cannot revert: ")
-        if site.state is SiteState.PATCHED and why and why not in site.reason:
+    others = [s for s in result.sites if s.state is SiteState.PATCHED and s.line in refused]
+    for site in others:
+        why = refused[site.line].removeprefix("cannot revert: ")
+        if why not in site.reason:
             site.reason += f"; `revert` refuses it: {why}"
+    if not others:
+        return result
+    from rewriter import proof
+
+    result.proof = proof.prove_source(result.path, result.original, others)
+    if result.proof.status == proof.FAILED:
+        for site in others:
+            site.state, site.action = SiteState.UNSUPPORTED, Action.REFUSE
+            site.reason = (
+                f"an fp8 bypass is wired here, but it is not the one `run` writes and running it fails "
+                f"(the {proof.LEVEL} level, bf16 cache against fp8 cache): {result.proof.reason}. "
+                "Mend it by hand, or take it out (`mm3-codemod revert --whole-bypass`) and let `run` write its own"
+            )
+        result.status, result.error = FileStatus.REFUSED, f"refused at line {others[0].line} (its fp8 bypass fails when run)"
+    else:
+        ran = "so it was run: " if result.proof.proven else "and it was not run here: "
+        verify = "" if result.proof.proven else f"; `mm3-codemod verify {shlex.quote(shown_path(result.path))}` runs it"
+        for site in others:
+            site.reason += f"; it is not the bypass `run` writes, {ran}{result.proof.reason}{verify}"
     return result
 
 
@@ -182,7 +206,7 @@ def write_targets(
 
     def plan() -> Report:
         if command == "run":
-            files = [honour_off(plan_file(t.path, name=t.diff_name)) for t in targets]
+            files = [judge_patched(honour_off(plan_file(t.path, name=t.diff_name))) for t in targets]
         else:
             files = [plan_revert_file(t.path, t.diff_name, whole_bypass) for t in targets]
             if under_pre_commit():  # the revert hook: it stays reverted

@@ -1,11 +1,15 @@
 """``run`` proves before it writes: ``verify``'s semantic level (``rewriter.verify.layers``) on the
 new source of each file to write, bf16 cache against fp8 cache on the stand-in. A failed proof
 writes nothing; a file the stand-in cannot run, or a machine without torch, is written and said to
-be unproven, with the command that proves it. torch is imported here only, for a file to write."""
+be unproven, with the command that proves it. torch is imported here only: for a file to write, or
+for a patched bypass that is not ``run``'s own (``commands.judge_patched``)."""
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
+
+from codemods.schema import InsertSite
 
 from rewriter.apply import FAILED, LEVEL, OFF, PASSED, SKIPPED, UNAVAILABLE, FileResult, Proof, source_text
 from rewriter.targets import shown_path
@@ -21,8 +25,14 @@ def install() -> str:
 
 
 def prove(result: FileResult) -> Proof:
-    """The semantic level on ``result.new`` as ``result.path`` in each row ``verify`` runs (TP=1, then
-    its TP sizes). Without a working torch, or where the level breaks, unproven: never a traceback."""
+    """The semantic level on ``result.new`` as ``result.path`` (``prove_source``)."""
+    assert result.new is not None
+    return prove_source(result.path, result.new, result.new_sites)
+
+
+def prove_source(path: Path, raw: bytes, sites: list[InsertSite]) -> Proof:
+    """The semantic level on ``raw`` as ``path`` in each row ``verify`` runs (TP=1, then its TP
+    sizes). Without a working torch, or where the level breaks, unproven: never a traceback."""
     if importlib.util.find_spec("torch") is None:
         return Proof(UNAVAILABLE, "torch is not installed")
     from rewriter.verify import tp
@@ -33,13 +43,12 @@ def prove(result: FileResult) -> Proof:
         import_torch()
     except Exception as exc:  # a broken install: as good as none
         return Proof(UNAVAILABLE, f"torch cannot be imported here: {type(exc).__name__}: {exc}")
-    assert result.new is not None
-    source = source_text(result.new)  # these bytes compiled in planning: they decode
-    classes = insert_classes(result.new_sites)
+    source = source_text(raw)  # these bytes compiled in planning: they decode
+    classes = insert_classes(sites)
     if not classes:  # not expected: a rewrite is of a layer class's insert call
         return Proof(SKIPPED, "no layer class with an insert site in the new source")
     try:
-        rows = [semantic_level(result.path, classes, source, plan) for plan in tp.plans()]
+        rows = [semantic_level(path, classes, source, plan) for plan in tp.plans()]
     except Exception as exc:  # the level's own failure, not the file's: verify shows the traceback
         return Proof(SKIPPED, f"the level stopped: {type(exc).__name__}: {exc}")
     details = tuple(f"{row.level}: {line}" for row in rows for line in row.details)

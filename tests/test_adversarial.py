@@ -505,3 +505,62 @@ def test_a_flag_set_by_name_in_another_method_is_refused(tmp_path: Path, by_name
     forward = PATCHED_RUN.rindex("    def forward(", 0, PATCHED_RUN.index(guard))
     method = f"    def process_weights_after_loading(self):\n        {by_name}\n\n"
     assert_refused(tmp_path, PATCHED_RUN[:forward] + method + PATCHED_RUN[forward:], "set by name in process_weights")
+
+
+# --- a wired bypass whose fp8 write is wrong -----------------------------------------------------
+
+MAIN_WRITE = "            main_slot_mapping,\n            self.kv_cache_dtype,\n"
+K_SLICE = "            k = qkv[:, k0 : k0 + kv]\n"
+
+
+@pytest.mark.parametrize(
+    "edits",
+    [
+        [(MAIN_WRITE, '            main_slot_mapping,\n            "auto",\n')],
+        [("            key_cache,\n            value_cache,\n", "            value_cache,\n            key_cache,\n")],
+        [("        key_cache, value_cache = self.kv_cache.unbind(1)\n", "        if key.numel() >= 0:\n            return\n        key_cache, value_cache = self.kv_cache.unbind(1)\n")],
+        [(K_SLICE, "            k = qkv[:, k0 + 1 : k0 + kv + 1]\n")],
+        [("            index_slot_mapping,\n            idx_dtype,\n", "            main_slot_mapping,\n            idx_dtype,\n")],
+        [("        scale = self._fp8_kv_scale  # identity: stores x / 1\n", "        scale = self._fp8_kv_scale * 2\n")],
+    ],
+    ids=["auto-dtype", "k-v-swapped", "early-return", "k-shifted", "index-by-main-slots", "scale-2"],
+)
+def test_a_wired_bypass_whose_fp8_write_is_wrong_is_refused(tmp_path: Path, edits) -> None:
+    """`run`'s own bypass, its write then edited by hand: every piece is there and wired, so
+    check once said patched (exit 0), but the fp8 path writes the wrong rows, dtype or scale.
+    Not `run`'s own any more, it is run (the semantic level) and refused."""
+    assert_refused(tmp_path, edit(PATCHED_RUN, *edits), "running it fails")
+
+
+def test_a_bypass_that_is_not_runs_own_but_right_is_patched_once_run(tmp_path: Path) -> None:
+    """The same program with another comment in the write: not `run`'s own (revert refuses it),
+    so it is run; it passes, and check says so."""
+    path = tmp_path / "model.py"
+    path.write_text(edit(PATCHED_RUN, (K_SLICE, "            # the key's columns\n" + K_SLICE)))
+    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
+    (site,) = [s for s in result.sites if s.state.value != "not-a-site"]
+    assert site.state.value == "patched" and "so it was run: " in site.reason, site.reason
+    assert result.proof is not None and result.proof.proven
+
+
+def test_a_bypass_not_runs_own_is_not_called_proven_without_torch(tmp_path: Path, monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    path = tmp_path / "model.py"
+    path.write_text(edit(PATCHED_RUN, (MAIN_WRITE, '            main_slot_mapping,\n            "auto",\n')))
+    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
+    (site,) = [s for s in result.sites if s.state.value != "not-a-site"]
+    assert "it was not run here: torch is not installed; `mm3-codemod verify " in site.reason, site.reason
+
+
+def test_runs_own_bypass_is_not_run_again(tmp_path: Path, monkeypatch) -> None:
+    """`run`'s own bypass (revert gives back run's input) is proven as `run` is: check runs nothing."""
+    from rewriter import proof
+
+    monkeypatch.setattr(proof, "prove_source", lambda *a: pytest.fail("ran a bypass that is run's own"))
+    path = tmp_path / "model.py"
+    path.write_text(PATCHED_RUN)
+    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
+    assert [s.state.value for s in result.sites if s.state.value != "not-a-site"] == ["patched"]

@@ -40,8 +40,11 @@ VARIANTS = {
     "compiled_native_vllm_flag": ([SiteState.OUTDATED], 1),
     "bf16_index_form": ([SiteState.OUTDATED], 1),
     "fp8_index": ([SiteState.OUTDATED], 1),
-    "tp_total_widths": ([SiteState.PATCHED], 0),
+    "tp_total_widths": ([SiteState.PATCHED], 2),
 }
+# Patched by the analysis, but not the bypass `run` writes, and its fp8 path fails when run
+# (``commands.judge_patched``): the commands refuse it.
+FAILS_WHEN_RUN = {"tp_total_widths"}
 
 
 def test_every_fixture_folder_is_covered() -> None:
@@ -104,7 +107,8 @@ def test_check_exit_code_and_json(variant: str) -> None:
     assert report["exit_code"] == proc.returncode
     (entry,) = report["files"]
     states = [s["state"] for s in entry["sites"] if s["state"] != "not-a-site"]
-    assert states == [s.value for s in VARIANTS[variant][0]]
+    ran = [SiteState.UNSUPPORTED if variant in FAILS_WHEN_RUN else s for s in VARIANTS[variant][0]]
+    assert states == [s.value for s in ran]
 
 
 # Bypasses around a native call are taken out: the site ends native.
