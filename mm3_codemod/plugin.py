@@ -160,8 +160,9 @@ class ModelHook(importlib.abc.MetaPathFinder):
         result = None
         if verdict is None:
             from rewriter.apply import classify_file, plan_file
+            from rewriter.commands import judge_patched  # a bypass not run's own is run, as check does
 
-            result = plan_file(path, raw=raw) if self.how == "apply" else classify_file(path, raw=raw)
+            result = judge_patched(plan_file(path, raw=raw) if self.how == "apply" else classify_file(path, raw=raw))
             verdict = Verdict.of(result)
         took = f"{time.perf_counter() - started:.2f} s"
         if verdict.fine:

@@ -93,3 +93,20 @@ def test_a_failing_judgement_never_stops_vllm(
 def test_a_native_file_is_answered_at_import_and_needs_no_verdict(cache: Path) -> None:
     assert plugin.ModelHook("check").judge(FIXTURES / "native" / "model.py") is None
     assert not cache.exists() or not list(cache.glob("*.json"))
+
+
+def test_an_fp8_start_stops_on_a_wired_bypass_whose_write_fails_when_run(tmp_path: Path, cache: Path) -> None:
+    """The plugin judges as check does: a patched bypass that is not run's own is run (the
+    semantic level), and one whose fp8 write stores with "auto" stops the start, naming why;
+    the verdict it keeps stops the next start without running it again."""
+    source = (FIXTURES / "fork_era" / "expected.py").read_text()
+    old = "            main_slot_mapping,\n            self.kv_cache_dtype,\n"
+    assert source.count(old) == 1
+    target = tmp_path / "model.py"
+    target.write_text(source.replace(old, '            main_slot_mapping,\n            "auto",\n'))
+    stop = plugin.ModelHook("check").judge(target)
+    assert isinstance(stop, plugin.Stop) and stop.later is not None
+    judged = stop.settled()
+    assert isinstance(judged, plugin.Stop) and "running it fails" in judged.line, judged
+    again = plugin.ModelHook("check").judge(target)
+    assert isinstance(again, plugin.Stop) and again.later is None and "running it fails" in again.line
