@@ -78,7 +78,7 @@ def classify(
     m: FileModel, found: FoundCall, mentions_flag: bool = True
 ) -> tuple[InsertSite, BypassPlan | RevertPlan | None]:
     """One call's site, asked of the file's model ``m``, and the plan of its change."""
-    facts, slot = call_facts(found, m.wrappers)
+    facts, slot = call_facts(found, m)
     found_pieces: list[FoundPieces] = []
 
     def collect() -> FoundPieces:

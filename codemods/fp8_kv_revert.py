@@ -78,7 +78,7 @@ def plan_site(
     """None when there is no bypass around this call; ``Unsupported`` when one cannot be proven.
     ``pieces``: what ``collect_pieces`` found there, where the caller has it."""
     cls, method, op = found.cls, found.method, found.op
-    facts, slot = sites.call_facts(found)
+    facts, slot = sites.call_facts(found, m)
     if cls is None or method is None or facts.star_args or not facts.has_cache:
         return None  # not a site the bypass is written around (schema.verdict)
     if facts.nested_in is not None:

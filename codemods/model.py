@@ -109,6 +109,12 @@ class FileModel:
             self._flags[id(cls)] = roles.flags(init, scope, self.constants) if init is not None else {}
         return self._flags[id(cls)]
 
+    def carries_dtype(self, cls: cst.ClassDef, expr: cst.BaseExpression) -> bool:
+        """``expr``, a native call's dtype argument, holds the cache dtype (``roles.carries_dtype``)."""
+        init = self.scope(cls).methods.get("__init__")
+        tree = roles.expression(a.code(expr))
+        return init is not None and tree is not None and roles.carries_dtype(tree, init, self.scope(cls), self.constants)
+
     def is_compiling(self, expr: cst.BaseExpression) -> bool:
         tree = roles.expression(a.code(expr))
         return tree is not None and roles.is_compiling(tree, self.imports)

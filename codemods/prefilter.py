@@ -28,11 +28,17 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
     constants = roles.module_constants(tree, roles.Scope(functions, {}, imports))
 
     @functools.cache  # by class: once, however many calls it holds
-    def has_flag(cls: ast.ClassDef) -> bool:
+    def reading(cls: ast.ClassDef) -> tuple[ast.FunctionDef | None, roles.Scope]:
         methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
-        init = methods.get("__init__")
-        scope = roles.Scope(functions, methods, imports)
+        return methods.get("__init__"), roles.Scope(functions, methods, imports)
+
+    def has_flag(cls: ast.ClassDef) -> bool:
+        init, scope = reading(cls)
         return init is not None and any(roles.flags(init, scope, constants).values())
+
+    def carries(cls: ast.ClassDef, dtype: ast.expr) -> bool:
+        init, scope = reading(cls)
+        return init is not None and roles.carries_dtype(dtype, init, scope, constants)
 
     sites: list[schema.InsertSite] = []
     named = 0  # every place the op is named: each must be the callee of a call read below
@@ -41,7 +47,7 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
         nonlocal named
         named += sum(isinstance(v, str) and schema.FUSED_OP in v for _, v in ast.iter_fields(node))
         if isinstance(node, ast.Call) and roles.callee(node) == schema.FUSED_OP:
-            sites.append(_site(node, stack, lines, has_flag))
+            sites.append(_site(node, stack, lines, has_flag, carries))
         inner = (*stack, node) if isinstance(node, _DEFS) else stack
         for child in ast.iter_child_nodes(node):
             visit(child, inner)
@@ -71,7 +77,8 @@ def _after(call: ast.Call, body: list[ast.stmt]) -> list[ast.stmt]:
 
 
 def _site(
-    call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str], has_flag: Callable[[ast.ClassDef], bool]
+    call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str], has_flag: Callable[[ast.ClassDef], bool],
+    carries: Callable[[ast.ClassDef, ast.expr], bool],
 ) -> schema.InsertSite:
     cls, method = stack[-2:] if len(stack) >= 2 else (None, None)
     if not (isinstance(cls, ast.ClassDef) and isinstance(method, ast.FunctionDef)):
@@ -86,8 +93,8 @@ def _site(
         raise _Defer  # a cache argument under a condition: a bypass's guard, whatever it is called
     dtype = schema.bind_arg(schema.KV_CACHE_DTYPE, args, keywords)
     has_cache = kv is not None and not (isinstance(kv, ast.Constant) and kv.value is None)
-    if has_cache and (dtype is None or not _plain(dtype, lines)):
-        raise _Defer  # a fork-era call, or a dtype whose text LibCST may give differently
+    if has_cache and (dtype is None or not _plain(dtype, lines) or not carries(cls, dtype)):
+        raise _Defer  # a fork-era call, a dtype whose text LibCST may give differently, or not proven
     if has_cache:
         slots = [schema.bind_arg(p, args, keywords) for p in (schema.SLOT_MAPPING, schema.INDEX_SLOT_MAPPING)]
         passed = [s for s in slots if s is not None]
@@ -97,7 +104,7 @@ def _site(
     facts = schema.CallFacts(
         line=call.lineno, class_name=cls.name, method=method.name, module_function=None, nested_in=None,
         star_args=False, has_cache=has_cache, dtype=roles.dotted(dtype) if has_cache else None,
-        dtype_is_auto=False, in_block=False,  # in_block: not asked of a call that passes a dtype
+        dtype_is_auto=False, dtype_proven=True, in_block=False,  # in_block: not asked with a dtype
     )
     return schema.verdict(facts, schema.Pieces)
 

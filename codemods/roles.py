@@ -342,7 +342,8 @@ def _block(body: list[ast.stmt], env: dict[str, object], scope: Scope, depth: in
 def _statement(stmt: ast.stmt, env: dict[str, object], scope: Scope, depth: int) -> None:
     named = set_by_name(stmt, scope.imports)
     for key in named if named is not None else [k for k in env if k.startswith("self.")]:
-        env.pop(key, None)  # set by name: no longer known
+        if key not in env.get(_SOURCES, ()):  # type: ignore[operator]  # the cache dtype stays itself
+            env.pop(key, None)  # set by name: no longer known
     if isinstance(stmt, ast.Assign):
         for target in stmt.targets:
             _assign(target, stmt.value, env, scope)
@@ -500,6 +501,18 @@ def flags(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object]) -> di
         *fp8, auto = [run.get(f"self.{attr}", _MISSING) for run in runs]
         found[attr] = all(v is not _MISSING for v in (*fp8, auto)) and all(fp8) and not auto
     return found
+
+
+def carries_dtype(node: ast.expr, init: ast.FunctionDef, scope: Scope, base: Mapping[str, object]) -> bool:
+    """A native call's ``kv_cache_dtype`` argument holds the cache dtype: for each of the fp8
+    dtypes and "auto", it is that dtype when ``__init__`` has run (``attribute_values``)."""
+    for dtype in (*FP8_DTYPES, schema.AUTO_DTYPE):
+        try:
+            if evaluate(node, attribute_values(init, dtype, scope, base), scope) != dtype:
+                return False
+        except (Unknown, *_ERRORS):
+            return False
+    return True
 
 
 def init_calls(init: ast.FunctionDef) -> set[str]:

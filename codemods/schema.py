@@ -123,6 +123,7 @@ class CallFacts:
     has_cache: bool  # a main K/V cache argument that is not None
     dtype: str | None  # source of the kv-cache dtype argument; None when not passed
     dtype_is_auto: bool  # it is the string literal "auto"
+    dtype_proven: bool  # it holds the cache dtype, for every dtype (``roles.carries_dtype``)
     in_block: bool  # the call is a statement of its own in a block of the method
     is_async: bool = False  # the method holding the call is an `async def`
     in_wrapper: bool = False  # outside a class: in a pass-through wrapper (the layer's call of it is the site)
@@ -266,6 +267,13 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
             return refuse(
                 f'the call passes kv_cache_dtype="{AUTO_DTYPE}" together with a cache: '
                 "neither a fork-era nor a native call"
+            )
+        if not f.dtype_proven:
+            return refuse(
+                f"the call passes kv_cache_dtype={f.dtype}, which cannot be proven to be the cache dtype "
+                f'(`self.{DTYPE_ATTR}` as __init__ sets it) for "fp8", "fp8_e4m3", "fp8_e5m2" and "auto": '
+                "with an fp8 cache the native kernel would be told another. Pass "
+                f"`self.{DTYPE_ATTR}`, then run again"
             )
         if not p.any_bypass(native=True):
             native = f"native fp8 support (passes kv_cache_dtype={f.dtype})"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-from collections.abc import Collection
 from dataclasses import dataclass
 
 import libcst as cst
@@ -166,11 +165,9 @@ def _holds(first: int, last: int, op_lines: list[int]) -> bool:
     return any(first <= line <= last for line in op_lines)
 
 
-def call_facts(
-    found: FoundCall, wrappers: Collection[str] = ()
-) -> tuple[schema.CallFacts, a.StatementSlot | None]:
-    """Where the call sits and what it passes (``wrappers``: the module's pass-through wrappers of
-    the op, by name); the statement slot of a call directly in a method."""
+def call_facts(found: FoundCall, m: FileModel) -> tuple[schema.CallFacts, a.StatementSlot | None]:
+    """Where the call sits and what it passes, asked of the file's model ``m``; the statement
+    slot of a call directly in a method."""
     call = found.call
     kv = found.op.arg(schema.KV_CACHE)
     dtype = found.op.arg(schema.KV_CACHE_DTYPE)
@@ -186,8 +183,9 @@ def call_facts(
         module_function=found.module_function, nested_in=found.nested_in, in_block=slot is not None,
         star_args=any(arg.star for arg in call.args), has_cache=kv is not None and not a.is_none(kv.value),
         dtype=a.code(dtype_value) if dtype_value is not None else None, dtype_is_auto=auto,
+        dtype_proven=dtype_value is not None and found.cls is not None and m.carries_dtype(found.cls, dtype_value),
         is_async=found.method is not None and found.method.asynchronous is not None,
-        in_wrapper=found.module_function in wrappers,
+        in_wrapper=found.module_function in m.wrappers,
     )
     return facts, slot
 

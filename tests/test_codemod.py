@@ -182,8 +182,27 @@ def test_native_call_is_left_alone() -> None:
 
 
 def test_native_by_keyword_too() -> None:
-    native = variant(BEFORE, (CALL_CACHES, CALL_CACHES + ' kv_cache_dtype="fp8_e4m3",'))
+    native = variant(BEFORE, (CALL_CACHES, CALL_CACHES + " kv_cache_dtype=self.kv_cache_dtype,"))
     assert only_site(native).state is SiteState.NATIVE
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    ['"fp8_e4m3"', "dt", "self.index_dtype", '"auto" if True else self.kv_cache_dtype', "self.kv_cache_dtype.upper()"],
+)
+def test_a_dtype_that_is_not_the_cache_dtype_is_no_native_call(dtype: str) -> None:
+    """A native call is left alone only where its dtype argument holds the cache dtype for every
+    dtype (what __init__ leaves): check called each of these native, exit 0, and the kernel was
+    told another dtype than the cache's (verify's semantic level fails the real file so edited)."""
+    source = variant(
+        BEFORE,
+        (CALL_CACHES, f"{CALL_CACHES} kv_cache_dtype={dtype},"),
+        ("        self.kv_cache_dtype = cfg.cache_dtype\n", '        self.kv_cache_dtype = cfg.cache_dtype\n        self.index_dtype = "auto"\n'),
+    )
+    source = source.replace("        ops.fused_minimax", '        dt = "auto"\n        ops.fused_minimax', 1)
+    site = only_site(source)
+    assert (site.state, site.action) == (SiteState.UNSUPPORTED, Action.REFUSE), site
+    assert "cannot be proven to be the cache dtype" in site.reason
 
 
 def test_auto_dtype_with_a_cache_is_unsupported() -> None:
