@@ -23,6 +23,7 @@ analysis as ``mm3-codemod check`` about the installed file, and by ``MM3_CODEMOD
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.abc
 import importlib.machinery
@@ -162,7 +163,8 @@ class ModelHook(importlib.abc.MetaPathFinder):
             from rewriter.apply import classify_file, plan_file
             from rewriter.commands import judge_patched  # a bypass not run's own is run, as check does
 
-            result = judge_patched(plan_file(path, raw=raw) if self.how == "apply" else classify_file(path, raw=raw))
+            with plain_torch():  # a bypass that is not run's own is run here, off vLLM's device
+                result = judge_patched(plan_file(path, raw=raw) if self.how == "apply" else classify_file(path, raw=raw))
             verdict = Verdict.of(result)
         took = f"{time.perf_counter() - started:.2f} s"
         if verdict.fine:
@@ -177,6 +179,24 @@ class ModelHook(importlib.abc.MetaPathFinder):
         if isinstance(served, Path):
             return served
         return Stop(str(path), f"{verdict.states}: {served}", verdict.classes, fix=False)
+
+
+@contextlib.contextmanager
+def plain_torch():
+    """torch's defaults as a fresh interpreter has them - vLLM builds its layers under the
+    model's dtype and device, the proof's stand-in expects float32 on the CPU; nothing to do
+    where torch is not imported yet."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        torch.set_default_dtype(dtype)
 
 
 def serve(verdict: Verdict, raw: bytes, started: float, result=None) -> Path | str:

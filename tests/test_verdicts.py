@@ -110,3 +110,42 @@ def test_an_fp8_start_stops_on_a_wired_bypass_whose_write_fails_when_run(tmp_pat
     assert isinstance(judged, plugin.Stop) and "running it fails" in judged.line, judged
     again = plugin.ModelHook("check").judge(target)
     assert isinstance(again, plugin.Stop) and again.later is None and "running it fails" in again.line
+
+
+def test_the_proof_inside_vllm_runs_on_torchs_plain_defaults(tmp_path: Path, cache: Path) -> None:
+    """vLLM builds layers under its model dtype and device: the proof of a bypass that is not
+    run's own runs as in a fresh interpreter, and vLLM's defaults are back afterwards."""
+    torch = pytest.importorskip("torch")
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with plugin.plain_torch():
+            assert torch.get_default_dtype() is torch.float32 and torch.empty(1).device.type == "cpu"
+        assert torch.get_default_dtype() is torch.bfloat16
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_right_bypass_that_is_not_runs_own_starts_under_vllms_defaults(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch = pytest.importorskip("torch")
+    source = (FIXTURES / "fork_era" / "expected.py").read_text()
+    k_slice = "            k = qkv[:, k0 : k0 + kv]\n"
+    assert source.count(k_slice) == 1
+    target = tmp_path / "model.py"
+    target.write_text(source.replace(k_slice, "            # the key's columns\n" + k_slice))
+    from rewriter import proof
+
+    proofs = []
+    real = proof.prove_source
+    monkeypatch.setattr(proof, "prove_source", lambda *a: proofs.append(real(*a)) or proofs[-1])
+    stop = plugin.ModelHook("check").judge(target)
+    torch.set_default_dtype(torch.bfloat16)  # as vLLM has it while it builds the layers,
+    try:
+        with torch.device("meta"):  # on its device (meta here: no tensor of the stand-in's runs there)
+            assert isinstance(stop, plugin.Stop) and stop.settled() is None  # the start goes on
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert [p.status for p in proofs] == ["passed"], proofs
+    verdict = Verdict.load(target, target.read_bytes())
+    assert verdict is not None and verdict.fine
