@@ -99,7 +99,7 @@ def judge_patched(result: FileResult) -> FileResult:
         return result
     from rewriter import proof
 
-    result.proof = proof.prove_source(result.path, result.original, others)
+    result.proof = proof.prove_apart(result.path, result.original, others)
     if result.proof.status == proof.FAILED:
         for site in others:
             site.state, site.action = SiteState.UNSUPPORTED, Action.REFUSE

@@ -7,6 +7,9 @@ for a patched bypass that is not ``run``'s own (``commands.judge_patched``)."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 from codemods.schema import InsertSite
@@ -26,17 +29,47 @@ def install() -> str:
 
 def prove(result: FileResult) -> Proof:
     """The semantic level on ``result.new`` as ``result.path`` (``prove_source``)."""
+    from rewriter.verify.layers import insert_classes
+
     assert result.new is not None
-    return prove_source(result.path, result.new, result.new_sites)
+    return prove_source(result.path, result.new, insert_classes(result.new_sites))
 
 
-def prove_source(path: Path, raw: bytes, sites: list[InsertSite]) -> Proof:
-    """The semantic level on ``raw`` as ``path`` in each row ``verify`` runs (TP=1, then its TP
-    sizes). Without a working torch, or where the level breaks, unproven: never a traceback."""
+# ``prove_apart``'s child: the proof of the bytes on stdin, as JSON on stdout.
+_CHILD = (
+    "import json, sys; from pathlib import Path; from rewriter.proof import prove_source; "
+    "p = prove_source(Path(sys.argv[1]), sys.stdin.buffer.read(), sys.argv[2:]); "
+    "print(json.dumps([p.status, p.reason, list(p.details)]))"
+)
+
+
+def prove_apart(path: Path, raw: bytes, sites: list[InsertSite]) -> Proof:
+    """``prove_source`` without importing torch into this process: ``check`` and ``run`` do not
+    for a file they do not write. In a child interpreter, unless torch is imported here already
+    (the plugin, inside vLLM)."""
+    from rewriter.verify.layers import insert_classes
+
+    classes = insert_classes(sites)
+    if "torch" in sys.modules or importlib.util.find_spec("torch") is None:
+        return prove_source(path, raw, classes)
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path), *classes], input=raw, capture_output=True, timeout=600
+    )
+    try:
+        status, reason, details = json.loads(child.stdout.decode(errors="replace").splitlines()[-1])
+    except (ValueError, IndexError):
+        last = (child.stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+        return Proof(SKIPPED, f"the level's process stopped (exit {child.returncode}): {last}")
+    return Proof(status, reason, tuple(details))
+
+
+def prove_source(path: Path, raw: bytes, classes: list[str]) -> Proof:
+    """The semantic level of ``classes`` in ``raw`` as ``path``, in each row ``verify`` runs (TP=1,
+    then its TP sizes). Without a working torch, or where the level breaks, unproven: never a traceback."""
     if importlib.util.find_spec("torch") is None:
         return Proof(UNAVAILABLE, "torch is not installed")
     from rewriter.verify import tp
-    from rewriter.verify.layers import import_torch, insert_classes, semantic_level
+    from rewriter.verify.layers import import_torch, semantic_level
     from rewriter.verify.levels import Status
 
     try:
@@ -44,7 +77,6 @@ def prove_source(path: Path, raw: bytes, sites: list[InsertSite]) -> Proof:
     except Exception as exc:  # a broken install: as good as none
         return Proof(UNAVAILABLE, f"torch cannot be imported here: {type(exc).__name__}: {exc}")
     source = source_text(raw)  # these bytes compiled in planning: they decode
-    classes = insert_classes(sites)
     if not classes:  # not expected: a rewrite is of a layer class's insert call
         return Proof(SKIPPED, "no layer class with an insert site in the new source")
     try:
