@@ -176,6 +176,9 @@ def call_facts(found: FoundCall, m: FileModel) -> tuple[schema.CallFacts, a.Stat
     method = found.method if found.nested_in is None else None  # directly in a method
     slots = a.statement_slots(method) if method is not None else ()
     slot = next((s for s in slots if a.expression_call(s.statement) is call), None)
+    held = dtype_value  # what the dtype argument holds: a local's one value, where it has one
+    if isinstance(held, cst.Name) and method is not None and slot is not None:
+        held = a.local_value(method, held.value, slot) or held
     facts = schema.CallFacts(
         line=found.line,
         class_name=found.cls.name.value if found.cls else None,
@@ -183,7 +186,7 @@ def call_facts(found: FoundCall, m: FileModel) -> tuple[schema.CallFacts, a.Stat
         module_function=found.module_function, nested_in=found.nested_in, in_block=slot is not None,
         star_args=any(arg.star for arg in call.args), has_cache=kv is not None and not a.is_none(kv.value),
         dtype=a.code(dtype_value) if dtype_value is not None else None, dtype_is_auto=auto,
-        dtype_proven=dtype_value is not None and found.cls is not None and m.carries_dtype(found.cls, dtype_value),
+        dtype_proven=held is not None and found.cls is not None and m.carries_dtype(found.cls, held),
         is_async=found.method is not None and found.method.asynchronous is not None,
         in_wrapper=found.module_function in m.wrappers,
     )

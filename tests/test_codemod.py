@@ -186,6 +186,15 @@ def test_native_by_keyword_too() -> None:
     assert only_site(native).state is SiteState.NATIVE
 
 
+def test_native_through_a_local_that_holds_the_cache_dtype() -> None:
+    native = variant(
+        BEFORE,
+        (CALL_CACHES, CALL_CACHES + " kv_cache_dtype=cache_dtype,"),
+        ("        ops.fused_minimax", "        cache_dtype = self.kv_cache_dtype\n        ops.fused_minimax"),
+    )
+    assert only_site(native).state is SiteState.NATIVE
+
+
 @pytest.mark.parametrize(
     "dtype",
     ['"fp8_e4m3"', "dt", "self.index_dtype", '"auto" if True else self.kv_cache_dtype', "self.kv_cache_dtype.upper()"],

@@ -49,7 +49,7 @@ def _harmful(reason: str) -> bool:
 
 def test_the_generator_covers_every_piece_on_every_form() -> None:
     pieces = {BY_NAME[name].piece for _, name in CASES}
-    assert pieces == {"flag", "guard", "post-call", "write", "helper", "compile"}
+    assert pieces == {"flag", "guard", "post-call", "write", "helper", "compile", "dtype"}
     assert {form for form, _ in CASES} == set(FORMS)
     assert len(CASES) >= 50
 

@@ -300,6 +300,21 @@ def _guard_demorgan(module: cst.Module) -> cst.Module:
     return _replace(_guard_value, make)(module)
 
 
+NATIVE_DTYPE = "            index_q,\n            self.kv_cache_dtype,\n        )"
+
+
+def _dtype_via_local(module: cst.Module) -> cst.Module:
+    """A native call's dtype handed on through a local the method sets first."""
+    source = module.code
+    at = source.index(NATIVE_DTYPE)
+    source = source[:at] + NATIVE_DTYPE.replace("self.kv_cache_dtype", "cache_dtype") + source[at + len(NATIVE_DTYPE) :]
+    lines = source[:at].split("\n")
+    method = max(i for i, line in enumerate(lines) if line.startswith("    def "))
+    body = next(i for i in range(method, len(lines)) if lines[i].rstrip().endswith(":")) + 1
+    lines.insert(body, "        cache_dtype = self.kv_cache_dtype")  # the method's first statement
+    return cst.parse_module("\n".join(lines) + source[at:])
+
+
 # Every re-spelling, by the piece it re-spells. ``needs``: the text it works on.
 RESPELLINGS = (
     Respelling("flag-startswith", "flag", _flag_by(f'{DTYPE}.startswith("fp8")'), (f"self.{FLAG} = ",)),
@@ -357,6 +372,7 @@ RESPELLINGS = (
     Respelling("compile-from-import", "compile", _compile_test("from torch.compiler import is_compiling", "is_compiling()"), (COMPILING,)),
     Respelling("compile-dynamo-alias", "compile", _compile_test("import torch._dynamo as dynamo", "dynamo.is_compiling()"), (COMPILING,)),
     Respelling("compile-module-alias", "compile", _compile_test("from torch import compiler as tc", "tc.is_compiling()"), (COMPILING,)),
+    Respelling("native-dtype-via-local", "dtype", _dtype_via_local, (NATIVE_DTYPE,)),
     Respelling("flag-renamed", "flag", _rename_attr(FLAG, "_kv_is_fp8"), (f"self.{FLAG}",)),
     Respelling("guard-renamed", "guard", _rename_local(GUARD, "use_fused_insert"), (GUARD,)),
     Respelling("guard-demorgan", "guard", _guard_demorgan, (f"{GUARD} = not",)),
