@@ -136,6 +136,17 @@ def main() -> int:
         ("check run-written fp8, fresh cache", written, FP8,
          {"MM3_CODEMOD_PLUGIN": "check", "MM3_CODEMOD_SERVE_CACHE": str(work / "fresh"), **inproc}),
     ]
+    # the same file edited by hand: a comment (right, not run's own: run by the semantic level
+    # inside vLLM before the start goes on), and its fp8 write storing with "auto" (stops the start)
+    k_slice, write = "        key_cache, value_cache = ", "            main_slot_mapping,\n            self.kv_cache_dtype,\n"
+    if k_slice in written and write in written:
+        jobs += [
+            ("check hand-edited right fp8, fresh cache", written.replace(k_slice, "        # the main cache's halves\n" + k_slice, 1), FP8,
+             {"MM3_CODEMOD_PLUGIN": "check", "MM3_CODEMOD_SERVE_CACHE": str(work / "edited"), **inproc}),
+            ("check hand-edited broken fp8, fresh cache",
+             written.replace(write, write.replace("self.kv_cache_dtype", '"auto"')), FP8,
+             {"MM3_CODEMOD_PLUGIN": "check", "MM3_CODEMOD_SERVE_CACHE": str(work / "broken"), **inproc}),
+        ]
     # vLLM 0.24 turns on its breakable CUDA graphs by itself, which disables its torch.compile
     # pipeline; these two starts opt out of that, so the served module runs compiled too.
     compiled = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0", **inproc}
