@@ -369,71 +369,52 @@ def _statement(stmt: ast.stmt, env: dict[str, object], scope: Scope, depth: int)
         _forget(stmt, env)  # loops, try, match, nested defs: what they bind is not known afterwards
 
 
-def set_by_name(node: ast.AST, imports: Mapping[str, str]) -> set[str] | None:
-    """The attributes of ``self`` that ``node`` sets (or deletes) by name - ``setattr(self, "x", v)``,
-    ``object.__setattr__(self, …)``, ``self.__setattr__("x", v)`` - as ``self.x``; None: any
-    of them (the name is not a literal, ``self.__dict__`` / ``vars(self)`` is written, or
-    ``self`` itself goes where its attributes cannot be followed: ``_escapes``)."""
-    found: set[str] = set()
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.Subscript) and isinstance(sub.ctx, (ast.Store, ast.Del)) and _is_dict(sub.value):
-            return None
-        if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and _is_dict(sub.func.value):
-            return None  # self.__dict__.update(...), vars(self).setdefault(...)
-        if isinstance(sub, ast.Call) and callee(sub) in ("setattr", "__setattr__", "delattr", "__delattr__"):
-            func = sub.func
-            on_self = isinstance(func, ast.Attribute) and (_is_self(func.value) or isinstance(func.value, ast.Call))
-            at = next((i + 1 for i, arg in enumerate(sub.args) if _is_self(arg)), 0 if on_self else None)
-            if at is None:
-                continue  # another object's attribute
-            name = sub.args[at] if at < len(sub.args) else None
-            if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
-                return None
-            found.add(f"self.{name.value}")
-    return None if _escapes(node, imports) else found
-
-
 # Builtins that read an object they are handed, never set its attributes.
 _READERS = {"isinstance", "issubclass", "hasattr", "id", "type", "print", "repr", "str", "len", "hash", "callable", "super"}
+_SETTERS = ("setattr", "__setattr__", "delattr", "__delattr__")
 
 
-def _is_self(node: ast.AST) -> bool:
-    return isinstance(node, ast.Name) and node.id == "self"
-
-
-def _is_dict(node: ast.AST) -> bool:
-    """``self.__dict__`` or ``vars(self)``."""
-    if isinstance(node, ast.Attribute):
-        return node.attr == "__dict__" and _is_self(node.value)
-    return isinstance(node, ast.Call) and callee(node) == "vars" and any(map(_is_self, node.args))
-
-
-def _escapes(node: ast.AST, imports: Mapping[str, str]) -> bool:
-    """``self`` itself (not an attribute of it) goes where what is done to it cannot be
-    followed: bound to another name (``me = self``), put in a tuple, handed to a lambda, a
-    function of this file or ``getattr(self, "__setattr__")``; or ``exec``/``eval`` runs.
-    Not an escape: an attribute of it, a call of an imported function or of another
-    object's method (vLLM's code does not set this layer's attributes), a builtin that only
-    reads it, ``setattr`` by a literal name (``set_by_name``), a registration ``ctx[k] = self``."""
-    seen: set[int] = set()
+def set_by_name(node: ast.AST, imports: Mapping[str, str]) -> set[str] | None:
+    """The attributes of ``self`` that ``node`` sets (or deletes) by name - ``setattr(self, "x", v)``,
+    ``object.__setattr__(self, …)``, ``self.__setattr__("x", v)`` - as ``self.x``. None: any of them
+    - the name is not a literal, ``self.__dict__`` is used, ``exec``/``eval`` runs, or ``self`` itself
+    goes where what is done to it cannot be followed (another name, a tuple, a lambda, ``vars``, a
+    function of this file, ``getattr(self, "__setattr__")``). Not so: an attribute of it, a
+    registration ``ctx[k] = self``, a call of an imported function or of another object's method
+    (vLLM's code does not set this layer's attributes), a builtin that only reads it."""
+    found: set[str] = set()
+    handed: set[int] = set()  # the places ``self`` itself may stand
     for sub in ast.walk(node):
         if isinstance(sub, ast.Attribute):
-            seen.add(id(sub.value))
+            if sub.attr == "__dict__" and _is_self(sub.value):
+                return None
+            handed.add(id(sub.value))
         elif isinstance(sub, ast.Assign) and all(isinstance(t, ast.Subscript) for t in sub.targets):
-            seen.add(id(sub.value))
+            handed.add(id(sub.value))
         elif isinstance(sub, ast.Call):
-            if isinstance(sub.func, ast.Name) and sub.func.id in ("exec", "eval"):
-                return True
             name = sub.func.id if isinstance(sub.func, ast.Name) else None
-            trusted = isinstance(sub.func, ast.Attribute) or name in imports or name in _READERS
-            trusted = trusted or name in ("setattr", "delattr")  # by a literal name: set_by_name reads it
+            if name in ("exec", "eval"):
+                return None
+            func, setter = sub.func, callee(sub) in _SETTERS
+            on_self = isinstance(func, ast.Attribute) and (_is_self(func.value) or isinstance(func.value, ast.Call))
+            at = next((i + 1 for i, arg in enumerate(sub.args) if _is_self(arg)), 0 if on_self else None)
+            if setter and at is not None:  # (else another object's attribute)
+                attr = sub.args[at] if at < len(sub.args) else None
+                if not (isinstance(attr, ast.Constant) and isinstance(attr.value, str)):
+                    return None
+                found.add(f"self.{attr.value}")
+            trusted = setter or isinstance(func, ast.Attribute) or name in imports or name in _READERS
             if name == "getattr":
                 attr = sub.args[1] if len(sub.args) > 1 else None
                 trusted = isinstance(attr, ast.Constant) and isinstance(attr.value, str) and not attr.value.startswith("__")
             if trusted:
-                seen.update(id(arg) for arg in (*sub.args, *(k.value for k in sub.keywords)))
+                handed.update(id(arg) for arg in (*sub.args, *(k.value for k in sub.keywords)))
     loads = (sub for sub in ast.walk(node) if _is_self(sub) and isinstance(sub.ctx, ast.Load))  # type: ignore[attr-defined]
-    return any(id(sub) not in seen for sub in loads)
+    return None if any(id(sub) not in handed for sub in loads) else found
+
+
+def _is_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
 
 
 def _either(stmt: ast.If, env: dict[str, object], scope: Scope, depth: int) -> None:
