@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from rewriter.apply import FileResult, FileStatus, plan_file
-from rewriter.commands import Report, honour_off
+from rewriter.commands import Report, honour_off, judge_patched
 from rewriter.targets import Target
 
 # Chunks per worker: enough to balance uneven files, few enough to keep per-task overhead small.
@@ -30,7 +30,7 @@ def default_jobs() -> int:
 
 def survey_file(path: Path) -> FileResult:
     """``check``'s plan of one file, stripped to what the report shows."""
-    result = honour_off(plan_file(path))  # a file marked `# mm3-codemod: off` is left as `run` leaves it
+    result = judge_patched(honour_off(plan_file(path)))  # `off`: left as `run` leaves it
     return dataclasses.replace(result, diff="", original=b"", new=None)
 
 

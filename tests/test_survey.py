@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, ROOT, cli, fixture_folder, make_vllm_tree
-from test_fixtures import VARIANTS
+from test_fixtures import FAILS_WHEN_RUN, VARIANTS
 from test_real_wheels import PREFIX, VERSIONS, vllm_wheel
 
+from rewriter import commands
+from rewriter.apply import FileStatus
 from rewriter.survey import survey_targets
 from rewriter.targets import Target, dist_version_beside, resolve
 
@@ -61,7 +63,8 @@ def test_survey_fixtures_and_real_wheels(tmp_path: Path, wheel_sites: dict[str, 
     for name, (states, _) in VARIANTS.items():
         entry = files[str(folder / name / "model.py")]
         assert entry["vllm_version"] == "unknown"
-        assert insert_states(entry) == [s.value for s in states], name
+        ran = ["unsupported" if name in FAILS_WHEN_RUN else s.value for s in states]  # as check says
+        assert insert_states(entry) == ran, name
 
     for version, root in wheel_sites.items():
         model = files[str(root / PREFIX / "model.py")]
@@ -496,3 +499,19 @@ def test_real_wheels_amd_files_are_native_or_not_a_site(amd_site: tuple[str, Pat
     before = {p: p.read_bytes() for p in root.rglob("*.py")}
     assert cli("run", "--vllm-root", str(root)).returncode == 0
     assert {p: p.read_bytes() for p in root.rglob("*.py")} == before
+
+
+def test_survey_judges_a_patched_bypass_as_check_does(tmp_path: Path) -> None:
+    """A wired bypass that is not run's own and fails when run: check refuses it, and so does
+    the survey's row (one judgement, ``commands.judge_patched``)."""
+    from rewriter.survey import survey_file
+
+    source = (FIXTURES / "fork_era" / "expected.py").read_text()
+    old = "            main_slot_mapping,\n            self.kv_cache_dtype,\n"
+    assert source.count(old) == 1
+    path = tmp_path / "model.py"
+    path.write_text(source.replace(old, '            main_slot_mapping,\n            "auto",\n'))
+    surveyed = survey_file(path)
+    (checked,) = commands.analyze_targets("check", [Target(path, "t")]).files
+    assert surveyed.status is checked.status is FileStatus.REFUSED
+    assert [s.reason for s in surveyed.sites] == [s.reason for s in checked.sites]
