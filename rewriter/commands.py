@@ -100,18 +100,20 @@ def judge_patched(result: FileResult) -> FileResult:
     from rewriter import proof
 
     result.proof = proof.prove_apart(result.path, result.original, others)
+    shown = shlex.quote(shown_path(result.path))
     if result.proof.status == proof.FAILED:
         for site in others:
             site.state, site.action = SiteState.UNSUPPORTED, Action.REFUSE
             site.reason = (
                 f"an fp8 bypass is wired here, but it is not the one `run` writes and running it fails "
                 f"(the {proof.LEVEL} level, bf16 cache against fp8 cache): {result.proof.reason}. "
-                "Mend it by hand, or take it out (`mm3-codemod revert --whole-bypass`) and let `run` write its own"
+                f"Mend it by hand, or take it out and let `run` write its own: `mm3-codemod revert --whole-bypass "
+                f"{shown}`, then `mm3-codemod run {shown}`"
             )
         result.status, result.error = FileStatus.REFUSED, f"refused at line {others[0].line} (its fp8 bypass fails when run)"
     else:
         ran = "so it was run: " if result.proof.proven else "and it was not run here: "
-        verify = "" if result.proof.proven else f"; `mm3-codemod verify {shlex.quote(shown_path(result.path))}` runs it"
+        verify = "" if result.proof.proven else f"; `mm3-codemod verify {shown}` runs it"
         for site in others:
             site.reason += f"; it is not the bypass `run` writes, {ran}{result.proof.reason}{verify}"
     return result

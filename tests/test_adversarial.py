@@ -10,6 +10,10 @@ crashes with an fp8 cache. ``check`` (the ast pre-filter first) must agree.
 from __future__ import annotations
 
 import ast
+import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -562,5 +566,21 @@ def test_runs_own_bypass_is_not_run_again(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(proof, "prove_source", lambda *a: pytest.fail("ran a bypass that is run's own"))
     path = tmp_path / "model.py"
     path.write_text(PATCHED_RUN)
+    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
+    assert [s.state.value for s in result.sites if s.state.value != "not-a-site"] == ["patched"]
+
+
+def test_the_way_out_of_a_wired_bypass_that_fails_works_as_written(tmp_path: Path) -> None:
+    """The refusal names two commands; run as written where the file is, they leave `run`'s own
+    bypass, which check calls patched."""
+    path = tmp_path / "model.py"
+    path.write_text(edit(PATCHED_RUN, (MAIN_WRITE, '            main_slot_mapping,\n            "auto",\n')))
+    proc = subprocess.run([sys.executable, "-m", "rewriter", "check", "model.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    steps = re.findall(r"`(mm3-codemod [^`]+)`", proc.stderr.split("Mend it by hand", 1)[1])
+    assert [s.split()[1] for s in steps] == ["revert", "run"], proc.stderr
+    for step in steps:
+        done = subprocess.run([sys.executable, "-m", "rewriter", *shlex.split(step)[1:]], cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
     (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
     assert [s.state.value for s in result.sites if s.state.value != "not-a-site"] == ["patched"]
