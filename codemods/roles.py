@@ -3,15 +3,14 @@
 A fork may name every piece differently and write every condition another way round. The *flag*
 is a ``self.<attr>`` that ``__init__`` leaves true for every fp8 dtype and false for "auto"
 (``flags`` runs ``__init__`` on each dtype, reading with ``evaluate``); the *guard* conditions the
-cache arguments on ``not flag`` (``guard_flag``); the *post-call block* runs when the guard is
-false (``post_block``). Conditions are read as truth tables, on Python's own ``ast``.
+cache arguments on ``not flag`` and the *post-call block* runs when the guard is false, read as
+truth tables over ``evaluate`` (``codemods.guards``). All on Python's own ``ast``.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
-import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -302,21 +301,32 @@ def _dtype_sources(init: ast.FunctionDef) -> set[str]:
 
 
 def _assign(target: ast.expr, value: ast.expr | None, env: dict[str, object], scope: Scope) -> None:
+    try:
+        if value is None:
+            raise Unknown("no value")
+        _store(target, evaluate(value, env, scope), env)  # (the whole value first, as Python does)
+    except (Unknown, *_ERRORS):
+        _store(target, _MISSING, env)
+
+
+def _store(target: ast.expr, value: object, env: dict[str, object]) -> None:
+    """``target`` holds ``value`` now (``_MISSING``: something not known); a tuple of targets
+    takes a tuple of as many values item by item (``self.F, self.x = "fp8" in d, 1``)."""
     if isinstance(target, (ast.Tuple, ast.List)):
-        for element in target.elts:
-            _assign(element, None, env, scope)
+        fits = isinstance(value, tuple) and len(value) == len(target.elts)
+        fits = fits and not any(isinstance(e, ast.Starred) for e in target.elts)
+        for i, element in enumerate(target.elts):
+            _store(element, value[i] if fits else _MISSING, env)  # type: ignore[index]
         return
     name = dotted(target)
     if name is None or ("." in name and _self_member(target) is None):
         return  # a subscript or a deeper attribute: no attribute of ours changes
     if name in env.get(_SOURCES, ()):  # type: ignore[operator]
         return  # the cache dtype itself, whatever __init__ reads it from
-    try:
-        if value is None:
-            raise Unknown(name)
-        env[name] = evaluate(value, env, scope)
-    except (Unknown, *_ERRORS):
+    if value is _MISSING:
         env.pop(name, None)
+    else:
+        env[name] = value
 
 
 def _forget(node: ast.AST, env: dict[str, object]) -> None:
@@ -504,11 +514,11 @@ def init_calls(init: ast.FunctionDef) -> set[str]:
 
 
 def _targets(node: ast.AST) -> list[ast.expr]:
-    if isinstance(node, ast.Assign):
-        return node.targets
-    if isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-        return [node.target]
-    return []
+    """What an assignment stores to, a tuple of targets item by item."""
+    targets = node.targets if isinstance(node, ast.Assign) else []
+    targets = [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else targets
+    stored = (t for target in targets for t in ast.walk(target) if isinstance(getattr(t, "ctx", None), ast.Store))
+    return [t for t in stored if not isinstance(t, (ast.Tuple, ast.List, ast.Starred))]
 
 
 # --- the guard and the post-call block: truth tables ---------------------------------------
@@ -517,82 +527,3 @@ def _targets(node: ast.AST) -> list[ast.expr]:
 def self_attrs(node: ast.expr) -> set[str]:
     """The ``self.<attr>`` names an expression reads (one level: ``self.a``, not ``self.a.b``)."""
     return {attr for n in ast.walk(node) if (attr := _self_member(n)) is not None}
-
-
-@dataclass(frozen=True)
-class Guard:
-    """What the cache arguments are conditioned on: ``fused_when``, true where the fused op
-    gets the caches (``G`` of ``X if G else None``, ``not C`` of ``None if C else X``);
-    ``local``: the local it reads (None: inlined); ``value``: what the local holds before
-    the call (None: bound nowhere, a lost guard)."""
-
-    fused_when: ast.expr
-    local: str | None = None
-    value: ast.expr | None = None
-    imports: Mapping[str, str] = field(default_factory=dict)  # the file's (``import_table``)
-
-    def reads(self) -> set[str]:
-        """The ``self.`` attributes the guard reads (its value's where it has one)."""
-        return self_attrs(self.fused_when) | (self_attrs(self.value) if self.value is not None else set())
-
-    def table(self, expr: ast.expr, flag: str | None) -> tuple[list[dict[str, bool]], list[bool] | None]:
-        """The rows over ``COMPILING``, ``self.<flag>`` and a local nothing binds, in
-        ``itertools.product`` order, and ``expr``'s truth on each (the local's value read over
-        them); None: not a function of those alone."""
-        atoms = [COMPILING] + ([f"self.{flag}"] if flag else [])
-        if self.local is not None and self.value is None:
-            atoms.append(self.local)
-        derived = {self.local: self.value} if self.local is not None and self.value is not None else {}
-        rows = [dict(zip(atoms, values)) for values in itertools.product((False, True), repeat=len(atoms))]
-        scope = Scope({}, {}, self.imports)
-        table = []
-        for row in rows:
-            env: dict[str, object] = dict(row)
-            try:
-                for name, value in derived.items():
-                    env[name] = bool(evaluate(value, env, scope))
-                table.append(bool(evaluate(expr, env, scope)))
-            except (Unknown, TypeError, ValueError, RecursionError):
-                return rows, None
-        return rows, table
-
-
-def guard_flag(guard: Guard, native: bool) -> str | None:
-    """The flag a guard reads, where it is a guard: the fused op writes where ``not F`` or
-    ``not compiling and not F`` -> ``"F"``; on a native call also ``not compiling`` -> ``""``
-    (in eager the kernel writes fp8 itself). None: not a bypass's guard (or a lost one)."""
-    attrs = guard.reads()
-    if (guard.local is not None and guard.value is None) or len(attrs) > 1:
-        return None
-    flag = next(iter(attrs), None)
-    rows, table = guard.table(guard.fused_when, flag)
-    if table is None:
-        return None
-    if flag is None:
-        return "" if native and table == [not r[COMPILING] for r in rows] else None
-    f = f"self.{flag}"
-    proven = ([not r[f] for r in rows], [not r[COMPILING] and not r[f] for r in rows])
-    return flag if table in proven else None
-
-
-@dataclass(frozen=True)
-class PostBlock:
-    """An ``if`` after the call that runs exactly when the fused op did not write."""
-
-    while_compiling: bool  # it runs while compiling, whatever the flag
-
-
-def post_block(test: ast.expr, guard: Guard, flag: str | None) -> PostBlock | None:
-    """Whether ``test`` is the post-call block's: true exactly where the fused op did not
-    write (``not G``, ``G is False``, ``self.F`` where ``G = not self.F``), or where it did
-    not or the model is compiling (``torch.compiler.is_compiling() or not G``, either order)."""
-    rows, table = guard.table(test, flag)
-    fused = guard.table(guard.fused_when, flag)[1]
-    if table is None or fused is None:
-        return None
-    compiling = [r[COMPILING] for r in rows]
-    if table == [not w for w in fused]:
-        return PostBlock(all(t for t, c in zip(table, compiling) if c))
-    if table == [c or not w for c, w in zip(compiling, fused)]:
-        return PostBlock(True)
-    return None

@@ -12,7 +12,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import codegen, roles, schema
+from codemods import codegen, guards, roles, schema
 from codemods.model import FileModel
 from codemods.sourcemap import SourceMap
 
@@ -287,8 +287,8 @@ def collect_pieces(
         lost = local is not None and local not in bound and not hasattr(builtins, local)
         lost = lost and local not in a.scope_bindings(m.module)
         if fused_when is not None and (local is None or value is not None or lost):
-            guard = roles.Guard(fused_when, local, value, m.imports)
-            guard_flag = roles.guard_flag(guard, native)
+            guard = guards.Guard(fused_when, local, value, m.imports)
+            guard_flag = guards.guard_flag(guard, native)
             if guard_flag is None and (local is None or value is not None):
                 # the local the cache arguments test holds something else; or, with no local,
                 # an inlined condition that is not the bypass's: the caller's
@@ -343,8 +343,8 @@ def collect_pieces(
             p.flag_attr, p.flag_read, p.flag_from_file = lost[0], True, True
         block_guard = guard
         if block_guard is None and p.flag_set and not guarded:
-            block_guard = roles.Guard(ast.parse(f"not self.{p.flag_attr}", mode="eval").body, imports=m.imports)
-        post = roles.post_block(test, block_guard, guard_flag or p.flag_attr) if test and block_guard else None
+            block_guard = guards.Guard(ast.parse(f"not self.{p.flag_attr}", mode="eval").body, imports=m.imports)
+        post = guards.post_block(test, block_guard, guard_flag or p.flag_attr) if test and block_guard else None
         p.post_insert_wired = post is not None and _insert_is_wired(node, op)
         slots_none = _slots_none_somewhere(method, op)
         p.compiled_write = p.post_insert_wired and post is not None and post.while_compiling and slots_none

@@ -584,3 +584,13 @@ def test_the_way_out_of_a_wired_bypass_that_fails_works_as_written(tmp_path: Pat
         assert done.returncode == 0, done.stderr
     (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
     assert [s.state.value for s in result.sites if s.state.value != "not-a-site"] == ["patched"]
+
+
+def test_a_flag_set_in_a_tuple_assignment_is_the_flag(tmp_path: Path) -> None:
+    """``self._fp8_kv, self.x = "fp8" in d, 1``: check once said `self._fp8_kv` was read but never
+    set (half-applied) about a file that sets it; now it is the flag, read by its value."""
+    path = tmp_path / "model.py"
+    path.write_text(edit(PATCHED_RUN, (FLAG_LINE, '        self._fp8_kv, self.layer_tag = "fp8" in self.kv_cache_dtype, 1\n')))
+    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
+    (site,) = [s for s in result.sites if s.state.value != "not-a-site"]
+    assert site.state.value == "patched" and "never set" not in site.reason, site.reason
