@@ -176,6 +176,9 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
 # --- the upgrade of an older `_insert_kv` ------------------------------------------------
 
 
+_STORES = (cst.AssignTarget, cst.AnnAssign, cst.AugAssign)  # what stores to its ``target``
+
+
 def _flag_statement(m: FileModel, cls: cst.ClassDef, init: cst.FunctionDef, flag: str) -> a.StatementSlot | None:
     """The last top-level statement of ``__init__`` that sets ``self.<flag>``: one of the flag's
     defining statements (``FileModel.flag_definition``), or one that assigns it anywhere in it."""
@@ -186,7 +189,7 @@ def _flag_statement(m: FileModel, cls: cst.ClassDef, init: cst.FunctionDef, flag
         index
         for index, stmt in enumerate(init.body.body)
         if id(stmt) in defining
-        or any(isinstance(n, cst.AssignTarget) and a.self_attr(n.target) == flag for n in a.walk_all(stmt))
+        or any(isinstance(n, _STORES) and a.self_attr(n.target) == flag for n in a.walk_all(stmt))
     ]
     return a.StatementSlot(init.body, setting[-1]) if setting else None
 

@@ -162,6 +162,11 @@ def evaluate(node: ast.expr, env: Mapping[str, object], scope: Scope = NO_SCOPE,
             if bool(value) is isinstance(node.op, ast.Or):
                 return value
         return value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitOr, ast.BitAnd)):  # on bools only
+        left, right = ev(node.left), ev(node.right)
+        if not (isinstance(left, bool) and isinstance(right, bool)):
+            raise Unknown("binop")
+        return left | right if isinstance(node.op, ast.BitOr) else left & right
     if isinstance(node, ast.IfExp):
         return ev(node.body) if ev(node.test) else ev(node.orelse)
     if isinstance(node, ast.Compare):
@@ -360,6 +365,8 @@ def _statement(stmt: ast.stmt, env: dict[str, object], scope: Scope, depth: int)
     elif isinstance(stmt, ast.AnnAssign):
         if stmt.value is not None:
             _assign(stmt.target, stmt.value, env, scope)
+    elif isinstance(stmt, ast.AugAssign):  # `self.F |= <test>`: the target read, then stored
+        _assign(stmt.target, ast.BinOp(stmt.target, stmt.op, stmt.value), env, scope)
     elif isinstance(stmt, ast.If):
         try:
             taken = bool(evaluate(stmt.test, env, scope))

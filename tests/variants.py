@@ -347,6 +347,9 @@ RESPELLINGS = (
         (f"self.{FLAG} = ",),
     ),
     Respelling(
+        "flag-or-assigned", "flag", _flag_statements('{F} = False\n{F} |= "fp8" in {D}\n'), (f"self.{FLAG} = ",)
+    ),
+    Respelling(
         "flag-deleted-then-set", "flag", _flag_statements('{F} = None\ndel {F}\n{F} = "fp8" in {D}\n'), (f"self.{FLAG} = ",)
     ),
     Respelling(
