@@ -46,6 +46,7 @@ class FileModel:
     imports: dict[str, str]
     _scopes: dict[int, roles.Scope] = field(default_factory=dict)
     _flags: dict[int, dict[str, bool]] = field(default_factory=dict)
+    _init_values: dict[int, dict[str, dict[str, object]] | None] = field(default_factory=dict)
 
     @classmethod
     def of(cls, module: cst.Module, source: str | bytes | None = None) -> FileModel:
@@ -101,19 +102,27 @@ class FileModel:
         scope = roles.Scope(self._function_trees, {}, self.imports)
         return roles.module_constants(self.source_map.tree, scope)
 
+    def _values(self, cls: cst.ClassDef) -> dict[str, dict[str, object]] | None:
+        """What ``__init__`` leaves in each attribute, per cache dtype (``roles.init_values``), read
+        once a class; None where Python's parser reads no plain ``def __init__``."""
+        if id(cls) not in self._init_values:
+            init = self.scope(cls).methods.get("__init__")
+            values = roles.init_values(init, self.scope(cls), self.constants) if init is not None else None
+            self._init_values[id(cls)] = values
+        return self._init_values[id(cls)]
+
     def flags(self, cls: cst.ClassDef) -> dict[str, bool]:
         """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``roles.flags``)."""
         if id(cls) not in self._flags:
+            values = self._values(cls)
             scope = self.scope(cls)
-            init = scope.methods.get("__init__")  # None too where Python's parser reads no plain def
-            self._flags[id(cls)] = roles.flags(init, scope, self.constants) if init is not None else {}
+            self._flags[id(cls)] = roles.flags(scope.methods["__init__"], scope, values) if values is not None else {}
         return self._flags[id(cls)]
 
     def carries_dtype(self, cls: cst.ClassDef, expr: cst.BaseExpression) -> bool:
         """``expr``, a native call's dtype argument, holds the cache dtype (``roles.carries_dtype``)."""
-        init = self.scope(cls).methods.get("__init__")
-        tree = roles.expression(a.code(expr))
-        return init is not None and tree is not None and roles.carries_dtype(tree, init, self.scope(cls), self.constants)
+        values, tree = self._values(cls), roles.expression(a.code(expr))
+        return values is not None and tree is not None and roles.carries_dtype(tree, self.scope(cls), values)
 
     def is_compiling(self, expr: cst.BaseExpression) -> bool:
         tree = roles.expression(a.code(expr))

@@ -27,18 +27,19 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
     functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
     constants = roles.module_constants(tree, roles.Scope(functions, {}, imports))
 
-    @functools.cache  # by class: once, however many calls it holds
-    def reading(cls: ast.ClassDef) -> tuple[ast.FunctionDef | None, roles.Scope]:
+    @functools.cache  # by class: __init__ read once, however many calls it holds
+    def reading(cls: ast.ClassDef) -> tuple[ast.FunctionDef | None, roles.Scope, dict[str, dict[str, object]]]:
         methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
-        return methods.get("__init__"), roles.Scope(functions, methods, imports)
+        init, scope = methods.get("__init__"), roles.Scope(functions, methods, imports)
+        return init, scope, roles.init_values(init, scope, constants) if init is not None else {}
 
     def has_flag(cls: ast.ClassDef) -> bool:
-        init, scope = reading(cls)
-        return init is not None and any(roles.flags(init, scope, constants).values())
+        init, scope, values = reading(cls)
+        return init is not None and any(roles.flags(init, scope, values).values())
 
     def carries(cls: ast.ClassDef, dtype: ast.expr) -> bool:
-        init, scope = reading(cls)
-        return init is not None and roles.carries_dtype(dtype, init, scope, constants)
+        init, scope, values = reading(cls)
+        return init is not None and roles.carries_dtype(dtype, scope, values)
 
     sites: list[schema.InsertSite] = []
     named = 0  # every place the op is named: each must be the callee of a call read below

@@ -482,9 +482,16 @@ def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int)
     env.update({k: v for k, v in inner.items() if k.startswith("self.")})
 
 
-def flags(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object]) -> dict[str, bool]:
+def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object]) -> dict[str, dict[str, object]]:
+    """What ``__init__`` leaves in the ``self.`` attributes for each fp8 dtype and for "auto"
+    (``attribute_values``): read once a class, for its flag and for a native call's dtype."""
+    return {dtype: attribute_values(init, dtype, scope, base) for dtype in (*FP8_DTYPES, schema.AUTO_DTYPE)}
+
+
+def flags(init: ast.FunctionDef, scope: Scope, values: Mapping[str, Mapping[str, object]]) -> dict[str, bool]:
     """Each attribute ``__init__`` assigns: whether it is a flag - true for every fp8 dtype and
-    false for "auto" when ``__init__`` returns, whatever statements decide it."""
+    false for "auto" when ``__init__`` returns (``values``: ``init_values``), whatever statements
+    decide it."""
     called = [scope.methods.get(m) for m in init_calls(init)]
     assigned = {
         attr
@@ -493,20 +500,19 @@ def flags(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object]) -> di
         for target in _targets(node)
         if (attr := _self_member(target)) is not None
     }
-    runs = [attribute_values(init, d, scope, base) for d in (*FP8_DTYPES, schema.AUTO_DTYPE)]
     found = {}
     for attr in assigned - {schema.DTYPE_ATTR}:
-        *fp8, auto = [run.get(f"self.{attr}", _MISSING) for run in runs]
+        *fp8, auto = [run.get(f"self.{attr}", _MISSING) for run in values.values()]  # auto last
         found[attr] = all(v is not _MISSING for v in (*fp8, auto)) and all(fp8) and not auto
     return found
 
 
-def carries_dtype(node: ast.expr, init: ast.FunctionDef, scope: Scope, base: Mapping[str, object]) -> bool:
+def carries_dtype(node: ast.expr, scope: Scope, values: Mapping[str, Mapping[str, object]]) -> bool:
     """A native call's ``kv_cache_dtype`` argument holds the cache dtype: for each of the fp8
-    dtypes and "auto", it is that dtype when ``__init__`` has run (``attribute_values``)."""
-    for dtype in (*FP8_DTYPES, schema.AUTO_DTYPE):
+    dtypes and "auto", it is that dtype when ``__init__`` has run (``values``: ``init_values``)."""
+    for dtype, env in values.items():
         try:
-            if evaluate(node, attribute_values(init, dtype, scope, base), scope) != dtype:
+            if evaluate(node, env, scope) != dtype:
                 return False
         except (Unknown, *_ERRORS):
             return False
