@@ -114,9 +114,9 @@ class FileModel:
     def flags(self, cls: cst.ClassDef) -> dict[str, bool]:
         """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``roles.flags``)."""
         if id(cls) not in self._flags:
-            values = self._values(cls)
-            scope = self.scope(cls)
-            self._flags[id(cls)] = roles.flags(scope.methods["__init__"], scope, values) if values is not None else {}
+            values, scope = self._values(cls), self.scope(cls)  # values: None where no plain def __init__
+            flags = roles.flags(scope.methods["__init__"], scope, values) if values is not None else {}
+            self._flags[id(cls)] = flags
         return self._flags[id(cls)]
 
     def carries_dtype(self, cls: cst.ClassDef, expr: cst.BaseExpression) -> bool:

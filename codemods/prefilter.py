@@ -28,7 +28,7 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
     constants = roles.module_constants(tree, roles.Scope(functions, {}, imports))
 
     @functools.cache  # by class: __init__ read once, however many calls it holds
-    def reading(cls: ast.ClassDef) -> tuple[ast.FunctionDef | None, roles.Scope, dict[str, dict[str, object]]]:
+    def reading(cls: ast.ClassDef) -> tuple[ast.FunctionDef | None, roles.Scope, dict[str, dict]]:
         methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
         init, scope = methods.get("__init__"), roles.Scope(functions, methods, imports)
         return init, scope, roles.init_values(init, scope, constants) if init is not None else {}

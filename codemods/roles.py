@@ -387,7 +387,9 @@ def _statement(stmt: ast.stmt, env: dict[str, object], scope: Scope, depth: int)
 
 
 # Builtins that read an object they are handed, never set its attributes.
-_READERS = {"isinstance", "issubclass", "hasattr", "id", "type", "print", "repr", "str", "len", "hash", "callable", "super"}
+_READERS = {
+    "isinstance", "issubclass", "hasattr", "id", "type", "print", "repr", "str", "len", "hash", "callable", "super"
+}
 _SETTERS = ("setattr", "__setattr__", "delattr", "__delattr__")
 
 
@@ -416,14 +418,14 @@ def set_by_name(node: ast.AST, imports: Mapping[str, str]) -> set[str] | None:
             on_self = isinstance(func, ast.Attribute) and (_is_self(func.value) or isinstance(func.value, ast.Call))
             at = next((i + 1 for i, arg in enumerate(sub.args) if _is_self(arg)), 0 if on_self else None)
             if setter and at is not None:  # (else another object's attribute)
-                attr = sub.args[at] if at < len(sub.args) else None
-                if not (isinstance(attr, ast.Constant) and isinstance(attr.value, str)):
+                attr = _literal(sub.args[at]) if at < len(sub.args) else None
+                if attr is None:
                     return None
-                found.add(f"self.{attr.value}")
+                found.add(f"self.{attr}")
             trusted = setter or isinstance(func, ast.Attribute) or name in imports or name in _READERS
             if name == "getattr":
-                attr = sub.args[1] if len(sub.args) > 1 else None
-                trusted = isinstance(attr, ast.Constant) and isinstance(attr.value, str) and not attr.value.startswith("__")
+                attr = _literal(sub.args[1]) if len(sub.args) > 1 else None
+                trusted = attr is not None and not attr.startswith("__")
             if trusted:
                 handed.update(id(arg) for arg in (*sub.args, *(k.value for k in sub.keywords)))
     loads = (sub for sub in ast.walk(node) if _is_self(sub) and isinstance(sub.ctx, ast.Load))  # type: ignore[attr-defined]
@@ -432,6 +434,11 @@ def set_by_name(node: ast.AST, imports: Mapping[str, str]) -> set[str] | None:
 
 def _is_self(node: ast.AST) -> bool:
     return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _literal(node: ast.AST) -> str | None:
+    """The text of a string literal; None for anything else."""
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 
 def _either(stmt: ast.If, env: dict[str, object], scope: Scope, depth: int) -> None:

@@ -163,8 +163,9 @@ class ModelHook(importlib.abc.MetaPathFinder):
             from rewriter.apply import classify_file, plan_file
             from rewriter.commands import judge_patched  # a bypass not run's own is run, as check does
 
+            planned = plan_file(path, raw=raw) if self.how == "apply" else classify_file(path, raw=raw)
             with plain_torch():  # a bypass that is not run's own is run here, off vLLM's device
-                result = judge_patched(plan_file(path, raw=raw) if self.how == "apply" else classify_file(path, raw=raw))
+                result = judge_patched(planned)
             verdict = Verdict.of(result)
         took = f"{time.perf_counter() - started:.2f} s"
         if verdict.fine:

@@ -34,7 +34,6 @@ from rewriter.locking import DEFAULT_TIMEOUT, LockTimeout, locked
 from rewriter.targets import Target, example_path, shown_path
 from rewriter.verdicts import remember
 
-
 NOT_WRITTEN = "nothing written: a target could not be written"
 
 
@@ -107,10 +106,11 @@ def judge_patched(result: FileResult) -> FileResult:
             site.reason = (
                 f"an fp8 bypass is wired here, but it is not the one `run` writes and running it fails "
                 f"(the {proof.LEVEL} level, bf16 cache against fp8 cache): {result.proof.reason}. "
-                f"Mend it by hand, or take it out and let `run` write its own: `mm3-codemod revert --whole-bypass "
-                f"{shown}`, then `mm3-codemod run {shown}`"
+                "Mend it by hand, or take it out and let `run` write its own: "
+                f"`mm3-codemod revert --whole-bypass {shown}`, then `mm3-codemod run {shown}`"
             )
-        result.status, result.error = FileStatus.REFUSED, f"refused at line {others[0].line} (its fp8 bypass fails when run)"
+        result.status = FileStatus.REFUSED
+        result.error = f"refused at line {others[0].line} (its fp8 bypass fails when run)"
     else:
         ran = "so it was run: " if result.proof.proven else "and it was not run here: "
         verify = "" if result.proof.proven else f"; `mm3-codemod verify {shown}` runs it"

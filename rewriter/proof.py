@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 from codemods.schema import InsertSite
-
 from rewriter.apply import FAILED, LEVEL, OFF, PASSED, SKIPPED, UNAVAILABLE, FileResult, Proof, source_text
 from rewriter.targets import shown_path
 
@@ -53,7 +52,7 @@ def prove_apart(path: Path, raw: bytes, sites: list[InsertSite]) -> Proof:
     if "torch" in sys.modules or importlib.util.find_spec("torch") is None:
         return prove_source(path, raw, classes)
     child = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(path), *classes], input=raw, capture_output=True, timeout=600
+        [sys.executable, "-c", _CHILD, str(path), *classes], input=raw, capture_output=True, timeout=600, check=False
     )
     try:
         status, reason, details = json.loads(child.stdout.decode(errors="replace").splitlines()[-1])
