@@ -84,6 +84,8 @@ class Action(str, enum.Enum):
     REVERT = "revert"  # `revert`: take a bypass out again
 
 
+NEITHER = "neither a fork-era nor a native call"
+
 # The actions that change the file.
 CHANGING = (Action.REWRITE, Action.COMPLETE, Action.UPGRADE, Action.STRIP)
 
@@ -232,7 +234,15 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
         return site(SiteState.NOT_A_SITE, Action.NONE, f"{wrapper}: the layer's call of it is the site")
     if f.class_name is None:
         where = f"module-level function `{f.module_function}`" if f.module_function != "<module>" else "module code"
-        if f.dtype is not None and not f.dtype_is_auto:
+        if f.dtype_is_auto:
+            return refuse(f'{where} passes kv_cache_dtype="{AUTO_DTYPE}" together with a cache: {NEITHER}')
+        if f.dtype is not None and not f.dtype_proven:
+            return refuse(
+                f"{where} passes kv_cache_dtype={f.dtype}, which cannot be proven to be the cache dtype: "
+                f"outside a layer class only a layer's own `<layer>.{DTYPE_ATTR}` is (with an fp8 cache the "
+                f"native kernel would be told another). Pass the layer's `{DTYPE_ATTR}`, then run again"
+            )
+        if f.dtype is not None:
             reason = (
                 f"native fp8 support (passes kv_cache_dtype={f.dtype}) in {where}, outside a layer class "
                 "(a registered custom op that finds its layer in the forward context, say): run with "
@@ -264,10 +274,7 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
     )
     if f.dtype is not None:
         if f.dtype_is_auto:
-            return refuse(
-                f'the call passes kv_cache_dtype="{AUTO_DTYPE}" together with a cache: '
-                "neither a fork-era nor a native call"
-            )
+            return refuse(f'the call passes kv_cache_dtype="{AUTO_DTYPE}" together with a cache: {NEITHER}')
         if not f.dtype_proven:
             return refuse(
                 f"the call passes kv_cache_dtype={f.dtype}, which cannot be proven to be the cache dtype "

@@ -186,11 +186,19 @@ def call_facts(found: FoundCall, m: FileModel) -> tuple[schema.CallFacts, a.Stat
         module_function=found.module_function, nested_in=found.nested_in, in_block=slot is not None,
         star_args=any(arg.star for arg in call.args), has_cache=kv is not None and not a.is_none(kv.value),
         dtype=a.code(dtype_value) if dtype_value is not None else None, dtype_is_auto=auto,
-        dtype_proven=held is not None and found.cls is not None and m.carries_dtype(found.cls, held),
+        dtype_proven=_carries_dtype(found, held, m),
         is_async=found.method is not None and found.method.asynchronous is not None,
         in_wrapper=found.module_function in m.wrappers,
     )
     return facts, slot
+
+
+def _carries_dtype(found: FoundCall, held: cst.BaseExpression | None, m: FileModel) -> bool:
+    """The dtype argument holds the cache dtype: in a layer's method, by what ``__init__`` leaves in
+    it (``roles.carries_dtype``); outside a class, only as ``<layer>.kv_cache_dtype`` of a local layer."""
+    if found.cls is not None:
+        return held is not None and m.carries_dtype(found.cls, held)
+    return isinstance(held, cst.Attribute) and held.attr.value == schema.DTYPE_ATTR and isinstance(held.value, cst.Name)
 
 
 @dataclass

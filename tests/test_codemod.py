@@ -243,7 +243,14 @@ def test_a_module_function_that_is_no_wrapper_is_refused_or_native() -> None:
     assert "no pass-through wrapper" in site.reason
     native = source.replace("kv_cache=caches[0])", "kv_cache=caches[0], kv_cache_dtype=caches[1])")
     (site,) = sites(native)
+    assert site.state is SiteState.UNSUPPORTED and "cannot be proven to be the cache dtype" in site.reason
+    layer = native.replace("caches[1])", "layer.kv_cache_dtype)").replace("    ops.", "    layer = L[0]\n    ops.")
+    (site,) = sites(layer)
     assert site.state is SiteState.NATIVE and site.action.value == "none"
+    for literal in ('"fp8"', '"auto"'):  # a literal is no layer's dtype; "auto" with a cache is neither form
+        (site,) = sites(native.replace("caches[1])", f"{literal})"))
+        assert site.state is SiteState.UNSUPPORTED and "a fork-era insert call" not in site.reason, site.reason
+        assert literal in site.reason
 
 
 def test_flag_read_but_never_set_is_half_applied() -> None:

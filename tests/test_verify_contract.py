@@ -97,6 +97,27 @@ def test_a_file_without_an_insert_site_alone_proves_nothing(tmp_path: Path) -> N
     assert "Nothing verified: no file has a call of the fused op that writes a cache." in proc.stderr
 
 
+def test_a_native_call_outside_a_layer_class_is_a_site_not_run(tmp_path: Path) -> None:
+    """A module function that finds its layer (a registered custom op) calls the op: verify cannot
+    run it, and says so - never that the file has no insert site."""
+    source = (
+        "from vllm import _custom_ops as ops\n\n"
+        "def insert(name, qkv):\n"
+        "    layer = LAYERS[name]\n"
+        "    ops.fused_minimax_m3_qknorm_rope_kv_insert(\n"
+        "        qkv, kv_cache=layer.kv_cache, kv_cache_dtype=layer.kv_cache_dtype\n"
+        "    )\n"
+    )
+    target = tmp_path / "model.py"
+    target.write_text(source)
+    proc = cli("verify", str(target), "--json")
+    assert proc.returncode == 1, proc.stderr
+    (entry,) = json.loads(proc.stdout)["files"]
+    assert entry["status"] == "unverified", entry
+    assert "outside a layer class" in entry["levels"][1]["reason"], entry
+    assert "no insert site" not in proc.stderr
+
+
 @needs_torch
 def test_a_file_without_an_insert_site_beside_a_verified_one_is_neutral() -> None:
     proc = cli("verify", str(FIXTURES / "patched" / "model.py"), str(FIXTURES / "dense_only" / "model.py"))

@@ -47,6 +47,7 @@ from .levels import BEHAVIOUR, ENGINE_STEP, LevelResult, Status, behaviour  # (b
 LEVELS = ("import", "semantic", "kernel")
 FILE_STATUSES = ("passed", "unverified", "failed", "error", "no-sites")  # FileVerification.status
 NO_INSERT_SITE = "no insert site in this file: nothing to verify"
+OUTSIDE = "the levels run a layer's own code, so it is not run"
 
 
 @dataclass
@@ -225,9 +226,12 @@ def verify_file(
         return out
     out.sites = [f"{s.class_name}.{s.method}:{s.line} {s.state.value}" for s in planned.sites]
     inserts = [s for s in planned.sites if s.state is not SiteState.NOT_A_SITE and s.class_name]
-    if not inserts:
-        out.no_insert_site = True
-        out.levels = [LevelResult(level, Status.SKIPPED, NO_INSERT_SITE) for level in LEVELS]
+    outside = [s for s in planned.sites if s.state is not SiteState.NOT_A_SITE and not s.class_name]
+    if not inserts:  # (a call outside a layer class is a site the levels cannot run: not proven)
+        out.no_insert_site, why = not outside, NO_INSERT_SITE
+        if outside:
+            why = f"the call at line {outside[0].line} is in `{outside[0].method}`, outside a layer class: {OUTSIDE}"
+        out.levels = [LevelResult(level, Status.SKIPPED, why) for level in LEVELS]
         return out
     classes = insert_classes(inserts)  # a bypass taken out of a native call is proven here too
     pending = [  # (a site `run` refuses too: its reason, never a failure the levels would make up)
