@@ -12,7 +12,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import codegen, guards, roles, schema
+from codemods import codegen, guards, reading, roles, schema
 from codemods.model import FileModel
 from codemods.sourcemap import SourceMap
 
@@ -195,7 +195,7 @@ def call_facts(found: FoundCall, m: FileModel) -> tuple[schema.CallFacts, a.Stat
 
 def _carries_dtype(found: FoundCall, held: cst.BaseExpression | None, m: FileModel) -> bool:
     """The dtype argument holds the cache dtype: in a layer's method, by what ``__init__`` leaves in
-    it (``roles.carries_dtype``); outside a class, only as ``<layer>.kv_cache_dtype`` of a local layer."""
+    it (``reading.carries_dtype``); outside a class, only as ``<layer>.kv_cache_dtype`` of a local layer."""
     if found.cls is not None:
         return held is not None and m.carries_dtype(found.cls, held)
     return isinstance(held, cst.Attribute) and held.attr.value == schema.DTYPE_ATTR and isinstance(held.value, cst.Name)
@@ -318,7 +318,7 @@ def collect_pieces(
         ]
 
     # The flag: the attribute the guard reads, else the one __init__ leaves holding whether
-    # the cache dtype is fp8 (``roles.flags``: by its value, whatever statements decide it).
+    # the cache dtype is fp8 (``reading.flags``: by its value, whatever statements decide it).
     flags = m.flags(cls)
     proven = [attr for attr, ok in flags.items() if ok]
     p.flag_from_file = bool(guard_flag) or len(proven) == 1
@@ -335,11 +335,19 @@ def collect_pieces(
         p.scale_read = codegen.FP8_SCALE in attrs
 
     # The post-call block: the `if` after the call that hands the call's slot mappings to a
-    # method when the fused op did not write - whatever the method and the test are called.
+    # method when the fused op did not write - whatever the method and the test are called; else
+    # (a block that lost them) a call of a method shaped as the write method, by its shape.
     main, index = op.arg(schema.SLOT_MAPPING), op.arg(schema.INDEX_SLOT_MAPPING)
+    forms: dict[str, str] = {}
+
+    def write_shaped(node: cst.CSTNode) -> bool:
+        name = a.self_attr(node.func) if isinstance(node, cst.Call) else None
+        if name is not None and name not in forms:
+            forms[name] = _insert_kv_form(a.find_method(cls, name), cls, m.functions)
+        return name is not None and forms[name] in schema.SLOTS_FORMS
+
     for stmt in slot.after() if slot is not None else ():
-        node = a.first_in(stmt, lambda n: _passes_slots(n, main, index))
-        node = node or a.first_in(stmt, is_insert_kv_call)
+        node = a.first_in(stmt, lambda n: _passes_slots(n, main, index)) or a.first_in(stmt, write_shaped)
         if not isinstance(node, cst.Call):
             continue
         p.post_insert, p.post_insert_call = True, node
@@ -405,8 +413,8 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
     if len(insert_kv) > 1 or any(not isinstance(n, cst.FunctionDef) or n.decorators for n in insert_kv):
         note(p.insert_method, f"`{p.insert_method}` is bound in the class body other than by one plain `def`")
     # Not a clash: __init__'s first scale assignment where it is the bypass's, and a proven
-    # flag's assignments in __init__ and the methods it calls (``roles.flags``: all of it).
-    setters = {"__init__", *roles.init_calls(m.scope(cls).methods["__init__"])} if p.flag_set else set()
+    # flag's assignments in __init__ and the methods it calls (``reading.flags``: all of it).
+    setters = {"__init__", *reading.init_calls(m.scope(cls).methods["__init__"])} if p.flag_set else set()
     scale = init_attrs.get(codegen.FP8_SCALE, [])[:1]
     scale_tree = roles.expression(a.code(scale[0][1])) if scale else None
     own = {id(scale[0][1])} if roles.is_scale_value(scale_tree) else set()
@@ -423,7 +431,7 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
                     once = f"the bypass relies on `self.{name}` being set once, in __init__"
                     note(name, f"`{shown}` in {method.name.value} ({once})")
         tree = m.scope(cls).methods.get(method.name.value)
-        named = roles.set_by_name(tree, m.imports) if tree is not None else set()
+        named = reading.set_by_name(tree, m.imports) if tree is not None else set()
         for name in sorted(pieces if named is None else {n.removeprefix("self.") for n in named} & pieces):
             note(name, f"`self.{name}` may be set by name in {method.name.value} (the bypass relies on it being set once, in __init__)")
 

@@ -594,3 +594,62 @@ def test_a_flag_set_in_a_tuple_assignment_is_the_flag(tmp_path: Path) -> None:
     (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
     (site,) = [s for s in result.sites if s.state.value != "not-a-site"]
     assert site.state.value == "patched" and "never set" not in site.reason, site.reason
+
+
+RESET = "    def _reset_cache_mode(self):\n        self._fp8_kv = False\n\n"
+
+
+@pytest.mark.parametrize(
+    "reset",
+    [
+        "for _ in range(1):\n            self._reset_cache_mode()",
+        "try:\n            self._reset_cache_mode()\n        except Exception:\n            pass",
+        "while not hasattr(self, '_seen'):\n            self._seen = self._reset_cache_mode()",
+    ],
+    ids=["loop", "try", "while"],
+)
+def test_a_method_resetting_the_flag_from_a_compound_statement_is_refused(tmp_path: Path, reset: str) -> None:
+    """A method of the class that sets the flag again, called inside a loop or a ``try``: the
+    reading forgot only what the statement itself binds, so the flag kept its assignment's value
+    (patched by structure, about a file whose fp8 forward hands the fused op its caches)."""
+    source = edit(PATCHED_RUN, (FLAG_LINE, FLAG_LINE + f"        {reset}\n"))
+    forward = source.rindex("    def forward(", 0, source.index("        insert_via_fused = not"))
+    assert_refused(tmp_path, source[:forward] + RESET + source[forward:], "set in __init__ to")
+
+
+def test_a_def_in_init_that_sets_the_flag_later_is_refused(tmp_path: Path) -> None:
+    """A closure defined in ``__init__`` that stores the flag may run at any time after it."""
+    closure = "        def reset():\n            self._fp8_kv = False\n\n"
+    source = edit(PATCHED_RUN, (FLAG_LINE, closure + FLAG_LINE + "        reset()\n"))
+    assert_refused(tmp_path, source, "`self._fp8_kv`")
+
+
+@pytest.mark.parametrize(
+    "decided",
+    [
+        'try:\n            self._fp8_kv = "fp8" in self.kv_cache_dtype\n        except Exception:\n            self._fp8_kv = False\n',
+        'self._fp8_kv = False\n        for d in ("fp8", "fp8_e4m3", "fp8_e5m2"):\n            if self.kv_cache_dtype == d:\n                self._fp8_kv = True\n',
+        'match self.kv_cache_dtype:\n            case "auto":\n                self._fp8_kv = False\n            case _:\n                self._fp8_kv = True\n',
+    ],
+    ids=["try", "for", "match"],
+)
+def test_a_flag_decided_by_try_for_or_match_is_the_flag(tmp_path: Path, decided: str) -> None:
+    """The same program as ``self._fp8_kv = "fp8" in self.kv_cache_dtype``: a ``try`` whose body
+    cannot raise, a loop over the fp8 dtypes, a ``match`` on the dtype. Each was refused as unproven."""
+    path = tmp_path / "model.py"
+    path.write_text(edit(PATCHED_RUN, (FLAG_LINE, "        " + decided)))
+    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
+    (site,) = [s for s in result.sites if s.state.value != "not-a-site"]
+    assert site.state.value == "patched", site.reason
+
+
+@pytest.mark.parametrize("args", ["k, v, index_k", "k, v, index_k, main_slot_mapping, main_slot_mapping"])
+def test_a_post_call_write_that_lost_its_slots_is_found_by_its_shape(tmp_path: Path, args: str) -> None:
+    """The post-call block calls the write method without the call's slot mappings: under the
+    tool's names it was refused, under a fork's names called half-applied -> complete (``run``
+    then added a second write beside the broken one). By the method's shape, both are refused."""
+    post = "self._insert_kv(k, v, index_k, main_slot_mapping, index_slot_mapping)"
+    broken = edit(PATCHED, (post, f"self._insert_kv({args})"))
+    renamed = broken.replace("_insert_kv", "_store_kv").replace("_fp8_kv", "_quant_kv")
+    assert_refused(tmp_path, broken, "a post-call `self._insert_kv(...)` exists")
+    assert_refused(tmp_path, renamed, "a post-call `self._store_kv(...)` exists")

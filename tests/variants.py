@@ -350,6 +350,24 @@ RESPELLINGS = (
         "flag-or-assigned", "flag", _flag_statements('{F} = False\n{F} |= "fp8" in {D}\n'), (f"self.{FLAG} = ",)
     ),
     Respelling(
+        "flag-in-try",
+        "flag",
+        _flag_statements('try:\n    {F} = "fp8" in {D}\nexcept Exception:\n    {F} = False\n'),
+        (f"self.{FLAG} = ",),
+    ),
+    Respelling(
+        "flag-by-loop",
+        "flag",
+        _flag_statements('{F} = False\nfor dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):\n    if {D} == dtype:\n        {F} = True\n'),
+        (f"self.{FLAG} = ",),
+    ),
+    Respelling(
+        "flag-by-match",
+        "flag",
+        _flag_statements('match {D}:\n    case "auto":\n        {F} = False\n    case _:\n        {F} = True\n'),
+        (f"self.{FLAG} = ",),
+    ),
+    Respelling(
         "flag-deleted-then-set", "flag", _flag_statements('{F} = None\ndel {F}\n{F} = "fp8" in {D}\n'), (f"self.{FLAG} = ",)
     ),
     Respelling(
