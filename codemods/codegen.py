@@ -108,10 +108,25 @@ def indented(text: str, indent: str) -> str:
     return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
 
 
-# The new write method: its index write is INDEX_WRITE with these names of its own.
+# The main K/V write of both write methods, the bypass's and the fork-era one.
+MAIN_WRITE = """\
+{reshape}(
+{I}key.view(-1, {num_kv_heads}, {head_dim}),
+{I}value.view(-1, {num_kv_heads}, {head_dim}),
+{I}key_cache,
+{I}value_cache,
+{I}{main_slots},
+{I}{dtype},
+{I}scale,
+{I}scale,
+)
+"""
+
+# The new write method: its scale and writes are SCALE_LOCAL, MAIN_WRITE and INDEX_WRITE with these
+# names of its own.
 METHOD_NAMES = {
     "idx_key": "idx_key", "idx_cache": "idx_cache", "idx_dtype": "idx_dtype", "index_key": "index_key",
-    "index_slots": "index_slot_mapping", "scale": "scale",
+    "main_slots": "main_slot_mapping", "index_slots": "index_slot_mapping", "scale": "scale",
 }
 INSERT_KV_METHOD = '''\
 def {name}(
@@ -130,18 +145,7 @@ def {name}(
 {D}fused op does.{replaced}
 {D}"""
 {I}key_cache, value_cache = {kv_cache}.unbind(1)
-{I}scale = self._fp8_kv_scale  # identity: stores x / 1
-{I}{reshape}(
-{I}{I}key.view(-1, {num_kv_heads}, {head_dim}),
-{I}{I}value.view(-1, {num_kv_heads}, {head_dim}),
-{I}{I}key_cache,
-{I}{I}value_cache,
-{I}{I}main_slot_mapping,
-{I}{I}{dtype},
-{I}{I}scale,
-{I}{I}scale,
-{I})
-''' + indented(INDEX_WRITE, "{I}")
+''' + indented(SCALE_LOCAL + MAIN_WRITE + INDEX_WRITE, "{I}")
 
 
 # What `revert` puts back: the fork-era `_insert_kv`, reading the slot mappings from the
@@ -166,17 +170,7 @@ def _insert_kv(
 {I}# Identity scale: unused for the bf16 cache, required arg of the op.
 {I}key_cache, value_cache = {kv_cache}.unbind(1)
 {I}scale = torch.ones((), device=key.device)
-{I}{reshape}(
-{I}{I}key.view(-1, {num_kv_heads}, {head_dim}),
-{I}{I}value.view(-1, {num_kv_heads}, {head_dim}),
-{I}{I}key_cache,
-{I}{I}value_cache,
-{I}{I}main_meta.slot_mapping,
-{I}{I}{dtype},
-{I}{I}scale,
-{I}{I}scale,
-{I})
-
+''' + indented(MAIN_WRITE, "{I}") + '''
 {I}# Index-key cache: single vector per token, scatter by slot.
 {I}idx_cache = {index_cache}.view(-1, {idx_head_dim})
 {I}idx_cache[index_meta.slot_mapping] = index_key.to(idx_cache.dtype)

@@ -276,6 +276,7 @@ def _plan_insert_kv(
         len(found.outer) + 1,
         main_key=_metadata_key(method, op, schema.SLOT_MAPPING, slot),
         index_key=_metadata_key(method, op, schema.INDEX_SLOT_MAPPING, slot),
+        main_slots="main_meta.slot_mapping",
         main_metadata=MAIN_METADATA, index_metadata=INDEX_METADATA, **names,
     )
 
