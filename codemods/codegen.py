@@ -203,6 +203,9 @@ def parse_method(code: str, module: cst.Module, **changes: object) -> cst.Functi
     return new.with_changes(**changes)
 
 
+Replacement = tuple[list[cst.BaseStatement], list[cst.EmptyLine]]  # what ``Splice.replace`` returns
+
+
 class Splice(cst.CSTTransformer):
     """What the rewrite and the revert both do to a file, by node: a def of ``methods`` becomes
     its new code (its leading lines and decorators kept), a from-import of ``imports`` gets names
@@ -214,9 +217,7 @@ class Splice(cst.CSTTransformer):
         super().__init__()
         self.module, self.methods, self.imports, self.touched = module, methods, imports, touched
 
-    def replace(
-        self, original: cst.BaseStatement, updated: cst.BaseStatement
-    ) -> tuple[list[cst.BaseStatement], list[cst.EmptyLine]]:
+    def replace(self, original: cst.BaseStatement, updated: cst.BaseStatement) -> Replacement:
         """The statements in the place of one of ``touched``, and the comment lines handed on to
         the next statement (after the last: kept at the block's end)."""
         return [updated], []

@@ -222,6 +222,7 @@ def _scatter_edits(
     scale_arg = a.get_arg(reshape, schema.OpParam(6, "k_scale"))
     if scale_arg is None or not a.is_pure(scale_arg.value):
         raise Unsupported(f"cannot upgrade `{shown}`: the scale of `{schema.RESHAPE_OP}` is not a plain name")
+    scale = a.code(scale_arg.value)
     taken = a.bound_names(fn)
     write = render(
         codegen.INDEX_WRITE,
@@ -232,12 +233,14 @@ def _scatter_edits(
         index_key=key.value,
         index_cache=a.code(view.func.value),  # type: ignore[attr-defined]
         idx_head_dim=a.code(view.args[1].value),  # type: ignore[attr-defined]
-        index_slots=slots, reshape=a.code(reshape.func), scale=a.code(scale_arg.value),
+        index_slots=slots, reshape=a.code(reshape.func), scale=scale,
     )
     edits = [(view_stmt, write), (scatter.statement, "")] if view_stmt is not None else [(scatter.statement, write)]
-    scale = _ones_scale(fn, scale_arg.value)
-    if scale is not None and a.param_names(fn)[:1] == ["self"]:
-        edits.append((scale.statement, render(codegen.SCALE_LOCAL, module, scale=a.code(scale_arg.value))))
+    # `<scale> = torch.ones(...)`: a fill kernel on every call, where the buffer needs none
+    named = scale_arg.value.value if isinstance(scale_arg.value, cst.Name) else ""
+    ones = [x for x, v in _assignments(fn, named) if roles.is_scale_value(roles.expression(a.code(v)))]
+    if ones and a.param_names(fn)[:1] == ["self"]:
+        edits.append((ones[0].statement, render(codegen.SCALE_LOCAL, module, scale=scale)))
     return edits
 
 
@@ -278,16 +281,6 @@ def _single_assignment(
         if isinstance(node, cst.Name) and node.value == name
     ]
     return None if reads else assigned[0]
-
-
-def _ones_scale(fn: cst.FunctionDef, scale: cst.BaseExpression) -> a.StatementSlot | None:
-    """``<scale> = torch.ones(...)``: a fill kernel on every call, where the buffer needs none."""
-    if not isinstance(scale, cst.Name):
-        return None
-    for x, value in _assignments(fn, scale.value):
-        if roles.is_scale_value(roles.expression(a.code(value))):
-            return x
-    return None
 
 
 def _assignments(fn: cst.FunctionDef, name: str) -> list[tuple[a.StatementSlot, cst.BaseExpression]]:
@@ -360,9 +353,7 @@ class Fp8KvBypass(codegen.Splice):
         indent = cst.SimpleWhitespace(self.module.default_indent * levels)
         return cst.ParenthesizedWhitespace(first_line=cst.TrailingWhitespace(), indent=True, last_line=indent)
 
-    def replace(
-        self, original: cst.BaseStatement, updated: cst.BaseStatement
-    ) -> tuple[list[cst.BaseStatement], list[cst.EmptyLine]]:
+    def replace(self, original: cst.BaseStatement, updated: cst.BaseStatement) -> codegen.Replacement:
         """The guard and the post-call block around the call, the flag after its anchor, the new
         write method before the forward one; an edited statement -> its new code (none: removed),
         and the comments above it but those of the code it replaces."""

@@ -352,9 +352,7 @@ class Fp8KvRevert(codegen.Splice):
         imports = {id(plan.metadata_import): plan.add_imports} if plan.metadata_import is not None else {}
         super().__init__(module, methods, imports, {*self.remove, id(plan.call_statement)})
 
-    def replace(
-        self, original: cst.BaseStatement, updated: cst.BaseStatement
-    ) -> tuple[list[cst.BaseStatement], list[cst.EmptyLine]]:
+    def replace(self, original: cst.BaseStatement, updated: cst.BaseStatement) -> codegen.Replacement:
         """A removed statement hands its comments on but the bypass's; the call loses the bypass's."""
         if id(original) in self.remove:
             kept = codegen.strip_comments(updated.leading_lines)
