@@ -280,12 +280,6 @@ def add_import_alias(imp: cst.ImportFrom, name: str) -> cst.ImportFrom:
     return imp.with_changes(names=names)
 
 
-_STATEMENT_CONTAINERS = (
-    cst.Module, cst.IndentedBlock, cst.BaseCompoundStatement, cst.Else,
-    cst.ExceptHandler, cst.ExceptStarHandler, cst.Finally, cst.MatchCase,
-)
-
-
 def remove_unused_imports(
     module: cst.Module, candidates: set[str], silent: Sequence[cst.CSTNode] = ()
 ) -> cst.Module:
@@ -301,7 +295,7 @@ def remove_unused_imports(
     class Remove(cst.CSTTransformer):
         def on_visit(self, node: cst.CSTNode) -> bool:
             # Only statements hold imports; expressions and one-line statements need no visit.
-            return isinstance(node, _STATEMENT_CONTAINERS)
+            return isinstance(node, a.BLOCK_HOLDERS)
 
         def leave_SimpleStatementLine(
             self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
