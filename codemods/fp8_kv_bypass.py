@@ -47,10 +47,10 @@ class BypassPlan:
     call_slot: a.StatementSlot
     guard: str
     guard_code: str  # goes before the call
-    wrap_args: list[schema.OpParam]  # `X` -> `X if <guard> else None`
+    wrap_args: list[cst.Arg]  # `X` -> `X if <guard> else None`
     # the wrapped arguments whose line would pass vLLM's line length (88): each goes on its own
     # lines in parentheses, as ruff format writes an argument that does not fit
-    split_args: list[schema.OpParam]
+    split_args: list[cst.Arg]
     post_insert_code: str  # goes after the call
     flag_slot: a.StatementSlot  # insert `self._fp8_kv = ...` (and the scale) after it
     flag_code: str
@@ -117,7 +117,8 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     guard = _guard_name(p, taken)
     init_attrs = a.self_assignments(init)
     names = write_names(op, method, slot, init_attrs, m.imports)
-    wrap = [param for param in (schema.KV_CACHE, schema.INDEX_CACHE) if guard_of(op.arg(param)) is None]
+    caches = (op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE))
+    wrap = [arg for arg in caches if arg is not None and guard_of(arg) is None]
     qkv, main_slots, index_slots = qkv_and_slots(op)
     flag_slot = dtype_anchor(init, init_attrs)
     assert flag_slot is not None  # write_names proved that __init__ sets the dtype
@@ -162,7 +163,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
         cls=cls, method=method, op=op, call_slot=slot, guard=guard,
         guard_code=guard_code if p.guard_assigned is None and p.guard_inline is None else "",
         wrap_args=wrap,
-        split_args=_split_args(m, op, slot.statement, wrap, guard),
+        split_args=_split_args(m, slot.statement, wrap, guard),
         post_insert_code="" if p.post_insert else post_insert_code,
         flag_slot=flag_slot, flag_code=flag_code,
         insert_kv=insert_kv, insert_kv_code=insert_kv_code,
@@ -334,8 +335,7 @@ class Fp8KvBypass(codegen.Splice):
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if original is not self.plan.op.call:
             return updated
-        wrap = [self.plan.op.arg(p) for p in self.plan.wrap_args]
-        split = [self.plan.op.arg(p) for p in self.plan.split_args]
+        wrap, split = self.plan.wrap_args, self.plan.split_args
         new_args = []
         for orig_arg, arg in zip(original.args, updated.args, strict=True):
             if any(orig_arg is w for w in wrap):
@@ -382,17 +382,15 @@ REPLACED_COMMENTS = (
 LINE_LENGTH = 88  # vLLM's ruff line length
 
 
-def _split_args(
-    m: FileModel, op: a.OpCall, statement: cst.BaseStatement, wrap: list[schema.OpParam], guard: str
-) -> list[schema.OpParam]:
+def _split_args(m: FileModel, statement: cst.BaseStatement, wrap: list[cst.Arg], guard: str) -> list[cst.Arg]:
     """The arguments whose line ``X if <guard> else None`` in place of their values (every
     wrapped one on that line) would make longer than vLLM's line length."""
     lines = m.module.code.splitlines()
-    ends = {param: _end_line(m, statement, arg) for param in wrap if (arg := op.arg(param)) is not None}
-    grown = {line: len(lines[line - 1]) for line in ends.values()}
-    for line in ends.values():
+    ends = [(arg, _end_line(m, statement, arg)) for arg in wrap]
+    grown = {line: len(lines[line - 1]) for _, line in ends}
+    for _, line in ends:
         grown[line] += len(f" if {guard} else None")
-    return [param for param, line in ends.items() if grown[line] > LINE_LENGTH]
+    return [arg for arg, line in ends if grown[line] > LINE_LENGTH]
 
 
 def _end_line(m: FileModel, statement: cst.BaseStatement, arg: cst.Arg) -> int:
