@@ -41,7 +41,6 @@ class BypassPlan:
     """Everything the transformer needs, found in and checked against the file (a code of ""
     adds nothing)."""
 
-    cls: cst.ClassDef
     method: cst.FunctionDef
     op: a.OpCall
     call_slot: a.StatementSlot
@@ -160,7 +159,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
         name=name, **names, **codegen.METHOD_NAMES,
     )
     return BypassPlan(
-        cls=cls, method=method, op=op, call_slot=slot, guard=guard,
+        method=method, op=op, call_slot=slot, guard=guard,
         guard_code=guard_code if p.guard_assigned is None and p.guard_inline is None else "",
         wrap_args=wrap,
         split_args=_split_args(m, slot.statement, wrap, guard),
