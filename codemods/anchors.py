@@ -157,9 +157,9 @@ def nodes_in(node: cst.CSTNode, scope_only: bool = False) -> list[cst.CSTNode]:
 
 # The clauses of a compound statement that hold blocks (an ``elif`` is an ``If``).
 _CLAUSES = (cst.Else, cst.If, cst.ExceptHandler, cst.ExceptStarHandler, cst.Finally, cst.MatchCase)
-_STATEMENT_PARTS = (
-    cst.IndentedBlock, cst.SimpleStatementSuite, cst.SimpleStatementLine, cst.BaseCompoundStatement, *_CLAUSES
-)
+# What holds statement lines: the module, a block, a compound statement and its clauses.
+BLOCK_HOLDERS = (cst.Module, cst.IndentedBlock, cst.BaseCompoundStatement, *_CLAUSES)
+_STATEMENT_PARTS = (*BLOCK_HOLDERS, cst.SimpleStatementSuite, cst.SimpleStatementLine)
 
 
 def all_statements(node: cst.CSTNode) -> list[cst.CSTNode]:

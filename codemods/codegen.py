@@ -108,10 +108,25 @@ def indented(text: str, indent: str) -> str:
     return "".join(indent + line if line.strip() else line for line in text.splitlines(keepends=True))
 
 
-# The new write method: its index write is INDEX_WRITE with these names of its own.
+# The main K/V write of both write methods, the bypass's and the fork-era one.
+MAIN_WRITE = """\
+{reshape}(
+{I}key.view(-1, {num_kv_heads}, {head_dim}),
+{I}value.view(-1, {num_kv_heads}, {head_dim}),
+{I}key_cache,
+{I}value_cache,
+{I}{main_slots},
+{I}{dtype},
+{I}scale,
+{I}scale,
+)
+"""
+
+# The new write method: its scale and writes are SCALE_LOCAL, MAIN_WRITE and INDEX_WRITE with these
+# names of its own.
 METHOD_NAMES = {
     "idx_key": "idx_key", "idx_cache": "idx_cache", "idx_dtype": "idx_dtype", "index_key": "index_key",
-    "index_slots": "index_slot_mapping", "scale": "scale",
+    "main_slots": "main_slot_mapping", "index_slots": "index_slot_mapping", "scale": "scale",
 }
 INSERT_KV_METHOD = '''\
 def {name}(
@@ -130,18 +145,7 @@ def {name}(
 {D}fused op does.{replaced}
 {D}"""
 {I}key_cache, value_cache = {kv_cache}.unbind(1)
-{I}scale = self._fp8_kv_scale  # identity: stores x / 1
-{I}{reshape}(
-{I}{I}key.view(-1, {num_kv_heads}, {head_dim}),
-{I}{I}value.view(-1, {num_kv_heads}, {head_dim}),
-{I}{I}key_cache,
-{I}{I}value_cache,
-{I}{I}main_slot_mapping,
-{I}{I}{dtype},
-{I}{I}scale,
-{I}{I}scale,
-{I})
-''' + indented(INDEX_WRITE, "{I}")
+''' + indented(SCALE_LOCAL + MAIN_WRITE + INDEX_WRITE, "{I}")
 
 
 # What `revert` puts back: the fork-era `_insert_kv`, reading the slot mappings from the
@@ -166,17 +170,7 @@ def _insert_kv(
 {I}# Identity scale: unused for the bf16 cache, required arg of the op.
 {I}key_cache, value_cache = {kv_cache}.unbind(1)
 {I}scale = torch.ones((), device=key.device)
-{I}{reshape}(
-{I}{I}key.view(-1, {num_kv_heads}, {head_dim}),
-{I}{I}value.view(-1, {num_kv_heads}, {head_dim}),
-{I}{I}key_cache,
-{I}{I}value_cache,
-{I}{I}main_meta.slot_mapping,
-{I}{I}{dtype},
-{I}{I}scale,
-{I}{I}scale,
-{I})
-
+''' + indented(MAIN_WRITE, "{I}") + '''
 {I}# Index-key cache: single vector per token, scatter by slot.
 {I}idx_cache = {index_cache}.view(-1, {idx_head_dim})
 {I}idx_cache[index_meta.slot_mapping] = index_key.to(idx_cache.dtype)
@@ -209,6 +203,9 @@ def parse_method(code: str, module: cst.Module, **changes: object) -> cst.Functi
     return new.with_changes(**changes)
 
 
+Replacement = tuple[list[cst.BaseStatement], list[cst.EmptyLine]]  # what ``Splice.replace`` returns
+
+
 class Splice(cst.CSTTransformer):
     """What the rewrite and the revert both do to a file, by node: a def of ``methods`` becomes
     its new code (its leading lines and decorators kept), a from-import of ``imports`` gets names
@@ -220,9 +217,7 @@ class Splice(cst.CSTTransformer):
         super().__init__()
         self.module, self.methods, self.imports, self.touched = module, methods, imports, touched
 
-    def replace(
-        self, original: cst.BaseStatement, updated: cst.BaseStatement
-    ) -> tuple[list[cst.BaseStatement], list[cst.EmptyLine]]:
+    def replace(self, original: cst.BaseStatement, updated: cst.BaseStatement) -> Replacement:
         """The statements in the place of one of ``touched``, and the comment lines handed on to
         the next statement (after the last: kept at the block's end)."""
         return [updated], []
@@ -285,12 +280,6 @@ def add_import_alias(imp: cst.ImportFrom, name: str) -> cst.ImportFrom:
     return imp.with_changes(names=names)
 
 
-_STATEMENT_CONTAINERS = (
-    cst.Module, cst.IndentedBlock, cst.BaseCompoundStatement, cst.Else,
-    cst.ExceptHandler, cst.ExceptStarHandler, cst.Finally, cst.MatchCase,
-)
-
-
 def remove_unused_imports(
     module: cst.Module, candidates: set[str], silent: Sequence[cst.CSTNode] = ()
 ) -> cst.Module:
@@ -306,7 +295,7 @@ def remove_unused_imports(
     class Remove(cst.CSTTransformer):
         def on_visit(self, node: cst.CSTNode) -> bool:
             # Only statements hold imports; expressions and one-line statements need no visit.
-            return isinstance(node, _STATEMENT_CONTAINERS)
+            return isinstance(node, a.BLOCK_HOLDERS)
 
         def leave_SimpleStatementLine(
             self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine

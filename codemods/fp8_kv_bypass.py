@@ -41,16 +41,15 @@ class BypassPlan:
     """Everything the transformer needs, found in and checked against the file (a code of ""
     adds nothing)."""
 
-    cls: cst.ClassDef
     method: cst.FunctionDef
     op: a.OpCall
     call_slot: a.StatementSlot
     guard: str
     guard_code: str  # goes before the call
-    wrap_args: list[schema.OpParam]  # `X` -> `X if <guard> else None`
+    wrap_args: list[cst.Arg]  # `X` -> `X if <guard> else None`
     # the wrapped arguments whose line would pass vLLM's line length (88): each goes on its own
     # lines in parentheses, as ruff format writes an argument that does not fit
-    split_args: list[schema.OpParam]
+    split_args: list[cst.Arg]
     post_insert_code: str  # goes after the call
     flag_slot: a.StatementSlot  # insert `self._fp8_kv = ...` (and the scale) after it
     flag_code: str
@@ -117,7 +116,8 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     guard = _guard_name(p, taken)
     init_attrs = a.self_assignments(init)
     names = write_names(op, method, slot, init_attrs, m.imports)
-    wrap = [param for param in (schema.KV_CACHE, schema.INDEX_CACHE) if guard_of(op.arg(param)) is None]
+    caches = (op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE))
+    wrap = [arg for arg in caches if arg is not None and guard_of(arg) is None]
     qkv, main_slots, index_slots = qkv_and_slots(op)
     flag_slot = dtype_anchor(init, init_attrs)
     assert flag_slot is not None  # write_names proved that __init__ sets the dtype
@@ -159,10 +159,10 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
         name=name, **names, **codegen.METHOD_NAMES,
     )
     return BypassPlan(
-        cls=cls, method=method, op=op, call_slot=slot, guard=guard,
+        method=method, op=op, call_slot=slot, guard=guard,
         guard_code=guard_code if p.guard_assigned is None and p.guard_inline is None else "",
         wrap_args=wrap,
-        split_args=_split_args(m, op, slot.statement, wrap, guard),
+        split_args=_split_args(m, slot.statement, wrap, guard),
         post_insert_code="" if p.post_insert else post_insert_code,
         flag_slot=flag_slot, flag_code=flag_code,
         insert_kv=insert_kv, insert_kv_code=insert_kv_code,
@@ -222,6 +222,7 @@ def _scatter_edits(
     scale_arg = a.get_arg(reshape, schema.OpParam(6, "k_scale"))
     if scale_arg is None or not a.is_pure(scale_arg.value):
         raise Unsupported(f"cannot upgrade `{shown}`: the scale of `{schema.RESHAPE_OP}` is not a plain name")
+    scale = a.code(scale_arg.value)
     taken = a.bound_names(fn)
     write = render(
         codegen.INDEX_WRITE,
@@ -232,12 +233,14 @@ def _scatter_edits(
         index_key=key.value,
         index_cache=a.code(view.func.value),  # type: ignore[attr-defined]
         idx_head_dim=a.code(view.args[1].value),  # type: ignore[attr-defined]
-        index_slots=slots, reshape=a.code(reshape.func), scale=a.code(scale_arg.value),
+        index_slots=slots, reshape=a.code(reshape.func), scale=scale,
     )
     edits = [(view_stmt, write), (scatter.statement, "")] if view_stmt is not None else [(scatter.statement, write)]
-    scale = _ones_scale(fn, scale_arg.value)
-    if scale is not None and a.param_names(fn)[:1] == ["self"]:
-        edits.append((scale.statement, render(codegen.SCALE_LOCAL, module, scale=a.code(scale_arg.value))))
+    # `<scale> = torch.ones(...)`: a fill kernel on every call, where the buffer needs none
+    named = scale_arg.value.value if isinstance(scale_arg.value, cst.Name) else ""
+    ones = [x for x, v in _assignments(fn, named) if roles.is_scale_value(roles.expression(a.code(v)))]
+    if ones and a.param_names(fn)[:1] == ["self"]:
+        edits.append((ones[0].statement, render(codegen.SCALE_LOCAL, module, scale=scale)))
     return edits
 
 
@@ -278,16 +281,6 @@ def _single_assignment(
         if isinstance(node, cst.Name) and node.value == name
     ]
     return None if reads else assigned[0]
-
-
-def _ones_scale(fn: cst.FunctionDef, scale: cst.BaseExpression) -> a.StatementSlot | None:
-    """``<scale> = torch.ones(...)``: a fill kernel on every call, where the buffer needs none."""
-    if not isinstance(scale, cst.Name):
-        return None
-    for x, value in _assignments(fn, scale.value):
-        if roles.is_scale_value(roles.expression(a.code(value))):
-            return x
-    return None
 
 
 def _assignments(fn: cst.FunctionDef, name: str) -> list[tuple[a.StatementSlot, cst.BaseExpression]]:
@@ -341,8 +334,7 @@ class Fp8KvBypass(codegen.Splice):
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if original is not self.plan.op.call:
             return updated
-        wrap = [self.plan.op.arg(p) for p in self.plan.wrap_args]
-        split = [self.plan.op.arg(p) for p in self.plan.split_args]
+        wrap, split = self.plan.wrap_args, self.plan.split_args
         new_args = []
         for orig_arg, arg in zip(original.args, updated.args, strict=True):
             if any(orig_arg is w for w in wrap):
@@ -360,9 +352,7 @@ class Fp8KvBypass(codegen.Splice):
         indent = cst.SimpleWhitespace(self.module.default_indent * levels)
         return cst.ParenthesizedWhitespace(first_line=cst.TrailingWhitespace(), indent=True, last_line=indent)
 
-    def replace(
-        self, original: cst.BaseStatement, updated: cst.BaseStatement
-    ) -> tuple[list[cst.BaseStatement], list[cst.EmptyLine]]:
+    def replace(self, original: cst.BaseStatement, updated: cst.BaseStatement) -> codegen.Replacement:
         """The guard and the post-call block around the call, the flag after its anchor, the new
         write method before the forward one; an edited statement -> its new code (none: removed),
         and the comments above it but those of the code it replaces."""
@@ -391,17 +381,15 @@ REPLACED_COMMENTS = (
 LINE_LENGTH = 88  # vLLM's ruff line length
 
 
-def _split_args(
-    m: FileModel, op: a.OpCall, statement: cst.BaseStatement, wrap: list[schema.OpParam], guard: str
-) -> list[schema.OpParam]:
+def _split_args(m: FileModel, statement: cst.BaseStatement, wrap: list[cst.Arg], guard: str) -> list[cst.Arg]:
     """The arguments whose line ``X if <guard> else None`` in place of their values (every
     wrapped one on that line) would make longer than vLLM's line length."""
     lines = m.module.code.splitlines()
-    ends = {param: _end_line(m, statement, arg) for param in wrap if (arg := op.arg(param)) is not None}
-    grown = {line: len(lines[line - 1]) for line in ends.values()}
-    for line in ends.values():
+    ends = [(arg, _end_line(m, statement, arg)) for arg in wrap]
+    grown = {line: len(lines[line - 1]) for _, line in ends}
+    for _, line in ends:
         grown[line] += len(f" if {guard} else None")
-    return [param for param, line in ends.items() if grown[line] > LINE_LENGTH]
+    return [arg for arg, line in ends if grown[line] > LINE_LENGTH]
 
 
 def _end_line(m: FileModel, statement: cst.BaseStatement, arg: cst.Arg) -> int:

@@ -276,6 +276,7 @@ def _plan_insert_kv(
         len(found.outer) + 1,
         main_key=_metadata_key(method, op, schema.SLOT_MAPPING, slot),
         index_key=_metadata_key(method, op, schema.INDEX_SLOT_MAPPING, slot),
+        main_slots="main_meta.slot_mapping",
         main_metadata=MAIN_METADATA, index_metadata=INDEX_METADATA, **names,
     )
 
@@ -351,9 +352,7 @@ class Fp8KvRevert(codegen.Splice):
         imports = {id(plan.metadata_import): plan.add_imports} if plan.metadata_import is not None else {}
         super().__init__(module, methods, imports, {*self.remove, id(plan.call_statement)})
 
-    def replace(
-        self, original: cst.BaseStatement, updated: cst.BaseStatement
-    ) -> tuple[list[cst.BaseStatement], list[cst.EmptyLine]]:
+    def replace(self, original: cst.BaseStatement, updated: cst.BaseStatement) -> codegen.Replacement:
         """A removed statement hands its comments on but the bypass's; the call loses the bypass's."""
         if id(original) in self.remove:
             kept = codegen.strip_comments(updated.leading_lines)
