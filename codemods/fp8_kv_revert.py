@@ -82,7 +82,7 @@ def plan_site(
     if cls is None or method is None or facts.star_args or not facts.has_cache:
         return None  # not a site the bypass is written around (schema.verdict)
     if facts.nested_in is not None:
-        if any(a.self_attr(n) == codegen.FP8_FLAG for n in a.walk_all(cls.body)):
+        if any(m.flags(cls).values()):  # a flag, by its value: the class carries a bypass
             raise Unsupported("the call is not directly in a method: its bypass cannot be delimited")
         return None
     pieces = pieces or sites.collect_pieces(m, cls, method, op, slot)
@@ -95,7 +95,7 @@ def plan_site(
         raise Unsupported(
             f"on this native call the bypass is torch.compile's cache write ({schema.COMPILED_DESIGN}): "
             "taking it out would leave the compiled path writing no token. Keep it: in eager the "
-            "native kernel writes fp8 itself, and `mm3-codemod check` says whether it is wired"
+            "native kernel writes fp8 itself, and `check` on this file says whether it is wired"
         )
 
     guards = set(pieces.guard_args) | ({pieces.guard_assigned} if pieces.guard_assigned else set())

@@ -620,3 +620,26 @@ def test_revert_refuses_a_bypass_that_is_the_compiled_paths_cache_write(name: st
     assert target.read_bytes() == (FIXTURES / name / form).read_bytes()
     (site,) = [s for s in report.files[0].sites if s.action.value == "refuse"]
     assert "taking it out would leave the compiled path writing no token" in site.reason
+
+
+NESTED = '''from vllm import _custom_ops as ops
+
+
+class Layer:
+    def __init__(self, kv_cache_dtype):
+        self.kv_cache_dtype = kv_cache_dtype
+        self.FLAG = "fp8" in self.kv_cache_dtype
+
+    def forward(self, qkv):
+        def inner():
+            ops.fused_minimax_m3_qknorm_rope_kv_insert(qkv, kv_cache=self.kv_cache)
+
+        inner()
+'''
+
+
+@pytest.mark.parametrize("flag", ["_fp8_kv", "_quant_kv"])
+def test_a_call_in_a_nested_def_of_a_class_with_a_flag_is_refused_whatever_the_flag_is_called(flag: str) -> None:
+    """revert refused this under run's flag name only; under a fork's it said there was nothing to revert."""
+    (site,) = analyze_revert(cst.parse_module(NESTED.replace("FLAG", flag))).sites
+    assert site.action.value == "refuse" and "not directly in a method" in site.reason, site
