@@ -710,11 +710,15 @@ def test_kernel_level_without_a_gpu_is_skipped_with_the_reason() -> None:
     assert kernel.status is Status.SKIPPED and "no CUDA GPU" in kernel.reason
 
 
-def test_timing_plan_runs_the_files_own_insert_kv_at_every_size() -> None:
-    """The timed closures on the CPU (one call each instead of a CUDA graph)."""
+@pytest.mark.parametrize("write", ["_insert_kv", "_store_kv"])
+def test_timing_plan_runs_the_files_own_insert_kv_at_every_size(tmp_path: Path, write: str) -> None:
+    """The timed closures on the CPU (one call each instead of a CUDA graph), of the file's write
+    method by its role: a fork's name for it was not timed (the GPU path asked for run's name)."""
     ops = _fake_ops("hnd")
     kernels.detect_layout(ops, standin.Inputs.random(layercode.Shape(tokens=16, num_blocks=8), seed=2))
-    code = layercode.load_layer(FIXTURES / "fork_era" / "expected.py", "MiniMaxM3SparseAttention")
+    model = tmp_path / "model.py"
+    model.write_text((FIXTURES / "fork_era" / "expected.py").read_text().replace("_insert_kv", write))
+    code = layercode.load_layer(model, "MiniMaxM3SparseAttention")
     calls: list[str] = []
     written: list[int] = []
     real_reshape = ops.reshape_raw
@@ -730,12 +734,12 @@ def test_timing_plan_runs_the_files_own_insert_kv_at_every_size() -> None:
         calls.append(fn.__name__)
         return 1.0, "one call"
 
-    t = kernels.timings(ops, code, sizes=(16, 32), device="cpu", timer=once)
+    t = kernels.timings(ops, code, write, sizes=(16, 32), device="cpu", timer=once)
     assert calls == ["fused_insert", "norm_rope", "insert_kv", "bypass"] * 2
     assert [(r.name, r.tokens) for r in t["rows"]][:4] == [
         ("fused bf16 insert", 16),
         ("fused norm+rope only", 16),
-        ("the file's _insert_kv (fp8 k/v + index key)", 16),
+        (f"the file's {write} (fp8 k/v + index key)", 16),
         ("bypass total", 16),
     ]
     # the file's own _insert_kv ran: two reshape_and_cache_flash calls (k/v, index key) per call

@@ -62,6 +62,7 @@ class FileVerification:
     engine: dict[str, Any] | None = None  # the engine level's runs and comparisons (--engine)
     no_insert_site: bool = False  # no call of the op writes a cache here: nothing to verify
     step: str | None = None  # not verified: the one step that makes a level run its code
+    write_methods: dict[str, str] = field(default_factory=dict)  # class -> its bypass's write method (the site's)
 
     @property
     def failed(self) -> bool:
@@ -251,6 +252,7 @@ def verify_file(
         out.note = f"{first.state.value} at line {first.line}: {todo}"
 
     # A native class is imported only: it has no bypass whose shape could be inspected.
+    out.write_methods = {s.class_name: s.write_method for s in inserts if s.class_name and s.write_method}
     bypassed = sorted({f"{s.class_name}:{s.write_method}" for s in inserts if s.class_name and s.state is not SiteState.NATIVE})
     imp = import_check(path, bypassed, python)
     status, reason = Status(imp["status"]), imp["reason"]

@@ -393,12 +393,13 @@ def timing_shape(tokens: int) -> layercode.Shape:
 def timings(
     ops: KernelOps,
     code: layercode.LayerCode,
+    write: str = codegen.INSERT_KV,  # the file's write method (the site's, by its role)
     sizes: tuple[int, ...] = SIZES,
     device: str = "cuda",
     timer: Callable[..., tuple[float, str]] | None = None,
 ) -> dict[str, Any]:
     """The fused bf16 insert vs the bypass: the fused op norm+rope only, then the file's
-    own ``_insert_kv`` on an fp8 cache (k, v, index_k as the strided views of qkv
+    own write method (``write``) on an fp8 cache (k, v, index_k as the strided views of qkv
     that the post-call block passes), at each batch size."""
     timer = timer or gpu_time_us
     rows: list[Timing] = []
@@ -434,7 +435,7 @@ def timings(
             ops.fused_call(rope_only, None)
 
         def insert_kv() -> None:
-            getattr(layer, codegen.INSERT_KV)(k, v, index_k, main, index)
+            getattr(layer, write)(k, v, index_k, main, index)
 
         def bypass() -> None:
             norm_rope()
@@ -443,7 +444,7 @@ def timings(
         for name, fn in (
             ("fused bf16 insert", fused_insert),
             ("fused norm+rope only", norm_rope),
-            (f"the file's {codegen.INSERT_KV} (fp8 k/v + index key)", insert_kv),
+            (f"the file's {write} (fp8 k/v + index key)", insert_kv),
             ("bypass total", bypass),
         ):
             us, how = timer(fn)

@@ -18,7 +18,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from codemods import codegen
 from codemods.schema import InsertSite, SiteState
 from rewriter.apply import FileError, read_source
 
@@ -37,14 +36,14 @@ def import_torch() -> None:
         import torch  # noqa: F401
 
 
-def _timings(code: Any, ctx: Any, out: Any, failures: list[str]) -> None:
-    """Time this file's bypass with the real ops (a failure to run it is the file's)."""
+def _timings(code: Any, ctx: Any, out: Any, failures: list[str], write: str) -> None:
+    """Time this file's bypass, its write method ``write``, with the real ops (a failure to run it is the file's)."""
     from . import kernels as k
 
     try:
-        out.timings = k.timings(ctx.ops, code)
+        out.timings = k.timings(ctx.ops, code, write)
     except Exception as exc:
-        failures.append(f"timing {code.class_name}.{codegen.INSERT_KV} failed: {type(exc).__name__}: {exc}")
+        failures.append(f"timing {code.class_name}.{write} failed: {type(exc).__name__}: {exc}")
 
 
 def insert_classes(sites: Iterable[InsertSite]) -> list[str]:
@@ -149,8 +148,9 @@ def _run_classes(path: Path, classes: list[str], ctx: Any, out: Any, plan: Any, 
         elif not result.passed:
             failures.append(f"{name}: {result.reason}")
         elif ctx is not None and ctx.timing and out is not None and out.timings is None and plan.size == 1:
-            if codegen.INSERT_KV in code.methods:  # timed where the write method has run's name
-                _timings(code, ctx, out, failures)
+            write = out.write_methods.get(name, "")  # the site's, by its role (whatever the file calls it)
+            if write in code.methods:
+                _timings(code, ctx, out, failures, write)
     if ctx is not None and plan.size == 1:  # the ops themselves: once, on the TP=1 row
         details += [f"{c.name}: {'ok' if c.passed else 'FAILED'} ({c.detail})" for c in ctx.checks]
         bad = [c.name for c in ctx.checks if not c.passed]
