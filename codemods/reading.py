@@ -194,7 +194,8 @@ def _unrolled(stmt: ast.For | ast.Match, env: dict[str, object], scope: Scope, d
             _block(case.body if case is not None else [], env, scope, depth)
             return
         items = evaluate(stmt.iter, env, scope)
-        if not isinstance(items, (tuple, str)) or any(isinstance(n, (ast.Break, ast.Continue)) for n in ast.walk(stmt)):
+        jumps = any(isinstance(n, (ast.Break, ast.Continue)) for n in ast.walk(stmt))
+        if jumps or not isinstance(items, (tuple, str)):
             raise Unknown("for")
         for item in items:
             _store(stmt.target, item, env)

@@ -198,7 +198,8 @@ def _carries_dtype(found: FoundCall, held: cst.BaseExpression | None, m: FileMod
     it (``reading.carries_dtype``); outside a class, only as ``<layer>.kv_cache_dtype`` of a local layer."""
     if found.cls is not None:
         return held is not None and m.carries_dtype(found.cls, held)
-    return isinstance(held, cst.Attribute) and held.attr.value == schema.DTYPE_ATTR and isinstance(held.value, cst.Name)
+    layers = isinstance(held, cst.Attribute) and isinstance(held.value, cst.Name)
+    return layers and held.attr.value == schema.DTYPE_ATTR  # type: ignore[union-attr]
 
 
 @dataclass
@@ -340,10 +341,14 @@ def collect_pieces(
     main, index = op.arg(schema.SLOT_MAPPING), op.arg(schema.INDEX_SLOT_MAPPING)
     forms: dict[str, str] = {}
 
-    def write_shaped(node: cst.CSTNode) -> bool:
+    def write_shaped(node: cst.CSTNode) -> bool:  # taking the slot mappings, writing with the reshape op
         name = a.self_attr(node.func) if isinstance(node, cst.Call) else None
         if name is not None and name not in forms:
-            forms[name] = _insert_kv_form(a.find_method(cls, name), cls, m.functions)
+            fn = a.find_method(cls, name)
+            writers = (fn, *a.delegates(fn, cls, m.functions)) if fn is not None else ()
+            calls = (n for f in writers for n in a.nodes_in(f) if isinstance(n, cst.Call))
+            writes = any(a.callee_name(n) == schema.RESHAPE_OP for n in calls)
+            forms[name] = _insert_kv_form(fn, cls, m.functions) if writes else "other"
         return name is not None and forms[name] in schema.SLOTS_FORMS
 
     for stmt in slot.after() if slot is not None else ():

@@ -62,7 +62,7 @@ class FileVerification:
     engine: dict[str, Any] | None = None  # the engine level's runs and comparisons (--engine)
     no_insert_site: bool = False  # no call of the op writes a cache here: nothing to verify
     step: str | None = None  # not verified: the one step that makes a level run its code
-    write_methods: dict[str, str] = field(default_factory=dict)  # class -> its bypass's write method (the site's)
+    write_methods: dict[str, str] = field(default_factory=dict)  # class -> the site's write method
 
     @property
     def failed(self) -> bool:
@@ -231,7 +231,8 @@ def verify_file(
     if not inserts:  # (a call outside a layer class is a site the levels cannot run: not proven)
         out.no_insert_site, why = not outside, NO_INSERT_SITE
         if outside:
-            why = f"the call at line {outside[0].line} is in `{outside[0].method}`, outside a layer class: {OUTSIDE}"
+            call = outside[0]
+            why = f"the call at line {call.line} is in `{call.method}`, outside a layer class: {OUTSIDE}"
         out.levels = [LevelResult(level, Status.SKIPPED, why) for level in LEVELS]
         return out
     classes = insert_classes(inserts)  # a bypass taken out of a native call is proven here too

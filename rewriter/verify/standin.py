@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from codemods import codegen, schema
+from codemods import codegen
 from codemods.schema import FUSED_OP, RESHAPE_OP
 
 from . import refops
