@@ -163,24 +163,21 @@ def _post_call_block(m: FileModel, slot: a.StatementSlot, pieces: sites.FoundPie
     """The post-call block (``sites``: the ``if`` that runs where the fused op did not write,
     however its test is written): slices and asserts, then ``self.<write>(...)`` - on the
     compiled path maybe a custom op instead (``if torch.compiler.is_compiling(): ...``)."""
-    name = pieces.insert_method
-    for index, stmt in enumerate(slot.after()):
-        if not any(n is pieces.post_insert_call for n in a.walk_all(stmt)):
-            continue
-        if not isinstance(stmt, cst.If) or stmt.orelse is not None:
-            raise Unsupported(f"the post-call `self.{name}(...)` is not in an `if not <guard>:` block")
-        if not pieces.post_insert_wired:
-            raise Unsupported(f"the post-call `self.{name}(...)` is not under `if not <guard>:`")
-        assigned: set[str] = set()
-        if _block_inserts(m, stmt.body, assigned, name) != 1:
-            raise Unsupported(f"the post-call block does not hold exactly one `self.{name}(...)`")
-        later = set().union(*(a.names_read(after) for after in slot.after()[index + 1 :]))
-        if assigned & later:
-            raise Unsupported(
-                f"names set in the post-call block are used after it: {', '.join(sorted(assigned & later))}"
-            )
-        return stmt
-    return None
+    name, stmt, after = pieces.insert_method, pieces.post_block, slot.after()
+    if stmt is None:  # (``sites`` finds it, where there is one)
+        return None
+    if not isinstance(stmt, cst.If) or stmt.orelse is not None:
+        raise Unsupported(f"the post-call `self.{name}(...)` is not in an `if not <guard>:` block")
+    if not pieces.post_insert_wired:
+        raise Unsupported(f"the post-call `self.{name}(...)` is not under `if not <guard>:`")
+    assigned: set[str] = set()
+    if _block_inserts(m, stmt.body, assigned, name) != 1:
+        raise Unsupported(f"the post-call block does not hold exactly one `self.{name}(...)`")
+    index = next(i for i, s in enumerate(after) if s is stmt)
+    later = set().union(*(a.names_read(rest) for rest in after[index + 1 :]))
+    if assigned & later:
+        raise Unsupported(f"names set in the post-call block are used after it: {', '.join(sorted(assigned & later))}")
+    return stmt
 
 
 def _block_inserts(m: FileModel, suite: cst.BaseSuite, assigned: set[str], name: str) -> int:

@@ -207,6 +207,7 @@ class FoundPieces(schema.Pieces):
     """The pieces (``schema.Pieces``), with the LibCST nodes the plan still needs."""
 
     post_insert_call: cst.Call | None = None
+    post_block: cst.BaseStatement | None = None  # the statement after the call that holds it
     flag_attr: str = codegen.FP8_FLAG  # the names run writes, where the file has no piece of the role
     insert_method: str = codegen.INSERT_KV
 
@@ -355,7 +356,7 @@ def collect_pieces(
         node = a.first_in(stmt, lambda n: _passes_slots(n, main, index)) or a.first_in(stmt, write_shaped)
         if not isinstance(node, cst.Call):
             continue
-        p.post_insert, p.post_insert_call = True, node
+        p.post_insert, p.post_insert_call, p.post_block = True, node, stmt
         p.insert_method = a.self_attr(node.func) or codegen.INSERT_KV
         p.insert_from_file = _passes_slots(node, main, index)
         test = roles.expression(a.code(stmt.test)) if isinstance(stmt, cst.If) else None
