@@ -181,14 +181,22 @@ def print_diffs(report: Report, only: FileStatus | None = None) -> None:
         say(stderr(), where)
 
 
+# ANSI colours of a diff's lines: bold headers, cyan hunk headers, green/red lines.
+_DIFF_COLOURS = (("+++", "1"), ("---", "1"), ("@@", "36"), ("+", "32"), ("-", "31"))
+
+
 def write_diff(diff: str, encoding: str) -> None:
     """The diff on stdout as the file's own bytes (its encoding, its line endings, its tabs),
-    so that ``patch`` and ``git apply`` take it; coloured only where the console would colour."""
+    so that ``patch`` and ``git apply`` take it; coloured only where the console would colour,
+    each line whole between escape codes (rich would turn tabs into spaces and eat carriage returns)."""
     out = console(sys.stdout)
     if out.color_system is not None and not out.no_color:
-        from rewriter.report import colour_diff
-
-        diff = colour_diff(diff)
+        lines = diff.split("\n")
+        for i, line in enumerate(lines):
+            code = next((c for prefix, c in _DIFF_COLOURS if line.startswith(prefix)), None)
+            if code:
+                lines[i] = f"\x1b[{code}m{line}\x1b[0m"
+        diff = "\n".join(lines)
     try:
         data = diff.encode(encoding, errors="surrogateescape")
     except UnicodeEncodeError:  # a file name the file's own encoding cannot spell
@@ -293,16 +301,6 @@ def survey(o: SimpleNamespace) -> int:
     return _finish(report, o, err)
 
 
-def _engine_options(o: SimpleNamespace) -> Any:
-    if not o.engine:
-        return None
-    from rewriter.verify.engine import EngineOptions
-
-    return EngineOptions(
-        block_size=o.engine_block_size, backend=o.engine_backend, enforce_eager=o.engine_eager
-    )
-
-
 def verify(o: SimpleNamespace) -> int:
     """Import the rewritten module and run its code: reference ops (CPU) and vLLM's kernels (GPU).
 
@@ -318,6 +316,7 @@ def verify(o: SimpleNamespace) -> int:
 
     from rewriter.verify import VerifyReport
     from rewriter.verify import verify as verify_targets
+    from rewriter.verify.engine import EngineOptions
     from rewriter.verify.table import print_verify
 
     targets, failed = _targets("verify", o.paths, [o.python] if o.python else [], o.roots, o.example)
@@ -333,7 +332,7 @@ def verify(o: SimpleNamespace) -> int:
             require_gpu=o.require_gpu,
             timing=o.timing,
             require_import=o.require_import,
-            engine=_engine_options(o),
+            engine=EngineOptions(o.engine_block_size, o.engine_backend, o.engine_eager) if o.engine else None,
             tp_sizes=o.tp,
         )
     print_verify(report, stderr(), verbose=o.verbose)
