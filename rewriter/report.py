@@ -61,21 +61,6 @@ def print_json(report: Report) -> None:
     write_stdout(json.dumps(to_json(report), indent=2) + "\n")
 
 
-# ANSI colours of a diff's lines: bold headers, cyan hunk headers, green/red lines.
-_DIFF_COLOURS = (("+++", "1"), ("---", "1"), ("@@", "36"), ("+", "32"), ("-", "31"))
-
-
-def colour_diff(diff: str) -> str:
-    """``diff`` with each line coloured; taking the escape codes out gives ``diff`` back
-    exactly (rich would turn tabs into spaces and eat carriage returns)."""
-    lines = diff.split("\n")
-    for i, line in enumerate(lines):
-        code = next((c for prefix, c in _DIFF_COLOURS if line.startswith(prefix)), None)
-        if code:
-            lines[i] = f"\x1b[{code}m{line}\x1b[0m"
-    return "\n".join(lines)
-
-
 def shown_sites(result: FileResult, show_all: bool) -> list[InsertSite]:
     """The sites a report lists: not-a-site calls only with ``--all`` or where a file has no other."""
     sites = [s for s in result.sites if show_all or s.state is not SiteState.NOT_A_SITE]
@@ -353,7 +338,7 @@ def _fit(minimum: list[int], maximum: list[int], available: int) -> list[int]:
     return widths
 
 
-Row = tuple[str, Folded, Text, str]
+Row = tuple[Text, Folded, Text, Folded]
 # A file in a table of files: the lines that name it, then its rows.
 Section = tuple[list[RenderableType], list[tuple[RenderableType, ...]]]
 
@@ -361,7 +346,8 @@ Section = tuple[list[RenderableType], list[tuple[RenderableType, ...]]]
 def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
     """survey's table (``file_sections``): each file listed, with a row per insert site (a file
     without one, a row saying why), its columns fit to ``width``."""
-    files: list[tuple[str, list[Row]]] = []
+    sections: list[Section] = []
+    all_rows: list[Row] = []
     for target, result in zip(report.targets, report.files):
         if result.status is FileStatus.NO_SITES and not result.sites and not show_all:
             continue
@@ -369,27 +355,25 @@ def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
         rows: list[Row] = []
         if result.status is FileStatus.ERROR or not result.sites:
             state = Text(result.status.value, style="red" if result.failed else "dim")
-            rows.append((version, Folded("-", "."), state, result.error or f"no call of {FUSED_OP}"))
+            why = Folded(result.error or f"no call of {FUSED_OP}", " =.")
+            rows.append((Text(version), Folded("-", "."), state, why))
         else:
             for site in shown_sites(result, show_all):
                 state = Text(site.state.value, style=STATE_STYLE.get(site.state, ""))
                 if site.action is not Action.NONE:
                     state.append(f"\n-> {site.action.value}")
-                rows.append((version, Folded(f"{_where(site)}:{site.line}", "."), state, brief_reason(site)))
-        files.append((shown_path(result.path), rows))
-    all_rows = [row for _, file_rows in files for row in file_rows]
+                why = Folded(brief_reason(site), " =.")
+                rows.append((Text(version), Folded(f"{_where(site)}:{site.line}", "."), state, why))
+        sections.append(([Folded(shown_path(result.path), "/", style="bold")], rows))
+        all_rows += rows
     states = [max(len(line) for line in state.plain.splitlines()) for _, _, state, _ in all_rows]
     # Each column's narrowest and widest width (a long word of the reason may be cut).
     narrowest = [(len(v), site.shortest, w, _WHY_MIN) for (v, site, _, _), w in zip(all_rows, states)]
-    widest = [(len(v), len(site.text), w, len(why)) for (v, site, _, why), w in zip(all_rows, states)]
+    widest = [(len(v), len(site.text), w, len(why.text)) for (v, site, _, why), w in zip(all_rows, states)]
     headers = [len(name) for name in _COLUMNS]
     minimum = [max(column) for column in zip(headers, *narrowest)]
     maximum = [max(column) for column in zip(headers, *widest)]
     widths = _fit(minimum, maximum, width - COLUMN_GAP * (len(_COLUMNS) - 1))
-    sections: list[Section] = []
-    for path, file_rows in files:
-        cells = [(Text(version), site, state, Folded(why, " =.")) for version, site, state, why in file_rows]
-        sections.append(([Folded(path, "/", style="bold")], cells))
     return file_sections("mm3-codemod survey", _COLUMNS, widths, sections)
 
 
