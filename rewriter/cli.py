@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import json
 import os
 import re
 import signal
@@ -204,13 +205,18 @@ def write_diff(diff: str, encoding: str) -> None:
     write_stdout(data)
 
 
+def print_json(data: dict[str, object]) -> None:
+    """A ``--json`` report on stdout."""
+    write_stdout(json.dumps(data, indent=2) + "\n")
+
+
 def _finish(report: Report, o: SimpleNamespace, err: Console | None = None) -> int:
     """The human report on stderr, the JSON one on stdout; the exit code."""
-    from rewriter.report import print_human, print_json
+    from rewriter.report import print_human, to_json
 
     print_human(report, err or stderr(), show_all=o.show_all)
     if o.as_json:
-        print_json(report)
+        print_json(to_json(report))
     return report.exit_code
 
 
@@ -312,8 +318,6 @@ def verify(o: SimpleNamespace) -> int:
 
     Exit 2: a target could not be read.
     """
-    import json
-
     from rewriter.verify import VerifyReport
     from rewriter.verify import verify as verify_targets
     from rewriter.verify.engine import EngineOptions
@@ -337,7 +341,7 @@ def verify(o: SimpleNamespace) -> int:
         )
     print_verify(report, stderr(), verbose=o.verbose)
     if o.as_json:
-        write_stdout(json.dumps(report.to_json(), indent=2) + "\n")
+        print_json(report.to_json())
     return report.exit_code
 
 

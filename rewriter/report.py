@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -13,7 +12,6 @@ from pathlib import Path
 
 from rich import box
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
-from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -21,7 +19,7 @@ from codemods.schema import CHANGING, FUSED_OP, Action, InsertSite, SiteState
 from rewriter import __version__
 from rewriter.apply import FileResult, FileStatus
 from rewriter.commands import Report, under_pre_commit
-from rewriter.console import say, write_stdout
+from rewriter.console import say
 from rewriter.proof import proof_line
 from rewriter.targets import Target, shown_path
 
@@ -54,11 +52,6 @@ def to_json(report: Report) -> dict[str, object]:
 def shown_version(target: Target, result: FileResult) -> str | None:
     """survey's vLLM version of a target: None where there is no vLLM at all."""
     return None if result.status is FileStatus.NO_VLLM else target.vllm_version or "unknown"
-
-
-def print_json(report: Report) -> None:
-    """The JSON report on stdout."""
-    write_stdout(json.dumps(to_json(report), indent=2) + "\n")
 
 
 def shown_sites(result: FileResult, show_all: bool) -> list[InsertSite]:
@@ -291,9 +284,6 @@ class Folded:
     @property
     def shortest(self) -> int:
         return max((len(p) for p in self.parts), default=0)
-
-    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
-        return Measurement(self.shortest, len(self.text))
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         width = max(1, options.max_width)
