@@ -358,12 +358,8 @@ COMMANDS = {
 
 def call(name: str, values: dict[str, Any]) -> int:
     """Run command ``name`` with the options read (by either reader)."""
-    options, body = COMMANDS[name]
-    for declared in options:
-        if declared.many and values[declared.dest] is None:
-            values[declared.dest] = []
     set_color(values.pop("color"))
-    return body(SimpleNamespace(**values))
+    return COMMANDS[name][1](SimpleNamespace(**values))
 
 
 # --- the fast reader -------------------------------------------------------------------------
@@ -453,7 +449,7 @@ def typer_app() -> typer.Typer:
         return inspect.Parameter(
             declared.dest,
             inspect.Parameter.KEYWORD_ONLY,
-            default=declared.default,
+            default=[] if declared.many else declared.default,  # none given: [], as read_plain reads it
             annotation=Annotated[kind, info],
         )
 
