@@ -68,17 +68,16 @@ EXAMPLE = Option("--example", "example", "Also process the bundled fork-era exam
 JSON = Option("--json", "as_json", "Print one JSON report on stdout (human output stays on stderr).")
 COLOR_HELP = "Colour: auto (a terminal, unless NO_COLOR is set), always or never."
 COLOR = Option("--color", "color", COLOR_HELP, "WHEN", default="auto", choices=COLOR_MODES)
-BACKUP = Option("--backup", "backup", "Keep the original as <file>.orig.")
-SHOW_DIFF = Option("--show-diff", "show_diff", "Also print the diff of each file written (stdout).")
 FIX_HELP = "Exit 1 when a file was written (for pre-commit and other fixers)."
-FIX_EXIT = Option("--exit-non-zero-on-fix", "exit_non_zero_on_fix", FIX_HELP)
 LOCK_HELP = "How long to wait for another mm3-codemod run on the same file."
-LOCK_TIMEOUT = Option(
-    "--lock-timeout", "lock_timeout", LOCK_HELP, "SECONDS", float, default=DEFAULT_TIMEOUT, minimum=0
-)
 
 TARGETS = (PATHS, PYTHONS, ROOTS)
-WRITES = (BACKUP, SHOW_DIFF, FIX_EXIT, LOCK_TIMEOUT)
+WRITES = (
+    Option("--backup", "backup", "Keep the original as <file>.orig."),
+    Option("--show-diff", "show_diff", "Also print the diff of each file written (stdout)."),
+    Option("--exit-non-zero-on-fix", "exit_non_zero_on_fix", FIX_HELP),
+    Option("--lock-timeout", "lock_timeout", LOCK_HELP, "SECONDS", float, default=DEFAULT_TIMEOUT, minimum=0),
+)
 REPORT = (JSON, Option("--all", "show_all", "List not-a-site calls too."), COLOR)
 CHECK_OPTIONS = (
     *TARGETS,
