@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import json
 import os
 import re
 import signal
@@ -67,17 +68,16 @@ EXAMPLE = Option("--example", "example", "Also process the bundled fork-era exam
 JSON = Option("--json", "as_json", "Print one JSON report on stdout (human output stays on stderr).")
 COLOR_HELP = "Colour: auto (a terminal, unless NO_COLOR is set), always or never."
 COLOR = Option("--color", "color", COLOR_HELP, "WHEN", default="auto", choices=COLOR_MODES)
-BACKUP = Option("--backup", "backup", "Keep the original as <file>.orig.")
-SHOW_DIFF = Option("--show-diff", "show_diff", "Also print the diff of each file written (stdout).")
 FIX_HELP = "Exit 1 when a file was written (for pre-commit and other fixers)."
-FIX_EXIT = Option("--exit-non-zero-on-fix", "exit_non_zero_on_fix", FIX_HELP)
 LOCK_HELP = "How long to wait for another mm3-codemod run on the same file."
-LOCK_TIMEOUT = Option(
-    "--lock-timeout", "lock_timeout", LOCK_HELP, "SECONDS", float, default=DEFAULT_TIMEOUT, minimum=0
-)
 
 TARGETS = (PATHS, PYTHONS, ROOTS)
-WRITES = (BACKUP, SHOW_DIFF, FIX_EXIT, LOCK_TIMEOUT)
+WRITES = (
+    Option("--backup", "backup", "Keep the original as <file>.orig."),
+    Option("--show-diff", "show_diff", "Also print the diff of each file written (stdout)."),
+    Option("--exit-non-zero-on-fix", "exit_non_zero_on_fix", FIX_HELP),
+    Option("--lock-timeout", "lock_timeout", LOCK_HELP, "SECONDS", float, default=DEFAULT_TIMEOUT, minimum=0),
+)
 REPORT = (JSON, Option("--all", "show_all", "List not-a-site calls too."), COLOR)
 CHECK_OPTIONS = (
     *TARGETS,
@@ -181,14 +181,22 @@ def print_diffs(report: Report, only: FileStatus | None = None) -> None:
         say(stderr(), where)
 
 
+# ANSI colours of a diff's lines: bold headers, cyan hunk headers, green/red lines.
+_DIFF_COLOURS = (("+++", "1"), ("---", "1"), ("@@", "36"), ("+", "32"), ("-", "31"))
+
+
 def write_diff(diff: str, encoding: str) -> None:
     """The diff on stdout as the file's own bytes (its encoding, its line endings, its tabs),
-    so that ``patch`` and ``git apply`` take it; coloured only where the console would colour."""
+    so that ``patch`` and ``git apply`` take it; coloured only where the console would colour,
+    each line whole between escape codes (rich would turn tabs into spaces and eat carriage returns)."""
     out = console(sys.stdout)
     if out.color_system is not None and not out.no_color:
-        from rewriter.report import colour_diff
-
-        diff = colour_diff(diff)
+        lines = diff.split("\n")
+        for i, line in enumerate(lines):
+            code = next((c for prefix, c in _DIFF_COLOURS if line.startswith(prefix)), None)
+            if code:
+                lines[i] = f"\x1b[{code}m{line}\x1b[0m"
+        diff = "\n".join(lines)
     try:
         data = diff.encode(encoding, errors="surrogateescape")
     except UnicodeEncodeError:  # a file name the file's own encoding cannot spell
@@ -196,13 +204,18 @@ def write_diff(diff: str, encoding: str) -> None:
     write_stdout(data)
 
 
+def print_json(data: dict[str, object]) -> None:
+    """A ``--json`` report on stdout."""
+    write_stdout(json.dumps(data, indent=2) + "\n")
+
+
 def _finish(report: Report, o: SimpleNamespace, err: Console | None = None) -> int:
     """The human report on stderr, the JSON one on stdout; the exit code."""
-    from rewriter.report import print_human, print_json
+    from rewriter.report import print_human, to_json
 
     print_human(report, err or stderr(), show_all=o.show_all)
     if o.as_json:
-        print_json(report)
+        print_json(to_json(report))
     return report.exit_code
 
 
@@ -293,16 +306,6 @@ def survey(o: SimpleNamespace) -> int:
     return _finish(report, o, err)
 
 
-def _engine_options(o: SimpleNamespace) -> Any:
-    if not o.engine:
-        return None
-    from rewriter.verify.engine import EngineOptions
-
-    return EngineOptions(
-        block_size=o.engine_block_size, backend=o.engine_backend, enforce_eager=o.engine_eager
-    )
-
-
 def verify(o: SimpleNamespace) -> int:
     """Import the rewritten module and run its code: reference ops (CPU) and vLLM's kernels (GPU).
 
@@ -314,10 +317,9 @@ def verify(o: SimpleNamespace) -> int:
 
     Exit 2: a target could not be read.
     """
-    import json
-
     from rewriter.verify import VerifyReport
     from rewriter.verify import verify as verify_targets
+    from rewriter.verify.engine import EngineOptions
     from rewriter.verify.table import print_verify
 
     targets, failed = _targets("verify", o.paths, [o.python] if o.python else [], o.roots, o.example)
@@ -333,12 +335,12 @@ def verify(o: SimpleNamespace) -> int:
             require_gpu=o.require_gpu,
             timing=o.timing,
             require_import=o.require_import,
-            engine=_engine_options(o),
+            engine=EngineOptions(o.engine_block_size, o.engine_backend, o.engine_eager) if o.engine else None,
             tp_sizes=o.tp,
         )
     print_verify(report, stderr(), verbose=o.verbose)
     if o.as_json:
-        write_stdout(json.dumps(report.to_json(), indent=2) + "\n")
+        print_json(report.to_json())
     return report.exit_code
 
 
@@ -355,12 +357,8 @@ COMMANDS = {
 
 def call(name: str, values: dict[str, Any]) -> int:
     """Run command ``name`` with the options read (by either reader)."""
-    options, body = COMMANDS[name]
-    for declared in options:
-        if declared.many and values[declared.dest] is None:
-            values[declared.dest] = []
     set_color(values.pop("color"))
-    return body(SimpleNamespace(**values))
+    return COMMANDS[name][1](SimpleNamespace(**values))
 
 
 # --- the fast reader -------------------------------------------------------------------------
@@ -450,7 +448,7 @@ def typer_app() -> typer.Typer:
         return inspect.Parameter(
             declared.dest,
             inspect.Parameter.KEYWORD_ONLY,
-            default=declared.default,
+            default=[] if declared.many else declared.default,  # none given: [], as read_plain reads it
             annotation=Annotated[kind, info],
         )
 

@@ -294,15 +294,10 @@ def _no_interrupt() -> Iterator[None]:
     A handler that only notes it, not a signal mask: a mask holds it back from this thread
     alone, and another thread takes it instead (torch's OpenMP pool, left by the proof), after
     which Python runs the handler here all the same. Off the main thread, which cannot set a
-    handler, the mask (where there is one)."""
+    handler, nothing to hold: Python runs its handlers, and so raises KeyboardInterrupt, in the
+    main thread alone."""
     if threading.current_thread() is not threading.main_thread():
-        mask = getattr(signal, "pthread_sigmask", None)  # None: not POSIX
-        blocked = mask(signal.SIG_BLOCK, {signal.SIGINT}) if mask else None
-        try:
-            yield
-        finally:
-            if mask:
-                mask(signal.SIG_SETMASK, blocked)
+        yield
         return
     held: list[int] = []
     before = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -13,7 +12,6 @@ from pathlib import Path
 
 from rich import box
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
-from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -21,7 +19,7 @@ from codemods.schema import CHANGING, FUSED_OP, Action, InsertSite, SiteState
 from rewriter import __version__
 from rewriter.apply import FileResult, FileStatus
 from rewriter.commands import Report, under_pre_commit
-from rewriter.console import say, write_stdout
+from rewriter.console import say
 from rewriter.proof import proof_line
 from rewriter.targets import Target, shown_path
 
@@ -54,26 +52,6 @@ def to_json(report: Report) -> dict[str, object]:
 def shown_version(target: Target, result: FileResult) -> str | None:
     """survey's vLLM version of a target: None where there is no vLLM at all."""
     return None if result.status is FileStatus.NO_VLLM else target.vllm_version or "unknown"
-
-
-def print_json(report: Report) -> None:
-    """The JSON report on stdout."""
-    write_stdout(json.dumps(to_json(report), indent=2) + "\n")
-
-
-# ANSI colours of a diff's lines: bold headers, cyan hunk headers, green/red lines.
-_DIFF_COLOURS = (("+++", "1"), ("---", "1"), ("@@", "36"), ("+", "32"), ("-", "31"))
-
-
-def colour_diff(diff: str) -> str:
-    """``diff`` with each line coloured; taking the escape codes out gives ``diff`` back
-    exactly (rich would turn tabs into spaces and eat carriage returns)."""
-    lines = diff.split("\n")
-    for i, line in enumerate(lines):
-        code = next((c for prefix, c in _DIFF_COLOURS if line.startswith(prefix)), None)
-        if code:
-            lines[i] = f"\x1b[{code}m{line}\x1b[0m"
-    return "\n".join(lines)
 
 
 def shown_sites(result: FileResult, show_all: bool) -> list[InsertSite]:
@@ -307,9 +285,6 @@ class Folded:
     def shortest(self) -> int:
         return max((len(p) for p in self.parts), default=0)
 
-    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
-        return Measurement(self.shortest, len(self.text))
-
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         width = max(1, options.max_width)
         lines: list[str] = []
@@ -353,7 +328,7 @@ def _fit(minimum: list[int], maximum: list[int], available: int) -> list[int]:
     return widths
 
 
-Row = tuple[str, Folded, Text, str]
+Row = tuple[Text, Folded, Text, Folded]
 # A file in a table of files: the lines that name it, then its rows.
 Section = tuple[list[RenderableType], list[tuple[RenderableType, ...]]]
 
@@ -361,7 +336,8 @@ Section = tuple[list[RenderableType], list[tuple[RenderableType, ...]]]
 def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
     """survey's table (``file_sections``): each file listed, with a row per insert site (a file
     without one, a row saying why), its columns fit to ``width``."""
-    files: list[tuple[str, list[Row]]] = []
+    sections: list[Section] = []
+    all_rows: list[Row] = []
     for target, result in zip(report.targets, report.files):
         if result.status is FileStatus.NO_SITES and not result.sites and not show_all:
             continue
@@ -369,27 +345,25 @@ def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
         rows: list[Row] = []
         if result.status is FileStatus.ERROR or not result.sites:
             state = Text(result.status.value, style="red" if result.failed else "dim")
-            rows.append((version, Folded("-", "."), state, result.error or f"no call of {FUSED_OP}"))
+            why = Folded(result.error or f"no call of {FUSED_OP}", " =.")
+            rows.append((Text(version), Folded("-", "."), state, why))
         else:
             for site in shown_sites(result, show_all):
                 state = Text(site.state.value, style=STATE_STYLE.get(site.state, ""))
                 if site.action is not Action.NONE:
                     state.append(f"\n-> {site.action.value}")
-                rows.append((version, Folded(f"{_where(site)}:{site.line}", "."), state, brief_reason(site)))
-        files.append((shown_path(result.path), rows))
-    all_rows = [row for _, file_rows in files for row in file_rows]
+                why = Folded(brief_reason(site), " =.")
+                rows.append((Text(version), Folded(f"{_where(site)}:{site.line}", "."), state, why))
+        sections.append(([Folded(shown_path(result.path), "/", style="bold")], rows))
+        all_rows += rows
     states = [max(len(line) for line in state.plain.splitlines()) for _, _, state, _ in all_rows]
     # Each column's narrowest and widest width (a long word of the reason may be cut).
     narrowest = [(len(v), site.shortest, w, _WHY_MIN) for (v, site, _, _), w in zip(all_rows, states)]
-    widest = [(len(v), len(site.text), w, len(why)) for (v, site, _, why), w in zip(all_rows, states)]
+    widest = [(len(v), len(site.text), w, len(why.text)) for (v, site, _, why), w in zip(all_rows, states)]
     headers = [len(name) for name in _COLUMNS]
     minimum = [max(column) for column in zip(headers, *narrowest)]
     maximum = [max(column) for column in zip(headers, *widest)]
     widths = _fit(minimum, maximum, width - COLUMN_GAP * (len(_COLUMNS) - 1))
-    sections: list[Section] = []
-    for path, file_rows in files:
-        cells = [(Text(version), site, state, Folded(why, " =.")) for version, site, state, why in file_rows]
-        sections.append(([Folded(path, "/", style="bold")], cells))
     return file_sections("mm3-codemod survey", _COLUMNS, widths, sections)
 
 
