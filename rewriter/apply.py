@@ -248,14 +248,16 @@ def _lost_tail(module: cst.Module, raw: bytes) -> bytes:
 
 
 def plan_file(
-    path: Path, name: str | None = None, raw: bytes | None = None, revert: bool = False, transform: bool = True
+    path: Path, name: str | None = None, raw: bytes | None = None, revert: bool = False, transform: bool = True,
+    second_pass: bool = True,
 ) -> FileResult:
     """Analyze one file and, where a rewrite (or a revert) is needed, prepare the validated new bytes;
     ``name`` is the path the diff names (``Target.diff_name``; default: the file's name);
-    ``raw``: its bytes, read already (else read here); ``transform=False``: classify only."""
+    ``raw``: its bytes, read already (else read here); ``transform=False``: classify only;
+    ``second_pass=False``: the new bytes are not validated (a round trip's, compared, never written)."""
     result = FileResult(path, FileStatus.ERROR)
     try:
-        _fill_plan(result, name, revert, transform, raw)
+        _fill_plan(result, name, revert, transform, raw, second_pass)
     except FileError as exc:
         result.status, result.error = FileStatus.ERROR, str(exc)
     except RecursionError:  # deeper than LibCST can go, below the limits: never a traceback
@@ -270,12 +272,13 @@ def classify_file(path: Path, raw: bytes | None = None) -> FileResult:
 
 
 def plan_revert_file(
-    path: Path, name: str | None = None, whole_bypass: bool = False, raw: bytes | None = None
+    path: Path, name: str | None = None, whole_bypass: bool = False, raw: bytes | None = None,
+    second_pass: bool = True,
 ) -> FileResult:
     """Like ``plan_file``, for taking the bypass out again (``revert``): refused where that would
     not give back what ``run`` started from (``undo_refusal``), unless ``whole_bypass``."""
-    result = plan_file(path, name, raw, revert=True)
-    if result.new is not None and not whole_bypass and (why := undo_refusal(result)):
+    result = plan_file(path, name, raw, revert=True, second_pass=second_pass)
+    if result.new is not None and not whole_bypass and (why := undo_refusal(result, second_pass)):
         result.status, result.new, result.diff, result.not_an_undo = FileStatus.REFUSED, None, "", True
         for site in result.sites:
             if site.action is Action.REVERT:
@@ -284,13 +287,14 @@ def plan_revert_file(
     return result
 
 
-def undo_refusal(reverted: FileResult) -> str | None:
+def undo_refusal(reverted: FileResult, second_pass: bool = True) -> str | None:
     """Why the planned revert is not an undo of ``run``, else None. It is one where ``run``, given
-    what the revert leaves, writes this file again byte for byte; or has nothing to do there (a
-    stale bypass on a native call, which ``run`` takes out too: nothing of its own is undone)."""
+    what the revert leaves, writes this file again byte for byte; or, where the revert's second
+    pass proved it left no bypass, has nothing to do there (a stale bypass on a native call, which
+    ``run`` takes out too: nothing of its own is undone)."""
     raw, path = reverted.original, reverted.path
-    again = plan_file(path, raw=reverted.new)
-    if again.status is FileStatus.UNCHANGED or again.new == raw:
+    again = plan_file(path, raw=reverted.new, second_pass=second_pass)
+    if again.new == raw or (second_pass and again.status is FileStatus.UNCHANGED):
         return None
     if again.new is None:
         why = f"`run` cannot put a bypass back into what it leaves ({again.error})"
@@ -326,7 +330,9 @@ def quick_sites(raw: bytes) -> list[InsertSite] | None:
     return [] if FUSED_OP.encode() not in raw else prefilter(raw)
 
 
-def _fill_plan(result: FileResult, name: str | None, revert: bool, transform: bool, raw: bytes | None) -> None:
+def _fill_plan(
+    result: FileResult, name: str | None, revert: bool, transform: bool, raw: bytes | None, second_pass: bool
+) -> None:
     """Read (or take ``raw``), pre-filter, parse, analyze; then rewrite (or revert) and validate the
     new bytes into ``result``; ``FileError`` says why the file cannot be rewritten."""
     raw = result.original = read_bytes(result.path) if raw is None else raw
@@ -361,7 +367,8 @@ def _fill_plan(result: FileResult, name: str | None, revert: bool, transform: bo
     tail = _lost_tail(module, raw)
     try:
         new = (BOM if raw.startswith(BOM) else b"") + rewrite(analysis).bytes + tail
-        result.new_sites = validate(new, result.path, revert, analysis.patched_after)
+        if second_pass:  # (else never to be written: see plan_file)
+            result.new_sites = validate(new, result.path, revert, analysis.patched_after)
     except FileError as exc:
         raise FileError(f"rewrite failed validation: {exc}") from exc
     result.new, result.encoding = new, module.encoding

@@ -87,15 +87,17 @@ def judge_patched(result: FileResult) -> FileResult:
     of a wired bypass may still write the wrong rows, or none); not run here: it says so."""
     if not any(s.state is SiteState.PATCHED for s in result.sites):
         return result
-    reverted = plan_revert_file(result.path, raw=result.original)  # the bytes check judged, not a new read
+    # the bytes check judged, not a new read; a round trip compared byte for byte, never written
+    reverted = plan_revert_file(result.path, raw=result.original, second_pass=False)
+    if reverted.new is not None:  # `run` writes this file again into what `revert` leaves: its own
+        return result
     refused = {s.line: s.reason for s in reverted.sites if s.action is Action.REFUSE}
-    others = [s for s in result.sites if s.state is SiteState.PATCHED and s.line in refused]
+    others = [s for s in result.sites if s.state is SiteState.PATCHED]
     for site in others:
-        why = refused[site.line].removeprefix("cannot revert: ")
+        why = refused.get(site.line, reverted.error or "it finds no bypass to take out")
+        why = why.removeprefix("cannot revert: ")
         if why not in site.reason:
             site.reason += f"; `revert` refuses it: {why}"
-    if not others:
-        return result
     from rewriter import proof
 
     result.proof = proof.prove_apart(result.path, result.original, others)
