@@ -46,11 +46,7 @@ def attribute_values(
     env = {**base, _SOURCES: sources, **dict.fromkeys(sources, dtype)}
     with contextlib.suppress(_Stop):
         _block(init.body, env, scope, 0)
-    # what a def nested in __init__ (or in a method it calls) stores through ``self``: whenever it is called
-    nested = (n for fn in (init, *scope.methods.values()) for d in ast.walk(fn) if d is not fn
-              and isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) for n in ast.walk(d))
-    late = {f"self.{attr}" for node in nested for t in _targets(node) if (attr := self_member(t))}
-    return {k: v for k, v in env.items() if k.startswith("self.") and k not in late}
+    return {k: v for k, v in env.items() if k.startswith("self.")}
 
 
 def _dtype_sources(init: ast.FunctionDef) -> set[str]:
@@ -323,7 +319,17 @@ def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int)
 def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object]) -> dict[str, dict[str, object]]:
     """What ``__init__`` leaves in the ``self.`` attributes for each fp8 dtype and for "auto"
     (``attribute_values``): read once a class, for its flag and for a native call's dtype."""
-    return {dtype: attribute_values(init, dtype, scope, base) for dtype in (*FP8_DTYPES, schema.AUTO_DTYPE)}
+    # what a def nested in __init__ (or in a method it calls) stores through ``self``: whenever it is called
+    called = [scope.methods[m] for m in init_calls(init) if m in scope.methods]
+    nested = [d for fn in (init, *called) for d in ast.walk(fn) if d is not fn and isinstance(d, _NESTED)]
+    late = {f"self.{attr}" for d in nested for node in ast.walk(d) for t in _targets(node) if (attr := self_member(t))}
+    return {
+        dtype: {k: v for k, v in attribute_values(init, dtype, scope, base).items() if k not in late}
+        for dtype in (*FP8_DTYPES, schema.AUTO_DTYPE)
+    }
+
+
+_NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
 
 def flags(init: ast.FunctionDef, scope: Scope, values: Mapping[str, Mapping[str, object]]) -> dict[str, bool]:
