@@ -9,7 +9,12 @@ import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from codemods.roles import COMPILING, Scope, Unknown, evaluate, self_attrs
+from codemods.roles import COMPILING, Scope, Unknown, evaluate, self_member
+
+
+def self_attrs(node: ast.expr) -> set[str]:
+    """The ``self.<attr>`` names an expression reads (one level: ``self.a``, not ``self.a.b``)."""
+    return {attr for n in ast.walk(node) if (attr := self_member(n)) is not None}
 
 
 @dataclass(frozen=True)

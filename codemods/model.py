@@ -15,7 +15,7 @@ import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import reading, roles, schema
+from codemods import roles, schema
 from codemods.sourcemap import SourceMap
 
 
@@ -96,33 +96,33 @@ class FileModel:
 
     @functools.cached_property
     def constants(self) -> dict[str, object]:
-        """The module's literal constants (``reading.module_constants``), read once for every class."""
+        """The module's literal constants (``roles.module_constants``), read once for every class."""
         if self.source_map is None:
             return {}
         scope = roles.Scope(self._function_trees, {}, self.imports)
-        return reading.module_constants(self.source_map.tree, scope)
+        return roles.module_constants(self.source_map.tree, scope)
 
     def _values(self, cls: cst.ClassDef) -> dict[str, dict[str, object]] | None:
-        """What ``__init__`` leaves in each attribute, per cache dtype (``reading.init_values``), read
+        """What ``__init__`` leaves in each attribute, per cache dtype (``roles.init_values``), read
         once a class; None where Python's parser reads no plain ``def __init__``."""
         if id(cls) not in self._init_values:
             init = self.scope(cls).methods.get("__init__")
-            values = reading.init_values(init, self.scope(cls), self.constants) if init is not None else None
+            values = roles.init_values(init, self.scope(cls), self.constants) if init is not None else None
             self._init_values[id(cls)] = values
         return self._init_values[id(cls)]
 
     def flags(self, cls: cst.ClassDef) -> dict[str, bool]:
-        """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``reading.flags``)."""
+        """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``roles.flags``)."""
         if id(cls) not in self._flags:
             values, scope = self._values(cls), self.scope(cls)  # values: None where no plain def __init__
-            flags = reading.flags(scope.methods["__init__"], scope, values) if values is not None else {}
+            flags = roles.flags(scope.methods["__init__"], scope, values) if values is not None else {}
             self._flags[id(cls)] = flags
         return self._flags[id(cls)]
 
     def carries_dtype(self, cls: cst.ClassDef, expr: cst.BaseExpression) -> bool:
-        """``expr``, a native call's dtype argument, holds the cache dtype (``reading.carries_dtype``)."""
+        """``expr``, a native call's dtype argument, holds the cache dtype (``roles.carries_dtype``)."""
         values, tree = self._values(cls), roles.expression(a.code(expr))
-        return values is not None and tree is not None and reading.carries_dtype(tree, self.scope(cls), values)
+        return values is not None and tree is not None and roles.carries_dtype(tree, self.scope(cls), values)
 
     def is_compiling(self, expr: cst.BaseExpression) -> bool:
         tree = roles.expression(a.code(expr))

@@ -1,7 +1,7 @@
 """Answer, without LibCST, the files whose every call of the op is native or no site (most files
 ``check`` sees on a commit are vLLM's own). ``ast`` reads only facts it reads exactly and
 ``schema.verdict`` decides; only where structure proves a native call has no bypass piece (no
-guarded cache argument, no flag by ``reading.flags``, no post-call write). Else None: LibCST answers."""
+guarded cache argument, no flag by ``roles.flags``, no post-call write). Else None: LibCST answers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import functools
 import importlib.util
 from collections.abc import Callable
 
-from codemods import reading, roles, schema
+from codemods import roles, schema
 
 _DEFS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
@@ -25,21 +25,21 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
     lines = text.split("\n")
     imports = roles.import_table(tree)
     functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
-    constants = reading.module_constants(tree, roles.Scope(functions, {}, imports))
+    constants = roles.module_constants(tree, roles.Scope(functions, {}, imports))
 
     @functools.cache  # by class: __init__ read once, however many calls it holds
     def read(cls: ast.ClassDef) -> tuple[ast.FunctionDef | None, roles.Scope, dict[str, dict]]:
         methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
         init, scope = methods.get("__init__"), roles.Scope(functions, methods, imports)
-        return init, scope, reading.init_values(init, scope, constants) if init is not None else {}
+        return init, scope, roles.init_values(init, scope, constants) if init is not None else {}
 
     def has_flag(cls: ast.ClassDef) -> bool:
         init, scope, values = read(cls)
-        return init is not None and any(reading.flags(init, scope, values).values())
+        return init is not None and any(roles.flags(init, scope, values).values())
 
     def carries(cls: ast.ClassDef, dtype: ast.expr) -> bool:
         init, scope, values = read(cls)
-        return init is not None and reading.carries_dtype(dtype, scope, values)
+        return init is not None and roles.carries_dtype(dtype, scope, values)
 
     sites: list[schema.InsertSite] = []
     named = 0  # every place the op is named: each must be the callee of a call read below

@@ -2,7 +2,7 @@
 
 A fork may name every piece differently and write every condition another way round. The *flag*
 is a ``self.<attr>`` that ``__init__`` leaves true for every fp8 dtype and false for "auto"
-(``reading.flags`` runs ``__init__`` on each dtype, reading with ``evaluate``); the *guard* conditions the
+(``flags`` runs ``__init__`` on each dtype, reading with ``evaluate``); the *guard* conditions the
 cache arguments on ``not flag`` and the *post-call block* runs when the guard is false, read as
 truth tables over ``evaluate`` (``codemods.guards``). All on Python's own ``ast``.
 """
@@ -10,6 +10,7 @@ truth tables over ``evaluate`` (``codemods.guards``). All on Python's own ``ast`
 from __future__ import annotations
 
 import ast
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -23,6 +24,11 @@ COMPILING = "<compiling>"  # the truth tables' name for torch.compiler.is_compil
 VLLM_HELPERS = {"is_quantized_kv_cache": lambda dtype: dtype != schema.AUTO_DTYPE}
 _STR_METHODS = {"startswith", "endswith", "lower", "upper", "strip", "casefold"}
 DEPTH = 3  # how deep the reading follows helpers calling helpers (or methods __init__ calls)
+_ERRORS = (TypeError, ValueError, RecursionError, AttributeError)  # besides Unknown, from evaluating
+_MISSING = object()
+# statements that bind nothing the reading follows
+_STEPPED_OVER = (ast.Pass, ast.Assert, ast.Import, ast.ImportFrom, ast.Expr, ast.Global, ast.Nonlocal)
+_SOURCES = "<dtype sources>"  # env's key for the names that are the cache dtype
 
 
 # --- Python's own tree: names and expressions (parser-free) --------------------------------
@@ -255,9 +261,339 @@ def _helper(
     return evaluate(body[0].value, {**inner, **bound}, scope, depth + 1)
 
 
-# --- the guard and the post-call block: truth tables ---------------------------------------
+def module_constants(tree: ast.Module, scope: Scope) -> dict[str, object]:
+    """Module-level ``NAME = <value>`` whose value reads nothing (``FP8 = ("fp8", ...)``)."""
+    env: dict[str, object] = {}
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+            _assign(stmt.targets[0], stmt.value, env, scope)
+    return env
 
 
-def self_attrs(node: ast.expr) -> set[str]:
-    """The ``self.<attr>`` names an expression reads (one level: ``self.a``, not ``self.a.b``)."""
-    return {attr for n in ast.walk(node) if (attr := self_member(n)) is not None}
+# --- the flag: what __init__ leaves in each attribute, for each cache dtype ----------------
+
+
+class _Stop(Exception):
+    """A ``return`` or ``raise``: this path does not reach the end of the method."""
+
+
+def attribute_values(
+    init: ast.FunctionDef, dtype: str, scope: Scope, base: Mapping[str, object]
+) -> dict[str, object]:
+    """What each ``self.<attr>`` holds when ``__init__`` returns, with ``self.kv_cache_dtype``
+    (and whatever ``__init__`` sets it from) equal to ``dtype``: the attributes whose value is
+    the same on every path the reading cannot decide; the others are left out."""
+    sources = frozenset(_dtype_sources(init))
+    env = {**base, _SOURCES: sources, **dict.fromkeys(sources, dtype)}
+    with contextlib.suppress(_Stop):
+        _block(init.body, env, scope, 0)
+    return {k: v for k, v in env.items() if k.startswith("self.")}
+
+
+def _dtype_sources(init: ast.FunctionDef) -> set[str]:
+    """``self.kv_cache_dtype`` and what it is assigned from: a name, or the locals a name is
+    assigned from in turn (``d = cache_config.cache_dtype``; ``self.kv_cache_dtype = d``)."""
+    values: dict[str, ast.expr] = {}
+    for node in ast.walk(init):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and (name := dotted(node.targets[0])):
+            values.setdefault(name, node.value)
+    sources = {DTYPE}
+    value = values.get(DTYPE)
+    while value is not None and (name := dotted(value)) is not None and name not in sources:
+        sources.add(name)
+        value = values.get(name)
+    return sources
+
+
+def _assign(target: ast.expr, value: ast.expr | None, env: dict[str, object], scope: Scope) -> None:
+    try:
+        if value is None:
+            raise Unknown("no value")
+        _store(target, evaluate(value, env, scope), env)  # (the whole value first, as Python does)
+    except (Unknown, *_ERRORS):
+        _store(target, _MISSING, env)
+
+
+def _store(target: ast.expr, value: object, env: dict[str, object]) -> None:
+    """``target`` holds ``value`` now (``_MISSING``: something not known); a tuple of targets
+    takes a tuple of as many values item by item (``self.F, self.x = "fp8" in d, 1``)."""
+    if isinstance(target, (ast.Tuple, ast.List)):
+        fits = isinstance(value, tuple) and len(value) == len(target.elts)
+        fits = fits and not any(isinstance(e, ast.Starred) for e in target.elts)
+        for i, element in enumerate(target.elts):
+            _store(element, value[i] if fits else _MISSING, env)  # type: ignore[index]
+        return
+    name = dotted(target)
+    if name is None or ("." in name and self_member(target) is None):
+        return  # a subscript or a deeper attribute: no attribute of ours changes
+    if name in env.get(_SOURCES, ()):  # type: ignore[operator]
+        return  # the cache dtype itself, whatever __init__ reads it from
+    if value is _MISSING:
+        env.pop(name, None)
+    else:
+        env[name] = value
+
+
+def _forget(node: ast.AST, env: dict[str, object], scope: Scope) -> None:
+    """Every name or ``self.`` attribute a statement may bind, itself or in a method of the class
+    it calls (and those call in turn): no longer known."""
+    todo, seen = [node], set()
+    while todo:
+        for sub in ast.walk(todo.pop()):
+            method = self_member(sub.func) if isinstance(sub, ast.Call) else None
+            if method in scope.methods and method not in seen:
+                seen.add(method)
+                todo.append(scope.methods[method])
+            # bound or deleted, whatever binds it (an assignment, a loop, `with … as`, `:=`, `del`)
+            if isinstance(getattr(sub, "ctx", None), (ast.Store, ast.Del)) and dotted(sub) != DTYPE:
+                env.pop(dotted(sub), None)  # type: ignore[arg-type]
+
+
+def _block(body: list[ast.stmt], env: dict[str, object], scope: Scope, depth: int) -> None:
+    for stmt in body:
+        _statement(stmt, env, scope, depth)
+
+
+def _statement(stmt: ast.stmt, env: dict[str, object], scope: Scope, depth: int) -> None:
+    named = set_by_name(stmt, scope.imports)
+    for key in named if named is not None else [k for k in env if k.startswith("self.")]:
+        if key not in env.get(_SOURCES, ()):  # type: ignore[operator]  # the cache dtype stays itself
+            env.pop(key, None)  # set by name: no longer known
+    if isinstance(stmt, ast.Assign):
+        for target in stmt.targets:
+            _assign(target, stmt.value, env, scope)
+    elif isinstance(stmt, ast.AnnAssign):
+        if stmt.value is not None:
+            _assign(stmt.target, stmt.value, env, scope)
+    elif isinstance(stmt, ast.AugAssign):  # `self.F |= <test>`: the target read, then stored
+        _assign(stmt.target, ast.BinOp(stmt.target, stmt.op, stmt.value), env, scope)
+    elif isinstance(stmt, ast.If):
+        try:
+            taken = bool(evaluate(stmt.test, env, scope))
+        except (Unknown, *_ERRORS):
+            _either(stmt, env, scope, depth)
+        else:
+            _block(stmt.body if taken else stmt.orelse, env, scope, depth)
+    elif isinstance(stmt, (ast.Return, ast.Raise)):
+        raise _Stop
+    elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+        for target in [i.optional_vars for i in stmt.items if i.optional_vars is not None]:
+            _assign(target, None, env, scope)
+        _block(stmt.body, env, scope, depth)
+    elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+        _self_call(stmt.value, env, scope, depth)
+    elif isinstance(stmt, ast.Try) and (not stmt.handlers or _raises_nothing(stmt.body, env, scope)):
+        try:  # no handler runs
+            _block([*stmt.body, *stmt.orelse], env, scope, depth)
+        finally:
+            _block(stmt.finalbody, env, scope, depth)
+    elif isinstance(stmt, (ast.For, ast.Match)):
+        _unrolled(stmt, env, scope, depth)
+    elif not isinstance(stmt, _STEPPED_OVER):
+        _forget(stmt, env, scope)  # while, a try that may raise, nested defs: what they bind is not known
+
+
+def _raises_nothing(body: list[ast.stmt], env: dict[str, object], scope: Scope) -> bool:
+    """A ``try`` body of assignments to names and ``self.`` attributes, each value one the reading
+    evaluates: nothing in it raises, so no handler runs."""
+    trial = dict(env)
+    for stmt in body:
+        if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)) or stmt.value is None:
+            return False
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+        if any(not isinstance(t, ast.Name) and self_member(t) is None for t in targets):
+            return False
+        _statement(stmt, trial, scope, 0)
+        if any(dotted(t) not in trial for t in targets):  # its value could not be read: it may raise
+            return False
+    return True
+
+
+def _unrolled(stmt: ast.For | ast.Match, env: dict[str, object], scope: Scope, depth: int) -> None:
+    """A ``for`` over a tuple or string the reading knows (no ``break``/``continue``), round by
+    round; a ``match`` on a known value by literal patterns (``case "auto" | "":``, ``case _:``,
+    no guard), the case that matches. Else what it may bind is no longer known."""
+    before = dict(env)
+    try:
+        if isinstance(stmt, ast.Match):
+            subject = evaluate(stmt.subject, env, scope)
+            case = next((c for c in stmt.cases if _matches(c, subject, env, scope)), None)
+            _block(case.body if case is not None else [], env, scope, depth)
+            return
+        items = evaluate(stmt.iter, env, scope)
+        jumps = any(isinstance(n, (ast.Break, ast.Continue)) for n in ast.walk(stmt))
+        if jumps or not isinstance(items, (tuple, str)):
+            raise Unknown("for")
+        for item in items:
+            _store(stmt.target, item, env)
+            _block(stmt.body, env, scope, depth)
+        _block(stmt.orelse, env, scope, depth)
+    except (Unknown, *_ERRORS):
+        env.clear()
+        env.update(before)
+        _forget(stmt, env, scope)
+
+
+def _matches(case: ast.match_case, subject: object, env: dict[str, object], scope: Scope) -> bool:
+    pattern = case.pattern
+    if case.guard is None and isinstance(pattern, ast.MatchAs) and pattern.pattern is pattern.name is None:
+        return True  # case _
+    patterns = pattern.patterns if isinstance(pattern, ast.MatchOr) else [pattern]
+    if case.guard is not None or not all(isinstance(p, ast.MatchValue) for p in patterns):
+        raise Unknown("pattern")
+    return any(evaluate(p.value, env, scope) == subject for p in patterns)  # type: ignore[attr-defined]
+
+
+# Builtins that read an object they are handed, never set its attributes.
+_READERS = {
+    "isinstance", "issubclass", "hasattr", "id", "type", "print", "repr", "str", "len", "hash", "callable", "super"
+}
+_SETTERS = ("setattr", "__setattr__", "delattr", "__delattr__")
+
+
+def set_by_name(node: ast.AST, imports: Mapping[str, str]) -> set[str] | None:
+    """The attributes of ``self`` that ``node`` sets (or deletes) by name - ``setattr(self, "x", v)``,
+    ``object.__setattr__(self, …)``, ``self.__setattr__("x", v)`` - as ``self.x``. None: any of them
+    - the name is not a literal, ``self.__dict__`` is used, ``exec``/``eval`` runs, or ``self`` itself
+    goes where what is done to it cannot be followed (another name, a tuple, a lambda, ``vars``, a
+    function of this file, ``getattr(self, "__setattr__")``). Not so: an attribute of it, a
+    registration ``ctx[k] = self``, a call of an imported function or of another object's method
+    (vLLM's code does not set this layer's attributes), a builtin that only reads it."""
+    found: set[str] = set()
+    handed: set[int] = set()  # the places ``self`` itself may stand
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute):
+            if sub.attr == "__dict__" and _is_self(sub.value):
+                return None
+            handed.add(id(sub.value))
+        elif isinstance(sub, ast.Assign) and all(isinstance(t, ast.Subscript) for t in sub.targets):
+            handed.add(id(sub.value))
+        elif isinstance(sub, ast.Call):
+            name = sub.func.id if isinstance(sub.func, ast.Name) else None
+            if name in ("exec", "eval"):
+                return None
+            func, setter = sub.func, callee(sub) in _SETTERS
+            on_self = isinstance(func, ast.Attribute) and (_is_self(func.value) or isinstance(func.value, ast.Call))
+            at = next((i + 1 for i, arg in enumerate(sub.args) if _is_self(arg)), 0 if on_self else None)
+            if setter and at is not None:  # (else another object's attribute)
+                attr = _literal(sub.args[at]) if at < len(sub.args) else None
+                if attr is None:
+                    return None
+                found.add(f"self.{attr}")
+            trusted = setter or isinstance(func, ast.Attribute) or name in imports or name in _READERS
+            if name == "getattr":
+                attr = _literal(sub.args[1]) if len(sub.args) > 1 else None
+                trusted = attr is not None and not attr.startswith("__")
+            if trusted:
+                handed.update(id(arg) for arg in (*sub.args, *(k.value for k in sub.keywords)))
+    loads = (sub for sub in ast.walk(node) if _is_self(sub) and isinstance(sub.ctx, ast.Load))  # type: ignore[attr-defined]
+    return None if any(id(sub) not in handed for sub in loads) else found
+
+
+def _is_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _literal(node: ast.AST) -> str | None:
+    """The text of a string literal; None for anything else."""
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _either(stmt: ast.If, env: dict[str, object], scope: Scope, depth: int) -> None:
+    """An ``if`` the reading cannot decide: what both branches leave alike stays known."""
+    ends = []
+    for body in (stmt.body, stmt.orelse):
+        branch = dict(env)
+        try:
+            _block(body, branch, scope, depth)
+        except _Stop:
+            continue
+        ends.append(branch)
+    if not ends:
+        raise _Stop
+    merged = {  # alike: equal, and of one type (True is not 1)
+        k: v for k, v in ends[0].items() if all(k in e and type(e[k]) is type(v) and e[k] == v for e in ends[1:])
+    }
+    env.clear()
+    env.update(merged)
+
+
+def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int) -> None:
+    """``self.<method>(…)`` in ``__init__``: its statements run on the same attributes."""
+    method = self_member(call.func)
+    fn = scope.methods.get(method) if method is not None else None
+    if fn is None:
+        return  # a call of something else: vLLM's layers do not set this layer's attributes
+    inner: dict[str, object] = {k: v for k, v in env.items() if k.startswith("self.")}
+    names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)][1:]
+    plain = not (fn.args.vararg or fn.args.kwarg or call.keywords) and len(call.args) == len(names)
+    try:
+        if depth >= DEPTH or not plain:
+            raise Unknown(method)
+        for param, arg in zip(names, call.args):
+            inner[param] = evaluate(arg, env, scope)
+    except (Unknown, *_ERRORS):
+        _forget(fn, env, scope)
+        return
+    try:
+        _block(fn.body, inner, scope, depth + 1)
+    except _Stop:
+        _forget(fn, env, scope)  # the reading does not follow which path returned
+        return
+    for key in [k for k in env if k.startswith("self.") and k not in inner]:
+        del env[key]
+    env.update({k: v for k, v in inner.items() if k.startswith("self.")})
+
+
+def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object]) -> dict[str, dict[str, object]]:
+    """What ``__init__`` leaves in the ``self.`` attributes for each fp8 dtype and for "auto"
+    (``attribute_values``): read once a class, for its flag and for a native call's dtype."""
+    # what a def nested in __init__ (or in a method it calls) stores through ``self``: whenever it is called
+    called = [scope.methods[m] for m in init_calls(init) if m in scope.methods]
+    nested = [d for fn in (init, *called) for d in ast.walk(fn) if d is not fn and isinstance(d, _NESTED)]
+    late = {f"self.{attr}" for d in nested for attr in _stored(d)}
+    return {
+        dtype: {k: v for k, v in attribute_values(init, dtype, scope, base).items() if k not in late}
+        for dtype in (*FP8_DTYPES, schema.AUTO_DTYPE)
+    }
+
+
+_NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+
+def flags(init: ast.FunctionDef, scope: Scope, values: Mapping[str, Mapping[str, object]]) -> dict[str, bool]:
+    """Each attribute ``__init__`` assigns: whether it is a flag - true for every fp8 dtype and
+    false for "auto" when ``__init__`` returns (``values``: ``init_values``), whatever statements
+    decide it."""
+    called = [scope.methods[m] for m in init_calls(init) if m in scope.methods]
+    assigned = set().union(*map(_stored, (init, *called)))
+    found = {}
+    for attr in assigned - {schema.DTYPE_ATTR}:
+        *fp8, auto = [run.get(f"self.{attr}", _MISSING) for run in values.values()]  # auto last
+        found[attr] = all(v is not _MISSING for v in (*fp8, auto)) and all(fp8) and not auto
+    return found
+
+
+def carries_dtype(node: ast.expr, scope: Scope, values: Mapping[str, Mapping[str, object]]) -> bool:
+    """A native call's ``kv_cache_dtype`` argument holds the cache dtype: for each of the fp8
+    dtypes and "auto", it is that dtype when ``__init__`` has run (``values``: ``init_values``)."""
+    for dtype, env in values.items():
+        try:
+            if evaluate(node, env, scope) != dtype:
+                return False
+        except (Unknown, *_ERRORS):
+            return False
+    return True
+
+
+def init_calls(init: ast.FunctionDef) -> set[str]:
+    """The methods ``__init__`` calls on ``self`` as statements (``self.m(…)``): those whose
+    assignments the reading of a flag follows (``_self_call``)."""
+    calls = (n.value for n in ast.walk(init) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call))
+    return {m for call in calls if (m := self_member(call.func)) is not None}
+
+
+def _stored(node: ast.AST) -> set[str]:
+    """The ``self.`` attributes ``node``'s code binds, whatever binds them (``x`` of ``self.x``)."""
+    stores = (n for n in ast.walk(node) if isinstance(getattr(n, "ctx", None), ast.Store))
+    return {attr for n in stores if (attr := self_member(n)) is not None}

@@ -12,7 +12,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import codegen, guards, reading, roles, schema
+from codemods import codegen, guards, roles, schema
 from codemods.model import FileModel
 from codemods.sourcemap import SourceMap
 
@@ -195,7 +195,7 @@ def call_facts(found: FoundCall, m: FileModel) -> tuple[schema.CallFacts, a.Stat
 
 def _carries_dtype(found: FoundCall, held: cst.BaseExpression | None, m: FileModel) -> bool:
     """The dtype argument holds the cache dtype: in a layer's method, by what ``__init__`` leaves in
-    it (``reading.carries_dtype``); outside a class, only as ``<layer>.kv_cache_dtype`` of a local layer."""
+    it (``roles.carries_dtype``); outside a class, only as ``<layer>.kv_cache_dtype`` of a local layer."""
     if found.cls is not None:
         return held is not None and m.carries_dtype(found.cls, held)
     layers = isinstance(held, cst.Attribute) and isinstance(held.value, cst.Name)
@@ -320,7 +320,7 @@ def collect_pieces(
         ]
 
     # The flag: the attribute the guard reads, else the one __init__ leaves holding whether
-    # the cache dtype is fp8 (``reading.flags``: by its value, whatever statements decide it).
+    # the cache dtype is fp8 (``roles.flags``: by its value, whatever statements decide it).
     flags = m.flags(cls)
     proven = [attr for attr, ok in flags.items() if ok]
     p.flag_from_file = bool(guard_flag) or len(proven) == 1
@@ -360,7 +360,7 @@ def collect_pieces(
         p.insert_method = a.self_attr(node.func) or codegen.INSERT_KV
         p.insert_from_file = _passes_slots(node, main, index)
         test = roles.expression(a.code(stmt.test)) if isinstance(stmt, cst.If) else None
-        lost = sorted(roles.self_attrs(test) - set(init_attrs) - set(flags)) if test is not None else []
+        lost = sorted(guards.self_attrs(test) - set(init_attrs) - set(flags)) if test is not None else []
         if guard is None and not p.flag_set and len(lost) == 1:  # the block tests a flag nothing sets
             p.flag_attr, p.flag_read, p.flag_from_file = lost[0], True, True
         block_guard = guard
@@ -419,8 +419,8 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
     if len(insert_kv) > 1 or any(not isinstance(n, cst.FunctionDef) or n.decorators for n in insert_kv):
         note(p.insert_method, f"`{p.insert_method}` is bound in the class body other than by one plain `def`")
     # Not a clash: __init__'s first scale assignment where it is the bypass's, and a proven
-    # flag's assignments in __init__ and the methods it calls (``reading.flags``: all of it).
-    setters = {"__init__", *reading.init_calls(m.scope(cls).methods["__init__"])} if p.flag_set else set()
+    # flag's assignments in __init__ and the methods it calls (``roles.flags``: all of it).
+    setters = {"__init__", *roles.init_calls(m.scope(cls).methods["__init__"])} if p.flag_set else set()
     scale = init_attrs.get(codegen.FP8_SCALE, [])[:1]
     scale_tree = roles.expression(a.code(scale[0][1])) if scale else None
     own = {id(scale[0][1])} if roles.is_scale_value(scale_tree) else set()
@@ -437,7 +437,7 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
                     once = f"the bypass relies on `self.{name}` being set once, in __init__"
                     note(name, f"`{shown}` in {method.name.value} ({once})")
         tree = m.scope(cls).methods.get(method.name.value)
-        named = reading.set_by_name(tree, m.imports) if tree is not None else set()
+        named = roles.set_by_name(tree, m.imports) if tree is not None else set()
         for name in sorted(pieces if named is None else {n.removeprefix("self.") for n in named} & pieces):
             note(name, f"`self.{name}` may be set by name in {method.name.value} (the bypass relies on it being set once, in __init__)")
 

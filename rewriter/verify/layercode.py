@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from codemods import reading, roles, schema
+from codemods import roles, schema
 from codemods.schema import FUSED_OP, KV_CACHE
 from rewriter.apply import read_source
 
@@ -178,7 +178,7 @@ class LayerCode:
     module_names: set[str] = field(default_factory=set)  # the module's other top-level classes and names
     custom_ops: dict[str, str] = field(default_factory=dict)  # ops the file registers -> its function
     compile_aware: bool = False  # the class or a module function asks torch.compiler.is_compiling()
-    constants: dict[str, object] = field(default_factory=dict)  # module-level literals (reading.module_constants)
+    constants: dict[str, object] = field(default_factory=dict)  # module-level literals (roles.module_constants)
 
     def fit(self, shape: Shape) -> Shape:
         """``shape`` with the sizes that one attribute of the file holds made equal: the
@@ -299,7 +299,7 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
     )
     return LayerCode(
         path, class_name, methods, decorators, init, ops, imported, bindings, called, functions, native,
-        others - set(functions), _custom_ops(tree), compile_aware, reading.module_constants(tree, roles.NO_SCOPE),
+        others - set(functions), _custom_ops(tree), compile_aware, roles.module_constants(tree, roles.NO_SCOPE),
     )
 
 
