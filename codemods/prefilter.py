@@ -33,13 +33,6 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
         init, scope = methods.get("__init__"), roles.Scope(functions, methods, imports)
         return init, scope, roles.init_values(init, scope, constants) if init is not None else {}
 
-    def has_flag(cls: ast.ClassDef) -> bool:
-        init, scope, values = read(cls)
-        return init is not None and any(roles.flags(init, scope, values).values())
-
-    def carries(cls: ast.ClassDef, dtype: ast.expr) -> bool:
-        init, scope, values = read(cls)
-        return init is not None and roles.carries_dtype(dtype, scope, values)
 
     sites: list[schema.InsertSite] = []
     named = 0  # every place the op is named: each must be the callee of a call read below
@@ -48,7 +41,7 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
         nonlocal named
         named += sum(isinstance(v, str) and schema.FUSED_OP in v for _, v in ast.iter_fields(node))
         if isinstance(node, ast.Call) and roles.callee(node) == schema.FUSED_OP:
-            sites.append(_site(node, stack, lines, has_flag, carries))
+            sites.append(_site(node, stack, lines, read))
         inner = (*stack, node) if isinstance(node, _DEFS) else stack
         for child in ast.iter_child_nodes(node):
             visit(child, inner)
@@ -78,8 +71,8 @@ def _after(call: ast.Call, body: list[ast.stmt]) -> list[ast.stmt]:
 
 
 def _site(
-    call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str], has_flag: Callable[[ast.ClassDef], bool],
-    carries: Callable[[ast.ClassDef, ast.expr], bool],
+    call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str],
+    read: Callable[[ast.ClassDef], tuple[ast.FunctionDef | None, roles.Scope, dict[str, dict]]],
 ) -> schema.InsertSite:
     cls, method = stack[-2:] if len(stack) >= 2 else (None, None)
     if not (isinstance(cls, ast.ClassDef) and isinstance(method, ast.FunctionDef)):
@@ -94,13 +87,17 @@ def _site(
         raise _Defer  # a cache argument under a condition: a bypass's guard, whatever it is called
     dtype = schema.bind_arg(schema.KV_CACHE_DTYPE, args, keywords)
     has_cache = kv is not None and not (isinstance(kv, ast.Constant) and kv.value is None)
-    if has_cache and (dtype is None or not _plain(dtype, lines) or not carries(cls, dtype)):
+    init, scope, values = read(cls)
+    proven = init is not None and dtype is not None and roles.carries_dtype(dtype, scope, values)
+    if has_cache and (dtype is None or not _plain(dtype, lines) or not proven):
         raise _Defer  # a fork-era call, a dtype whose text LibCST may give differently, or not proven
     if has_cache:
         slots = [schema.bind_arg(p, args, keywords) for p in (schema.SLOT_MAPPING, schema.INDEX_SLOT_MAPPING)]
         passed = [s for s in slots if s is not None]
-        after = _after(call, method.body)
-        if has_flag(cls) or any(roles.passes_slots(n, passed) for s in after for n in ast.walk(s)):
+        after = [n for s in _after(call, method.body) for n in ast.walk(s)]
+        if any(roles.flags(init, scope, values).values()) or any(  # type: ignore[arg-type]
+            roles.passes_slots(n, passed) or _writes_cache(n, scope) for n in after
+        ):
             raise _Defer  # a flag, or a post-call write: the pieces of a bypass, whatever their names
     facts = schema.CallFacts(
         line=call.lineno, class_name=cls.name, method=method.name, module_function=None, nested_in=None,
@@ -108,6 +105,23 @@ def _site(
         dtype_is_auto=False, dtype_proven=True, in_block=False,  # in_block: not asked with a dtype
     )
     return schema.verdict(facts, schema.Pieces)
+
+
+def _writes_cache(node: ast.AST, scope: roles.Scope) -> bool:
+    """``self.<m>(…)`` where ``m``, or a method or module function it calls, calls the reshape op:
+    a cache write after the call, whatever it is handed (``sites`` finds it by that shape too)."""
+    def calls(fn: ast.AST | None) -> list[ast.Call]:
+        return [n for n in ast.walk(fn) if isinstance(n, ast.Call)] if fn is not None else []
+
+    def defined(call: ast.Call) -> ast.FunctionDef | None:  # a method of the class, or a module function
+        name = roles.self_member(call.func)
+        if name is not None:
+            return scope.methods.get(name)
+        return scope.functions.get(roles.dotted(call.func) or "")
+
+    fn = defined(node) if isinstance(node, ast.Call) and roles.self_member(node.func) else None
+    writers = [fn, *(defined(c) for c in calls(fn))]
+    return any(roles.callee(c) == schema.RESHAPE_OP for f in writers for c in calls(f))
 
 
 def _plain(node: ast.expr, lines: list[str]) -> bool:

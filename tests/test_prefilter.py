@@ -172,6 +172,16 @@ NATIVE_LAYOUTS = {
     "stale-flag": edit(
         "self.kv_cache = torch.tensor([])", "self.kv_cache = torch.tensor([])\n        self._fp8_kv = True"
     ),
+    # a merge's post-call write without the call's slot mappings, found by its shape (it calls the
+    # reshape op): the analysis refuses it, so the pre-filter must not answer native
+    "stale-write-by-shape": lambda s: edit(NATIVE_DTYPE, NATIVE_DTYPE + "\n        self._store_kv(qkv, qkv, qkv)")(
+        edit(
+            "class MiniMaxM3SparseAttention(nn.Module):\n",
+            "class MiniMaxM3SparseAttention(nn.Module):\n    def _store_kv(self, k, v, index_k, slots, index_slots):\n"
+            "        ops.reshape_and_cache_flash(k, v, self.kv_cache, self.kv_cache, slots, self.kv_cache_dtype,"
+            " None, None)\n\n",
+        )(s)
+    ),
     "star-args": edit(
         "            index_q,\n            self.kv", "            *index_q,\n            self.kv"
     ),
