@@ -4,8 +4,7 @@ A fork may name every piece differently and write every condition another way ro
 is a ``self.<attr>`` that ``__init__`` leaves true for every fp8 dtype and false for "auto"
 (``flags`` runs ``__init__`` on each dtype, reading with ``evaluate``); the *guard* conditions the
 cache arguments on ``not flag`` and the *post-call block* runs when the guard is false, read as
-truth tables over ``evaluate`` (``codemods.guards``). All on Python's own ``ast``.
-"""
+truth tables over ``evaluate`` (``codemods.guards``). All on Python's own ``ast``."""
 
 from __future__ import annotations
 
@@ -169,6 +168,10 @@ def evaluate(node: ast.expr, env: Mapping[str, object], scope: Scope = NO_SCOPE,
         return left | right if isinstance(node.op, ast.BitOr) else left & right
     if isinstance(node, ast.IfExp):
         return ev(node.body) if ev(node.test) else ev(node.orelse)
+    if isinstance(node, ast.NamedExpr) and isinstance(env, dict):  # `(q := …)` binds q, as Python does
+        value = ev(node.value)
+        _store(node.target, value, env)
+        return value
     if isinstance(node, ast.Compare):
         left = ev(node.left)
         for op, right_node in zip(node.ops, node.comparators):
@@ -201,11 +204,8 @@ def _call(node: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -
         if COMPILING in env:
             return env[COMPILING]
         raise Unknown("is_compiling")
-    if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
-        raise Unknown("*args")
     func = node.func
-    args = [evaluate(a, env, scope, depth) for a in node.args]
-    kwargs = {k.arg: evaluate(k.value, env, scope, depth) for k in node.keywords if k.arg is not None}
+    args, kwargs = _arguments(node, env, scope, depth)
     if isinstance(func, ast.Attribute) and func.attr in _STR_METHODS and dotted(func.value) != "self":
         owner = evaluate(func.value, env, scope, depth)
         if isinstance(owner, str) and not kwargs and all(isinstance(a, (str, tuple)) for a in args):
@@ -219,7 +219,7 @@ def _call(node: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -
         defs, key = (scope.methods, method) if method is not None else (scope.functions, name)
         if "." not in key and key in defs:
             try:
-                return _helper(defs[key], args, kwargs, env, scope, depth, skip_self=method is not None)
+                return _helper(defs[key], node, env, scope, depth)
             except KeyError:
                 raise Unknown(name) from None
         # vLLM's helper, by what the name is bound to: a name imported from vLLM
@@ -232,23 +232,19 @@ def _call(node: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -
     raise Unknown(name or "call")
 
 
-def _helper(
-    fn: ast.FunctionDef,
-    args: list[object],
-    kwargs: dict[str, object],
-    env: Mapping[str, object],
-    scope: Scope,
-    depth: int,
-    skip_self: bool,
-) -> object:
-    """A small function's value: its body is one ``return <expr>`` (after a docstring)."""
-    if depth >= DEPTH:
-        raise Unknown("too deep")
-    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None:
-        raise Unknown(fn.name)
-    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)][1 if skip_self else 0 :]
-    if fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs or len(args) > len(params):
+def _arguments(call: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -> tuple[list, dict]:
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        raise Unknown("*args")
+    kwargs = {k.arg: evaluate(k.value, env, scope, depth) for k in call.keywords}
+    return [evaluate(a, env, scope, depth) for a in call.args], kwargs
+
+
+def _bind(fn: ast.FunctionDef, call: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -> dict:
+    """``fn``'s parameters (but a method's ``self``) as ``call`` binds them, defaults read; ``Unknown``
+    where it is deeper than ``DEPTH`` or takes ``*args``, ``**kwargs`` or keyword-only parameters."""
+    args, kwargs = _arguments(call, env, scope, depth)
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)][1 if self_member(call.func) else 0 :]
+    if depth >= DEPTH or fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs or len(args) > len(params):
         raise Unknown(fn.name)
     bound = {**dict(zip(params, args)), **kwargs}
     defaults = fn.args.defaults
@@ -256,8 +252,18 @@ def _helper(
         bound.setdefault(param, evaluate(default, {}, scope, depth + 1))
     if set(bound) != set(params):
         raise Unknown(fn.name)
+    return bound
+
+
+def _helper(fn: ast.FunctionDef, call: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -> object:
+    """A small function's value: its body is one ``return <expr>`` (after a docstring)."""
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None:
+        raise Unknown(fn.name)
+    bound = _bind(fn, call, env, scope, depth)
     # a method still reads the layer's attributes; a module function only its parameters
-    inner = {k: v for k, v in env.items() if skip_self and (k.startswith("self.") or k == COMPILING)}
+    method = self_member(call.func) is not None
+    inner = {k: v for k, v in env.items() if method and (k.startswith("self.") or k == COMPILING)}
     return evaluate(body[0].value, {**inner, **bound}, scope, depth + 1)
 
 
@@ -387,7 +393,7 @@ def _statement(stmt: ast.stmt, env: dict[str, object], scope: Scope, depth: int)
             _block([*stmt.body, *stmt.orelse], env, scope, depth)
         finally:
             _block(stmt.finalbody, env, scope, depth)
-    elif isinstance(stmt, (ast.For, ast.Match)):
+    elif isinstance(stmt, (ast.For, ast.While, ast.Match)):
         _unrolled(stmt, env, scope, depth)
     elif not isinstance(stmt, _STEPPED_OVER):
         _forget(stmt, env, scope)  # while, a try that may raise, nested defs: what they bind is not known
@@ -398,10 +404,9 @@ def _raises_nothing(body: list[ast.stmt], env: dict[str, object], scope: Scope) 
     evaluates: nothing in it raises, so no handler runs."""
     trial = dict(env)
     for stmt in body:
-        if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)) or stmt.value is None:
-            return False
-        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-        if any(not isinstance(t, ast.Name) and self_member(t) is None for t in targets):
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]
+        plain = all(isinstance(t, ast.Name) or self_member(t) for t in targets)  # type: ignore[arg-type]
+        if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)) or stmt.value is None or not plain:
             return False
         _statement(stmt, trial, scope, 0)
         if any(dotted(t) not in trial for t in targets):  # its value could not be read: it may raise
@@ -409,10 +414,11 @@ def _raises_nothing(body: list[ast.stmt], env: dict[str, object], scope: Scope) 
     return True
 
 
-def _unrolled(stmt: ast.For | ast.Match, env: dict[str, object], scope: Scope, depth: int) -> None:
-    """A ``for`` over a tuple or string the reading knows (no ``break``/``continue``), round by
-    round; a ``match`` on a known value by literal patterns (``case "auto" | "":``, ``case _:``,
-    no guard), the case that matches. Else what it may bind is no longer known."""
+def _unrolled(stmt: ast.For | ast.While | ast.Match, env: dict[str, object], scope: Scope, depth: int) -> None:
+    """A ``for`` over a tuple or string the reading knows, or a ``while`` whose test it reads (no
+    ``break``/``continue``; at most 16 rounds), round by round; a ``match`` on a known value by
+    literal patterns (``case "auto" | "":``, ``case _:``, no guard), the case that matches. Else
+    what it may bind is no longer known."""
     before = dict(env)
     try:
         if isinstance(stmt, ast.Match):
@@ -420,13 +426,20 @@ def _unrolled(stmt: ast.For | ast.Match, env: dict[str, object], scope: Scope, d
             case = next((c for c in stmt.cases if _matches(c, subject, env, scope)), None)
             _block(case.body if case is not None else [], env, scope, depth)
             return
-        items = evaluate(stmt.iter, env, scope)
-        jumps = any(isinstance(n, (ast.Break, ast.Continue)) for n in ast.walk(stmt))
-        if jumps or not isinstance(items, (tuple, str)):
+        if any(isinstance(n, (ast.Break, ast.Continue)) for n in ast.walk(stmt)):
+            raise Unknown("jump")
+        items = evaluate(stmt.iter, env, scope) if isinstance(stmt, ast.For) else range(16)
+        if not isinstance(items, (tuple, str, range)):
             raise Unknown("for")
         for item in items:
-            _store(stmt.target, item, env)
+            if isinstance(stmt, ast.For):
+                _store(stmt.target, item, env)
+            elif not evaluate(stmt.test, env, scope):
+                break
             _block(stmt.body, env, scope, depth)
+        else:
+            if isinstance(stmt, ast.While):
+                raise Unknown("while")  # still running after 16 rounds
         _block(stmt.orelse, env, scope, depth)
     except (Unknown, *_ERRORS):
         env.clear()
@@ -524,21 +537,11 @@ def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int)
     fn = scope.methods.get(method) if method is not None else None
     if fn is None:
         return  # a call of something else: vLLM's layers do not set this layer's attributes
-    inner: dict[str, object] = {k: v for k, v in env.items() if k.startswith("self.")}
-    names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)][1:]
-    plain = not (fn.args.vararg or fn.args.kwarg or call.keywords) and len(call.args) == len(names)
     try:
-        if depth >= DEPTH or not plain:
-            raise Unknown(method)
-        for param, arg in zip(names, call.args):
-            inner[param] = evaluate(arg, env, scope)
-    except (Unknown, *_ERRORS):
-        _forget(fn, env, scope)
-        return
-    try:
+        inner = {k: v for k, v in env.items() if k.startswith("self.")} | _bind(fn, call, env, scope, depth)
         _block(fn.body, inner, scope, depth + 1)
-    except _Stop:
-        _forget(fn, env, scope)  # the reading does not follow which path returned
+    except (Unknown, _Stop, *_ERRORS):  # (_Stop: the reading does not follow which path returned)
+        _forget(fn, env, scope)
         return
     for key in [k for k in env if k.startswith("self.") and k not in inner]:
         del env[key]
@@ -549,8 +552,7 @@ def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object])
     """What ``__init__`` leaves in the ``self.`` attributes for each fp8 dtype and for "auto"
     (``attribute_values``): read once a class, for its flag and for a native call's dtype."""
     # what a def nested in __init__ (or in a method it calls) stores through ``self``: whenever it is called
-    called = [scope.methods[m] for m in init_calls(init) if m in scope.methods]
-    nested = [d for fn in (init, *called) for d in ast.walk(fn) if d is not fn and isinstance(d, _NESTED)]
+    nested = [d for fn in init_methods(init, scope) for d in ast.walk(fn) if d is not fn and isinstance(d, _NESTED)]
     late = {f"self.{attr}" for d in nested for attr in _stored(d)}
     return {
         dtype: {k: v for k, v in attribute_values(init, dtype, scope, base).items() if k not in late}
@@ -565,8 +567,7 @@ def flags(init: ast.FunctionDef, scope: Scope, values: Mapping[str, Mapping[str,
     """Each attribute ``__init__`` assigns: whether it is a flag - true for every fp8 dtype and
     false for "auto" when ``__init__`` returns (``values``: ``init_values``), whatever statements
     decide it."""
-    called = [scope.methods[m] for m in init_calls(init) if m in scope.methods]
-    assigned = set().union(*map(_stored, (init, *called)))
+    assigned = set().union(*map(_stored, init_methods(init, scope)))
     found = {}
     for attr in assigned - {schema.DTYPE_ATTR}:
         *fp8, auto = [run.get(f"self.{attr}", _MISSING) for run in values.values()]  # auto last
@@ -579,18 +580,18 @@ def carries_dtype(node: ast.expr, scope: Scope, values: Mapping[str, Mapping[str
     dtypes and "auto", it is that dtype when ``__init__`` has run (``values``: ``init_values``)."""
     for dtype, env in values.items():
         try:
-            if evaluate(node, env, scope) != dtype:
+            if evaluate(node, dict(env), scope) != dtype:  # (a copy: a `:=` in it binds nothing here)
                 return False
         except (Unknown, *_ERRORS):
             return False
     return True
 
 
-def init_calls(init: ast.FunctionDef) -> set[str]:
-    """The methods ``__init__`` calls on ``self`` as statements (``self.m(…)``): those whose
+def init_methods(init: ast.FunctionDef, scope: Scope) -> list[ast.FunctionDef]:
+    """``__init__`` and the methods it calls on ``self`` as statements (``self.m(…)``): those whose
     assignments the reading of a flag follows (``_self_call``)."""
     calls = (n.value for n in ast.walk(init) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call))
-    return {m for call in calls if (m := self_member(call.func)) is not None}
+    return [init, *{scope.methods[m]: 0 for call in calls if (m := self_member(call.func)) in scope.methods}]
 
 
 def _stored(node: ast.AST) -> set[str]:

@@ -420,7 +420,8 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
         note(p.insert_method, f"`{p.insert_method}` is bound in the class body other than by one plain `def`")
     # Not a clash: __init__'s first scale assignment where it is the bypass's, and a proven
     # flag's assignments in __init__ and the methods it calls (``roles.flags``: all of it).
-    setters = {"__init__", *roles.init_calls(m.scope(cls).methods["__init__"])} if p.flag_set else set()
+    scope = m.scope(cls)
+    setters = {f.name for f in roles.init_methods(scope.methods["__init__"], scope)} if p.flag_set else set()
     scale = init_attrs.get(codegen.FP8_SCALE, [])[:1]
     scale_tree = roles.expression(a.code(scale[0][1])) if scale else None
     own = {id(scale[0][1])} if roles.is_scale_value(scale_tree) else set()

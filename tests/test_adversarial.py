@@ -599,6 +599,12 @@ def test_a_flag_set_in_a_tuple_assignment_is_the_flag(tmp_path: Path) -> None:
 RESET = "    def _reset_cache_mode(self):\n        self._fp8_kv = False\n\n"
 
 
+def with_set_mode(source: str) -> str:
+    """``source`` with a method that sets the flag to its argument, before ``forward``."""
+    forward = source.rindex("    def forward(", 0, source.index("        insert_via_fused = not"))
+    return source[:forward] + "    def _set_mode(self, enabled=True):\n        self._fp8_kv = enabled\n\n" + source[forward:]
+
+
 @pytest.mark.parametrize(
     "reset",
     [
@@ -630,17 +636,38 @@ def test_a_def_in_init_that_sets_the_flag_later_is_refused(tmp_path: Path) -> No
         'try:\n            self._fp8_kv = "fp8" in self.kv_cache_dtype\n        except Exception:\n            self._fp8_kv = False\n',
         'self._fp8_kv = False\n        for d in ("fp8", "fp8_e4m3", "fp8_e5m2"):\n            if self.kv_cache_dtype == d:\n                self._fp8_kv = True\n',
         'match self.kv_cache_dtype:\n            case "auto":\n                self._fp8_kv = False\n            case _:\n                self._fp8_kv = True\n',
+        'if (quantized := "fp8" in self.kv_cache_dtype):\n            pass\n        self._fp8_kv = quantized\n',
+        'self._fp8_kv = False\n        while not self._fp8_kv and "fp8" in self.kv_cache_dtype:\n            self._fp8_kv = True\n',
+        'self._set_mode(enabled="fp8" in self.kv_cache_dtype)\n',
     ],
-    ids=["try", "for", "match"],
+    ids=["try", "for", "match", "walrus", "while", "method-by-keyword"],
 )
 def test_a_flag_decided_by_try_for_or_match_is_the_flag(tmp_path: Path, decided: str) -> None:
     """The same program as ``self._fp8_kv = "fp8" in self.kv_cache_dtype``: a ``try`` whose body
-    cannot raise, a loop over the fp8 dtypes, a ``match`` on the dtype. Each was refused as unproven."""
+    cannot raise, a loop over the fp8 dtypes, a ``match`` on the dtype, a ``:=``, a ``while`` that
+    ends, a method called with a keyword. Each was refused as unproven."""
     path = tmp_path / "model.py"
-    path.write_text(edit(PATCHED_RUN, (FLAG_LINE, "        " + decided)))
+    source = edit(PATCHED_RUN, (FLAG_LINE, "        " + decided))
+    path.write_text(with_set_mode(source) if "_set_mode" in decided else source)
     (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
     (site,) = [s for s in result.sites if s.state.value != "not-a-site"]
     assert site.state.value == "patched", site.reason
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [
+        'while "fp8" in self.kv_cache_dtype:\n            self._fp8_kv = True\n',
+        'while True:\n            self._fp8_kv = "fp8" in self.kv_cache_dtype\n            break\n',
+        'self._set_mode(enabled="fp8" in self.kv_cache_dtype, extra=1)\n',
+    ],
+    ids=["never-ends", "break", "unknown-keyword"],
+)
+def test_a_flag_whose_loop_or_call_the_reading_cannot_follow_is_refused(tmp_path: Path, loop: str) -> None:
+    """A ``while`` still running after the reading's rounds, one left by ``break``, a call that
+    binds no parameter of the method: what they bind is not known, so the flag is not proven."""
+    source = edit(PATCHED_RUN, (FLAG_LINE, FLAG_LINE + "        " + loop))
+    assert_refused(tmp_path, with_set_mode(source) if "_set_mode" in loop else source, "`self._fp8_kv`")
 
 
 @pytest.mark.parametrize("args", ["k, v, index_k", "k, v, index_k, main_slot_mapping, main_slot_mapping"])

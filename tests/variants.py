@@ -368,6 +368,18 @@ RESPELLINGS = (
         (f"self.{FLAG} = ",),
     ),
     Respelling(
+        "flag-by-walrus",
+        "flag",
+        _flag_statements('if (quantized := "fp8" in {D}):\n    pass\n{F} = quantized\n'),
+        (f"self.{FLAG} = ",),
+    ),
+    Respelling(
+        "flag-by-while",
+        "flag",
+        _flag_statements('{F} = False\nwhile not {F} and {D}.startswith("fp8"):\n    {F} = True\n'),
+        (f"self.{FLAG} = ",),
+    ),
+    Respelling(
         "flag-deleted-then-set", "flag", _flag_statements('{F} = None\ndel {F}\n{F} = "fp8" in {D}\n'), (f"self.{FLAG} = ",)
     ),
     Respelling(
