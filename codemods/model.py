@@ -86,9 +86,22 @@ class FileModel:
     def scope(self, cls: cst.ClassDef) -> roles.Scope:
         """What a flag's expression may call: the module's functions, the class's methods, imports."""
         if id(cls) not in self._scopes:
-            methods = _defs({f.name.value: f for f in a.methods(cls)}, self.source_map)
+            methods = _defs(self.methods(cls), self.source_map)
             self._scopes[id(cls)] = roles.Scope(self._function_trees, methods, self.imports)
         return self._scopes[id(cls)]
+
+    def lineage(self, cls: cst.ClassDef) -> list[cst.ClassDef]:
+        """The class, then its bases that this file defines (``roles.lineage``)."""
+        tree = self.source_map.trees.get(id(cls)) if self.source_map is not None else None
+        if not isinstance(tree, ast.ClassDef):
+            return [cls]
+        classes = {id(self.source_map.trees.get(id(c))): c for c in self.module.body if isinstance(c, cst.ClassDef)}
+        classes[id(tree)] = cls  # (a class nested in another, too)
+        return [classes[id(c)] for c in roles.lineage(tree, self.source_map.tree)]  # type: ignore[union-attr]
+
+    def methods(self, cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
+        """What ``self.<name>(…)`` reaches (``roles.class_methods``): a mixin's methods too."""
+        return {f.name.value: f for c in reversed(self.lineage(cls)) for f in a.methods(c)}
 
     @functools.cached_property
     def _function_trees(self) -> dict[str, ast.FunctionDef]:

@@ -29,7 +29,7 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
 
     @functools.cache  # by class: __init__ read once, however many calls it holds
     def read(cls: ast.ClassDef) -> tuple[ast.FunctionDef | None, roles.Scope, dict[str, dict]]:
-        methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+        methods = roles.class_methods(cls, tree)
         init, scope = methods.get("__init__"), roles.Scope(functions, methods, imports)
         return init, scope, roles.init_values(init, scope, constants) if init is not None else {}
 

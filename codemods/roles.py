@@ -93,12 +93,9 @@ def import_table(tree: ast.Module) -> dict[str, str]:
     table: dict[str, str] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.asname:
-                    table[alias.asname] = alias.name
-                else:  # `import a.b` binds `a`, and says that `a.b` is loaded
-                    table[alias.name.partition(".")[0]] = alias.name.partition(".")[0]
-                    table[alias.name] = alias.name
+            for alias in node.names:  # `import a.b` binds `a`, and says that `a.b` is loaded
+                root = alias.name.partition(".")[0]
+                table |= {alias.asname: alias.name} if alias.asname else {root: root, alias.name: alias.name}
         elif isinstance(node, ast.ImportFrom):
             base = "." * node.level + (node.module or "")
             for alias in node.names:
@@ -134,6 +131,23 @@ class Scope:
 
 
 NO_SCOPE = Scope({}, {})
+
+
+def lineage(cls: ast.ClassDef, module: ast.Module) -> list[ast.ClassDef]:
+    """The class, then its bases where the module defines them (a mixin), left to right, depth first."""
+    classes = {c.name: c for c in module.body if isinstance(c, ast.ClassDef)}
+    order, todo = [], [cls]
+    while todo:
+        if (c := todo.pop(0)) not in order:
+            order.append(c)
+            todo[:0] = [classes[b.id] for b in c.bases if isinstance(b, ast.Name) and b.id in classes]
+    return order
+
+
+def class_methods(cls: ast.ClassDef, module: ast.Module) -> dict[str, ast.FunctionDef]:
+    """What ``self.<name>(…)`` reaches: the last def of that name in the first class of the lineage."""
+    classes = reversed(lineage(cls, module))
+    return {f.name: f for c in classes for f in c.body if isinstance(f, ast.FunctionDef)}
 
 
 def evaluate(node: ast.expr, env: Mapping[str, object], scope: Scope = NO_SCOPE, depth: int = 0) -> object:
@@ -240,10 +254,11 @@ def _arguments(call: ast.Call, env: Mapping[str, object], scope: Scope, depth: i
 
 
 def _bind(fn: ast.FunctionDef, call: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -> dict:
-    """``fn``'s parameters (but a method's ``self``) as ``call`` binds them, defaults read; ``Unknown``
+    """``fn``'s parameters (but the ``self`` of a method not static) as ``call`` binds them, defaults read; ``Unknown``
     where it is deeper than ``DEPTH`` or takes ``*args``, ``**kwargs`` or keyword-only parameters."""
     args, kwargs = _arguments(call, env, scope, depth)
-    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)][1 if self_member(call.func) else 0 :]
+    skip = self_member(call.func) is not None and "staticmethod" not in map(dotted, fn.decorator_list)
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)][skip:]
     if depth >= DEPTH or fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs or len(args) > len(params):
         raise Unknown(fn.name)
     bound = {**dict(zip(params, args)), **kwargs}
@@ -260,11 +275,9 @@ def _helper(fn: ast.FunctionDef, call: ast.Call, env: Mapping[str, object], scop
     body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None:
         raise Unknown(fn.name)
-    bound = _bind(fn, call, env, scope, depth)
     # a method still reads the layer's attributes; a module function only its parameters
-    method = self_member(call.func) is not None
-    inner = {k: v for k, v in env.items() if method and (k.startswith("self.") or k == COMPILING)}
-    return evaluate(body[0].value, {**inner, **bound}, scope, depth + 1)
+    inner = {k: v for k, v in env.items() if self_member(call.func) and (k.startswith("self.") or k == COMPILING)}
+    return evaluate(body[0].value, {**inner, **_bind(fn, call, env, scope, depth)}, scope, depth + 1)
 
 
 def module_constants(tree: ast.Module, scope: Scope) -> dict[str, object]:
@@ -281,19 +294,6 @@ def module_constants(tree: ast.Module, scope: Scope) -> dict[str, object]:
 
 class _Stop(Exception):
     """A ``return`` or ``raise``: this path does not reach the end of the method."""
-
-
-def attribute_values(
-    init: ast.FunctionDef, dtype: str, scope: Scope, base: Mapping[str, object]
-) -> dict[str, object]:
-    """What each ``self.<attr>`` holds when ``__init__`` returns, with ``self.kv_cache_dtype``
-    (and whatever ``__init__`` sets it from) equal to ``dtype``: the attributes whose value is
-    the same on every path the reading cannot decide; the others are left out."""
-    sources = frozenset(_dtype_sources(init))
-    env = {**base, _SOURCES: sources, **dict.fromkeys(sources, dtype)}
-    with contextlib.suppress(_Stop):
-        _block(init.body, env, scope, 0)
-    return {k: v for k, v in env.items() if k.startswith("self.")}
 
 
 def _dtype_sources(init: ast.FunctionDef) -> set[str]:
@@ -365,12 +365,9 @@ def _statement(stmt: ast.stmt, env: dict[str, object], scope: Scope, depth: int)
     for key in named if named is not None else [k for k in env if k.startswith("self.")]:
         if key not in env.get(_SOURCES, ()):  # type: ignore[operator]  # the cache dtype stays itself
             env.pop(key, None)  # set by name: no longer known
-    if isinstance(stmt, ast.Assign):
-        for target in stmt.targets:
+    if isinstance(stmt, (ast.Assign, ast.AnnAssign)):  # (`self.x: T` alone binds nothing)
+        for target in getattr(stmt, "targets", [getattr(stmt, "target", None)]) if stmt.value is not None else ():
             _assign(target, stmt.value, env, scope)
-    elif isinstance(stmt, ast.AnnAssign):
-        if stmt.value is not None:
-            _assign(stmt.target, stmt.value, env, scope)
     elif isinstance(stmt, ast.AugAssign):  # `self.F |= <test>`: the target read, then stored
         _assign(stmt.target, ast.BinOp(stmt.target, stmt.op, stmt.value), env, scope)
     elif isinstance(stmt, ast.If):
@@ -437,9 +434,8 @@ def _unrolled(stmt: ast.For | ast.While | ast.Match, env: dict[str, object], sco
             elif not evaluate(stmt.test, env, scope):
                 break
             _block(stmt.body, env, scope, depth)
-        else:
-            if isinstance(stmt, ast.While):
-                raise Unknown("while")  # still running after 16 rounds
+        if isinstance(stmt, ast.While) and evaluate(stmt.test, env, scope):
+            raise Unknown("while")  # still running after 16 rounds
         _block(stmt.orelse, env, scope, depth)
     except (Unknown, *_ERRORS):
         env.clear()
@@ -465,13 +461,12 @@ _SETTERS = ("setattr", "__setattr__", "delattr", "__delattr__")
 
 
 def set_by_name(node: ast.AST, imports: Mapping[str, str]) -> set[str] | None:
-    """The attributes of ``self`` that ``node`` sets (or deletes) by name - ``setattr(self, "x", v)``,
-    ``object.__setattr__(self, …)``, ``self.__setattr__("x", v)`` - as ``self.x``. None: any of them
-    - the name is not a literal, ``self.__dict__`` is used, ``exec``/``eval`` runs, or ``self`` itself
-    goes where what is done to it cannot be followed (another name, a tuple, a lambda, ``vars``, a
-    function of this file, ``getattr(self, "__setattr__")``). Not so: an attribute of it, a
-    registration ``ctx[k] = self``, a call of an imported function or of another object's method
-    (vLLM's code does not set this layer's attributes), a builtin that only reads it."""
+    """The attributes of ``self`` that ``node`` sets (or deletes) by name (``setattr(self, "x", v)``,
+    ``object.__setattr__(self, …)``, ``self.__setattr__("x", v)``) as ``self.x``. None: any of them
+    (a name not a literal, ``self.__dict__``, ``exec``/``eval``, or ``self`` itself going where what is
+    done to it cannot be followed: another name, a tuple, a lambda, ``vars``, a function of this file).
+    Not so: an attribute of it, ``ctx[k] = self``, a call of an imported function or of another
+    object's method (vLLM's code does not set this layer's attributes), a builtin that only reads it."""
     found: set[str] = set()
     handed: set[int] = set()  # the places ``self`` itself may stand
     for sub in ast.walk(node):
@@ -549,15 +544,20 @@ def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int)
 
 
 def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object]) -> dict[str, dict[str, object]]:
-    """What ``__init__`` leaves in the ``self.`` attributes for each fp8 dtype and for "auto"
-    (``attribute_values``): read once a class, for its flag and for a native call's dtype."""
+    """What each ``self.<attr>`` holds when ``__init__`` returns, for each fp8 dtype and for "auto"
+    as ``self.kv_cache_dtype`` (and whatever ``__init__`` sets it from): the attributes whose value
+    is the same on every path the reading cannot decide. Read once a class, for its flag and for a
+    native call's dtype."""
     # what a def nested in __init__ (or in a method it calls) stores through ``self``: whenever it is called
     nested = [d for fn in init_methods(init, scope) for d in ast.walk(fn) if d is not fn and isinstance(d, _NESTED)]
     late = {f"self.{attr}" for d in nested for attr in _stored(d)}
-    return {
-        dtype: {k: v for k, v in attribute_values(init, dtype, scope, base).items() if k not in late}
-        for dtype in (*FP8_DTYPES, schema.AUTO_DTYPE)
-    }
+    sources, values = frozenset(_dtype_sources(init)), {}
+    for dtype in (*FP8_DTYPES, schema.AUTO_DTYPE):
+        env = {**base, _SOURCES: sources, **dict.fromkeys(sources, dtype)}
+        with contextlib.suppress(_Stop):
+            _block(init.body, env, scope, 0)
+        values[dtype] = {k: v for k, v in env.items() if k.startswith("self.") and k not in late}
+    return values
 
 
 _NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)

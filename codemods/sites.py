@@ -415,6 +415,9 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
             note(name, f"`{name}` is defined in the class body (a property, method or class attribute)")
     if "__slots__" in at_class:
         p.taken.append(f"the class declares `__slots__`, which leaves no room for `self.{p.flag_attr}`")
+    for base in m.lineage(cls)[1:]:
+        for name in sorted({p.flag_attr, codegen.FP8_SCALE, p.insert_method} & a.scope_bindings(base.body).keys()):
+            note(name, f"`{name}` is defined in the body of {base.name.value}, a base class of this one")
     insert_kv = at_class.get(p.insert_method, [])
     if len(insert_kv) > 1 or any(not isinstance(n, cst.FunctionDef) or n.decorators for n in insert_kv):
         note(p.insert_method, f"`{p.insert_method}` is bound in the class body other than by one plain `def`")
@@ -425,7 +428,7 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
     scale = init_attrs.get(codegen.FP8_SCALE, [])[:1]
     scale_tree = roles.expression(a.code(scale[0][1])) if scale else None
     own = {id(scale[0][1])} if roles.is_scale_value(scale_tree) else set()
-    for method in a.methods(cls):
+    for method in m.methods(cls).values():  # a mixin's too
         flag_free = p.flag_unproven is not None or method.name.value in setters  # it may set the flag
         pieces = {p.flag_attr, codegen.FP8_SCALE} - ({p.flag_attr} if flag_free else set())
         for node in a.all_statements(method.body):

@@ -680,3 +680,48 @@ def test_a_post_call_write_that_lost_its_slots_is_found_by_its_shape(tmp_path: P
     renamed = broken.replace("_insert_kv", "_store_kv").replace("_fp8_kv", "_quant_kv")
     assert_refused(tmp_path, broken, "a post-call `self._insert_kv(...)` exists")
     assert_refused(tmp_path, renamed, "a post-call `self._store_kv(...)` exists")
+
+
+SPARSE = "class MiniMaxM3SparseAttention(nn.Module, AttentionLayerBase):\n"
+
+
+def with_mixin(source: str, body: str) -> str:
+    """``source`` with the sparse layer inheriting from a class of the same file holding ``body``."""
+    layer = SPARSE.replace("AttentionLayerBase)", "AttentionLayerBase, _CacheModeMixin)")
+    return edit(source, (SPARSE, f"class _CacheModeMixin:\n{body}\n\n{layer}"))
+
+
+def test_a_flag_set_by_a_mixins_method_is_the_flag(tmp_path: Path) -> None:
+    """``self._set_cache_mode()`` in ``__init__``, the method defined in a base class of the same
+    file: check said half-applied, "`self._fp8_kv` is read but never set (AttributeError at
+    runtime)", about a file that runs, and `run` wrote a second assignment of the flag."""
+    setter = '    def _set_cache_mode(self):\n        self._fp8_kv = "fp8" in self.kv_cache_dtype\n'
+    source = with_mixin(edit(PATCHED_RUN, (FLAG_LINE, "        self._set_cache_mode()\n")), setter)
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
+    (site,) = [s for s in result.sites if s.state.value != "not-a-site"]
+    assert site.state.value == "patched", site.reason
+
+
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        ("    _fp8_kv_scale = 1.0\n", "`_fp8_kv_scale` is defined in the body of _CacheModeMixin"),
+        ("    def _insert_kv(self, *args):\n        raise NotImplementedError\n", "`_insert_kv` is defined in the body of _CacheModeMixin"),
+        ("    def _fp8_kv(self):\n        return False\n", "`_fp8_kv` is defined in the body of _CacheModeMixin"),
+    ],
+    ids=["scale", "write-method", "flag"],
+)
+def test_a_name_run_writes_that_a_base_class_defines_is_refused(tmp_path: Path, body: str, why: str) -> None:
+    """A base class of the same file that binds a name `run` would write: `run` wrote the bypass
+    anyway - with the scale, a file whose every layer fails to build (``register_buffer`` refuses
+    a name the object already has)."""
+    assert_refused(tmp_path, with_mixin(FORK_ERA, body), why)
+
+
+def test_a_mixins_method_that_resets_the_flag_is_refused(tmp_path: Path) -> None:
+    """A base class's method that sets the flag again: set once in ``__init__`` no longer holds
+    (a method of the class itself was refused so; a base class's went unseen: patched)."""
+    source = with_mixin(PATCHED_RUN, "    def reset_cache_mode(self):\n        self._fp8_kv = False\n")
+    assert_refused(tmp_path, source, "`self._fp8_kv = False` in reset_cache_mode")

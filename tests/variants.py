@@ -401,6 +401,12 @@ RESPELLINGS = (
         _flag_statements("self._set_cache_mode()\n", method='def _set_cache_mode(self):\n    {F} = "fp8" in {D}\n'),
         (f"self.{FLAG} = ",),
     ),
+    Respelling(
+        "flag-by-staticmethod",
+        "helper",
+        _flag_statements("{F} = self._is_fp8({D})\n", method='@staticmethod\ndef _is_fp8(dtype):\n    return "fp8" in dtype\n'),
+        (f"self.{FLAG} = ",),
+    ),
     # the compile test imported and spelled otherwise
     Respelling("compile-from-import", "compile", _compile_test("from torch.compiler import is_compiling", "is_compiling()"), (COMPILING,)),
     Respelling("compile-dynamo-alias", "compile", _compile_test("import torch._dynamo as dynamo", "dynamo.is_compiling()"), (COMPILING,)),

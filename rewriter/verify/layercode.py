@@ -256,9 +256,7 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
     imported, ops = _imports(tree)
     methods: dict[str, types.CodeType] = {}
     decorators: dict[str, list[str]] = {}
-    for fn in cls.body:
-        if not isinstance(fn, ast.FunctionDef):
-            continue
+    for fn in roles.class_methods(cls, tree).values():  # a mixin's defined in the file too
         if fn.name.startswith("__"):
             continue
         kept = [d.id for d in fn.decorator_list if isinstance(d, ast.Name) and d.id in _KEPT_DECORATORS]
