@@ -142,8 +142,12 @@ class FileModel:
         return tree is not None and roles.is_compiling(tree, self.imports)
 
     def compile_test(self) -> str:
-        """How this file calls ``torch.compiler.is_compiling()``: its own spelling where it
-        imports it (``is_compiling()``, ``dynamo.is_compiling()``), else that one."""
+        """How this file calls ``torch.compiler.is_compiling()``: as it calls it already, else its own
+        spelling where it imports it (``is_compiling()``, ``dynamo.is_compiling()``), else that one."""
+        tree = self.source_map.tree if self.source_map is not None else ast.Module([], [])
+        calls = (ast.unparse(n) for n in ast.walk(tree) if roles.is_compiling(n, self.imports))  # type: ignore[arg-type]
+        if (called := next(calls, None)) is not None:
+            return called
         for bound, name in sorted(self.imports.items()):
             if name in roles.COMPILE_TESTS:
                 return f"{bound}()"

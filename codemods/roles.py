@@ -28,6 +28,7 @@ _MISSING = object()
 # statements that bind nothing the reading follows
 _STEPPED_OVER = (ast.Pass, ast.Assert, ast.Import, ast.ImportFrom, ast.Expr, ast.Global, ast.Nonlocal)
 _SOURCES = "<dtype sources>"  # env's key for the names that are the cache dtype
+_NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
 
 # --- Python's own tree: names and expressions (parser-free) --------------------------------
@@ -82,9 +83,10 @@ class Unknown(Exception):
     """The expression holds something the reading cannot evaluate."""
 
 
-# What `torch.compiler.is_compiling()` is, under any of its public names.
+# What `torch.compiler.is_compiling()` is, under any of its public names (dynamo's own test too: vLLM compiles with it).
 COMPILE_TESTS = frozenset(
-    {"torch.compiler.is_compiling", "torch._dynamo.is_compiling", "torch._dynamo.external_utils.is_compiling"}
+    f"torch.{name}" for name in "compiler.is_compiling compiler.is_dynamo_compiling _dynamo.is_compiling "
+    "_dynamo.external_utils.is_compiling _utils.is_compiling".split()
 )
 
 
@@ -558,9 +560,6 @@ def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object])
             _block(init.body, env, scope, 0)
         values[dtype] = {k: v for k, v in env.items() if k.startswith("self.") and k not in late}
     return values
-
-
-_NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
 
 def flags(init: ast.FunctionDef, scope: Scope, values: Mapping[str, Mapping[str, object]]) -> dict[str, bool]:

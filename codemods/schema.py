@@ -141,6 +141,7 @@ class Pieces:
     scale_read: bool = False  # `self._fp8_kv_scale` read in the class
     guard_args: list[str] = field(default_factory=list)  # guard names in the cache args
     guard_assigned: str | None = None  # `G = not self._fp8_kv` before the call
+    guard_lost: bool = False  # the cache arguments read a local G that nothing binds (NameError)
     guard_other: bool = False  # G assigned some other way
     post_insert: bool = False  # `self._insert_kv(...)` after the call
     post_insert_wired: bool = False
@@ -368,7 +369,7 @@ def _compiled_bypass(f: CallFacts, p: Pieces, site: Callable[..., InsertSite]) -
 
 def _broken_now(p: Pieces, line: int) -> str:
     """What the bypass pieces do to a native call today."""
-    if p.guard_args and p.guard_assigned is None:
+    if p.guard_lost:
         return (
             f"now `{p.guard_args[0]}` is read by the call at line {line} but never assigned: "
             "every forward raises NameError"
@@ -389,7 +390,7 @@ def _half_applied_reason(p: Pieces, present: dict[str, bool]) -> str:
         "insert-kv": f"`{p.insert_method}` taking the slot mappings",
     }
     problems = []
-    if p.guard_args and p.guard_assigned is None:
+    if p.guard_lost:
         problems.append(f"`{p.guard_args[0]}` is read but never assigned (NameError at runtime)")
     if p.flag_read and not p.flag_set:
         problems.append(f"`self.{p.flag_attr}` is read but never set (AttributeError at runtime)")
@@ -416,7 +417,7 @@ def planned(site: InsertSite, failure: str | None, pieces: Pieces | None) -> Ins
         return replace(site, state=SiteState.UNSUPPORTED, action=Action.REFUSE, reason=failure)
     p = pieces or Pieces()
     way_out = "serve this file without --kv-cache-dtype fp8 (with a bf16 cache the fused op writes and the bypass is skipped)"
-    if p.guard_args and p.guard_assigned is None:
+    if p.guard_lost:
         way_out = (
             f"restore the lost guard before the call, `{p.guard_args[0]} = not self.{p.flag_attr}`"
             + ("" if p.flag_set else f' (and `self.{p.flag_attr} = "fp8" in self.{DTYPE_ATTR}` in __init__)')

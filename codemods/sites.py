@@ -308,6 +308,7 @@ def collect_pieces(
         if guard.local is not None:
             p.guard_args = [guard.local] * len(guarded)
             p.guard_assigned = guard.local if guard.value is not None else None
+            p.guard_lost = guard.value is None
         else:
             p.guard_inline = guarded[0]
     elif p.guard_other or len(set(guarded)) > 1:

@@ -725,3 +725,14 @@ def test_a_mixins_method_that_resets_the_flag_is_refused(tmp_path: Path) -> None
     (a method of the class itself was refused so; a base class's went unseen: patched)."""
     source = with_mixin(PATCHED_RUN, "    def reset_cache_mode(self):\n        self._fp8_kv = False\n")
     assert_refused(tmp_path, source, "`self._fp8_kv = False` in reset_cache_mode")
+
+
+def test_a_guard_the_reading_cannot_decide_is_not_called_unassigned(tmp_path: Path) -> None:
+    """A native call's stale guard assigned from ``torch.compiler.is_exporting()`` (not the compile
+    test): check said the guard "is read by the call but never assigned: every forward raises
+    NameError" about a file that assigns it on the line before. It is refused, saying what is so."""
+    source = (FIXTURES / "compiled_native" / "model.py").read_text()
+    source = source.replace("torch.compiler.is_compiling()", "torch.compiler.is_exporting()")
+    checked, ran, reason = outcome(tmp_path, source)
+    assert (checked, ran) == ("refused", "refused"), reason
+    assert "never assigned" not in reason and "NameError" not in reason, reason

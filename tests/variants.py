@@ -411,6 +411,8 @@ RESPELLINGS = (
     Respelling("compile-from-import", "compile", _compile_test("from torch.compiler import is_compiling", "is_compiling()"), (COMPILING,)),
     Respelling("compile-dynamo-alias", "compile", _compile_test("import torch._dynamo as dynamo", "dynamo.is_compiling()"), (COMPILING,)),
     Respelling("compile-module-alias", "compile", _compile_test("from torch import compiler as tc", "tc.is_compiling()"), (COMPILING,)),
+    Respelling("compile-dynamo-test", "compile", _compile_test("import torch", "torch.compiler.is_dynamo_compiling()"), (COMPILING,)),
+    Respelling("compile-utils-alias", "compile", _compile_test("from torch._utils import is_compiling", "is_compiling()"), (COMPILING,)),
     Respelling("native-dtype-via-local", "dtype", _dtype_via_local, (NATIVE_DTYPE,)),
     Respelling("flag-renamed", "flag", _rename_attr(FLAG, "_kv_is_fp8"), (f"self.{FLAG}",)),
     Respelling("guard-renamed", "guard", _rename_local(GUARD, "use_fused_insert"), (GUARD,)),
