@@ -119,8 +119,9 @@ class FileModel:
         """What ``__init__`` leaves in each attribute, per cache dtype (``roles.init_values``), read
         once a class; None where Python's parser reads no plain ``def __init__``."""
         if id(cls) not in self._init_values:
-            init = self.scope(cls).methods.get("__init__")
-            values = roles.init_values(init, self.scope(cls), self.constants) if init is not None else None
+            init, tree = self.scope(cls).methods.get("__init__"), self.source_map and self.source_map.trees.get(id(cls))
+            attrs = roles.module_constants(self.source_map.tree, roles.NO_SCOPE, tree) if tree else {}  # type: ignore[union-attr,arg-type]
+            values = roles.init_values(init, self.scope(cls), self.constants | attrs) if init is not None else None
             self._init_values[id(cls)] = values
         return self._init_values[id(cls)]
 

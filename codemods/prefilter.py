@@ -31,7 +31,8 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
     def read(cls: ast.ClassDef) -> tuple[ast.FunctionDef | None, roles.Scope, dict[str, dict]]:
         methods = roles.class_methods(cls, tree)
         init, scope = methods.get("__init__"), roles.Scope(functions, methods, imports)
-        return init, scope, roles.init_values(init, scope, constants) if init is not None else {}
+        attrs = roles.module_constants(tree, roles.NO_SCOPE, cls)  # class attributes, as ``self.NAME``
+        return init, scope, roles.init_values(init, scope, constants | attrs) if init is not None else {}
 
 
     sites: list[schema.InsertSite] = []

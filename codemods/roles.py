@@ -18,8 +18,7 @@ from codemods import schema
 FP8_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 DTYPE = f"self.{schema.DTYPE_ATTR}"
 COMPILING = "<compiling>"  # the truth tables' name for torch.compiler.is_compiling()
-# vLLM's helper (in whichever vLLM module a release keeps it): true for every quantized
-# cache dtype (``kv_cache_dtype != "auto"``).
+# vLLM's helper (wherever a release keeps it): true for every quantized cache dtype (not "auto").
 VLLM_HELPERS = {"is_quantized_kv_cache": lambda dtype: dtype != schema.AUTO_DTYPE}
 _STR_METHODS = {"startswith", "endswith", "lower", "upper", "strip", "casefold"}
 DEPTH = 3  # how deep the reading follows helpers calling helpers (or methods __init__ calls)
@@ -282,13 +281,16 @@ def _helper(fn: ast.FunctionDef, call: ast.Call, env: Mapping[str, object], scop
     return evaluate(body[0].value, {**inner, **_bind(fn, call, env, scope, depth)}, scope, depth + 1)
 
 
-def module_constants(tree: ast.Module, scope: Scope) -> dict[str, object]:
-    """Module-level ``NAME = <value>`` whose value reads nothing (``FP8 = ("fp8", ...)``)."""
+def module_constants(tree: ast.Module, scope: Scope, cls: ast.ClassDef | None = None) -> dict[str, object]:
+    """``NAME = <value>`` (or ``NAME: T = <value>``) at the module's top level whose value reads nothing
+    (``FP8 = ("fp8", ...)``); with ``cls``, in the bodies of its lineage, as ``self.NAME``: a class
+    attribute, what an instance reads until ``__init__`` sets it."""
     env: dict[str, object] = {}
-    for stmt in tree.body:
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
-            _assign(stmt.targets[0], stmt.value, env, scope)
-    return env
+    for stmt in [s for c in reversed(lineage(cls, tree)) for s in c.body] if cls else tree.body:
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and len(targets) == 1 and isinstance(targets[0], ast.Name):
+            _assign(targets[0], stmt.value, env, scope)
+    return {("self." if cls else "") + k: v for k, v in env.items()}
 
 
 # --- the flag: what __init__ leaves in each attribute, for each cache dtype ----------------
@@ -395,7 +397,7 @@ def _statement(stmt: ast.stmt, env: dict[str, object], scope: Scope, depth: int)
     elif isinstance(stmt, (ast.For, ast.While, ast.Match)):
         _unrolled(stmt, env, scope, depth)
     elif not isinstance(stmt, _STEPPED_OVER):
-        _forget(stmt, env, scope)  # while, a try that may raise, nested defs: what they bind is not known
+        _forget(stmt, env, scope)  # a try that may raise, nested defs: what they bind is not known
 
 
 def _raises_nothing(body: list[ast.stmt], env: dict[str, object], scope: Scope) -> bool:
@@ -404,11 +406,10 @@ def _raises_nothing(body: list[ast.stmt], env: dict[str, object], scope: Scope) 
     trial = dict(env)
     for stmt in body:
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]
-        plain = all(isinstance(t, ast.Name) or self_member(t) for t in targets)  # type: ignore[arg-type]
-        if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)) or stmt.value is None or not plain:
+        if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)) or stmt.value is None:
             return False
-        _statement(stmt, trial, scope, 0)
-        if any(dotted(t) not in trial for t in targets):  # its value could not be read: it may raise
+        _statement(stmt, trial, scope, 0)  # a value it cannot read, or a target but a name or self.x, may raise
+        if any(not (isinstance(t, ast.Name) or self_member(t)) or dotted(t) not in trial for t in targets):  # type: ignore[arg-type]
             return False
     return True
 
@@ -546,10 +547,9 @@ def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int)
 
 
 def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object]) -> dict[str, dict[str, object]]:
-    """What each ``self.<attr>`` holds when ``__init__`` returns, for each fp8 dtype and for "auto"
-    as ``self.kv_cache_dtype`` (and whatever ``__init__`` sets it from): the attributes whose value
-    is the same on every path the reading cannot decide. Read once a class, for its flag and for a
-    native call's dtype."""
+    """What each ``self.<attr>`` holds when ``__init__`` returns (``base``: before), for each fp8 dtype
+    and "auto" as ``self.kv_cache_dtype`` (and what sets it): the attributes whose value is the same
+    on every path the reading cannot decide. Read once a class, for its flag and a native call's dtype."""
     # what a def nested in __init__ (or in a method it calls) stores through ``self``: whenever it is called
     nested = [d for fn in init_methods(init, scope) for d in ast.walk(fn) if d is not fn and isinstance(d, _NESTED)]
     late = {f"self.{attr}" for d in nested for attr in _stored(d)}

@@ -411,14 +411,16 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
         (p.role_problems if name in own_roles else p.taken).append(text)
 
     at_class = a.scope_bindings(cls.body)
-    for name in (p.flag_attr, codegen.FP8_SCALE):
-        if name in at_class:
-            note(name, f"`{name}` is defined in the class body (a property, method or class attribute)")
+    for c in m.lineage(cls):  # the class, and its bases in this file
+        bound = at_class if c is cls else a.scope_bindings(c.body)
+        where = "the class body" if c is cls else f"the body of {c.name.value}, a base class of this one"
+        for name in [n for n in (p.flag_attr, codegen.FP8_SCALE, p.insert_method) if n in bound]:
+            # (not a proven flag's class attribute: what it holds until __init__ sets it)
+            default = name == p.flag_attr and p.flag_set and all(isinstance(n, _CLASS_ATTR) for n in bound[name])
+            if not default and (c is not cls or name != p.insert_method):
+                note(name, f"`{name}` is defined in {where} (a property, method or class attribute)")
     if "__slots__" in at_class:
         p.taken.append(f"the class declares `__slots__`, which leaves no room for `self.{p.flag_attr}`")
-    for base in m.lineage(cls)[1:]:
-        for name in sorted({p.flag_attr, codegen.FP8_SCALE, p.insert_method} & a.scope_bindings(base.body).keys()):
-            note(name, f"`{name}` is defined in the body of {base.name.value}, a base class of this one")
     insert_kv = at_class.get(p.insert_method, [])
     if len(insert_kv) > 1 or any(not isinstance(n, cst.FunctionDef) or n.decorators for n in insert_kv):
         note(p.insert_method, f"`{p.insert_method}` is bound in the class body other than by one plain `def`")
@@ -445,6 +447,9 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
         named = roles.set_by_name(tree, m.imports) if tree is not None else set()
         for name in sorted(pieces if named is None else {n.removeprefix("self.") for n in named} & pieces):
             note(name, f"`self.{name}` may be set by name in {method.name.value} (the bypass relies on it being set once, in __init__)")
+
+
+_CLASS_ATTR = (cst.AssignTarget, cst.AnnAssign)
 
 
 def registered_buffer(init: cst.FunctionDef | None, name: str) -> cst.BaseStatement | None:

@@ -736,3 +736,28 @@ def test_a_guard_the_reading_cannot_decide_is_not_called_unassigned(tmp_path: Pa
     checked, ran, reason = outcome(tmp_path, source)
     assert (checked, ran) == ("refused", "refused"), reason
     assert "never assigned" not in reason and "NameError" not in reason, reason
+
+
+FLAG_IF_FP8 = '        if "fp8" in self.kv_cache_dtype:\n            self._fp8_kv = True\n'
+
+
+@pytest.mark.parametrize("where", ["class", "mixin"])
+def test_a_flag_defaulted_by_a_class_attribute_is_the_flag(tmp_path: Path, where: str) -> None:
+    """``_fp8_kv: bool = False`` in the class body (or a base class's), set true in ``__init__`` for
+    an fp8 cache: the same program as one assignment. It was refused ("defined in the class
+    body"); and verify's stand-in, which built the class from its methods alone, read no default."""
+    source = edit(PATCHED_RUN, (FLAG_LINE, FLAG_IF_FP8))
+    source = edit(source, (SPARSE, SPARSE + "    _fp8_kv: bool = False\n")) if where == "class" else with_mixin(source, "    _fp8_kv = False\n")
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
+    (site,) = [s for s in result.sites if s.state.value != "not-a-site"]
+    assert site.state.value == "patched", site.reason
+    assert "bf16 and fp8 cache runs agree" in site.reason, site.reason  # proven by running it
+
+
+@pytest.mark.parametrize("default", ["", "    _fp8_kv = True\n"], ids=["none", "true"])
+def test_a_flag_whose_class_default_is_missing_or_wrong_is_refused(tmp_path: Path, default: str) -> None:
+    """Set only for fp8, with no default (AttributeError under "auto") or a default of True."""
+    source = edit(PATCHED_RUN, (FLAG_LINE, FLAG_IF_FP8))
+    assert_refused(tmp_path, edit(source, (SPARSE, SPARSE + default)) if default else source, "`self._fp8_kv`")

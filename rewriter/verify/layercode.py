@@ -179,6 +179,7 @@ class LayerCode:
     custom_ops: dict[str, str] = field(default_factory=dict)  # ops the file registers -> its function
     compile_aware: bool = False  # the class or a module function asks torch.compiler.is_compiling()
     constants: dict[str, object] = field(default_factory=dict)  # module-level literals (roles.module_constants)
+    class_constants: dict[str, object] = field(default_factory=dict)  # its (and its bases') literal class attributes
 
     def fit(self, shape: Shape) -> Shape:
         """``shape`` with the sizes that one attribute of the file holds made equal: the
@@ -298,6 +299,7 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
     return LayerCode(
         path, class_name, methods, decorators, init, ops, imported, bindings, called, functions, native,
         others - set(functions), _custom_ops(tree), compile_aware, roles.module_constants(tree, roles.NO_SCOPE),
+        {k.removeprefix("self."): v for k, v in roles.module_constants(tree, roles.NO_SCOPE, cls).items()},
     )
 
 

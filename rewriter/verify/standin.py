@@ -449,6 +449,7 @@ def _standin(
         # nn.Module's: a buffer is an attribute of the layer (the stand-in has no device to move to)
         "register_buffer": lambda self, name, tensor, persistent=True: setattr(self, name, tensor),
     }
+    attrs |= code.class_constants  # a class attribute a flag reads until __init__ sets it
     for name, fn_code in code.methods.items():
         exec(fn_code, namespace)  # defines the function under its own name
         fn = namespace.pop(name)
