@@ -1064,3 +1064,24 @@ def test_what_the_stand_in_does_not_model_skips_the_level_never_fails_it(tmp_pat
     _, levels = semantic(target)
     assert levels["semantic"].status is Status.SKIPPED, levels["semantic"].reason
     assert named in levels["semantic"].reason
+
+
+@pytest.mark.parametrize("part", ["__init__", "a mixin's method"])
+def test_semantic_runs_what_the_layer_inherits_from_a_class_of_its_file(tmp_path: Path, part: str) -> None:
+    """The layer's ``__init__`` (or the method that sets its flag) defined in a base class of the
+    same file: the stand-in, built from the class's own body, could not run it ("the stand-in
+    cannot run", or AttributeError). It takes what ``self.<name>`` reaches, as Python does."""
+    source = (FIXTURES / "fork_era" / "expected.py").read_text()
+    layer = "class MiniMaxM3SparseAttention(nn.Module, AttentionLayerBase):\n"
+    start = source.index("    def __init__(", source.index(layer))
+    end = source.index("\n    def ", start + 10) + 1
+    if part == "__init__":
+        moved, source = source[start:end], source[:start] + source[end:]
+    else:
+        flag = '        self._fp8_kv = "fp8" in self.kv_cache_dtype\n'
+        moved, source = "    def _set_mode(self):\n" + flag, source.replace(flag, "        self._set_mode()\n")
+    base = f"class _LayerBase(nn.Module):\n{moved}\n\n"
+    path = tmp_path / "model.py"
+    path.write_text(source.replace(layer, base + layer.replace("(nn.Module,", "(_LayerBase,")))
+    level, _ = semantic(path)
+    assert level.status is Status.PASSED, level.reason + "\n" + "\n".join(level.details)

@@ -257,7 +257,8 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
     imported, ops = _imports(tree)
     methods: dict[str, types.CodeType] = {}
     decorators: dict[str, list[str]] = {}
-    for fn in roles.class_methods(cls, tree).values():  # a mixin's defined in the file too
+    defs = roles.class_methods(cls, tree)  # a mixin's defined in the file too, __init__ included
+    for fn in defs.values():
         if fn.name.startswith("__"):
             continue
         kept = [d.id for d in fn.decorator_list if isinstance(d, ast.Name) and d.id in _KEPT_DECORATORS]
@@ -269,9 +270,9 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
                 f"{path}: {class_name}.forward is `async def`: vLLM calls a layer's forward synchronously"
             )
         raise Unmodelled(f"{path}: {class_name} has no forward()")
-    init = _init(cls, path)
+    init = _init(defs.get("__init__"), path)
     wrappers = _wrappers(text)
-    bindings = _bindings(cls, wrappers)
+    bindings = _bindings(cls, wrappers, defs.get("__init__"))
     native = any(
         _op_arg(call, schema.KV_CACHE_DTYPE, wrappers) is not None
         for call in _op_calls(cls, wrappers)
@@ -357,7 +358,7 @@ def _self_chain(node: ast.AST) -> tuple[str, ...] | None:
 
 
 def _bindings(
-    cls: ast.ClassDef, wrappers: dict[str, dict[int, schema.OpParam]]
+    cls: ast.ClassDef, wrappers: dict[str, dict[int, schema.OpParam]], init_def: ast.FunctionDef | None
 ) -> dict[tuple[str, ...], tuple[str, ...]]:
     """What each ``self.`` chain holds (sizes first, in ``SIZES`` order), told by the
     file's own code - never by the widths a rewrite slices with:
@@ -385,7 +386,7 @@ def _bindings(
     for node in ast.walk(cls):
         if isinstance(node, ast.Attribute) and _self_chain(node) == (node.attr,) and node.attr in SIZES:
             held.setdefault((node.attr,), set()).add(node.attr)
-    init = _init_values(cls)
+    init = _init_values(init_def)
     built = {name: value for name, value in init if isinstance(value, ast.Call) and value.args}
     for chain, what in list(held.items()):
         dims = {_NORM_DIMS[w] for w in what if w in _NORM_DIMS}
@@ -419,12 +420,11 @@ def _bindings(
     }
 
 
-def _init_values(cls: ast.ClassDef) -> list[tuple[str, ast.expr]]:
-    """``self.X = <value>`` statements of the class's ``__init__``: (X, value)."""
-    inits = [f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"]
+def _init_values(init: ast.FunctionDef | None) -> list[tuple[str, ast.expr]]:
+    """``self.X = <value>`` statements of the class's ``__init__`` (its own or a base's): (X, value)."""
     return [
         (target.attr, stmt.value)
-        for stmt in (ast.walk(inits[-1]) if inits else ())
+        for stmt in (ast.walk(init) if init is not None else ())
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
         for target in stmt.targets
         if isinstance(target, ast.Attribute) and _self_chain(target) == (target.attr,)
@@ -440,11 +440,9 @@ class Init:
     params: dict[str, Any]
 
 
-def _init(cls: ast.ClassDef, path: str) -> Init:
-    inits = [f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"]
-    if not inits:
+def _init(fn: ast.FunctionDef | None, path: str) -> Init:
+    if fn is None:
         return Init([], {})
-    fn = inits[-1]
     args = [*fn.args.posonlyargs, *fn.args.args][1:]
     defaults = dict(zip([a.arg for a in args][len(args) - len(fn.args.defaults):], fn.args.defaults))
     defaults |= {a.arg: d for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults) if d is not None}
