@@ -234,7 +234,7 @@ def _call(node: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -
         defs, key = (scope.methods, method) if method is not None else (scope.functions, name)
         if "." not in key and key in defs:
             try:
-                return _helper(defs[key], node, env, scope, depth)
+                return _helper(defs[key], node, (args, kwargs), env, scope, depth)
             except KeyError:
                 raise Unknown(name) from None
         # vLLM's helper, by what the name is bound to: a name imported from vLLM
@@ -254,10 +254,10 @@ def _arguments(call: ast.Call, env: Mapping[str, object], scope: Scope, depth: i
     return [evaluate(a, env, scope, depth) for a in call.args], kwargs
 
 
-def _bind(fn: ast.FunctionDef, call: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -> dict:
-    """``fn``'s parameters (but the ``self`` of a method not static) as ``call`` binds them, defaults read; ``Unknown``
-    where it is deeper than ``DEPTH`` or takes ``*args``, ``**kwargs`` or keyword-only parameters."""
-    args, kwargs = _arguments(call, env, scope, depth)
+def _bind(fn: ast.FunctionDef, call: ast.Call, passed: tuple[list, dict], scope: Scope, depth: int) -> dict:
+    """``fn``'s parameters (but a non-static method's ``self``) bound to ``passed``, ``call``'s argument values
+    (``_arguments``), defaults read; ``Unknown`` past ``DEPTH`` or for ``*args``, ``**kwargs``, keyword-only."""
+    args, kwargs = passed
     skip = self_member(call.func) is not None and "staticmethod" not in map(dotted, fn.decorator_list)
     params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)][skip:]
     if depth >= DEPTH or fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs or len(args) > len(params):
@@ -271,20 +271,21 @@ def _bind(fn: ast.FunctionDef, call: ast.Call, env: Mapping[str, object], scope:
     return bound
 
 
-def _helper(fn: ast.FunctionDef, call: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -> object:
+def _helper(
+    fn: ast.FunctionDef, call: ast.Call, passed: tuple[list, dict], env: Mapping[str, object], scope: Scope, depth: int
+) -> object:
     """A small function's value: its body is one ``return <expr>`` (after a docstring)."""
     body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None:
         raise Unknown(fn.name)
     # a method still reads the layer's attributes; a module function only its parameters
     inner = {k: v for k, v in env.items() if self_member(call.func) and (k.startswith("self.") or k == COMPILING)}
-    return evaluate(body[0].value, {**inner, **_bind(fn, call, env, scope, depth)}, scope, depth + 1)
+    return evaluate(body[0].value, {**inner, **_bind(fn, call, passed, scope, depth)}, scope, depth + 1)
 
 
 def module_constants(tree: ast.Module, scope: Scope, cls: ast.ClassDef | None = None) -> dict[str, object]:
-    """``NAME = <value>`` (or ``NAME: T = <value>``) at the module's top level whose value reads nothing
-    (``FP8 = ("fp8", ...)``); with ``cls``, in the bodies of its lineage, as ``self.NAME``: a class
-    attribute, what an instance reads until ``__init__`` sets it."""
+    """``NAME = <value>`` (or ``NAME: T = <value>``) at the module's top level that reads nothing (``FP8 =
+    ("fp8", ...)``); with ``cls``, in its lineage's bodies, as ``self.NAME``: read until ``__init__`` sets it."""
     env: dict[str, object] = {}
     for stmt in [s for c in reversed(lineage(cls, tree)) for s in c.body] if cls else tree.body:
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]
@@ -415,10 +416,9 @@ def _raises_nothing(body: list[ast.stmt], env: dict[str, object], scope: Scope) 
 
 
 def _unrolled(stmt: ast.For | ast.While | ast.Match, env: dict[str, object], scope: Scope, depth: int) -> None:
-    """A ``for`` over a tuple or string the reading knows, or a ``while`` whose test it reads (no
-    ``break``/``continue``; at most 16 rounds), round by round; a ``match`` on a known value by
-    literal patterns (``case "auto" | "":``, ``case _:``, no guard), the case that matches. Else
-    what it may bind is no longer known."""
+    """A ``for`` over a tuple or string the reading knows, or a ``while`` whose test it reads (no ``break``
+    or ``continue``; 16 rounds at most), round by round; a ``match`` on a known value by literal patterns
+    (``case "auto" | "":``, ``case _:``, no guard), the case that matches. Else what it may bind is forgotten."""
     before = dict(env)
     try:
         if isinstance(stmt, ast.Match):
@@ -536,7 +536,8 @@ def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int)
     if fn is None:
         return  # a call of something else: vLLM's layers do not set this layer's attributes
     try:
-        inner = {k: v for k, v in env.items() if k.startswith("self.")} | _bind(fn, call, env, scope, depth)
+        passed = _arguments(call, env, scope, depth)
+        inner = {k: v for k, v in env.items() if k.startswith("self.")} | _bind(fn, call, passed, scope, depth)
         _block(fn.body, inner, scope, depth + 1)
     except (Unknown, _Stop, *_ERRORS):  # (_Stop: the reading does not follow which path returned)
         _forget(fn, env, scope)
