@@ -414,10 +414,11 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
     for c in m.lineage(cls):  # the class, and its bases in this file
         bound = at_class if c is cls else a.scope_bindings(c.body)
         where = "the class body" if c is cls else f"the body of {c.name.value}, a base class of this one"
-        for name in [n for n in (p.flag_attr, codegen.FP8_SCALE, p.insert_method) if n in bound]:
+        names = (p.flag_attr, codegen.FP8_SCALE) + ((p.insert_method,) if c is not cls else ())  # (own: below)
+        for name in [n for n in names if n in bound]:
             # (not a proven flag's class attribute: what it holds until __init__ sets it)
-            default = name == p.flag_attr and p.flag_set and all(isinstance(n, _CLASS_ATTR) for n in bound[name])
-            if not default and (c is not cls or name != p.insert_method):
+            default = name == p.flag_attr and p.flag_set and all(isinstance(b, _CLASS_ATTR) for b in bound[name])
+            if not default:
                 note(name, f"`{name}` is defined in {where} (a property, method or class attribute)")
     if "__slots__" in at_class:
         p.taken.append(f"the class declares `__slots__`, which leaves no room for `self.{p.flag_attr}`")
