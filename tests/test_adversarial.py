@@ -20,6 +20,7 @@ import pytest
 from conftest import FIXTURES
 from judge import judge_rewrite
 
+from codemods.schema import InsertSite
 from rewriter import commands
 from rewriter.apply import FileStatus
 from rewriter.targets import Target
@@ -589,20 +590,31 @@ def test_the_way_out_of_a_wired_bypass_that_fails_works_as_written(tmp_path: Pat
 def test_a_flag_set_in_a_tuple_assignment_is_the_flag(tmp_path: Path) -> None:
     """``self._fp8_kv, self.x = "fp8" in d, 1``: check once said `self._fp8_kv` was read but never
     set (half-applied) about a file that sets it; now it is the flag, read by its value."""
-    path = tmp_path / "model.py"
-    path.write_text(edit(PATCHED_RUN, (FLAG_LINE, '        self._fp8_kv, self.layer_tag = "fp8" in self.kv_cache_dtype, 1\n')))
-    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
-    (site,) = [s for s in result.sites if s.state.value != "not-a-site"]
+    site = checked_site(tmp_path, edit(PATCHED_RUN, (FLAG_LINE, '        self._fp8_kv, self.layer_tag = "fp8" in self.kv_cache_dtype, 1\n')))
     assert site.state.value == "patched" and "never set" not in site.reason, site.reason
 
 
 RESET = "    def _reset_cache_mode(self):\n        self._fp8_kv = False\n\n"
 
 
-def with_set_mode(source: str) -> str:
-    """``source`` with a method that sets the flag to its argument, before ``forward``."""
+def with_method(source: str, method: str) -> str:
+    """``source`` with ``method`` (a def's text) in the sparse layer, before ``forward``."""
     forward = source.rindex("    def forward(", 0, source.index("        insert_via_fused = not"))
-    return source[:forward] + "    def _set_mode(self, enabled=True):\n        self._fp8_kv = enabled\n\n" + source[forward:]
+    return source[:forward] + method + source[forward:]
+
+
+def with_set_mode(source: str) -> str:
+    """``source`` with a method that sets the flag to its argument."""
+    return with_method(source, "    def _set_mode(self, enabled=True):\n        self._fp8_kv = enabled\n\n")
+
+
+def checked_site(tmp_path: Path, source: str) -> InsertSite:
+    """``check``'s one insert site in ``source`` (its not-a-site calls left out)."""
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
+    (site,) = [s for s in result.sites if s.state.value != "not-a-site"]
+    return site
 
 
 @pytest.mark.parametrize(
@@ -619,8 +631,7 @@ def test_a_method_resetting_the_flag_from_a_compound_statement_is_refused(tmp_pa
     reading forgot only what the statement itself binds, so the flag kept its assignment's value
     (patched by structure, about a file whose fp8 forward hands the fused op its caches)."""
     source = edit(PATCHED_RUN, (FLAG_LINE, FLAG_LINE + f"        {reset}\n"))
-    forward = source.rindex("    def forward(", 0, source.index("        insert_via_fused = not"))
-    assert_refused(tmp_path, source[:forward] + RESET + source[forward:], "set in __init__ to")
+    assert_refused(tmp_path, with_method(source, RESET), "set in __init__ to")
 
 
 def test_a_def_in_init_that_sets_the_flag_later_is_refused(tmp_path: Path) -> None:
@@ -646,11 +657,8 @@ def test_a_flag_decided_by_try_for_or_match_is_the_flag(tmp_path: Path, decided:
     """The same program as ``self._fp8_kv = "fp8" in self.kv_cache_dtype``: a ``try`` whose body
     cannot raise, a loop over the fp8 dtypes, a ``match`` on the dtype, a ``:=``, a ``while`` that
     ends, a method called with a keyword. Each was refused as unproven."""
-    path = tmp_path / "model.py"
     source = edit(PATCHED_RUN, (FLAG_LINE, "        " + decided))
-    path.write_text(with_set_mode(source) if "_set_mode" in decided else source)
-    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
-    (site,) = [s for s in result.sites if s.state.value != "not-a-site"]
+    site = checked_site(tmp_path, with_set_mode(source) if "_set_mode" in decided else source)
     assert site.state.value == "patched", site.reason
 
 
@@ -696,11 +704,7 @@ def test_a_flag_set_by_a_mixins_method_is_the_flag(tmp_path: Path) -> None:
     file: check said half-applied, "`self._fp8_kv` is read but never set (AttributeError at
     runtime)", about a file that runs, and `run` wrote a second assignment of the flag."""
     setter = '    def _set_cache_mode(self):\n        self._fp8_kv = "fp8" in self.kv_cache_dtype\n'
-    source = with_mixin(edit(PATCHED_RUN, (FLAG_LINE, "        self._set_cache_mode()\n")), setter)
-    path = tmp_path / "model.py"
-    path.write_text(source)
-    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
-    (site,) = [s for s in result.sites if s.state.value != "not-a-site"]
+    site = checked_site(tmp_path, with_mixin(edit(PATCHED_RUN, (FLAG_LINE, "        self._set_cache_mode()\n")), setter))
     assert site.state.value == "patched", site.reason
 
 
@@ -748,10 +752,7 @@ def test_a_flag_defaulted_by_a_class_attribute_is_the_flag(tmp_path: Path, where
     body"); and verify's stand-in, which built the class from its methods alone, read no default."""
     source = edit(PATCHED_RUN, (FLAG_LINE, FLAG_IF_FP8))
     source = edit(source, (SPARSE, SPARSE + "    _fp8_kv: bool = False\n")) if where == "class" else with_mixin(source, "    _fp8_kv = False\n")
-    path = tmp_path / "model.py"
-    path.write_text(source)
-    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
-    (site,) = [s for s in result.sites if s.state.value != "not-a-site"]
+    site = checked_site(tmp_path, source)
     assert site.state.value == "patched", site.reason
     assert "bf16 and fp8 cache runs agree" in site.reason, site.reason  # proven by running it
 
