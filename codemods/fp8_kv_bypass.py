@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import libcst as cst
 
 from codemods import anchors as a
-from codemods import codegen, roles, schema
+from codemods import codegen, schema
 from codemods.codegen import parse_statements, render
 from codemods.model import FileModel
 from codemods.proofs import bare_import, dtype_anchor, qkv_and_slots, write_names
 from codemods.schema import Unsupported
-from codemods.sites import FoundCall, FoundPieces, guard_of, other_insert_kv_call
+from codemods.sites import FoundCall, FoundPieces, guard_of, is_scale_value, other_insert_kv_call
 from codemods.sourcemap import SourceMap
 
 
@@ -238,7 +238,7 @@ def _scatter_edits(
     edits = [(view_stmt, write), (scatter.statement, "")] if view_stmt is not None else [(scatter.statement, write)]
     # `<scale> = torch.ones(...)`: a fill kernel on every call, where the buffer needs none
     named = scale_arg.value.value if isinstance(scale_arg.value, cst.Name) else ""
-    ones = [x for x, v in _assignments(fn, named) if roles.is_scale_value(roles.expression(a.code(v)))]
+    ones = [x for x, v in _assignments(fn, named) if is_scale_value(v)]
     if ones and a.param_names(fn)[:1] == ["self"]:
         edits.append((ones[0].statement, render(codegen.SCALE_LOCAL, module, scale=scale)))
     return edits

@@ -73,6 +73,15 @@ def guard_flag(guard: Guard, native: bool) -> str | None:
     return flag if table in proven else None
 
 
+def passes_slots(node: ast.AST, slots: list[ast.expr]) -> bool:
+    """A call handed every one of ``slots``, a call's slot mappings (``self.<write>(…, slots,
+    index_slots)``): what the fused op would write by, compared as Python's own trees."""
+    if not isinstance(node, ast.Call):
+        return False
+    args = {ast.dump(a) for a in (*node.args, *(k.value for k in node.keywords))}
+    return all(ast.dump(s) in args for s in slots)
+
+
 @dataclass(frozen=True)
 class PostBlock:
     """An ``if`` after the call that runs exactly when the fused op did not write."""

@@ -169,7 +169,8 @@ class FileModel:
     def flag_definition(self, cls: cst.ClassDef, init: cst.FunctionDef, flag: str) -> list[cst.BaseStatement]:
         """The statements of ``__init__`` that do nothing but decide ``self.<flag>``: its
         assignments, an ``if`` on a pure test whose branches only assign it, a call of a method
-        of the class that only assigns it (with that method), and the locals only they read."""
+        of the class that only assigns it (with that method), the locals only they read; or the
+        class's property that is the flag."""
         scope = self.scope(cls)
         setters: list[cst.FunctionDef] = []
 
@@ -222,7 +223,8 @@ class FileModel:
             only_theirs = readers and all(any(r is f for f in found) for r in readers)
             if only_theirs and evaluated(expr) is not None:
                 found.append(stmt)
-        return [*found, *setters]
+        prop = a.find_method(cls, flag) if flag in scope.properties() else None  # the flag as a property
+        return [*found, *setters, *([prop] if prop is not None else [])]
 
 
 def _qualified(imp: a.ImportedName) -> str:

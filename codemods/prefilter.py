@@ -10,7 +10,7 @@ import functools
 import importlib.util
 from collections.abc import Callable
 
-from codemods import roles, schema
+from codemods import guards, roles, schema
 
 _DEFS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
@@ -97,7 +97,7 @@ def _site(
         passed = [s for s in slots if s is not None]
         after = [n for s in _after(call, method.body) for n in ast.walk(s)]
         if any(roles.flags(init, scope, values).values()) or any(  # type: ignore[arg-type]
-            roles.passes_slots(n, passed) or _writes_cache(n, scope) for n in after
+            guards.passes_slots(n, passed) or _writes_cache(n, scope) for n in after
         ):
             raise _Defer  # a flag, or a post-call write: the pieces of a bypass, whatever their names
     facts = schema.CallFacts(

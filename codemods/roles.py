@@ -21,6 +21,7 @@ COMPILING = "<compiling>"  # the truth tables' name for torch.compiler.is_compil
 # vLLM's helper (wherever a release keeps it): true for every quantized cache dtype (not "auto").
 VLLM_HELPERS = {"is_quantized_kv_cache": lambda dtype: dtype != schema.AUTO_DTYPE}
 _STR_METHODS = {"startswith", "endswith", "lower", "upper", "strip", "casefold"}
+_BUILTINS = {"bool": bool, "str": str, "any": any, "all": all}
 DEPTH = 3  # how deep the reading follows helpers calling helpers (or methods __init__ calls)
 _ERRORS = (TypeError, ValueError, RecursionError, AttributeError)  # besides Unknown, from evaluating
 _MISSING = object()
@@ -54,20 +55,6 @@ def callee(call: ast.Call) -> str | None:
     if isinstance(call.func, ast.Name):
         return call.func.id
     return call.func.attr if isinstance(call.func, ast.Attribute) else None
-
-
-def passes_slots(node: ast.AST, slots: list[ast.expr]) -> bool:
-    """A call handed every one of ``slots``, a call's slot mappings (``self.<write>(…, slots,
-    index_slots)``): what the fused op would write by, compared as Python's own trees."""
-    if not isinstance(node, ast.Call):
-        return False
-    args = {ast.dump(a) for a in (*node.args, *(k.value for k in node.keywords))}
-    return all(ast.dump(s) in args for s in slots)
-
-
-def is_scale_value(node: ast.expr | None) -> bool:
-    """``torch.ones(…)``: the identity scale as the bypass makes it."""
-    return isinstance(node, ast.Call) and dotted(node.func) == "torch.ones"
 
 
 def expression(code: str) -> ast.expr | None:
@@ -130,6 +117,10 @@ class Scope:
     methods: Mapping[str, ast.FunctionDef]
     imports: Mapping[str, str] = field(default_factory=dict)
 
+    def properties(self) -> list[str]:
+        """The class's ``@property`` defs: a flag may be one (``return "fp8" in self.kv_cache_dtype``)."""
+        return [name for name, fn in self.methods.items() if "property" in map(dotted, fn.decorator_list)]
+
 
 NO_SCOPE = Scope({}, {})
 
@@ -183,6 +174,16 @@ def evaluate(node: ast.expr, env: Mapping[str, object], scope: Scope = NO_SCOPE,
         return left | right if isinstance(node.op, ast.BitOr) else left & right
     if isinstance(node, ast.IfExp):
         return ev(node.body) if ev(node.test) else ev(node.orelse)
+    if isinstance(node, (ast.GeneratorExp, ast.ListComp, ast.SetComp)) and len(node.generators) == 1:
+        loop, items = node.generators[0], ev(node.generators[0].iter)  # (every item read: a tuple)
+        if not isinstance(items, (tuple, str)) or loop.is_async:
+            raise Unknown("comprehension")
+        out = []
+        for item in items:
+            _store(loop.target, item, inner := dict(env))  # type: ignore[arg-type]
+            if all(evaluate(test, inner, scope, depth) for test in loop.ifs):
+                out.append(evaluate(node.elt, inner, scope, depth))
+        return tuple(out)
     if isinstance(node, ast.NamedExpr) and isinstance(env, dict):  # `(q := …)` binds q, as Python does
         value = ev(node.value)
         _store(node.target, value, env)
@@ -227,8 +228,8 @@ def _call(node: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -
             return getattr(owner, func.attr)(*args)
         raise Unknown(func.attr)
     name = dotted(func)
-    if name in ("bool", "str") and len(args) == 1 and not kwargs:
-        return bool(args[0]) if name == "bool" else str(args[0])
+    if name in _BUILTINS and len(args) == 1 and not kwargs and (name in ("bool", "str") or isinstance(args[0], tuple)):
+        return _BUILTINS[name](args[0])  # (any, all: of a comprehension the reading evaluated)
     if name is not None:
         method = self_member(func)  # a method of the class, else a module function
         defs, key = (scope.methods, method) if method is not None else (scope.functions, name)
@@ -416,9 +417,8 @@ def _raises_nothing(body: list[ast.stmt], env: dict[str, object], scope: Scope) 
 
 
 def _unrolled(stmt: ast.For | ast.While | ast.Match, env: dict[str, object], scope: Scope, depth: int) -> None:
-    """A ``for`` over a tuple or string the reading knows, or a ``while`` whose test it reads (no ``break``
-    or ``continue``; 16 rounds at most), round by round; a ``match`` on a known value by literal patterns
-    (``case "auto" | "":``, ``case _:``, no guard), the case that matches. Else what it may bind is forgotten."""
+    """A ``for`` over a known tuple or string, or a ``while`` whose test it reads (no ``break``/``continue``; 16
+    rounds at most), round by round; a ``match`` by literal patterns, the case that matches. Else forgotten."""
     before = dict(env)
     try:
         if isinstance(stmt, ast.Match):
@@ -465,11 +465,9 @@ _SETTERS = ("setattr", "__setattr__", "delattr", "__delattr__")
 
 def set_by_name(node: ast.AST, imports: Mapping[str, str]) -> set[str] | None:
     """The attributes of ``self`` that ``node`` sets (or deletes) by name (``setattr(self, "x", v)``,
-    ``object.__setattr__(self, …)``, ``self.__setattr__("x", v)``) as ``self.x``. None: any of them
-    (a name not a literal, ``self.__dict__``, ``exec``/``eval``, or ``self`` itself going where what is
-    done to it cannot be followed: another name, a tuple, a lambda, ``vars``, a function of this file).
-    Not so: an attribute of it, ``ctx[k] = self``, a call of an imported function or of another
-    object's method (vLLM's code does not set this layer's attributes), a builtin that only reads it."""
+    ``object.__setattr__(self, …)``, ``self.__setattr__("x", v)``) as ``self.x``. None: any of them (a name
+    not a literal, ``self.__dict__``, ``exec``/``eval``, ``self`` handed where it cannot be followed: another
+    name, a lambda, ``vars``, a function of this file; not: ``ctx[k] = self``, an imported function)."""
     found: set[str] = set()
     handed: set[int] = set()  # the places ``self`` itself may stand
     for sub in ast.walk(node):
@@ -548,9 +546,8 @@ def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int)
 
 
 def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object]) -> dict[str, dict[str, object]]:
-    """What each ``self.<attr>`` holds when ``__init__`` returns (``base``: before), for each fp8 dtype
-    and "auto" as ``self.kv_cache_dtype`` (and what sets it): the attributes whose value is the same
-    on every path the reading cannot decide. Read once a class, for its flag and a native call's dtype."""
+    """What each ``self.<attr>`` holds when ``__init__`` returns (``base``: before), for each fp8 dtype and "auto"
+    as ``self.kv_cache_dtype``, where every path the reading cannot decide agrees. Read once a class."""
     # what a def nested in __init__ (or in a method it calls) stores through ``self``: whenever it is called
     nested = [d for fn in init_methods(init, scope) for d in ast.walk(fn) if d is not fn and isinstance(d, _NESTED)]
     late = {f"self.{attr}" for d in nested for attr in _stored(d)}
@@ -559,15 +556,18 @@ def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object])
         env = {**base, _SOURCES: sources, **dict.fromkeys(sources, dtype)}
         with contextlib.suppress(_Stop):
             _block(init.body, env, scope, 0)
+        for name in scope.properties():  # what a property gives once __init__ has run
+            with contextlib.suppress(Unknown, *_ERRORS):
+                call = ast.Call(ast.parse(f"self.{name}", mode="eval").body, [], [])
+                env[f"self.{name}"] = _helper(scope.methods[name], call, ([], {}), env, scope, 0)
         values[dtype] = {k: v for k, v in env.items() if k.startswith("self.") and k not in late}
     return values
 
 
 def flags(init: ast.FunctionDef, scope: Scope, values: Mapping[str, Mapping[str, object]]) -> dict[str, bool]:
-    """Each attribute ``__init__`` assigns: whether it is a flag - true for every fp8 dtype and
-    false for "auto" when ``__init__`` returns (``values``: ``init_values``), whatever statements
-    decide it."""
-    assigned = set().union(*map(_stored, init_methods(init, scope)))
+    """Each attribute ``__init__`` assigns (or property): whether it is a flag - true for every fp8 dtype
+    and false for "auto" once ``__init__`` has run (``values``: ``init_values``), however decided."""
+    assigned = set().union(*map(_stored, init_methods(init, scope)), scope.properties())
     found = {}
     for attr in assigned - {schema.DTYPE_ATTR}:
         *fp8, auto = [run.get(f"self.{attr}", _MISSING) for run in values.values()]  # auto last

@@ -380,11 +380,11 @@ def collect_pieces(
 
 def _passes_slots(node: cst.CSTNode, main: cst.Arg | None, index: cst.Arg | None) -> bool:
     """``self.<m>(…, <the call's slot mappings>)``: a method handed what the fused op would write by
-    (``roles.passes_slots``, prefilter's rule)."""
+    (``guards.passes_slots``, prefilter's rule)."""
     if not (isinstance(node, cst.Call) and a.self_attr(node.func) is not None) or main is None or index is None:
         return False
     trees = [roles.expression(a.code(n)) for n in (node, main.value, index.value)]
-    return None not in trees and roles.passes_slots(trees[0], trees[1:])  # type: ignore[arg-type]
+    return None not in trees and guards.passes_slots(trees[0], trees[1:])  # type: ignore[arg-type]
 
 
 def _slots_none_somewhere(method: cst.FunctionDef, op: a.OpCall) -> bool:
@@ -410,15 +410,17 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
     def note(name: str, text: str) -> None:
         (p.role_problems if name in own_roles else p.taken).append(text)
 
+    scope = m.scope(cls)  # a proven flag that is a property (``Scope.properties``): its def is the flag
+    flag_def = m.methods(cls).get(p.flag_attr) if p.flag_set and p.flag_attr in scope.properties() else None
     at_class = a.scope_bindings(cls.body)
     for c in m.lineage(cls):  # the class, and its bases in this file
         bound = at_class if c is cls else a.scope_bindings(c.body)
         where = "the class body" if c is cls else f"the body of {c.name.value}, a base class of this one"
         names = (p.flag_attr, codegen.FP8_SCALE) + ((p.insert_method,) if c is not cls else ())  # (own: below)
         for name in [n for n in names if n in bound]:
-            # (not a proven flag's class attribute: what it holds until __init__ sets it)
-            default = name == p.flag_attr and p.flag_set and all(isinstance(b, _CLASS_ATTR) for b in bound[name])
-            if not default:
+            # (not a proven flag's class attribute, what it holds until __init__ sets it, or its property)
+            flag = name == p.flag_attr and p.flag_set
+            if not (flag and all(isinstance(b, _CLASS_ATTR) or b is flag_def for b in bound[name])):
                 note(name, f"`{name}` is defined in {where} (a property, method or class attribute)")
     if "__slots__" in at_class:
         p.taken.append(f"the class declares `__slots__`, which leaves no room for `self.{p.flag_attr}`")
@@ -427,11 +429,9 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
         note(p.insert_method, f"`{p.insert_method}` is bound in the class body other than by one plain `def`")
     # Not a clash: __init__'s first scale assignment where it is the bypass's, and a proven
     # flag's assignments in __init__ and the methods it calls (``roles.flags``: all of it).
-    scope = m.scope(cls)
-    setters = {f.name for f in roles.init_methods(scope.methods["__init__"], scope)} if p.flag_set else set()
+    setters = {f.name for f in roles.init_methods(scope.methods["__init__"], scope)} if p.flag_set and not flag_def else set()
     scale = init_attrs.get(codegen.FP8_SCALE, [])[:1]
-    scale_tree = roles.expression(a.code(scale[0][1])) if scale else None
-    own = {id(scale[0][1])} if roles.is_scale_value(scale_tree) else set()
+    own = {id(scale[0][1])} if scale and is_scale_value(scale[0][1]) else set()
     for method in m.methods(cls).values():  # a mixin's too
         flag_free = p.flag_unproven is not None or method.name.value in setters  # it may set the flag
         pieces = {p.flag_attr, codegen.FP8_SCALE} - ({p.flag_attr} if flag_free else set())
@@ -451,6 +451,12 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
 
 
 _CLASS_ATTR = (cst.AssignTarget, cst.AnnAssign)
+
+
+def is_scale_value(node: cst.BaseExpression) -> bool:
+    """``torch.ones(…)``: the identity scale as the bypass makes it."""
+    tree = roles.expression(a.code(node))
+    return isinstance(tree, ast.Call) and roles.dotted(tree.func) == "torch.ones"
 
 
 def registered_buffer(init: cst.FunctionDef | None, name: str) -> cst.BaseStatement | None:

@@ -206,6 +206,8 @@ def _flag_statements(code: str, *, constant: str = "", method: str = "") -> Call
                 self.count += 1
                 text = code.format(F=f"self.{FLAG}", D=DTYPE)
                 body = cst.parse_module(text).body
+                if not body:  # the flag is no longer assigned (a property is the flag)
+                    return cst.RemoveFromParent()
                 return cst.FlattenSentinel([body[0].with_changes(leading_lines=original.leading_lines), *body[1:]])
 
             def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
@@ -405,6 +407,18 @@ RESPELLINGS = (
         "flag-by-staticmethod",
         "helper",
         _flag_statements("{F} = self._is_fp8({D})\n", method='@staticmethod\ndef _is_fp8(dtype):\n    return "fp8" in dtype\n'),
+        (f"self.{FLAG} = ",),
+    ),
+    Respelling(
+        "flag-by-property",
+        "flag",
+        _flag_statements("", method=f'@property\ndef {FLAG}(self) -> bool:\n    return "fp8" in {{D}}\n'),
+        (f"self.{FLAG} = ",),
+    ),
+    Respelling(
+        "flag-by-any",
+        "flag",
+        _flag_statements('{F} = any({D} == dtype for dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"))\n'),
         (f"self.{FLAG} = ",),
     ),
     # the compile test imported and spelled otherwise

@@ -509,7 +509,8 @@ def _standin(
     # __init__ itself, statement by statement, on the stand-in's sizes as this rank sees them;
     # what the stand-in set above stays, and a statement that raises is skipped.
     cls.pinned = frozenset(values)
-    local = code.init.params | {
+    # one dict for the module's names and __init__'s locals: a comprehension in __init__ sees both
+    local = namespace | code.init.params | {
         "self": layer,
         "config": _config(s),
         "prefix": LAYER_NAME.removesuffix(".attn"),
@@ -520,7 +521,7 @@ def _standin(
     for statement in code.init.statements:
         try:
             with torch.device(dev):  # vLLM builds its layers on the target device
-                exec(statement, namespace, local)
+                exec(statement, local)
         except Exception:  # builds something the stand-in does not model
             continue
     cls.pinned = frozenset()
