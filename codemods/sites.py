@@ -322,8 +322,8 @@ def collect_pieces(
 
     # The flag: the attribute the guard reads, else the one __init__ leaves holding whether
     # the cache dtype is fp8 (``roles.flags``: by its value, whatever statements decide it).
-    flags = m.flags(cls)
-    proven = [attr for attr, ok in flags.items() if ok]
+    flags = m.flags(cls)  # (a property, the class's API, is the flag only where the guard reads it)
+    proven = [attr for attr, ok in flags.items() if ok and attr not in m.scope(cls).properties()]
     p.flag_from_file = bool(guard_flag) or len(proven) == 1
     if p.flag_from_file:
         p.flag_attr = guard_flag or proven[0]

@@ -650,13 +650,14 @@ def test_a_def_in_init_that_sets_the_flag_later_is_refused(tmp_path: Path) -> No
         'if (quantized := "fp8" in self.kv_cache_dtype):\n            pass\n        self._fp8_kv = quantized\n',
         'self._fp8_kv = False\n        while not self._fp8_kv and "fp8" in self.kv_cache_dtype:\n            self._fp8_kv = True\n',
         'self._set_mode(enabled="fp8" in self.kv_cache_dtype)\n',
+        'self._fp8_kv = any(self.kv_cache_dtype == d for d in ("fp8", "fp8_e4m3", "fp8_e5m2"))\n',
     ],
-    ids=["try", "for", "match", "walrus", "while", "method-by-keyword"],
+    ids=["try", "for", "match", "walrus", "while", "method-by-keyword", "any"],
 )
 def test_a_flag_decided_by_try_for_or_match_is_the_flag(tmp_path: Path, decided: str) -> None:
     """The same program as ``self._fp8_kv = "fp8" in self.kv_cache_dtype``: a ``try`` whose body
     cannot raise, a loop over the fp8 dtypes, a ``match`` on the dtype, a ``:=``, a ``while`` that
-    ends, a method called with a keyword. Each was refused as unproven."""
+    ends, a method called with a keyword, ``any`` over the fp8 dtypes. Each was refused as unproven."""
     source = edit(PATCHED_RUN, (FLAG_LINE, "        " + decided))
     site = checked_site(tmp_path, with_set_mode(source) if "_set_mode" in decided else source)
     assert site.state.value == "patched", site.reason
@@ -762,3 +763,28 @@ def test_a_flag_whose_class_default_is_missing_or_wrong_is_refused(tmp_path: Pat
     """Set only for fp8, with no default (AttributeError under "auto") or a default of True."""
     source = edit(PATCHED_RUN, (FLAG_LINE, FLAG_IF_FP8))
     assert_refused(tmp_path, edit(source, (SPARSE, SPARSE + default)) if default else source, "`self._fp8_kv`")
+
+
+PROPERTY = "    @property\n    def _fp8_kv(self) -> bool:\n        return {}\n\n"
+
+
+def test_a_flag_that_is_a_property_is_read_by_its_value(tmp_path: Path) -> None:
+    """``@property def _fp8_kv(self): return "fp8" in self.kv_cache_dtype``, read by the guard: the
+    same program as the assignment, refused ("`_fp8_kv` is defined in the class body"). One true
+    only for "fp8" is still refused; `run` never writes an assignment to a property."""
+    source = with_method(edit(PATCHED_RUN, (FLAG_LINE, "")), PROPERTY.format('"fp8" in self.kv_cache_dtype'))
+    site = checked_site(tmp_path, source)
+    assert site.state.value == "patched", site.reason
+    assert "bf16 and fp8 cache runs agree" in site.reason, site.reason  # proven by running it
+    wrong = with_method(edit(PATCHED_RUN, (FLAG_LINE, "")), PROPERTY.format('self.kv_cache_dtype == "fp8"'))
+    assert_refused(tmp_path, wrong, "`_fp8_kv` is defined in the class body")
+
+
+def test_a_property_no_guard_reads_is_no_piece_of_a_bypass(tmp_path: Path) -> None:
+    """An fp8 property that no guard reads is the class's own API, not a flag: a native file
+    carrying one stays native (its strip would delete the property), a fork-era one needs the
+    bypass (written with a flag of its own)."""
+    prop = PROPERTY.replace("_fp8_kv", "uses_fp8_cache").format('self.kv_cache_dtype.startswith("fp8")')
+    for source, state in (((FIXTURES / "native" / "model.py").read_text(), "native"), (FORK_ERA, "needs-bypass")):
+        forward = source.index("    def forward(", source.index("class MiniMaxM3SparseAttention"))
+        assert checked_site(tmp_path, source[:forward] + prop + source[forward:]).state.value == state
