@@ -76,7 +76,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     assert cls is not None and method is not None
     if method.name.value == "__init__":
         raise Unsupported("the insert call is in __init__, not in a forward path")
-    init = a.find_method(cls, "__init__")
+    init = m.init(cls)
     if init is None:
         raise Unsupported(f"class {cls.name.value} has no __init__ to hold `self.{p.flag_attr}`")
     if m.imports.get("torch") != "torch":
@@ -168,7 +168,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
         insert_kv=insert_kv, insert_kv_code=insert_kv_code,
         old_insert_kv=old_insert_kv if insert_kv == "replace" else None,
         reshape_import=reshape_import,
-        scopes=(*found.outer, cls, method, init, *upgraded),
+        scopes=(*found.outer, *m.lineage(cls), method, init, *upgraded),  # (a base class's __init__)
         edits=edits,
     )
 

@@ -103,10 +103,12 @@ def plan_site(
         raise Unsupported(f"the guard name is assigned something other than `not self.{pieces.flag_attr}`")
 
     remove: list[cst.BaseStatement] = []
-    init = a.find_method(cls, "__init__")
+    init = m.init(cls)
     if init is not None:
         attrs = a.self_assignments(init)
         if pieces.flag_set:  # the statements that decide the proven flag (its value was evaluated: pure)
+            if m.methods(cls).get(pieces.flag_attr) not in (None, a.find_method(cls, pieces.flag_attr)):
+                raise Unsupported(f"the flag `{pieces.flag_attr}` is a property of a base class, which other classes may use")
             remove += m.flag_definition(cls, init, pieces.flag_attr)
         defined = {id(n) for r in remove for n in a.walk_all(r)}  # the flag's definition, whole
         for flag_slot, value in attrs.get(pieces.flag_attr, []):
@@ -256,7 +258,7 @@ def _plan_insert_kv(
 
     if not any(i.bound == FORWARD_CONTEXT for i in imports):
         raise Unsupported(f"`{FORWARD_CONTEXT}` is not imported: cannot restore the attn_metadata {name}")
-    init = a.find_method(cls, "__init__")
+    init = m.init(cls)
     if init is None:
         raise Unsupported(f"class {cls.name.value} has no __init__")
     names = proofs.write_names(op, method, slot, a.self_assignments(init), m.imports)

@@ -103,6 +103,10 @@ class FileModel:
         """What ``self.<name>(…)`` reaches (``roles.class_methods``): a mixin's methods too."""
         return {f.name.value: f for c in reversed(self.lineage(cls)) for f in a.methods(c)}
 
+    def init(self, cls: cst.ClassDef) -> cst.FunctionDef | None:
+        """The ``__init__`` that builds the class: its own, else a base class's of this file."""
+        return self.methods(cls).get("__init__")
+
     @functools.cached_property
     def _function_trees(self) -> dict[str, ast.FunctionDef]:
         return _defs(self.functions, self.source_map)

@@ -273,7 +273,7 @@ def collect_pieces(
     model ``m``. ``mentions_flag``: the file's text holds the bypass's own flag name at all."""
     p = FoundPieces()
     native = op.arg(schema.KV_CACHE_DTYPE) is not None
-    init = a.find_method(cls, "__init__")
+    init = m.init(cls)
     init_attrs = a.self_assignments(init) if init is not None else {}
 
     # The guard: what the cache arguments are conditioned on.

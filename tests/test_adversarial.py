@@ -788,3 +788,17 @@ def test_a_property_no_guard_reads_is_no_piece_of_a_bypass(tmp_path: Path) -> No
     for source, state in (((FIXTURES / "native" / "model.py").read_text(), "native"), (FORK_ERA, "needs-bypass")):
         forward = source.index("    def forward(", source.index("class MiniMaxM3SparseAttention"))
         assert checked_site(tmp_path, source[:forward] + prop + source[forward:]).state.value == state
+
+
+def test_a_property_flag_of_a_base_class_is_refused_alike_by_check_and_revert(tmp_path: Path) -> None:
+    """The flag a property of a mixin: `check` said patched, while `revert` took the guard and
+    the write out, left the property, and its second pass failed ("rewrite failed validation"):
+    two reasons. Both now give one: a base class's property is not revert's to remove."""
+    source = with_mixin(edit(PATCHED_RUN, (FLAG_LINE, "")), PROPERTY.format('"fp8" in self.kv_cache_dtype').rstrip("\n"))
+    why = "the flag `_fp8_kv` is a property of a base class"
+    site = checked_site(tmp_path, source)
+    assert site.state.value == "patched" and f"`revert` cannot take it out: {why}" in site.reason, site.reason
+    (path := tmp_path / "model.py").write_text(source)
+    (result,) = commands.write_targets("revert", [Target(path, "t")]).files
+    (refused,) = [s for s in result.sites if s.state.value == "patched"]
+    assert result.status is FileStatus.REFUSED and why in refused.reason, refused.reason

@@ -317,6 +317,26 @@ def _dtype_via_local(module: cst.Module) -> cst.Module:
     return cst.parse_module("\n".join(lines) + source[at:])
 
 
+def _init_in_base(module: cst.Module) -> cst.Module:
+    """The layer's ``__init__`` moved into a base class of the same file, which the layer
+    inherits it from (its other methods stay where they are)."""
+    body = list(module.body)
+    at = next(i for i, s in enumerate(body) if isinstance(s, cst.ClassDef) and s.name.value == "MiniMaxM3SparseAttention")
+    layer = body[at]
+    init = next(s for s in layer.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "__init__")
+    base = cst.ClassDef(
+        name=cst.Name("_SparseAttentionInit"),
+        body=cst.IndentedBlock([init.with_changes(leading_lines=[])]),
+        bases=[cst.Arg(_expr("nn.Module"))],
+        leading_lines=layer.leading_lines,
+    )
+    kept = [s for s in layer.body.body if s is not init]
+    bases = [cst.Arg(_expr("_SparseAttentionInit"), comma=layer.bases[0].comma), *layer.bases[1:]]
+    blank = [cst.EmptyLine(), cst.EmptyLine()]
+    layer = layer.with_changes(bases=bases, body=layer.body.with_changes(body=kept), leading_lines=blank)
+    return module.with_changes(body=[*body[:at], base, layer, *body[at + 1 :]])
+
+
 # Every re-spelling, by the piece it re-spells. ``needs``: the text it works on.
 RESPELLINGS = (
     Respelling("flag-startswith", "flag", _flag_by(f'{DTYPE}.startswith("fp8")'), (f"self.{FLAG} = ",)),
@@ -421,6 +441,7 @@ RESPELLINGS = (
         _flag_statements('{F} = any({D} == dtype for dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"))\n'),
         (f"self.{FLAG} = ",),
     ),
+    Respelling("init-in-base", "helper", _init_in_base, ("class MiniMaxM3SparseAttention(nn.Module",)),
     # the compile test imported and spelled otherwise
     Respelling("compile-from-import", "compile", _compile_test("from torch.compiler import is_compiling", "is_compiling()"), (COMPILING,)),
     Respelling("compile-dynamo-alias", "compile", _compile_test("import torch._dynamo as dynamo", "dynamo.is_compiling()"), (COMPILING,)),
