@@ -9,7 +9,8 @@ import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from codemods.roles import COMPILING, Scope, Unknown, evaluate, self_member
+from codemods import schema
+from codemods.roles import COMPILING, Scope, Unknown, callee, dotted, evaluate, self_member
 
 
 def self_attrs(node: ast.expr) -> set[str]:
@@ -80,6 +81,20 @@ def passes_slots(node: ast.AST, slots: list[ast.expr]) -> bool:
         return False
     args = {ast.dump(a) for a in (*node.args, *(k.value for k in node.keywords))}
     return all(ast.dump(s) in args for s in slots)
+
+
+def writes_cache(method: str | None, scope: Scope) -> bool:
+    """``self.<method>(…)`` writes a cache: the method, or a method or module function it calls,
+    calls the reshape op - whatever it is handed (the post-call write found by its shape)."""
+    def calls(fn: ast.AST | None) -> list[ast.Call]:
+        return [n for n in ast.walk(fn) if isinstance(n, ast.Call)] if fn is not None else []
+
+    def defined(call: ast.Call) -> ast.FunctionDef | None:  # a method of the class, or a module function
+        name = self_member(call.func)
+        return scope.methods.get(name) if name is not None else scope.functions.get(dotted(call.func) or "")
+
+    fn = scope.methods.get(method) if method is not None else None
+    return any(callee(c) == schema.RESHAPE_OP for f in [fn, *map(defined, calls(fn))] for c in calls(f))
 
 
 @dataclass(frozen=True)

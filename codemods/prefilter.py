@@ -96,9 +96,10 @@ def _site(
         slots = [schema.bind_arg(p, args, keywords) for p in (schema.SLOT_MAPPING, schema.INDEX_SLOT_MAPPING)]
         passed = [s for s in slots if s is not None]
         after = [n for s in _after(call, method.body) for n in ast.walk(s)]
+        writes = (guards.writes_cache(roles.self_member(n.func), scope) for n in after if isinstance(n, ast.Call))
         if any(roles.flags(init, scope, values).values()) or any(  # type: ignore[arg-type]
-            guards.passes_slots(n, passed) or _writes_cache(n, scope) for n in after
-        ):
+            guards.passes_slots(n, passed) for n in after
+        ) or any(writes):
             raise _Defer  # a flag, or a post-call write: the pieces of a bypass, whatever their names
     facts = schema.CallFacts(
         line=call.lineno, class_name=cls.name, method=method.name, module_function=None, nested_in=None,
@@ -106,23 +107,6 @@ def _site(
         dtype_is_auto=False, dtype_proven=True, in_block=False,  # in_block: not asked with a dtype
     )
     return schema.verdict(facts, schema.Pieces)
-
-
-def _writes_cache(node: ast.AST, scope: roles.Scope) -> bool:
-    """``self.<m>(…)`` where ``m``, or a method or module function it calls, calls the reshape op:
-    a cache write after the call, whatever it is handed (``sites`` finds it by that shape too)."""
-    def calls(fn: ast.AST | None) -> list[ast.Call]:
-        return [n for n in ast.walk(fn) if isinstance(n, ast.Call)] if fn is not None else []
-
-    def defined(call: ast.Call) -> ast.FunctionDef | None:  # a method of the class, or a module function
-        name = roles.self_member(call.func)
-        if name is not None:
-            return scope.methods.get(name)
-        return scope.functions.get(roles.dotted(call.func) or "")
-
-    fn = defined(node) if isinstance(node, ast.Call) and roles.self_member(node.func) else None
-    writers = [fn, *(defined(c) for c in calls(fn))]
-    return any(roles.callee(c) == schema.RESHAPE_OP for f in writers for c in calls(f))
 
 
 def _plain(node: ast.expr, lines: list[str]) -> bool:

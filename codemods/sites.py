@@ -346,11 +346,8 @@ def collect_pieces(
     def write_shaped(node: cst.CSTNode) -> bool:  # taking the slot mappings, writing with the reshape op
         name = a.self_attr(node.func) if isinstance(node, cst.Call) else None
         if name is not None and name not in forms:
-            fn = a.find_method(cls, name)
-            writers = (fn, *a.delegates(fn, cls, m.functions)) if fn is not None else ()
-            calls = (n for f in writers for n in a.nodes_in(f) if isinstance(n, cst.Call))
-            writes = any(a.callee_name(n) == schema.RESHAPE_OP for n in calls)
-            forms[name] = _insert_kv_form(fn, cls, m.functions) if writes else "other"
+            writes = guards.writes_cache(name, m.scope(cls))
+            forms[name] = _insert_kv_form(a.find_method(cls, name), cls, m.functions) if writes else "other"
         return name is not None and forms[name] in schema.SLOTS_FORMS
 
     for stmt in slot.after() if slot is not None else ():
