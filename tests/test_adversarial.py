@@ -322,6 +322,18 @@ def test_an_op_namespace_with_no_custom_ops_import_is_refused(tmp_path: Path) ->
     assert_refused(tmp_path, source, "does not import `vllm._custom_ops`")
 
 
+def test_the_c_namespace_imported_by_name_is_known_by_what_it_is(tmp_path: Path) -> None:
+    """``from torch.ops import _C`` and ``_C.fused_…(…)``: the namespace is ``torch.ops._C`` by what
+    the name is bound to (it was matched by that spelling), so the write goes to its cache ops."""
+    source = edit(
+        FORK_ERA,
+        ("from vllm import _custom_ops as ops\n", "from torch.ops import _C\nfrom vllm import _custom_ops as ops\n"),
+        (CALL, CALL.replace("ops.fused", "_C.fused")),
+    )
+    after = assert_rewritten_right(tmp_path, source)
+    assert "torch.ops._C_cache_ops.reshape_and_cache_flash(" in after.split("def _insert_kv(")[1]
+
+
 def test_a_bare_name_from_another_module_is_refused(tmp_path: Path) -> None:
     source = edit(
         FORK_ERA,

@@ -18,6 +18,7 @@ is the stand-in's limit from the file's fault.
 from __future__ import annotations
 
 import builtins
+import functools
 import inspect
 import re
 import types
@@ -421,6 +422,8 @@ def _standin(
             namespace[name] = backend.fused
         elif origin.endswith("." + RESHAPE_OP):
             namespace[name] = backend.reshape_and_cache_flash
+        elif origin in ("torch.ops", "torch.ops._C", "torch.ops._C_cache_ops", "torch.ops.vllm"):  # `from torch.ops import _C`
+            namespace[name] = functools.reduce(getattr, origin.split(".")[1:], torch_proxy)
         elif name == "get_forward_context":
             namespace[name] = lambda: ctx
         elif name == "get_current_vllm_config":
