@@ -814,3 +814,25 @@ def test_a_property_flag_of_a_base_class_is_refused_alike_by_check_and_revert(tm
     (result,) = commands.write_targets("revert", [Target(path, "t")]).files
     (refused,) = [s for s in result.sites if s.state.value == "patched"]
     assert result.status is FileStatus.REFUSED and why in refused.reason, refused.reason
+
+
+@pytest.mark.parametrize(
+    "imports, callee, proof",
+    [
+        ("import vllm._custom_ops\n", "vllm._custom_ops.fused", "passed"),
+        ("from torch import ops as torch_ops\n", "torch_ops._C.fused", "passed"),
+        ("import my_fork.kernels as kernels\n", "kernels.fused", "skipped"),
+    ],
+    ids=["dotted-custom-ops", "torch-ops-alias", "unknown-module"],
+)
+def test_the_op_reached_through_another_import_is_run_or_unproven_never_failed(
+    tmp_path: Path, imports: str, callee: str, proof: str
+) -> None:
+    """The fused op called through a name verify's stand-in did not model: it made the name up, the
+    call wrote nothing, and `run` refused a right rewrite ("the rewrite failed its proof: bf16 run
+    never called the fused op"). Such a name is now modelled, or the proof says it cannot run."""
+    source = edit(FORK_ERA, ("from vllm import _custom_ops as ops\n", imports + "from vllm import _custom_ops as ops\n"))
+    (path := tmp_path / "model.py").write_text(edit(source, (CALL, CALL.replace("ops.fused", callee))))
+    (result,) = commands.write_targets("run", [Target(path, "t")]).files
+    assert result.status is FileStatus.REWRITTEN, result.error
+    assert result.proof is not None and result.proof.status == proof, result.proof

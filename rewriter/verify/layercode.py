@@ -212,7 +212,8 @@ def _imports(tree: ast.Module) -> tuple[dict[str, str], set[str]]:
                     alias.name if alias.asname else alias.name.split(".")[0]
                 )
     ops = {name for name, origin in imported.items() if origin.endswith("_custom_ops")}
-    return imported, ops
+    dotted = (a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names if a.asname is None)
+    return imported, ops | {name for name in dotted if name.endswith("._custom_ops")}  # `import vllm._custom_ops`
 
 
 def layer_classes(source: str) -> list[str]:

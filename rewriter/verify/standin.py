@@ -136,6 +136,8 @@ class _Imported:
             raise AttributeError(attr)
         if attr in self._known:
             return self._known[attr]
+        if attr in (FUSED_OP, RESHAPE_OP):  # (a made-up op would write nothing: a false failure)
+            raise StandInGap(f"the file reaches `{attr}` through `{self._name}`, which the stand-in does not model")
         return _Imported(f"{self._name}.{attr}")
 
     def __getitem__(self, key: Any) -> Any:
@@ -439,8 +441,9 @@ def _standin(
         else:
             namespace[name] = _Imported(name)
     namespace["torch"] = torch_proxy
-    for alias in code.ops_aliases:
-        namespace[alias] = _ops_namespace(backend)
+    for alias in code.ops_aliases:  # (`vllm._custom_ops`, imported by its dotted name: `vllm` holds it)
+        root, _, rest = alias.partition(".")
+        namespace[root] = _Imported(root, {rest: _ops_namespace(backend)}) if rest else _ops_namespace(backend)
     for fn_code in code.functions.values():
         exec(fn_code, namespace)  # the module's own helpers and wrappers, as the file defines them
     for op_name, fn_name in code.custom_ops.items():  # torch.ops.vllm.<op>: the file's own body runs
