@@ -322,8 +322,9 @@ def collect_pieces(
 
     # The flag: the attribute the guard reads, else the one __init__ leaves holding whether
     # the cache dtype is fp8 (``roles.flags``: by its value, whatever statements decide it).
-    flags = m.flags(cls)  # (a property, the class's API, is the flag only where the guard reads it)
-    proven = [attr for attr, ok in flags.items() if ok and attr not in m.scope(cls).properties()]
+    # (a property, the class's API, is the flag only where the guard reads it)
+    flags, scope = m.flags(cls), m.scope(cls)
+    proven = [attr for attr, ok in flags.items() if ok and attr not in scope.properties()]
     p.flag_from_file = bool(guard_flag) or len(proven) == 1
     if p.flag_from_file:
         p.flag_attr = guard_flag or proven[0]
@@ -346,7 +347,7 @@ def collect_pieces(
     def write_shaped(node: cst.CSTNode) -> bool:  # taking the slot mappings, writing with the reshape op
         name = a.self_attr(node.func) if isinstance(node, cst.Call) else None
         if name is not None and name not in forms:
-            writes = guards.writes_cache(name, m.scope(cls))
+            writes = guards.writes_cache(name, scope)
             forms[name] = _insert_kv_form(a.find_method(cls, name), cls, m.functions) if writes else "other"
         return name is not None and forms[name] in schema.SLOTS_FORMS
 
@@ -371,7 +372,7 @@ def collect_pieces(
         p.compiled_branch = a.first_in(stmt, m.compiled_path_write) is not None and slots_none
         break
     p.insert_kv = _insert_kv_form(a.find_method(cls, p.insert_method), cls, m.functions)
-    _taken_names(m, cls, init_attrs if mentions_flag or p.flag_from_file else {}, p)
+    _taken_names(m, cls, scope, init_attrs if mentions_flag or p.flag_from_file else {}, p)
     return p
 
 
@@ -398,7 +399,7 @@ def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Modu
     return all(isinstance(n, cst.Param) or id(getattr(n, "target", None)) in plain for n in nodes)
 
 
-def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: schema.Pieces) -> None:
+def _taken_names(m: FileModel, cls: cst.ClassDef, scope: roles.Scope, init_attrs: a.Assignments, p: schema.Pieces) -> None:
     """How the class uses the bypass's names (its flag and write method by their roles, the scale
     by its own name) otherwise than the bypass does, in words: in ``p.taken`` where ``run`` would
     write the name (a clash), in ``p.role_problems`` where it is the file's own piece."""
@@ -407,7 +408,7 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
     def note(name: str, text: str) -> None:
         (p.role_problems if name in own_roles else p.taken).append(text)
 
-    scope = m.scope(cls)  # a proven flag that is a property (``Scope.properties``): its def is the flag
+    # a proven flag that is a property (``Scope.properties``): its def is the flag
     flag_def = m.methods(cls).get(p.flag_attr) if p.flag_set and p.flag_attr in scope.properties() else None
     at_class = a.scope_bindings(cls.body)
     for c in m.lineage(cls):  # the class, and its bases in this file
@@ -441,7 +442,7 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, init_attrs: a.Assignments, p: 
                     shown = " ".join(a.code(node).split())
                     once = f"the bypass relies on `self.{name}` being set once, in __init__"
                     note(name, f"`{shown}` in {method.name.value} ({once})")
-        tree = m.scope(cls).methods.get(method.name.value)
+        tree = scope.methods.get(method.name.value)
         named = roles.set_by_name(tree, m.imports) if tree is not None else set()
         for name in sorted(pieces if named is None else {n.removeprefix("self.") for n in named} & pieces):
             note(name, f"`self.{name}` may be set by name in {method.name.value} (the bypass relies on it being set once, in __init__)")
