@@ -426,13 +426,20 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, scope: roles.Scope, init_attrs
     if len(insert_kv) > 1 or any(not isinstance(n, cst.FunctionDef) or n.decorators for n in insert_kv):
         note(p.insert_method, f"`{p.insert_method}` is bound in the class body other than by one plain `def`")
     # Not a clash: __init__'s first scale assignment where it is the bypass's, and a proven
-    # flag's assignments in __init__ and the methods it calls (``roles.flags``: all of it).
-    setters = {f.name for f in roles.init_methods(scope.methods["__init__"], scope)} if p.flag_set and not flag_def else set()
+    # flag's assignments in __init__ and the methods it calls (``roles.flags``: all of it); a
+    # property flag's: what it reads (and the methods it calls read), set there - stored elsewhere,
+    # the flag changes after __init__.
+    setters = {f.name for f in roles.init_methods(scope.methods["__init__"], scope)} if p.flag_set else set()
+    prop = [scope.methods[p.flag_attr]] if flag_def else []
+    prop += [scope.methods[n] for n in guards.self_attrs(prop[0]) if n in scope.methods] if prop else []
+    reads = set().union(*map(guards.self_attrs, prop)) - set(scope.methods) - {schema.DTYPE_ATTR}
+    own_roles |= reads
     scale = init_attrs.get(codegen.FP8_SCALE, [])[:1]
     own = {id(scale[0][1])} if scale and is_scale_value(scale[0][1]) else set()
     for method in m.methods(cls).values():  # a mixin's too
-        flag_free = p.flag_unproven is not None or method.name.value in setters  # it may set the flag
-        pieces = {p.flag_attr, codegen.FP8_SCALE} - ({p.flag_attr} if flag_free else set())
+        in_init = method.name.value in setters
+        flag_free = p.flag_unproven is not None or (in_init and not flag_def)  # it may set the flag
+        pieces = {p.flag_attr, codegen.FP8_SCALE} - ({p.flag_attr} if flag_free else set()) | (set() if in_init else reads)
         for node in a.all_statements(method.body):
             stored = {a.self_attr(t) for t in _store_targets(node)}
             if p.insert_method in stored:

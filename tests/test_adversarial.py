@@ -836,3 +836,13 @@ def test_the_op_reached_through_another_import_is_run_or_unproven_never_failed(
     (result,) = commands.write_targets("run", [Target(path, "t")]).files
     assert result.status is FileStatus.REWRITTEN, result.error
     assert result.proof is not None and result.proof.status == proof, result.proof
+
+
+def test_a_property_flag_whose_reading_a_method_changes_is_refused(tmp_path: Path) -> None:
+    """The property reads ``self._cache_mode``, set in ``__init__`` and again by another method: the
+    flag changes after ``__init__`` (an assigned flag set again so is refused). It was patched."""
+    source = edit(PATCHED_RUN, (FLAG_LINE, "        self._cache_mode = self.kv_cache_dtype\n"))
+    reset = '    def reset_mode(self):\n        self._cache_mode = "auto"\n\n'
+    source = with_method(source, PROPERTY.format('"fp8" in self._cache_mode') + reset)
+    assert_refused(tmp_path, source, '`self._cache_mode = "auto"` in reset_mode')
+    assert checked_site(tmp_path, source.replace(reset, "")).state.value == "patched"  # set in __init__ alone: the flag
