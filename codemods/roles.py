@@ -303,15 +303,16 @@ class _Stop(Exception):
 
 
 def _dtype_sources(init: ast.FunctionDef) -> set[str]:
-    """``self.kv_cache_dtype`` and what it is assigned from: a name, or the locals a name is
-    assigned from in turn (``d = cache_config.cache_dtype``; ``self.kv_cache_dtype = d``)."""
+    """``self.kv_cache_dtype`` and what it is assigned from: a name, or the locals a name is assigned from
+    in turn (``d = cache_config.cache_dtype``; ``self.kv_cache_dtype = d``), bound only before that."""
     values: dict[str, ast.expr] = {}
     for node in ast.walk(init):
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and (name := dotted(node.targets[0])):
             values.setdefault(name, node.value)
-    sources = {DTYPE}
-    value = values.get(DTYPE)
-    while value is not None and (name := dotted(value)) is not None and name not in sources:
+    sources, value = {DTYPE}, values.get(DTYPE)  # (a local bound again after that is a plain local: ``d = "auto"``)
+    stores = (n for n in ast.walk(init) if isinstance(getattr(n, "ctx", None), ast.Store))
+    late = {dotted(n) for n in stores if value is not None and n.lineno > value.lineno}  # type: ignore[arg-type]
+    while value is not None and (name := dotted(value)) is not None and name not in sources | late:
         sources.add(name)
         value = values.get(name)
     return sources
@@ -403,8 +404,7 @@ def _statement(stmt: ast.stmt, env: dict[str, object], scope: Scope, depth: int)
 
 
 def _raises_nothing(body: list[ast.stmt], env: dict[str, object], scope: Scope) -> bool:
-    """A ``try`` body of assignments to names and ``self.`` attributes, each value one the reading
-    evaluates: nothing in it raises, so no handler runs."""
+    """A ``try`` body of assignments to names and ``self.x`` of values the reading evaluates: no handler runs."""
     trial = dict(env)
     for stmt in body:
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]

@@ -846,3 +846,21 @@ def test_a_property_flag_whose_reading_a_method_changes_is_refused(tmp_path: Pat
     source = with_method(source, PROPERTY.format('"fp8" in self._cache_mode') + reset)
     assert_refused(tmp_path, source, '`self._cache_mode = "auto"` in reset_mode')
     assert checked_site(tmp_path, source.replace(reset, "")).state.value == "patched"  # set in __init__ alone: the flag
+
+
+DTYPE_FROM_CONFIG = '        self.kv_cache_dtype = (\n            cache_config.cache_dtype if cache_config is not None else "auto"\n        )\n'
+
+
+def test_a_local_the_dtype_was_read_from_is_the_dtype_until_bound_again(tmp_path: Path) -> None:
+    """``kv_cache_dtype`` set in both branches of an ``if`` (vLLM's own layers do so), then
+    ``self.kv_cache_dtype = kv_cache_dtype``: the flag ``"fp8" in kv_cache_dtype`` is the flag. Bound
+    again after that (``kv_cache_dtype = "auto"``), the local is a plain local: the reading held it
+    to the cache dtype still and called a flag false for every dtype proven."""
+    local = (
+        "        if cache_config is not None:\n            kv_cache_dtype = cache_config.cache_dtype\n"
+        '        else:\n            kv_cache_dtype = "auto"\n        self.kv_cache_dtype = kv_cache_dtype\n'
+    )
+    source = edit(PATCHED_RUN, (DTYPE_FROM_CONFIG, local), (FLAG_LINE, FLAG_LINE.replace("self.kv_cache_dtype", "kv_cache_dtype")))
+    assert checked_site(tmp_path, source).state.value == "patched"
+    rebound = edit(source, (local, local + '        kv_cache_dtype = "auto"\n'))
+    assert_refused(tmp_path, rebound, 'set in __init__ to `"fp8" in kv_cache_dtype`, which cannot be proven')
