@@ -864,3 +864,16 @@ def test_a_local_the_dtype_was_read_from_is_the_dtype_until_bound_again(tmp_path
     assert checked_site(tmp_path, source).state.value == "patched"
     rebound = edit(source, (local, local + '        kv_cache_dtype = "auto"\n'))
     assert_refused(tmp_path, rebound, 'set in __init__ to `"fp8" in kv_cache_dtype`, which cannot be proven')
+
+
+@pytest.mark.parametrize("value, state", [("self.kv_cache_dtype", "native"), ('"auto"', "unsupported")])
+def test_a_native_dtype_through_a_property_is_read_by_its_value(tmp_path: Path, value: str, state: str) -> None:
+    """A native call passing ``self.cache_dtype``, a property returning the cache dtype: it holds
+    the cache dtype for every dtype, so the call is native (it was refused as unproven); one that
+    returns "auto" tells the kernel another dtype, and is refused."""
+    native = (FIXTURES / "native" / "model.py").read_text()
+    prop = f"    @property\n    def cache_dtype(self) -> str:\n        return {value}\n\n"
+    forward = native.index("    def forward(", native.index("class MiniMaxM3SparseAttention"))
+    source = native[:forward] + prop + native[forward:]
+    source = edit(source, ("            self.kv_cache_dtype,\n        )", "            self.cache_dtype,\n        )"))
+    assert checked_site(tmp_path, source).state.value == state
