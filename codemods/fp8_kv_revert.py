@@ -107,7 +107,8 @@ def plan_site(
     if init is not None:
         attrs = a.self_assignments(init)
         if pieces.flag_set:  # the statements that decide the proven flag (its value was evaluated: pure)
-            if m.methods(cls).get(pieces.flag_attr) not in (None, a.find_method(cls, pieces.flag_attr)):
+            prop = m.flag_property(cls, pieces.flag_attr)
+            if prop is not None and prop is not a.find_method(cls, pieces.flag_attr):
                 raise Unsupported(f"the flag `{pieces.flag_attr}` is a property of a base class, which other classes may use")
             remove += m.flag_definition(cls, init, pieces.flag_attr)
         defined = {id(n) for r in remove for n in a.walk_all(r)}  # the flag's definition, whole

@@ -107,6 +107,10 @@ class FileModel:
         """The ``__init__`` that builds the class: its own, else a base class's of this file."""
         return self.methods(cls).get("__init__")
 
+    def flag_property(self, cls: cst.ClassDef, flag: str) -> cst.FunctionDef | None:
+        """The ``@property`` def (``roles.Scope.properties``) that ``self.<flag>`` reaches, if it is one."""
+        return self.methods(cls).get(flag) if flag in self.scope(cls).properties() else None
+
     @functools.cached_property
     def _function_trees(self) -> dict[str, ast.FunctionDef]:
         return _defs(self.functions, self.source_map)
@@ -227,7 +231,7 @@ class FileModel:
             only_theirs = readers and all(any(r is f for f in found) for r in readers)
             if only_theirs and evaluated(expr) is not None:
                 found.append(stmt)
-        prop = a.find_method(cls, flag) if flag in scope.properties() else None  # the flag as a property
+        prop = self.flag_property(cls, flag)  # the flag as a property
         return [*found, *setters, *([prop] if prop is not None else [])]
 
 

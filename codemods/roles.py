@@ -309,9 +309,9 @@ def _dtype_sources(init: ast.FunctionDef) -> set[str]:
     for node in ast.walk(init):
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and (name := dotted(node.targets[0])):
             values.setdefault(name, node.value)
-    sources, value = {DTYPE}, values.get(DTYPE)  # (a local bound again after that is a plain local: ``d = "auto"``)
+    sources, value = {DTYPE}, values.get(DTYPE)
     stores = (n for n in ast.walk(init) if isinstance(getattr(n, "ctx", None), ast.Store))
-    late = {dotted(n) for n in stores if value is not None and n.lineno > value.lineno}  # type: ignore[arg-type]
+    late = {dotted(n) for n in stores if n.lineno > getattr(value, "lineno", 0)}  # bound again after: a plain local
     while value is not None and (name := dotted(value)) is not None and name not in sources | late:
         sources.add(name)
         value = values.get(name)
@@ -552,13 +552,13 @@ def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object])
     nested = [d for fn in init_methods(init, scope) for d in ast.walk(fn) if d is not fn and isinstance(d, _NESTED)]
     late = {f"self.{attr}" for d in nested for attr in _stored(d)}
     sources, values = frozenset(_dtype_sources(init)), {}
+    props = {name: ast.Call(ast.parse(f"self.{name}", mode="eval").body, [], []) for name in scope.properties()}
     for dtype in (*FP8_DTYPES, schema.AUTO_DTYPE):
         env = {**base, _SOURCES: sources, **dict.fromkeys(sources, dtype)}
         with contextlib.suppress(_Stop):
             _block(init.body, env, scope, 0)
-        for name in scope.properties():  # what a property gives once __init__ has run
+        for name, call in props.items():  # what a property gives once __init__ has run
             with contextlib.suppress(Unknown, *_ERRORS):
-                call = ast.Call(ast.parse(f"self.{name}", mode="eval").body, [], [])
                 env[f"self.{name}"] = _helper(scope.methods[name], call, ([], {}), env, scope, 0)
         values[dtype] = {k: v for k, v in env.items() if k.startswith("self.") and k not in late}
     return values

@@ -408,8 +408,7 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, scope: roles.Scope, init_attrs
     def note(name: str, text: str) -> None:
         (p.role_problems if name in own_roles else p.taken).append(text)
 
-    # a proven flag that is a property (``Scope.properties``): its def is the flag
-    flag_def = m.methods(cls).get(p.flag_attr) if p.flag_set and p.flag_attr in scope.properties() else None
+    flag_def = m.flag_property(cls, p.flag_attr) if p.flag_set else None  # a proven flag's property: the flag
     at_class = a.scope_bindings(cls.body)
     for c in m.lineage(cls):  # the class, and its bases in this file
         bound = at_class if c is cls else a.scope_bindings(c.body)
@@ -430,16 +429,18 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, scope: roles.Scope, init_attrs
     # property flag's: what it reads (and the methods it calls read), set there - stored elsewhere,
     # the flag changes after __init__.
     setters = {f.name for f in roles.init_methods(scope.methods["__init__"], scope)} if p.flag_set else set()
-    prop = [scope.methods[p.flag_attr]] if flag_def else []
-    prop += [scope.methods[n] for n in guards.self_attrs(prop[0]) if n in scope.methods] if prop else []
-    reads = set().union(*map(guards.self_attrs, prop)) - set(scope.methods) - {schema.DTYPE_ATTR}
+    reads: set[str] = set()
+    if flag_def is not None:
+        prop = scope.methods[p.flag_attr]
+        called = [scope.methods[n] for n in guards.self_attrs(prop) if n in scope.methods]
+        reads = set().union(*map(guards.self_attrs, [prop, *called])) - set(scope.methods) - {schema.DTYPE_ATTR}
     own_roles |= reads
     scale = init_attrs.get(codegen.FP8_SCALE, [])[:1]
     own = {id(scale[0][1])} if scale and is_scale_value(scale[0][1]) else set()
     for method in m.methods(cls).values():  # a mixin's too
         in_init = method.name.value in setters
         flag_free = p.flag_unproven is not None or (in_init and not flag_def)  # it may set the flag
-        pieces = {p.flag_attr, codegen.FP8_SCALE} - ({p.flag_attr} if flag_free else set()) | (set() if in_init else reads)
+        pieces = ({p.flag_attr, codegen.FP8_SCALE} - ({p.flag_attr} if flag_free else set())) | (set() if in_init else reads)
         for node in a.all_statements(method.body):
             stored = {a.self_attr(t) for t in _store_targets(node)}
             if p.insert_method in stored:
