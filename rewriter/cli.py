@@ -219,12 +219,16 @@ def _finish(report: Report, o: SimpleNamespace, err: Console | None = None) -> i
     return report.exit_code
 
 
-def check(o: SimpleNamespace) -> int:
+def check(o: SimpleNamespace, command: str = "check") -> int:
     """Report each call site's state; write nothing. Exit 1 when a rewrite is needed.
 
     --diff: also the diff `run` would apply, on stdout (aliases: `preview`, `run --diff`).
     """
-    return _plan("check", o, o.diff)
+    targets, failed = _targets(command, o.paths, o.pythons, o.roots, o.example)
+    report = failed or analyze_targets(command, targets)
+    if o.diff and not o.as_json:
+        print_diffs(report)
+    return _finish(report, o)
 
 
 def preview(o: SimpleNamespace) -> int:
@@ -232,15 +236,8 @@ def preview(o: SimpleNamespace) -> int:
 
     Exit 1 when there is one. Kept for scripts that use it; `check --diff` is the spelling.
     """
-    return _plan("preview", o, True)
-
-
-def _plan(command: str, o: SimpleNamespace, diff: bool) -> int:
-    targets, failed = _targets(command, o.paths, o.pythons, o.roots, o.example)
-    report = failed or analyze_targets(command, targets)
-    if diff and not o.as_json:
-        print_diffs(report)
-    return _finish(report, o)
+    o.diff = True
+    return check(o, "preview")
 
 
 def run(o: SimpleNamespace) -> int:
@@ -418,7 +415,6 @@ def read_plain(argv: list[str]) -> tuple[str, dict[str, Any]] | None:
 
 def typer_app() -> typer.Typer:
     import inspect
-    import types
     from typing import Annotated, Optional
 
     import typer
@@ -430,7 +426,7 @@ def typer_app() -> typer.Typer:
     typer.core.TyperOption.display_type_rich = lambda param, ctx: None if param.is_flag else param.metavar
 
     def parameter(declared: Option) -> inspect.Parameter:
-        kind: Any = types.GenericAlias(list, declared.kind) if declared.many else declared.kind
+        kind: Any = list[declared.kind] if declared.many else declared.kind
         if declared.default is None:
             kind = Optional[kind]
         if not declared.flags:

@@ -85,14 +85,14 @@ def judge_patched(result: FileResult) -> FileResult:
     own, a hand edit) says why ``revert`` refuses it, in ``revert``'s words, and is run:
     ``verify``'s semantic level on the file as it is. Running it fails: refused (the fp8 path
     of a wired bypass may still write the wrong rows, or none); not run here: it says so."""
-    if not any(s.state is SiteState.PATCHED for s in result.sites):
+    others = [s for s in result.sites if s.state is SiteState.PATCHED]
+    if not others:
         return result
     # the bytes check judged, not a new read; a round trip compared byte for byte, never written
     reverted = plan_revert_file(result.path, raw=result.original, second_pass=False)
     if reverted.new is not None:  # `run` writes this file again into what `revert` leaves: its own
         return result
     refused = {s.line: s.reason for s in reverted.sites if s.action is Action.REFUSE}
-    others = [s for s in result.sites if s.state is SiteState.PATCHED]
     for site in others:
         why = refused.get(site.line, reverted.error or "it finds no bypass to take out")
         why = why.removeprefix("cannot revert: ")

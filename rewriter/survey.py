@@ -22,10 +22,7 @@ CHUNKS_PER_JOB = 4
 
 
 def default_jobs() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def survey_file(path: Path) -> FileResult:
