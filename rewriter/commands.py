@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import shlex
@@ -173,10 +174,8 @@ def mark_off(result: FileResult, name: str | None) -> None:
     start = len(BOM) if new.startswith(BOM) else 0
     lines = new[start:].splitlines(keepends=True)
     ending = b"\r\n" if lines and lines[0].endswith(b"\r\n") else b"\n"
-    head = 0
-    while head < len(lines) and lines[head].lstrip().startswith(b"#"):
-        head += 1
-    offset = start + sum(len(line) for line in lines[:head])
+    head = itertools.takewhile(lambda line: line.lstrip().startswith(b"#"), lines)
+    offset = start + sum(map(len, head))
     before, after = new[:offset], new[offset:]
     if before and not before.endswith(b"\n"):  # only comments, and no final line ending
         before += ending
