@@ -9,6 +9,7 @@ import difflib
 import enum
 import glob
 import io
+import itertools
 import os
 import shutil
 import stat
@@ -165,9 +166,8 @@ def _through_proc(path: Path) -> bool:
         links += 1
         if links > 40:  # the kernel's own limit: a loop, which reading it reports
             return False
-        target = Path(os.readlink(step))
-        pending[:0] = target.parts[1:] if target.is_absolute() else target.parts
-        current = Path("/") if target.is_absolute() else current
+        # an absolute target's first part is "/", and ``current / "/"`` is the root
+        pending[:0] = Path(os.readlink(step)).parts
     return False
 
 
@@ -251,13 +251,51 @@ def plan_file(
     path: Path, name: str | None = None, raw: bytes | None = None, revert: bool = False, transform: bool = True,
     second_pass: bool = True,
 ) -> FileResult:
-    """Analyze one file and, where a rewrite (or a revert) is needed, prepare the validated new bytes;
-    ``name`` is the path the diff names (``Target.diff_name``; default: the file's name);
-    ``raw``: its bytes, read already (else read here); ``transform=False``: classify only;
-    ``second_pass=False``: the new bytes are not validated (a round trip's, compared, never written)."""
+    """Read (or take ``raw``), pre-filter, parse, analyze; then, where a rewrite (or a revert) is
+    needed, prepare the validated new bytes. ``name`` is the path the diff names (``Target.diff_name``;
+    default: the file's name); ``transform=False``: classify only; ``second_pass=False``: the new
+    bytes are not validated (a round trip's, compared, never written)."""
     result = FileResult(path, FileStatus.ERROR)
     try:
-        _fill_plan(result, name, revert, transform, raw, second_pass)
+        raw = result.original = read_bytes(path) if raw is None else raw
+        sites = quick_sites(raw) if not revert or FUSED_OP.encode() not in raw else None
+        if sites is not None:
+            result.status, result.sites = FileStatus.UNCHANGED if sites else FileStatus.NO_SITES, sites
+            return result
+        from codemods.analysis import analyze, analyze_revert
+
+        module = _parse(raw)
+        analysis = analyze_revert(module) if revert else analyze(module, raw)
+        result.sites = analysis.sites
+        if analysis.refused:  # planning writes nothing; a command that writes says so in its note
+            first = analysis.refused[0]
+            result.status = FileStatus.REFUSED
+            result.error = f"refused at line {first.line} ({first.state.value})"
+            return result
+        if not analysis.needs_rewrite:
+            result.status = FileStatus.UNCHANGED if analysis.sites else FileStatus.NO_SITES
+            return result
+        result.status = FileStatus.NEEDS_REWRITE
+        if not transform:  # classify only
+            return result
+        try:
+            _compile(raw, path)
+        except SyntaxError as exc:  # LibCST read it: its grammar knows newer Python
+            version = f"{sys.version_info.major}.{sys.version_info.minor}"
+            raise FileError(
+                f"does not compile under Python {version} (line {exc.lineno}: {exc.msg}), so a rewrite"
+                " cannot be checked here; if the file is written for a newer Python, run mm3-codemod"
+                " under that Python"
+            ) from exc
+        tail = _lost_tail(module, raw)
+        try:
+            new = (BOM if raw.startswith(BOM) else b"") + rewrite(analysis).bytes + tail
+            if second_pass:  # (else never to be written: see the docstring)
+                result.new_sites = validate(new, path, revert, analysis.patched_after)
+        except FileError as exc:
+            raise FileError(f"rewrite failed validation: {exc}") from exc
+        result.new, result.encoding = new, module.encoding
+        result.diff = unified_diff(name or path.name, raw, new, module.encoding)
     except FileError as exc:
         result.status, result.error = FileStatus.ERROR, str(exc)
     except RecursionError:  # deeper than LibCST can go, below the limits: never a traceback
@@ -328,51 +366,6 @@ def quick_sites(raw: bytes) -> list[InsertSite] | None:
     """Each site's state where the ``ast`` pre-filter can tell (none: no mention of the op);
     None where it takes the full analysis. Native files: LibCST is never imported."""
     return [] if FUSED_OP.encode() not in raw else prefilter(raw)
-
-
-def _fill_plan(
-    result: FileResult, name: str | None, revert: bool, transform: bool, raw: bytes | None, second_pass: bool
-) -> None:
-    """Read (or take ``raw``), pre-filter, parse, analyze; then rewrite (or revert) and validate the
-    new bytes into ``result``; ``FileError`` says why the file cannot be rewritten."""
-    raw = result.original = read_bytes(result.path) if raw is None else raw
-    sites = quick_sites(raw) if not revert or FUSED_OP.encode() not in raw else None
-    if sites is not None:
-        result.status, result.sites = FileStatus.UNCHANGED if sites else FileStatus.NO_SITES, sites
-        return
-    from codemods.analysis import analyze, analyze_revert
-
-    module = _parse(raw)
-    analysis = analyze_revert(module) if revert else analyze(module, raw)
-    result.sites = analysis.sites
-    if analysis.refused:  # planning writes nothing; a command that writes says so in its note
-        first = analysis.refused[0]
-        result.status = FileStatus.REFUSED
-        result.error = f"refused at line {first.line} ({first.state.value})"
-        return
-    if not analysis.needs_rewrite:
-        result.status = FileStatus.UNCHANGED if analysis.sites else FileStatus.NO_SITES
-        return
-    result.status = FileStatus.NEEDS_REWRITE
-    if not transform:  # classify only
-        return
-    try:
-        _compile(raw, result.path)
-    except SyntaxError as exc:  # LibCST read it: its grammar knows newer Python
-        version = f"{sys.version_info.major}.{sys.version_info.minor}"
-        raise FileError(
-            f"does not compile under Python {version} (line {exc.lineno}: {exc.msg}), so a rewrite cannot"
-            f" be checked here; if the file is written for a newer Python, run mm3-codemod under that Python"
-        ) from exc
-    tail = _lost_tail(module, raw)
-    try:
-        new = (BOM if raw.startswith(BOM) else b"") + rewrite(analysis).bytes + tail
-        if second_pass:  # (else never to be written: see plan_file)
-            result.new_sites = validate(new, result.path, revert, analysis.patched_after)
-    except FileError as exc:
-        raise FileError(f"rewrite failed validation: {exc}") from exc
-    result.new, result.encoding = new, module.encoding
-    result.diff = unified_diff(name or result.path.name, raw, new, module.encoding)
 
 
 def _compile(source: bytes, path: Path) -> None:
@@ -515,14 +508,11 @@ def _write_backup(real: Path, data: bytes, mode: int, owner: tuple[int, int]) ->
     temp = _write_temp(real, data, mode, owner)
     try:
         shutil.copystat(real, temp)
-        candidate, n = real.with_name(real.name + ".orig"), 0
-        while True:
-            try:
+        for n in itertools.count():
+            candidate = real.with_name(f"{real.name}.orig.{n}" if n else f"{real.name}.orig")
+            with contextlib.suppress(FileExistsError):
                 os.link(temp, candidate)  # fails if it exists: never overwrites a backup
                 return candidate
-            except FileExistsError:
-                n += 1
-                candidate = real.with_name(f"{real.name}.orig.{n}")
     except OSError as exc:
         raise FileError(f"cannot write the backup: {exc.strerror or exc}; nothing written") from exc
     finally:
