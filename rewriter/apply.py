@@ -473,9 +473,8 @@ def commit_write(staged: StagedWrite) -> None:
 
 def discard(staged: StagedWrite) -> None:
     """Remove what staging wrote (the temp file and the backup)."""
-    for path in (staged.temp, staged.backup):
-        if path is not None:
-            _unlink(path)
+    for path in filter(None, (staged.temp, staged.backup)):
+        _unlink(path)
 
 
 def _check_unchanged(real: Path, original: bytes) -> os.stat_result:

@@ -7,6 +7,7 @@ Standard library only: the plugin imports it in every vLLM process."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -86,11 +87,9 @@ class Verdict:
         return verdict
 
     def save(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # a read-only home: every start analyses again
             cache_dir().mkdir(parents=True, exist_ok=True)
             atomic_write(cache_dir() / f"{self.path.stem}-{self.key}.json", json.dumps(self.facts).encode())
-        except OSError:  # a read-only home: every start analyses again
-            pass
 
 
 def remember(result: FileResult) -> None:
