@@ -466,7 +466,12 @@ def commit_write(staged: StagedWrite) -> None:
     except OSError as exc:
         raise FileError(f"cannot replace the file: {exc.strerror or exc}; nothing written") from exc
     testhook.at("replaced")
-    _fsync_dir(staged.real.parent)
+    with contextlib.suppress(OSError):  # makes the rename durable; not every system can fsync a folder
+        fd = os.open(staged.real.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     staged.result.backup = staged.backup
     staged.result.status = FileStatus.REWRITTEN
 
@@ -559,13 +564,3 @@ def _chown(path: Path, uid: int, gid: int) -> None:
 def _unlink(path: Path) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the rename durable; not every system can fsync a folder."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
