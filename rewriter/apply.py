@@ -385,18 +385,16 @@ def validate(new: bytes, path: Path, revert: bool, expected_patched: int) -> lis
         _compile(new, path)
     except SyntaxError as exc:
         raise FileError(f"output does not compile: {exc.msg} (line {exc.lineno})") from exc
+    sites = analyze_revert(module).sites if revert else analyze(module, new).sites
+    for s in sites:
+        if s.action is not Action.NONE:
+            what = s.action.value if revert else s.state.value
+            raise FileError(f"second pass still finds line {s.line} {what}: {s.reason}")
     if revert:
-        for s in analyze_revert(module).sites:
-            if s.action is not Action.NONE:
-                raise FileError(f"second pass still finds line {s.line} {s.action.value}: {s.reason}")
         stale = [s for s in analyze(module).sites if s.state in (SiteState.PATCHED, SiteState.HALF_APPLIED)]
         if stale:
             raise FileError(f"line {stale[0].line} is still {stale[0].state.value} after the revert")
         return []
-    sites = analyze(module, new).sites
-    for s in sites:
-        if s.action is not Action.NONE:
-            raise FileError(f"second pass still finds line {s.line} {s.state.value}: {s.reason}")
     patched = sum(1 for s in sites if s.state is SiteState.PATCHED)
     if patched < expected_patched:
         raise FileError(f"second pass finds {patched} patched site(s), expected {expected_patched}")

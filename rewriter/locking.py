@@ -37,17 +37,12 @@ class LockTimeout(Exception):
 def locked(paths: Iterable[Path], timeout: float = DEFAULT_TIMEOUT, on_wait: OnWait = None) -> Iterator[None]:
     """Hold an exclusive lock on every file of ``paths`` that exists; ``on_wait(path)`` is
     called once for each file whose lock another run holds."""
-    held: list[int] = []
     deadline = time.monotonic() + max(timeout, 0.0)
-    try:
+    with contextlib.ExitStack() as held:
         for real in sorted({os.path.realpath(p) for p in paths}):
-            fd = _lock(Path(real), deadline, timeout, on_wait)
-            if fd is not None:
-                held.append(fd)
+            if (fd := _lock(Path(real), deadline, timeout, on_wait)) is not None:
+                held.callback(os.close, fd)  # closing the descriptor releases its flock
         yield
-    finally:
-        for fd in held:
-            os.close(fd)  # closing the descriptor releases its flock
 
 
 def _lock(real: Path, deadline: float, timeout: float, on_wait: OnWait) -> int | None:
