@@ -91,23 +91,13 @@ def version_in_file(package: Path) -> str | None:
     return None
 
 
-GIT_TIMEOUT = 10.0  # how long `git describe` may take before the version is "unknown"
-
-
 def git_describe(checkout: Path) -> str | None:
     """``git describe --tags`` of a checkout whose top is ``checkout`` (not a folder inside another
     repository), a leading ``v`` dropped; None where git is missing, fails or has no tag to tell."""
     if not (checkout / ".git").exists():  # a folder, or a file in a worktree
         return None
-    try:
-        proc = subprocess.run(
-            ["git", "-C", str(checkout), "describe", "--tags"],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=GIT_TIMEOUT,
-        )
+    try:  # past 10 s the version is "unknown"
+        proc = run_python(["git", "-C", str(checkout), "describe", "--tags"], timeout=10.0)
     except (OSError, subprocess.TimeoutExpired):
         return None
     described = proc.stdout.strip()
@@ -226,9 +216,9 @@ PYTHON_TIMEOUT = 120.0  # how long another interpreter may take to answer (it im
 def run_python(
     argv: list[str], timeout: float, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run another interpreter in a session of its own (Ctrl-C reaches this process only); its output
-    as text. On a timeout or Ctrl-C it is killed with all it started: a wrapper script's children
-    would keep running, and keep its pipes open."""
+    """Run another interpreter (or ``git``) in a session of its own (Ctrl-C reaches this process only);
+    its output as text. On a timeout or Ctrl-C it is killed with all it started: a wrapper script's
+    children would keep running, and keep its pipes open."""
     pipe = subprocess.PIPE
     with subprocess.Popen(
         argv, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, env=env, start_new_session=True
@@ -301,18 +291,13 @@ def default_targets(versions: bool = False) -> list[Target]:
         return [Target(f, f"source tree {tree}", version, tree) for f in model_files(folders)]
     assert package is not None  # else raised above
     folders = model_dirs(package, f"vLLM of {sys.executable}")
-    version = installed_version(package)
-    return [Target(f, "current interpreter", version, package.parent) for f in model_files(folders)]
-
-
-def installed_version(package: Path) -> str | None:
-    """This interpreter's vLLM version: the metadata beside the package, else importlib.metadata."""
     import importlib.metadata
 
     try:
-        return dist_version_beside(package) or importlib.metadata.version("vllm")
+        version = dist_version_beside(package) or importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
-        return None
+        version = None
+    return [Target(f, "current interpreter", version, package.parent) for f in model_files(folders)]
 
 
 def vllm_install_of_interpreter(python: str) -> tuple[Path, str | None]:
@@ -342,8 +327,7 @@ def vllm_install_of_interpreter(python: str) -> tuple[Path, str | None]:
             f"{python}: --python: unexpected output {lines[-1][:80]!r}; is it a Python interpreter?"
         )
     folder = _vllm_from_report(report, f"{python} (--python)")
-    version = report.get("version")
-    return folder, dist_version_beside(folder) or (str(version) if version else None)
+    return folder, dist_version_beside(folder) or report.get("version") or None  # a str, as _is_answer saw
 
 
 def _path_root(path: Path, outside: Path) -> Path:
