@@ -101,7 +101,7 @@ def git_describe(checkout: Path) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     described = proc.stdout.strip()
-    if proc.returncode != 0 or not described or len(described.split()) != 1:
+    if proc.returncode != 0 or len(described.split()) != 1:  # none, or not one word
         return None
     return described[1:] if described[:1] == "v" and described[1:2].isdigit() else described
 
