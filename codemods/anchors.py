@@ -9,6 +9,7 @@ import ast
 import dataclasses
 import functools
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -264,7 +265,6 @@ Assignments = dict[str, list[tuple[StatementSlot, cst.BaseExpression]]]
 
 
 def self_assignments(func: cst.FunctionDef) -> Assignments:
-    """``self.<attr> = value`` statements of a method, by attribute, in order."""
     found: Assignments = {}
     for slot in statement_slots(func):
         pair = simple_assignment(slot.statement)
@@ -355,7 +355,7 @@ def local_value(func: cst.FunctionDef, name: str, before: StatementSlot) -> cst.
     if len(bound) != 1 or not isinstance(bound[0], cst.AssignTarget):
         return None
     for level in slot_chain(func, before):
-        for stmt in level.block.body[: level.index]:
+        for stmt in level.before():
             pair = simple_assignment(stmt)
             if pair is not None and pair[0] is bound[0].target:
                 return pair[1]
@@ -401,14 +401,12 @@ def delegates(
 ) -> list[cst.FunctionDef]:
     """Methods (``self.f(...)``) and module functions (``f(...)``) that ``fn`` calls: one level."""
     found: list[cst.FunctionDef] = []
-    for node in nodes_in(fn.body, scope_only=True):
-        if not isinstance(node, cst.Call):
-            continue
-        method = self_attr(node.func)
+    for call in (n for n in nodes_in(fn.body, scope_only=True) if isinstance(n, cst.Call)):
+        method = self_attr(call.func)
         if method is not None:
             target = find_method(cls, method)
         else:
-            target = functions.get(node.func.value) if isinstance(node.func, cst.Name) else None
+            target = functions.get(call.func.value) if isinstance(call.func, cst.Name) else None
         if target is not None and target is not fn and all(target is not f for f in found):
             found.append(target)
     return found
@@ -448,8 +446,8 @@ def bf16_index_writes(fn: cst.FunctionDef) -> list[tuple[StatementSlot, Statemen
         if len(names) != 2:
             continue
         cache, key = names
-        for later in range(slot.index + 1, len(slot.block.body)):
-            call = expression_call(slot.block.body[later])
+        for later, stmt in enumerate(slot.after(), slot.index + 1):
+            call = expression_call(stmt)
             if call is None or callee_name(call) != schema.RESHAPE_OP or len(call.args) != 8:
                 continue
             dtype = call.args[5].value
@@ -490,7 +488,7 @@ def _import_bound(alias: cst.ImportAlias) -> str:
 def name_uses(module: cst.Module, skip: Sequence[cst.CSTNode] = ()) -> dict[str, int]:
     """How often each name is read outside import statements (strings counted too);
     ``skip``: statements known not to matter to the caller (not counted)."""
-    counts: dict[str, int] = {}
+    counts: Counter[str] = Counter()
     skipped = {id(n): n for n in skip}
     stack: list[cst.CSTNode] = [module]
     while stack:
@@ -498,10 +496,9 @@ def name_uses(module: cst.Module, skip: Sequence[cst.CSTNode] = ()) -> dict[str,
         if skipped.get(id(node)) is node or isinstance(node, (cst.Import, cst.ImportFrom)):
             continue
         if isinstance(node, cst.Name):
-            counts[node.value] = counts.get(node.value, 0) + 1
+            counts[node.value] += 1
         elif isinstance(node, cst.SimpleString):  # string annotations, __all__: any identifier-like word
-            for word in re.findall(r"\w+", node.value):
-                counts[word] = counts.get(word, 0) + 1
+            counts.update(re.findall(r"\w+", node.value))
         stack += _child_nodes(node)
     return counts
 

@@ -4,6 +4,7 @@ and newline, and removing the imports a change left unused."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import libcst as cst
@@ -266,9 +267,7 @@ def add_import_alias(imp: cst.ImportFrom, name: str) -> cst.ImportFrom:
         return kind, text.lower()
 
     keys = [key(a.code(n.name)) for n in names]
-    index = len(names)
-    if keys == sorted(keys):
-        index = next((i for i, k in enumerate(keys) if k > key(name)), len(names))
+    index = bisect.bisect_right(keys, key(name)) if keys == sorted(keys) else len(names)
     commas = (n.comma for n in names[:-1] if isinstance(n.comma, cst.Comma))
     middle = next(commas, cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
     if index == len(names):
@@ -342,8 +341,7 @@ def comment_text(comment: str) -> str:
 
 
 def _template_comments(template: str) -> tuple[str, ...]:
-    lines = (line.strip() for line in template.splitlines())
-    return tuple(comment_text(line) for line in lines if line.startswith("#"))
+    return tuple(comment_text(line) for line in template.splitlines() if line.startswith("#"))
 
 
 BYPASS_COMMENTS = (_template_comments(FLAG), _template_comments(GUARD), *SEED_COMMENTS)

@@ -201,9 +201,8 @@ OLDER_FORMS = {
 def insert_kv_form(reads_metadata: bool, params_after_self: int, raw_scatter: bool, bf16_index: bool) -> str:
     """Which `_insert_kv` the class has (``fp8_kv_bypass`` says when it has none, "absent"):
     the fork-era ``(self, key, value, index_key)`` reading attn_metadata, the bypass's with the
-    two slot mappings after those (current, raw scatter or bf16 index write), or other.
-    ``raw_scatter``: it (or a function it hands its arguments to) assigns through a subscript
-    indexed by one of its parameters (``cache[slots] = ...``)."""
+    two slot mappings after those (current, raw scatter or bf16 index write, in it or a function it
+    hands its arguments to: ``anchors.raw_scatters``, ``anchors.bf16_index_writes``), or other."""
     if reads_metadata and params_after_self == 3:
         return "metadata"
     if not reads_metadata and params_after_self == 5:

@@ -40,11 +40,8 @@ class SourceMap:
                 tree = ast.parse(raw)
         except (SyntaxError, ValueError, MemoryError, RecursionError):
             return None
-        spans: dict[int, tuple[cst.CSTNode, int, int]] = {}
-        trees: dict[int, ast.stmt] = {}
-        if not _map_block(module.body, tree.body, spans, trees):
-            return None
-        return cls(tree, [b""] + raw.splitlines(), spans, trees)
+        found = cls(tree, [b""] + raw.splitlines(), {}, {})
+        return found if _map_block(module.body, tree.body, found) else None
 
     def from_imported(self) -> set[str]:
         """Names that a ``from … import name`` (no ``as``) binds, anywhere in the file."""
@@ -60,12 +57,9 @@ class SourceMap:
         return b"\n".join(self.lines[span[0] : span[1] + 1]) if span else None
 
 
-def _map_block(
-    body: Sequence[cst.BaseStatement], nodes: list[ast.stmt], spans: dict[int, tuple[cst.CSTNode, int, int]],
-    trees: dict[int, ast.stmt],
-) -> bool:
-    """Pair LibCST statements with ast ones (a line of ``a; b`` is two), at every depth;
-    False where the two trees differ."""
+def _map_block(body: Sequence[cst.BaseStatement], nodes: list[ast.stmt], found: SourceMap) -> bool:
+    """Pair LibCST statements with ast ones (a line of ``a; b`` is two), at every depth, into
+    ``found``; False where the two trees differ."""
     i = 0
     for stmt in body:
         count = len(stmt.body) if isinstance(stmt, cst.SimpleStatementLine) else 1
@@ -75,11 +69,11 @@ def _map_block(
         if len(group) != count or (expected is not None and not isinstance(group[0], expected)):
             return False
         first = min(n.lineno for g in group for n in (g, *getattr(g, "decorator_list", ())))  # decorators too
-        spans[id(stmt)] = (stmt, first, max(g.end_lineno or g.lineno for g in group))
+        found.spans[id(stmt)] = (stmt, first, max(g.end_lineno or g.lineno for g in group))
         if expected is not None:
-            trees[id(stmt)] = group[0]
+            found.trees[id(stmt)] = group[0]
             pairs = _sub_blocks_of(stmt, group[0])
-            if pairs is None or not all(_map_block(b, n, spans, trees) for b, n in pairs):
+            if pairs is None or not all(_map_block(b, n, found) for b, n in pairs):
                 return False
     return i == len(nodes)
 
