@@ -20,8 +20,6 @@ METADATA_ATTR = "attn_metadata"  # what the fork-era `_insert_kv` reads its slot
 
 @dataclass(frozen=True)
 class OpParam:
-    """One parameter of a call: its position and its keyword."""
-
     index: int
     keyword: str
 
