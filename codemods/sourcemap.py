@@ -16,7 +16,8 @@ import libcst as cst
 _AST_OF = {
     cst.FunctionDef: (ast.FunctionDef, ast.AsyncFunctionDef), cst.For: (ast.For, ast.AsyncFor),
     cst.With: (ast.With, ast.AsyncWith), cst.ClassDef: (ast.ClassDef,), cst.If: (ast.If,),
-    cst.While: (ast.While,), cst.Try: (ast.Try,), cst.TryStar: (ast.TryStar,), cst.Match: (ast.Match,),
+    cst.While: (ast.While,), cst.Try: (ast.Try,), cst.Match: (ast.Match,),
+    cst.TryStar: (getattr(ast, "TryStar", ast.Try),),  # ast has no TryStar before Python 3.11
 }
 
 

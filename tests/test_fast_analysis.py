@@ -8,6 +8,8 @@ Each short cut is compared here with the slow way it replaces.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -85,6 +87,17 @@ def test_a_wrong_statement_map_falls_back() -> None:
         k: (stmt, first + 10_000, last + 10_000) for k, (stmt, first, last) in source_map.spans.items()
     }
     assert found(module, source_map) == good
+
+
+def test_loads_where_ast_has_no_try_star() -> None:
+    """pyproject says Python 3.10, whose ``ast`` has no ``TryStar``: the map must still load and map."""
+    code = (
+        "import ast, sys; del ast.TryStar; import libcst as cst; from codemods.sourcemap import SourceMap; "
+        "src = open(sys.argv[1], 'rb').read(); print(SourceMap.of(cst.parse_module(src), src) is not None)"
+    )
+    model = FIXTURES / "fork_era" / "model.py"
+    done = subprocess.run([sys.executable, "-c", code, str(model)], cwd=ROOT, capture_output=True, text=True)
+    assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr
 
 
 @pytest.mark.parametrize("path", CORPUS, ids=lambda p: str(p.relative_to(ROOT)))
