@@ -151,8 +151,7 @@ def evaluate(node: ast.expr, env: Mapping[str, object], scope: Scope = NO_SCOPE,
 
     if isinstance(node, ast.Constant):
         return node.value
-    name = dotted(node) if isinstance(node, (ast.Name, ast.Attribute)) else None
-    if name is not None:
+    if (name := dotted(node)) is not None:  # a name, or an attribute of one
         if name in env:
             return env[name]
         raise Unknown(name)
@@ -578,13 +577,10 @@ def flags(init: ast.FunctionDef, scope: Scope, values: Mapping[str, Mapping[str,
 def carries_dtype(node: ast.expr, scope: Scope, values: Mapping[str, Mapping[str, object]]) -> bool:
     """A native call's ``kv_cache_dtype`` argument holds the cache dtype: for each of the fp8
     dtypes and "auto", it is that dtype when ``__init__`` has run (``values``: ``init_values``)."""
-    for dtype, env in values.items():
-        try:
-            if evaluate(node, dict(env), scope) != dtype:  # (a copy: a `:=` in it binds nothing here)
-                return False
-        except (Unknown, *_ERRORS):
-            return False
-    return True
+    try:  # (each env a copy: a `:=` in it binds nothing here)
+        return all(evaluate(node, dict(env), scope) == dtype for dtype, env in values.items())
+    except (Unknown, *_ERRORS):
+        return False
 
 
 def init_methods(init: ast.FunctionDef, scope: Scope) -> list[ast.FunctionDef]:
