@@ -34,7 +34,6 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
         attrs = roles.module_constants(tree, roles.NO_SCOPE, cls)  # class attributes, as ``self.NAME``
         return init, scope, roles.init_values(init, scope, constants | attrs) if init is not None else {}
 
-
     sites: list[schema.InsertSite] = []
     named = 0  # every place the op is named: each must be the callee of a call read below
 
