@@ -45,7 +45,6 @@ class FileModel:
     wrappers: dict[str, a.Wrapper]
     imports: dict[str, str]
     _scopes: dict[int, roles.Scope] = field(default_factory=dict)
-    _flags: dict[int, dict[str, bool]] = field(default_factory=dict)
     _init_values: dict[int, dict[str, dict[str, object]] | None] = field(default_factory=dict)
 
     @classmethod
@@ -134,12 +133,10 @@ class FileModel:
         return self._init_values[id(cls)]
 
     def flags(self, cls: cst.ClassDef) -> dict[str, bool]:
-        """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``roles.flags``)."""
-        if id(cls) not in self._flags:
-            values, scope = self._values(cls), self.scope(cls)  # values: None where no plain def __init__
-            flags = roles.flags(scope.methods["__init__"], scope, values) if values is not None else {}
-            self._flags[id(cls)] = flags
-        return self._flags[id(cls)]
+        """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``roles.flags``).
+        Not kept: read from the kept values, it costs under a millisecond a class."""
+        values, scope = self._values(cls), self.scope(cls)  # values: None where no plain def __init__
+        return roles.flags(scope.methods["__init__"], scope, values) if values is not None else {}
 
     def carries_dtype(self, cls: cst.ClassDef, expr: cst.BaseExpression) -> bool:
         """``expr``, a native call's dtype argument, holds the cache dtype (``roles.carries_dtype``)."""
@@ -282,8 +279,6 @@ def _as_wrapper(fn: cst.FunctionDef, known: dict[str, a.Wrapper]) -> a.Wrapper |
 
 def _positional_params(fn: cst.FunctionDef) -> dict[str, schema.OpParam]:
     """A function's parameters as ``schema.OpParam``s (keyword-only ones bind by keyword alone)."""
-    params = fn.params
-    positional = [*params.posonly_params, *params.params]
-    out = {p.name.value: schema.OpParam(i, p.name.value) for i, p in enumerate(positional)}
-    out |= {p.name.value: schema.OpParam(10_000, p.name.value) for p in params.kwonly_params}
-    return out
+    positional = [*fn.params.posonly_params, *fn.params.params]
+    keyword_only = {p.name.value: schema.OpParam(10_000, p.name.value) for p in fn.params.kwonly_params}
+    return {p.name.value: schema.OpParam(i, p.name.value) for i, p in enumerate(positional)} | keyword_only
