@@ -41,15 +41,14 @@ class Guard:
         atoms = [COMPILING] + ([f"self.{flag}"] if flag else [])
         if self.local is not None and self.value is None:
             atoms.append(self.local)
-        derived = {self.local: self.value} if self.local is not None and self.value is not None else {}
         rows = [dict(zip(atoms, values)) for values in itertools.product((False, True), repeat=len(atoms))]
         scope = Scope({}, {}, self.imports)
         table = []
         for row in rows:
             env: dict[str, object] = dict(row)
             try:
-                for name, value in derived.items():
-                    env[name] = bool(evaluate(value, env, scope))
+                if self.local is not None and self.value is not None:
+                    env[self.local] = bool(evaluate(self.value, env, scope))
                 table.append(bool(evaluate(expr, env, scope)))
             except (Unknown, TypeError, ValueError, RecursionError):
                 return rows, None
