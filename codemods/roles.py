@@ -503,7 +503,6 @@ def _is_self(node: ast.AST) -> bool:
 
 
 def _literal(node: ast.AST) -> str | None:
-    """The text of a string literal; None for anything else."""
     return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 

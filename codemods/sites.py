@@ -139,8 +139,7 @@ def find_calls(
 
 
 def _ast_calls(tree: ast.Module, op_lines: list[int], names: set[str]) -> list[ast.Call]:
-    """ast calls of the op (and wrappers: ``names``), in source order (statements
-    without any of the names skipped)."""
+    """ast calls of ``names`` (the op, its wrappers), in source order; statements naming none skipped."""
     found: list[ast.Call] = []
 
     def visit(node: ast.AST) -> None:
