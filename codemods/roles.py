@@ -35,13 +35,23 @@ _NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
 
 def dotted(node: ast.expr) -> str | None:
+    """``a.b.c``; ``getattr(a, "b", <constant>)`` is ``a.b`` (its default stands only where the
+    attribute is unset, where the reading knows no value)."""
     parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        return ".".join([node.id, *reversed(parts)])
-    return None
+    while (attr := _attribute(node)) is not None:
+        parts.append(attr)
+        node = node.value if isinstance(node, ast.Attribute) else node.args[0]  # type: ignore[attr-defined]
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def _attribute(node: ast.AST) -> str | None:
+    """``b`` of ``a.b``, ``getattr(a, "b")`` and ``getattr(a, "b", <constant>)``."""
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    call = node if isinstance(node, ast.Call) and dotted(node.func) == "getattr" else None
+    args = call.args if call is not None and not call.keywords and len(call.args) in (2, 3) else []
+    name = _literal(args[1]) if args and isinstance(args[-1], ast.Constant) else None
+    return name if name is not None and name.isidentifier() else None
 
 
 def self_member(node: ast.AST) -> str | None:
@@ -94,11 +104,8 @@ def import_table(tree: ast.Module) -> dict[str, str]:
 
 def qualified(node: ast.expr, imports: Mapping[str, str]) -> str | None:
     """The dotted name ``node`` is, its first part resolved through the imports."""
-    name = dotted(node)
-    if name is None:
-        return None
-    root, dot, rest = name.partition(".")
-    return imports.get(root, root) + dot + rest
+    root, dot, rest = (dotted(node) or "").partition(".")
+    return imports.get(root, root) + dot + rest if root else None
 
 
 def is_compiling(node: ast.expr, imports: Mapping[str, str]) -> bool:
@@ -318,10 +325,8 @@ def _dtype_sources(init: ast.FunctionDef) -> set[str]:
 
 
 def _assign(target: ast.expr, value: ast.expr | None, env: dict[str, object], scope: Scope) -> None:
-    try:
-        if value is None:
-            raise Unknown("no value")
-        _store(target, evaluate(value, env, scope), env)  # (the whole value first, as Python does)
+    try:  # (the whole value first, as Python does)
+        _store(target, _MISSING if value is None else evaluate(value, env, scope), env)
     except (Unknown, *_ERRORS):
         _store(target, _MISSING, env)
 
@@ -518,11 +523,10 @@ def _either(stmt: ast.If, env: dict[str, object], scope: Scope, depth: int) -> N
         ends.append(branch)
     if not ends:
         raise _Stop
-    merged = {  # alike: equal, and of one type (True is not 1)
-        k: v for k, v in ends[0].items() if all(k in e and type(e[k]) is type(v) and e[k] == v for e in ends[1:])
-    }
-    env.clear()
-    env.update(merged)
+    env.clear()  # (each end a copy) what is alike: equal, and of one type (True is not 1)
+    env.update(
+        {k: v for k, v in ends[0].items() if all(k in e and type(e[k]) is type(v) and e[k] == v for e in ends[1:])}
+    )
 
 
 def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int) -> None:

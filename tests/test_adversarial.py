@@ -877,3 +877,33 @@ def test_a_native_dtype_through_a_property_is_read_by_its_value(tmp_path: Path, 
     source = native[:forward] + prop + native[forward:]
     source = edit(source, ("            self.kv_cache_dtype,\n        )", "            self.cache_dtype,\n        )"))
     assert checked_site(tmp_path, source).state.value == state
+
+
+GUARD_LINE = "        insert_via_fused = not self._fp8_kv\n"
+
+
+def test_a_guard_reading_the_flag_by_getattr_is_the_guard(tmp_path: Path) -> None:
+    """``not getattr(self, "_fp8_kv", False)`` is ``not self._fp8_kv`` where ``__init__`` sets the
+    flag for every dtype: it was refused ("a condition the bypass did not write")."""
+    source = edit(PATCHED_RUN, (GUARD_LINE, GUARD_LINE.replace("self._fp8_kv", 'getattr(self, "_fp8_kv", False)')))
+    site = checked_site(tmp_path, source)
+    assert site.state.value == "patched", site.reason
+    assert "bf16 and fp8 cache runs agree" in site.reason, site.reason  # proven by running it
+
+
+@pytest.mark.parametrize("default", ["False", "True", "self.kv_cache_dtype"])
+def test_a_getattr_guard_whose_default_could_stand_is_refused(tmp_path: Path, default: str) -> None:
+    """Set only for fp8, the default stands under "auto" (True: the fused op never writes a bf16
+    cache); a default that is not a constant is not read as the attribute at all."""
+    source = edit(PATCHED_RUN, (FLAG_LINE, FLAG_IF_FP8))
+    guard = GUARD_LINE.replace("self._fp8_kv", f'getattr(self, "_fp8_kv", {default})')
+    assert_refused(tmp_path, edit(source, (GUARD_LINE, guard)), "`self._fp8_kv")
+
+
+def test_a_getattr_guard_of_an_attribute_nothing_sets_is_completed(tmp_path: Path) -> None:
+    """``getattr(self, "_fp8_kvv", False)`` (a typo): the fp8 forward would hand the fused op its
+    caches; never `patched`, and `run` sets the attribute the guard reads."""
+    source = edit(PATCHED_RUN, (GUARD_LINE, GUARD_LINE.replace("self._fp8_kv", 'getattr(self, "_fp8_kvv", False)')))
+    site = checked_site(tmp_path, source)
+    assert (site.state.value, site.action.value) == ("half-applied", "complete"), site.reason
+    assert "`self._fp8_kvv` set in __init__" in site.reason, site.reason

@@ -302,6 +302,12 @@ def _guard_demorgan(module: cst.Module) -> cst.Module:
     return _replace(_guard_value, make)(module)
 
 
+def _guard_getattr(module: cst.Module) -> cst.Module:
+    """The guard reads the flag as ``getattr(self, "F", False)`` (the fork guarding a layer
+    built before the flag existed)."""
+    return _replace(_guard_value, lambda n: _expr(_code(n).replace(f"self.{FLAG}", f'getattr(self, "{FLAG}", False)')))(module)
+
+
 NATIVE_DTYPE = "            index_q,\n            self.kv_cache_dtype,\n        )"
 
 
@@ -452,6 +458,7 @@ RESPELLINGS = (
     Respelling("flag-renamed", "flag", _rename_attr(FLAG, "_kv_is_fp8"), (f"self.{FLAG}",)),
     Respelling("guard-renamed", "guard", _rename_local(GUARD, "use_fused_insert"), (GUARD,)),
     Respelling("guard-demorgan", "guard", _guard_demorgan, (f"{GUARD} = not",)),
+    Respelling("guard-reads-by-getattr", "guard", _guard_getattr, (f"{GUARD} = not",)),
     Respelling(
         "flag-and-guard-renamed",
         "flag",
