@@ -121,10 +121,7 @@ def plan_site(
         remove += [scale_slot.statement for scale_slot, _ in attrs.get(codegen.FP8_SCALE, [])]
         buffer = sites.registered_buffer(init, codegen.FP8_SCALE)
         remove += [buffer] if buffer is not None else []
-    for s in slot.before():  # the guard's assignment
-        pair = a.simple_assignment(s)
-        if pair and isinstance(pair[0], cst.Name) and pair[0].value == pieces.guard_assigned:
-            remove.append(s)
+    remove += sites.guard_binding(slot, pieces.guard_assigned)[0] if pieces.guard_assigned else []
     post = _post_call_block(m, slot, pieces)
     remove += [post] if post is not None else []
 

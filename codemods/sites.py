@@ -284,14 +284,9 @@ def collect_pieces(
         condition = guarded[0]
         local = _local(condition)
         fused_when = roles.expression(condition)
-        value = None
-        if local is not None and slot is not None:
-            for stmt in slot.before():
-                pair = a.simple_assignment(stmt)
-                if pair and isinstance(pair[0], cst.Name) and pair[0].value == local:
-                    value = roles.expression(a.code(pair[1]))
-            if value is not None and not _bound_only_in(bound[local], slot.block):
-                value = None  # also bound elsewhere: what it holds at the call is not proven
+        statements, value = guard_binding(slot, local) if local is not None and slot is not None else ([], None)
+        if value is not None and not _bound_only_in(bound[local], slot.block, statements):  # type: ignore[union-attr]
+            value = None  # also bound elsewhere: what it holds at the call is not proven
         # a local the method never binds, nor the module (a builtin counts as bound)
         lost = local is not None and local not in bound and not hasattr(builtins, local)
         lost = lost and local not in a.scope_bindings(m.module)
@@ -392,9 +387,29 @@ def _slots_none_somewhere(method: cst.FunctionDef, op: a.OpCall) -> bool:
     return any(isinstance(p[0], cst.Name) and p[0].value in names and a.is_none(p[1]) for p in pairs if p)
 
 
-def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Module) -> bool:
-    """Every binding (``anchors.bindings``) is a parameter or a plain assignment statement of ``block``."""
+def guard_binding(slot: a.StatementSlot, local: str) -> tuple[list[cst.BaseStatement], ast.expr | None]:
+    """The statements before the call that bind the guard local, and the value the last leaves:
+    ``G = <expr>``, or ``if T: G = A`` / ``else: G = B`` (``elif`` too), read as ``A if T else B``."""
+
+    def value(stmt: cst.CSTNode) -> str | None:
+        pair = a.simple_assignment(stmt) if isinstance(stmt, cst.SimpleStatementLine) else None
+        if pair is not None and isinstance(pair[0], cst.Name) and pair[0].value == local:
+            return a.code(pair[1])
+        if not isinstance(stmt, cst.If) or stmt.orelse is None:
+            return None
+        branches = (stmt.body.body, [stmt.orelse] if isinstance(stmt.orelse, cst.If) else stmt.orelse.body.body)
+        body, orelse = (value(b[0]) if len(b) == 1 else None for b in branches)
+        return f"({body}) if ({a.code(stmt.test)}) else ({orelse})" if body and orelse else None
+
+    found = [(stmt, code) for stmt in slot.before() if (code := value(stmt)) is not None]
+    return [stmt for stmt, _ in found], roles.expression(found[-1][1]) if found else None
+
+
+def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Module, also: list[cst.CSTNode]) -> bool:
+    """Every binding (``anchors.bindings``) is a parameter or a plain assignment statement of ``block``
+    (or of the branches of ``also``, the guard's ``if``)."""
     plain = {id(pair[0]) for stmt in block.body if (pair := a.simple_assignment(stmt)) is not None}
+    plain |= {id(pair[0]) for stmt in also for n in a.walk_all(stmt) if (pair := a.simple_assignment(n)) is not None}  # type: ignore[arg-type]
     return all(isinstance(n, cst.Param) or id(getattr(n, "target", None)) in plain for n in nodes)
 
 

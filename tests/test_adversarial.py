@@ -22,7 +22,7 @@ from judge import judge_rewrite
 
 from codemods.schema import InsertSite
 from rewriter import commands
-from rewriter.apply import FileStatus
+from rewriter.apply import FileStatus, plan_revert_file
 from rewriter.targets import Target
 
 FORK_ERA = (FIXTURES / "fork_era" / "model.py").read_text()
@@ -907,3 +907,31 @@ def test_a_getattr_guard_of_an_attribute_nothing_sets_is_completed(tmp_path: Pat
     site = checked_site(tmp_path, source)
     assert (site.state.value, site.action.value) == ("half-applied", "complete"), site.reason
     assert "`self._fp8_kvv` set in __init__" in site.reason, site.reason
+
+
+IF_ELSE = "        if self._fp8_kv:\n            insert_via_fused = {}\n        else:\n            insert_via_fused = {}\n"
+
+
+def test_a_guard_decided_by_if_else_is_the_guard_and_revert_takes_it_out(tmp_path: Path) -> None:
+    """``if self._fp8_kv: G = False`` / ``else: G = True`` is ``G = not self._fp8_kv``: it was
+    refused ("a condition the bypass did not write"); revert --whole-bypass takes the ``if`` out."""
+    source = edit(PATCHED_RUN, (GUARD_LINE, IF_ELSE.format("False", "True")))
+    site = checked_site(tmp_path, source)
+    assert site.state.value == "patched", site.reason
+    assert "bf16 and fp8 cache runs agree" in site.reason, site.reason  # proven by running it
+    reverted = plan_revert_file(tmp_path / "model.py", whole_bypass=True)
+    assert reverted.new is not None, reverted.error
+    assert ast.dump(ast.parse(reverted.new)) == ast.dump(ast.parse((FIXTURES / "fork_era" / "model.py").read_text()))
+
+
+@pytest.mark.parametrize(
+    "guard",
+    [
+        IF_ELSE.format("True", "False"),  # the wrong way round: the fused op writes an fp8 cache
+        "        insert_via_fused = True\n        if self._fp8_kv:\n            insert_via_fused = False\n",
+        IF_ELSE.format("False\n            print('fp8')", "True"),
+    ],
+    ids=["reversed", "no-else", "two-statements"],
+)
+def test_a_guard_if_else_that_is_not_the_guard_is_refused(tmp_path: Path, guard: str) -> None:
+    assert_refused(tmp_path, edit(PATCHED_RUN, (GUARD_LINE, guard)), "insert_via_fused")

@@ -302,6 +302,27 @@ def _guard_demorgan(module: cst.Module) -> cst.Module:
     return _replace(_guard_value, make)(module)
 
 
+def _guard_if_else(module: cst.Module) -> cst.Module:
+    """``G = <value>`` -> ``if <value>: G = True`` / ``else: G = False`` (the guard decided by an ``if``)."""
+
+    class Guard(cst.CSTTransformer):
+        count = 0
+
+        def leave_SimpleStatementLine(self, original, updated):  # type: ignore[no-untyped-def]
+            small = original.body[0]
+            if not (isinstance(small, cst.Assign) and _guard_value(small.value)):
+                return updated
+            self.count += 1
+            name, value = _code(small.targets[0].target), _code(small.value)
+            text = f"if {value}:\n    {name} = True\nelse:\n    {name} = False\n"
+            return cst.parse_module(text).body[0].with_changes(leading_lines=original.leading_lines)
+
+    t = Guard()
+    new = module.visit(t)
+    assert t.count, "the guard's assignment is not there"
+    return new
+
+
 def _guard_getattr(module: cst.Module) -> cst.Module:
     """The guard reads the flag as ``getattr(self, "F", False)`` (the fork guarding a layer
     built before the flag existed)."""
@@ -459,6 +480,7 @@ RESPELLINGS = (
     Respelling("guard-renamed", "guard", _rename_local(GUARD, "use_fused_insert"), (GUARD,)),
     Respelling("guard-demorgan", "guard", _guard_demorgan, (f"{GUARD} = not",)),
     Respelling("guard-reads-by-getattr", "guard", _guard_getattr, (f"{GUARD} = not",)),
+    Respelling("guard-by-if-else", "guard", _guard_if_else, (f"{GUARD} = not",)),
     Respelling(
         "flag-and-guard-renamed",
         "flag",
