@@ -42,7 +42,6 @@ class BypassPlan:
     adds nothing)."""
 
     method: cst.FunctionDef
-    op: a.OpCall
     call_slot: a.StatementSlot
     guard: str
     guard_code: str  # goes before the call
@@ -159,7 +158,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
         name=name, **names, **codegen.METHOD_NAMES,
     )
     return BypassPlan(
-        method=method, op=op, call_slot=slot, guard=guard,
+        method=method, call_slot=slot, guard=guard,
         guard_code=guard_code if p.guard_assigned is None and p.guard_inline is None else "",
         wrap_args=wrap,
         split_args=_split_args(m, slot.statement, wrap, guard),
@@ -331,21 +330,15 @@ class Fp8KvBypass(codegen.Splice):
             return False
         return super().on_visit(node)
 
-    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        if original is not self.plan.op.call:
+    def leave_Arg(self, original: cst.Arg, updated: cst.Arg) -> cst.Arg:
+        if not any(original is w for w in self.plan.wrap_args):
             return updated
-        wrap, split = self.plan.wrap_args, self.plan.split_args
-        new_args = []
-        for orig_arg, arg in zip(original.args, updated.args, strict=True):
-            if any(orig_arg is w for w in wrap):
-                value = cst.IfExp(test=cst.Name(self.plan.guard), body=arg.value, orelse=cst.Name("None"))
-                if any(orig_arg is s for s in split):  # `(` and `)` each end a line, as ruff format writes
-                    lpar = cst.LeftParen(whitespace_after=self._new_line(2))
-                    rpar = cst.RightParen(whitespace_before=self._new_line(1))
-                    value = value.with_changes(lpar=[lpar], rpar=[rpar])
-                arg = arg.with_changes(value=value)
-            new_args.append(arg)
-        return updated.with_changes(args=new_args)
+        value = cst.IfExp(test=cst.Name(self.plan.guard), body=updated.value, orelse=cst.Name("None"))
+        if any(original is s for s in self.plan.split_args):  # `(` and `)` each end a line, as ruff writes
+            lpar = cst.LeftParen(whitespace_after=self._new_line(2))
+            rpar = cst.RightParen(whitespace_before=self._new_line(1))
+            value = value.with_changes(lpar=[lpar], rpar=[rpar])
+        return updated.with_changes(value=value)
 
     def _new_line(self, levels: int) -> cst.ParenthesizedWhitespace:
         """A new line, ``levels`` indents deeper than the statement."""
