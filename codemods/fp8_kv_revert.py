@@ -45,9 +45,7 @@ class RevertPlan:
     insert_kv: str = "keep"  # keep | restore | remove
     old_insert_kv: cst.FunctionDef | None = None
     insert_kv_code: str = ""
-    metadata_import: cst.ImportFrom | None = None  # gets back the metadata classes it lacks
-    add_imports: list[str] = field(default_factory=list)
-    drop_imports: set[str] = field(default_factory=set)
+    add_imports: dict[int, list[str]] = field(default_factory=dict)  # a from-import (id) -> names it gets
     pieces: dict[str, bool] = field(default_factory=dict)
     also_remove: list[cst.FunctionDef] = field(default_factory=list)  # delegates only _insert_kv used
     removed_because: str = ""
@@ -250,7 +248,6 @@ def _plan_insert_kv(
         # nothing to restore it from (run added the method, or dropped both imports as unused).
         plan.removed_because = "a native call writes the cache itself" if native else NO_METADATA
         plan.insert_kv = "remove"
-        plan.drop_imports = {schema.RESHAPE_OP}
         plan.also_remove = _exclusive_delegates(m, cls, fn, plan.dead if native else [])
         return
 
@@ -263,8 +260,7 @@ def _plan_insert_kv(
     if names["reshape"] == schema.RESHAPE_OP and not any(i.bound == schema.RESHAPE_OP for i in imports):
         raise Unsupported(f"`{schema.RESHAPE_OP}` is not imported: cannot restore the attn_metadata {name}")
 
-    plan.metadata_import = metadata[0]
-    plan.add_imports = missing
+    plan.add_imports = {id(metadata[0]): missing}
     plan.insert_kv = "restore"
     plan.also_remove = _exclusive_delegates(m, cls, fn)
     plan.insert_kv_code = codegen.render(
@@ -312,28 +308,25 @@ def _dead_module_code(m: FileModel, removed: list[cst.CSTNode]) -> list[cst.Base
     """Module-level code that only the removed bypass used: the compiled path's custom
     op (its registration, named by a string nothing else names, and the functions only
     that names) and helpers only the removed code calls."""
-    module = m.module
-    gone = {id(n) for root in removed for n in a.nodes_in(root)}
+    gone = {id(n) for root in removed for n in a.nodes_in(root)}  # (a dead statement's own nodes join it)
     dead: list[cst.BaseStatement] = []
-    changed = True
-    while changed:
-        changed = False
-        for stmt in module.body:
-            if any(stmt is d for d in dead):
-                continue
-            if isinstance(stmt, cst.FunctionDef):
-                uses = _uses(m, stmt.name.value, stmt)
-            else:
-                args = call.args if (call := a.expression_call(stmt)) is not None else ()
-                name = next((x.value.evaluated_value for x in args if isinstance(x.value, cst.SimpleString)), None)
-                if name is None:
-                    continue
-                uses = [n for n in _uses(m, name, stmt) if not isinstance(n, cst.SimpleString)]
-            if uses and all(id(n) in gone for n in uses):
-                dead.append(stmt)
-                gone |= {id(n) for n in a.nodes_in(stmt)}
-                changed = True
+    while new := [s for s in m.module.body if id(s) not in gone and _used_only_in(m, s, gone)]:
+        dead += new
+        gone |= {id(n) for s in new for n in a.nodes_in(s)}
     return dead
+
+
+def _used_only_in(m: FileModel, stmt: cst.BaseStatement, gone: set[int]) -> bool:
+    """A module function, or a registration by a string, that is named elsewhere only in ``gone``."""
+    if isinstance(stmt, cst.FunctionDef):
+        uses = _uses(m, stmt.name.value, stmt)
+    else:
+        args = call.args if (call := a.expression_call(stmt)) is not None else ()
+        name = next((x.value.evaluated_value for x in args if isinstance(x.value, cst.SimpleString)), None)
+        if name is None:
+            return False
+        uses = [n for n in _uses(m, name, stmt) if not isinstance(n, cst.SimpleString)]
+    return bool(uses) and all(id(n) in gone for n in uses)
 
 
 # --- the transformer -------------------------------------------------------------
@@ -346,8 +339,7 @@ class Fp8KvRevert(codegen.Splice):
         self.plan = plan
         self.remove = {id(n) for n in (*plan.remove, *_gone(plan))}
         methods = {id(plan.old_insert_kv): plan.insert_kv_code} if plan.insert_kv == "restore" else {}
-        imports = {id(plan.metadata_import): plan.add_imports} if plan.metadata_import is not None else {}
-        super().__init__(module, methods, imports, {*self.remove, id(plan.call_statement)})
+        super().__init__(module, methods, plan.add_imports, {*self.remove, id(plan.call_statement)})
 
     def replace(self, original: cst.BaseStatement, updated: cst.BaseStatement) -> codegen.Replacement:
         """A removed statement hands its comments on but the bypass's; the call loses the bypass's."""
@@ -367,8 +359,6 @@ class Fp8KvRevert(codegen.Splice):
         return updated
 
     def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
-        if not self.plan.dead:
-            return updated
         kept = zip(original.body, updated.body, strict=True)
         return updated.with_changes(body=[new for orig, new in kept if id(orig) not in self.remove])
 
@@ -383,5 +373,7 @@ def _gone(plan: RevertPlan) -> list[cst.CSTNode]:
 def apply_revert(module: cst.Module, plan: RevertPlan) -> cst.Module:
     new = module.visit(Fp8KvRevert(module, plan))
     # Imports that only removed code used (the compiled path's registration helper, say).
-    candidates = plan.drop_imports | {n for node in _gone(plan) for n in a.names_read(node)}
+    candidates = {n for node in _gone(plan) for n in a.names_read(node)}
+    if plan.insert_kv == "remove":
+        candidates.add(schema.RESHAPE_OP)
     return codegen.remove_unused_imports(new, candidates)
