@@ -111,8 +111,18 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
             f"the cache arguments carry the guard inline (`{p.guard_inline}`) but no post-call block "
             "writes the cache where they are None: the bypass cannot be completed around an inlined guard"
         )
+    if len(set(p.guard_args)) > 1:
+        raise Unsupported(f"cache arguments are guarded by different names: {sorted(set(p.guard_args))}")
+    if p.guard_other:
+        raise Unsupported(f"the guard name is assigned something other than `not self.{p.flag_attr}`")
+    if p.post_insert and not p.post_insert_wired:
+        raise Unsupported(
+            f"a post-call `self.{p.insert_method}(...)` exists but does not run exactly where the fused op "
+            "did not write (`if not <guard>:`), or is not passed the call's own slot mappings"
+        )
     taken = a.bound_names(method)
-    guard = _guard_name(p, taken)
+    # the guard: the guarded arguments' name, else an existing guard assignment's, else a fresh name
+    guard = p.guard_args[0] if p.guard_args else p.guard_assigned or _fresh(codegen.GUARD_NAME, taken)
     init_attrs = a.self_assignments(init)
     names = write_names(op, method, slot, init_attrs, m.imports)
     caches = (op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE))
@@ -288,22 +298,6 @@ def _assignments(fn: cst.FunctionDef, name: str) -> list[tuple[a.StatementSlot, 
     return [
         (x, pair[1]) for x, pair in pairs if pair and isinstance(pair[0], cst.Name) and pair[0].value == name
     ]
-
-
-def _guard_name(p: schema.Pieces, taken: set[str]) -> str:
-    """From guarded arguments, else an existing guard assignment, else a fresh name."""
-    if len(set(p.guard_args)) > 1:
-        raise Unsupported(f"cache arguments are guarded by different names: {sorted(set(p.guard_args))}")
-    if p.guard_other:
-        raise Unsupported(f"the guard name is assigned something other than `not self.{p.flag_attr}`")
-    if p.post_insert and not p.post_insert_wired:
-        raise Unsupported(
-            f"a post-call `self.{p.insert_method}(...)` exists but does not run exactly where the fused op "
-            "did not write (`if not <guard>:`), or is not passed the call's own slot mappings"
-        )
-    if p.guard_args:
-        return p.guard_args[0]
-    return p.guard_assigned or _fresh(codegen.GUARD_NAME, taken)
 
 
 # --- the transformer --------------------------------------------------------------------
