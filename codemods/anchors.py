@@ -238,8 +238,9 @@ def _sub_blocks(stmt: cst.CSTNode) -> Iterator[cst.IndentedBlock]:
 
 
 def _lone_small(stmt: cst.CSTNode) -> cst.BaseSmallStatement | None:
-    """The small statement of a line that holds only it."""
-    return stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
+    """The small statement of a line (or of an ``if x: <it>`` suite) that holds only it."""
+    lone = isinstance(stmt, (cst.SimpleStatementLine, cst.SimpleStatementSuite)) and len(stmt.body) == 1
+    return stmt.body[0] if lone else None  # type: ignore[attr-defined]
 
 
 def expression_call(stmt: cst.BaseStatement) -> cst.Call | None:

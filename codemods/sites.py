@@ -392,13 +392,14 @@ def guard_binding(slot: a.StatementSlot, local: str) -> tuple[list[cst.BaseState
     ``G = <expr>``, or ``if T: G = A`` / ``else: G = B`` (``elif`` too), read as ``A if T else B``."""
 
     def value(stmt: cst.CSTNode) -> str | None:
-        pair = a.simple_assignment(stmt) if isinstance(stmt, cst.SimpleStatementLine) else None
+        pair = a.simple_assignment(stmt)  # type: ignore[arg-type]  # (a line, or an `if x: G = …` suite)
         if pair is not None and isinstance(pair[0], cst.Name) and pair[0].value == local:
             return a.code(pair[1])
         if not isinstance(stmt, cst.If) or stmt.orelse is None:
             return None
-        branches = (stmt.body.body, [stmt.orelse] if isinstance(stmt.orelse, cst.If) else stmt.orelse.body.body)
-        body, orelse = (value(b[0]) if len(b) == 1 else None for b in branches)
+        branches = (stmt.body, stmt.orelse if isinstance(stmt.orelse, cst.If) else stmt.orelse.body)
+        lone = [b.body[0] if isinstance(b, cst.IndentedBlock) and len(b.body) == 1 else b for b in branches]
+        body, orelse = map(value, lone)
         return f"({body}) if ({a.code(stmt.test)}) else ({orelse})" if body and orelse else None
 
     found = [(stmt, code) for stmt in slot.before() if (code := value(stmt)) is not None]

@@ -912,10 +912,18 @@ def test_a_getattr_guard_of_an_attribute_nothing_sets_is_completed(tmp_path: Pat
 IF_ELSE = "        if self._fp8_kv:\n            insert_via_fused = {}\n        else:\n            insert_via_fused = {}\n"
 
 
-def test_a_guard_decided_by_if_else_is_the_guard_and_revert_takes_it_out(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "guard",
+    [
+        IF_ELSE.format("False", "True"),
+        "        if self._fp8_kv: insert_via_fused = False\n        else: insert_via_fused = True\n",
+    ],
+    ids=["blocks", "one-line-suites"],
+)
+def test_a_guard_decided_by_if_else_is_the_guard_and_revert_takes_it_out(tmp_path: Path, guard: str) -> None:
     """``if self._fp8_kv: G = False`` / ``else: G = True`` is ``G = not self._fp8_kv``: it was
     refused ("a condition the bypass did not write"); revert --whole-bypass takes the ``if`` out."""
-    source = edit(PATCHED_RUN, (GUARD_LINE, IF_ELSE.format("False", "True")))
+    source = edit(PATCHED_RUN, (GUARD_LINE, guard))
     site = checked_site(tmp_path, source)
     assert site.state.value == "patched", site.reason
     assert "bf16 and fp8 cache runs agree" in site.reason, site.reason  # proven by running it
@@ -930,8 +938,9 @@ def test_a_guard_decided_by_if_else_is_the_guard_and_revert_takes_it_out(tmp_pat
         IF_ELSE.format("True", "False"),  # the wrong way round: the fused op writes an fp8 cache
         "        insert_via_fused = True\n        if self._fp8_kv:\n            insert_via_fused = False\n",
         IF_ELSE.format("False\n            print('fp8')", "True"),
+        "        if self._fp8_kv: insert_via_fused = False; print('fp8')\n        else: insert_via_fused = True\n",
     ],
-    ids=["reversed", "no-else", "two-statements"],
+    ids=["reversed", "no-else", "two-statements", "two-small-statements"],
 )
 def test_a_guard_if_else_that_is_not_the_guard_is_refused(tmp_path: Path, guard: str) -> None:
     assert_refused(tmp_path, edit(PATCHED_RUN, (GUARD_LINE, guard)), "insert_via_fused")
