@@ -119,7 +119,7 @@ def plan_site(
         remove += [scale_slot.statement for scale_slot, _ in attrs.get(codegen.FP8_SCALE, [])]
         buffer = sites.registered_buffer(init, codegen.FP8_SCALE)
         remove += [buffer] if buffer is not None else []
-    remove += sites.guard_binding(slot, pieces.guard_assigned)[0] if pieces.guard_assigned else []
+    remove += pieces.guard_statements  # the guard's binding (`sites._guard_binding`)
     post = _post_call_block(m, slot, pieces)
     remove += [post] if post is not None else []
 

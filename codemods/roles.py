@@ -48,8 +48,9 @@ def _attribute(node: ast.AST) -> str | None:
     """``b`` of ``a.b``, ``getattr(a, "b")`` and ``getattr(a, "b", <constant>)``."""
     if isinstance(node, ast.Attribute):
         return node.attr
-    call = node if isinstance(node, ast.Call) and dotted(node.func) == "getattr" else None
-    args = call.args if call is not None and not call.keywords and len(call.args) in (2, 3) else []
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"):
+        return None
+    args = node.args if not node.keywords and len(node.args) in (2, 3) else []
     name = _literal(args[1]) if args and isinstance(args[-1], ast.Constant) else None
     return name if name is not None and name.isidentifier() else None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ast
 import builtins
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
@@ -207,6 +207,7 @@ class FoundPieces(schema.Pieces):
 
     post_insert_call: cst.Call | None = None
     post_block: cst.BaseStatement | None = None  # the statement after the call that holds it
+    guard_statements: list[cst.BaseStatement] = field(default_factory=list)  # those binding `guard_assigned`
     flag_attr: str = codegen.FP8_FLAG  # the names run writes, where the file has no piece of the role
     insert_method: str = codegen.INSERT_KV
 
@@ -284,7 +285,7 @@ def collect_pieces(
         condition = guarded[0]
         local = _local(condition)
         fused_when = roles.expression(condition)
-        statements, value = guard_binding(slot, local) if local is not None and slot is not None else ([], None)
+        statements, value = _guard_binding(slot, local) if local is not None and slot is not None else ([], None)
         if value is not None and not _bound_only_in(bound[local], slot.block, statements):  # type: ignore[union-attr]
             value = None  # also bound elsewhere: what it holds at the call is not proven
         # a local the method never binds, nor the module (a builtin counts as bound)
@@ -302,6 +303,7 @@ def collect_pieces(
         if guard.local is not None:
             p.guard_args = [guard.local] * len(guarded)
             p.guard_assigned = guard.local if guard.value is not None else None
+            p.guard_statements = statements if guard.value is not None else []
             p.guard_lost = guard.value is None
         else:
             p.guard_inline = guarded[0]
@@ -387,7 +389,7 @@ def _slots_none_somewhere(method: cst.FunctionDef, op: a.OpCall) -> bool:
     return any(isinstance(p[0], cst.Name) and p[0].value in names and a.is_none(p[1]) for p in pairs if p)
 
 
-def guard_binding(slot: a.StatementSlot, local: str) -> tuple[list[cst.BaseStatement], ast.expr | None]:
+def _guard_binding(slot: a.StatementSlot, local: str) -> tuple[list[cst.BaseStatement], ast.expr | None]:
     """The statements before the call that bind the guard local, and the value the last leaves:
     ``G = <expr>``, or ``if T: G = A`` / ``else: G = B`` (``elif`` too), read as ``A if T else B``."""
 
@@ -410,7 +412,8 @@ def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Modu
     """Every binding (``anchors.bindings``) is a parameter or a plain assignment statement of ``block``
     (or of the branches of ``also``, the guard's ``if``)."""
     plain = {id(pair[0]) for stmt in block.body if (pair := a.simple_assignment(stmt)) is not None}
-    plain |= {id(pair[0]) for stmt in also for n in a.walk_all(stmt) if (pair := a.simple_assignment(n)) is not None}  # type: ignore[arg-type]
+    branches = [n for stmt in also for n in a.walk_all(stmt)]
+    plain |= {id(pair[0]) for n in branches if (pair := a.simple_assignment(n)) is not None}  # type: ignore[arg-type]
     return all(isinstance(n, cst.Param) or id(getattr(n, "target", None)) in plain for n in nodes)
 
 
