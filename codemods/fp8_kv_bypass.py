@@ -117,8 +117,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
         raise Unsupported(f"the guard name is assigned something other than `not self.{p.flag_attr}`")
     if p.post_insert and not p.post_insert_wired:
         raise Unsupported(
-            f"a post-call `self.{p.insert_method}(...)` exists but does not run exactly where the fused op "
-            "did not write (`if not <guard>:`), or is not passed the call's own slot mappings"
+            f"a post-call `self.{p.insert_method}(...)` exists but is not wired: {schema.WIRED}"
         )
     taken = a.bound_names(method)
     # the guard: the guarded arguments' name, else an existing guard assignment's, else a fresh name

@@ -138,6 +138,12 @@ class FileModel:
         values, scope = self._values(cls), self.scope(cls)  # values: None where no plain def __init__
         return roles.flags(scope.methods["__init__"], scope, values) if values is not None else {}
 
+    def dtype_free(self, cls: cst.ClassDef) -> set[str]:
+        """The attributes ``__init__`` leaves holding the same value whatever the cache dtype."""
+        runs = list((self._values(cls) or {}).values())
+        same = [k for k in (runs[0] if runs else {}) if all(k in r and repr(r[k]) == repr(runs[0][k]) for r in runs)]
+        return {k.removeprefix("self.") for k in same}
+
     def carries_dtype(self, cls: cst.ClassDef, expr: cst.BaseExpression) -> bool:
         """``expr``, a native call's dtype argument, holds the cache dtype (``roles.carries_dtype``)."""
         values, tree = self._values(cls), roles.expression(a.code(expr))

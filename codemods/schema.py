@@ -196,6 +196,14 @@ OLDER_FORMS = {
 }
 
 
+# what wires a post-call write (``sites.collect_pieces``), said where one is not
+WIRED = (
+    "it must be the statement right after the call (before attention or anything else reads the caches), "
+    "run exactly where the fused op did not write (`if not <guard>:`) with nothing leaving the block before "
+    "the write, and be handed the call's own slot mappings"
+)
+
+
 def insert_kv_form(reads_metadata: bool, params_after_self: int, raw_scatter: bool, bf16_index: bool) -> str:
     """Which `_insert_kv` the class has (``fp8_kv_bypass`` says when it has none, "absent"):
     the fork-era ``(self, key, value, index_key)`` reading attn_metadata, the bypass's with the
@@ -270,6 +278,11 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
         f"names the bypass would write are used for something else: {'; '.join(p.taken)}. "
         "Rename that other use (every place the name appears), then run again"
     )
+    conditioned = refuse(
+        f"cache argument `{(p.user_conditions or [''])[0]}` has a condition the bypass did not write: "
+        "the fp8 write after the call cannot honour it (with an fp8 cache it may write nothing). Pass the "
+        "cache unconditionally (or write the fp8 path by hand), then run again"
+    )
     if f.dtype is not None:
         if f.dtype_is_auto:
             return refuse(f'the call passes kv_cache_dtype="{AUTO_DTYPE}" together with a cache: {NEITHER}')
@@ -280,6 +293,8 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
                 "with an fp8 cache the native kernel would be told another. Pass "
                 f"`self.{DTYPE_ATTR}`, then run again"
             )
+        if p.user_conditions:
+            return conditioned
         if not p.any_bypass(native=True):
             native = f"native fp8 support (passes kv_cache_dtype={f.dtype})"
             return site(SiteState.NATIVE, Action.NONE, f"{native}: run with --kv-cache-dtype fp8 directly")
@@ -303,11 +318,7 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
     if p.taken:
         return taken
     if p.user_conditions:
-        return refuse(
-            f"cache argument `{p.user_conditions[0]}` has a condition the bypass did not write: "
-            "the fp8 write after the call cannot honour it. Pass the cache unconditionally (or write "
-            "the fp8 path by hand), then run again"
-        )
+        return conditioned
     if all(present.values()):
         if p.insert_kv in OLDER_FORMS:
             reason = f"fp8 bypass in an older form: {OLDER_FORMS[p.insert_kv]}; `run` upgrades it"
@@ -396,7 +407,7 @@ def _half_applied_reason(p: Pieces, present: dict[str, bool]) -> str:
     if p.insert_kv in OLDER_FORMS:
         problems.append(f"`{p.insert_method}` is in an older form: {OLDER_FORMS[p.insert_kv]}")
     if p.post_insert and not p.post_insert_wired:
-        problems.append(f"the post-call `{p.insert_method}` is not guarded or not passed the call's slot mappings")
+        problems.append(f"the post-call `{p.insert_method}` is not wired ({WIRED})")
     text = "partial fp8 bypass; missing: " + "; ".join(words[k] for k, v in present.items() if not v)
     return text + (" - " + "; ".join(problems) if problems else "")
 

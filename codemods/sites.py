@@ -310,10 +310,20 @@ def collect_pieces(
     elif p.guard_other or len(set(guarded)) > 1:
         p.guard_args = [_local(c) or c for c in guarded]
     if len(set(guarded)) <= 1:
+        free = m.dtype_free(cls) if native else set()
+
+        def dtype_free(c: str) -> bool:  # (a native call honours a condition no cache dtype decides)
+            tree, local = roles.expression(c), _local(c)
+            if tree is None or any(isinstance(n, ast.Call) for n in ast.walk(tree)):
+                return False
+            param = local is None or [type(b) for b in bound.get(local, [])] == [cst.Param]
+            return param and guards.self_attrs(tree) <= free
+
         p.user_conditions = [
             a.code(arg.value)
             for arg, c in conditions
             if c and (guard is None or isinstance(unguarded(arg), cst.IfExp))  # type: ignore[arg-type]
+            and not (native and dtype_free(c))
         ]
 
     # The flag: the attribute the guard reads, else the one __init__ leaves holding whether
@@ -347,7 +357,7 @@ def collect_pieces(
             forms[name] = _insert_kv_form(a.find_method(cls, name), cls, m.functions) if writes else "other"
         return name is not None and forms[name] in schema.SLOTS_FORMS
 
-    for stmt in slot.after() if slot is not None else ():
+    for at, stmt in enumerate(slot.after() if slot is not None else ()):
         node = a.first_in(stmt, lambda n: _passes_slots(n, main, index)) or a.first_in(stmt, write_shaped)
         if not isinstance(node, cst.Call):
             continue
@@ -362,7 +372,10 @@ def collect_pieces(
         if block_guard is None and p.flag_set and not guarded:
             block_guard = guards.Guard(ast.parse(f"not self.{p.flag_attr}", mode="eval").body, imports=m.imports)
         post = guards.post_block(test, block_guard, guard_flag or p.flag_attr) if test and block_guard else None
-        p.post_insert_wired = post is not None and _insert_is_wired(node, op)
+        # wired: right after the call (before anything, attention say, reads the caches), and
+        # nothing in the block leaves it before the write
+        straight = at == 0 and a.first_in(stmt, lambda n: isinstance(n, _EXITS)) is None
+        p.post_insert_wired = post is not None and straight and _insert_is_wired(node, op)
         slots_none = _slots_none_somewhere(method, op)
         p.compiled_write = p.post_insert_wired and post is not None and post.while_compiling and slots_none
         p.compiled_branch = a.first_in(stmt, m.compiled_path_write) is not None and slots_none
@@ -370,6 +383,9 @@ def collect_pieces(
     p.insert_kv = _insert_kv_form(a.find_method(cls, p.insert_method), cls, m.functions)
     _taken_names(m, cls, scope, init_attrs if mentions_flag or p.flag_from_file else {}, p)
     return p
+
+
+_EXITS = (cst.Return, cst.Raise, cst.Break, cst.Continue)
 
 
 def _passes_slots(node: cst.CSTNode, main: cst.Arg | None, index: cst.Arg | None) -> bool:

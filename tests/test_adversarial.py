@@ -944,3 +944,49 @@ def test_a_guard_decided_by_if_else_is_the_guard_and_revert_takes_it_out(tmp_pat
 )
 def test_a_guard_if_else_that_is_not_the_guard_is_refused(tmp_path: Path, guard: str) -> None:
     assert_refused(tmp_path, edit(PATCHED_RUN, (GUARD_LINE, guard)), "insert_via_fused")
+
+
+# --- the post-call write: right after the call, nothing leaving before it --------------------------
+
+EXPECTED = (FIXTURES / "fork_era" / "expected.py").read_text()
+POST_END = "            self._insert_kv(k, v, index_k, main_slot_mapping, index_slot_mapping)\n"
+ATTEND = "\n        output = torch.empty_like(q)\n        attn_output = self._run_attention(q, index_q, output)\n"
+POST_START = "        if not insert_via_fused:\n"
+
+
+def _write_after_attention(source: str) -> str:
+    """The whole post-call block moved below attention (a merge that kept both, in the wrong order)."""
+    start, end = source.rindex(POST_START), source.rindex(POST_END) + len(POST_END)
+    block = source[start:end]
+    source = source[:start] + source[end:]
+    return edit(source, (ATTEND, ATTEND + block))
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param(_write_after_attention, id="write-after-attention"),
+        pytest.param(lambda s: edit(s, (POST_START, "        if num_tokens == 1:\n            return q\n" + POST_START)),
+                     id="early-return-between"),
+        pytest.param(lambda s: edit(s, (POST_END, "            if num_tokens > 4096:\n                return q\n" + POST_END)),
+                     id="return-in-block"),
+    ],
+)
+def test_a_write_that_may_come_too_late_or_never_is_not_patched(tmp_path: Path, variant) -> None:
+    """With an fp8 cache, attention must read the caches after the fp8 write, and every batch must
+    write: a post-call block below attention, or one a `return` can leave first, is not wired."""
+    source = variant(EXPECTED)
+    assert_refused(tmp_path, source, "is not wired")
+    assert "right after the call" in outcome(tmp_path, source)[2]
+
+
+def test_a_native_call_whose_caches_hang_on_the_dtype_is_refused(tmp_path: Path) -> None:
+    """Cache arguments `X if self.kv_cache_dtype == "auto" else None` on a native call: with an fp8
+    cache the kernel is handed no cache and writes nothing (the caller's own condition stays native,
+    above)."""
+    native = edit(
+        FORK_ERA,
+        (KV_ARG, KV_ARG.replace(",\n", ' if self.kv_cache_dtype == "auto" else None,\n')),
+        ("            index_q,\n        )\n\n        output", "            index_q,\n            self.kv_cache_dtype,\n        )\n\n        output"),
+    )
+    assert_refused(tmp_path, native, "has a condition the bypass did not write")

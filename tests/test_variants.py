@@ -92,7 +92,7 @@ NOT_THE_SAME = [
     ("compiled_native", ('"fp8" in self.kv_cache_dtype', 'self.kv_cache_dtype == "fp8"'), "cannot be proven true"),
     ("seed_form", ('"fp8" in self.kv_cache_dtype', 'self.kv_cache_dtype.endswith("e4m3")'), "cannot be proven true"),
     # the post-call block runs where the fused op did write: not the block that writes instead
-    ("seed_form", ("        if not insert_via_fused:", "        if insert_via_fused:"), "does not run exactly where"),
+    ("seed_form", ("        if not insert_via_fused:", "        if insert_via_fused:"), "is not wired"),
     # (on a native call: not a bypass `run` can keep, and its block holds the compiled path's
     # write, which taking the bypass out would lose)
     (
