@@ -84,7 +84,8 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     insert_kv = "upgrade" if p.insert_kv in schema.OLDER_FORMS else forms.get(p.insert_kv)
     if insert_kv is None:
         raise Unsupported(
-            f"`{p.insert_method}` exists in a form that is neither the attn_metadata one nor the slot-mapping one"
+            f"`{p.insert_method}` exists in a form that is neither the attn_metadata one nor the slot-mapping "
+            "one (or it may return before it writes)"
         )
     name = p.insert_method  # the write method, by its role: what the post-call block calls
     old_insert_kv = a.find_method(cls, name)

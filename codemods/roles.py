@@ -28,6 +28,7 @@ _MISSING = object()
 # statements that bind nothing the reading follows
 _STEPPED_OVER = (ast.Pass, ast.Assert, ast.Import, ast.ImportFrom, ast.Expr, ast.Global, ast.Nonlocal)
 _SOURCES = "<dtype sources>"  # env's key for the names that are the cache dtype
+_PIN = "<dtype>"  # env's key for the cache dtype of this reading
 _NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
 
@@ -309,20 +310,26 @@ class _Stop(Exception):
     """A ``return`` or ``raise``: this path does not reach the end of the method."""
 
 
-def _dtype_sources(init: ast.FunctionDef) -> set[str]:
+def _dtype_sources(init: ast.FunctionDef, scope: Scope) -> tuple[set[str], bool]:
     """``self.kv_cache_dtype`` and what it is assigned from: a name, or the locals a name is assigned from
-    in turn (``d = cache_config.cache_dtype``; ``self.kv_cache_dtype = d``), bound only before that."""
+    in turn (``d = cache_config.cache_dtype``; ``self.kv_cache_dtype = d``); and whether __init__ sets the
+    attribute (then it is the dtype from that store on). Each is set by one statement of __init__ (both
+    branches of one ``if``, say) or method it calls, if at all: set by two (``= "auto"``, then the real
+    one), which is the dtype's is not known, and it is none of them (nor, for the attribute, what follows)."""
+    def stores(node: ast.AST) -> set[str | None]:
+        return {dotted(n) for n in ast.walk(node) if isinstance(getattr(n, "ctx", None), ast.Store)}
+
+    places = [stores(node) for node in (*init.body, *init_methods(init, scope)[1:])]
     values: dict[str, ast.expr] = {}
     for node in ast.walk(init):
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and (name := dotted(node.targets[0])):
             values.setdefault(name, node.value)
-    sources, value = {DTYPE}, values.get(DTYPE)
-    stores = (n for n in ast.walk(init) if isinstance(getattr(n, "ctx", None), ast.Store))
-    late = {dotted(n) for n in stores if n.lineno > getattr(value, "lineno", 0)}  # bound again after: a plain local
-    while value is not None and (name := dotted(value)) is not None and name not in sources | late:
+    sources, name = set(), DTYPE
+    while name is not None and name not in sources and sum(name in p for p in places) <= 1:
         sources.add(name)
         value = values.get(name)
-    return sources
+        name = dotted(value) if value is not None else None
+    return sources, any(DTYPE in p for p in places)
 
 
 def _assign(target: ast.expr, value: ast.expr | None, env: dict[str, object], scope: Scope) -> None:
@@ -345,7 +352,9 @@ def _store(target: ast.expr, value: object, env: dict[str, object]) -> None:
     if name is None or ("." in name and self_member(target) is None):
         return  # a subscript or a deeper attribute: no attribute of ours changes
     if name in env.get(_SOURCES, ()):  # type: ignore[operator]
-        return  # the cache dtype itself, whatever __init__ reads it from
+        if name == DTYPE:  # the cache dtype itself from here on, whatever __init__ reads it from
+            env[DTYPE] = env[_PIN]
+        return
     if value is _MISSING:
         env.pop(name, None)
     else:
@@ -554,10 +563,12 @@ def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object])
     # what a def nested in __init__ (or in a method it calls) stores through ``self``: whenever it is called
     nested = [d for fn in init_methods(init, scope) for d in ast.walk(fn) if d is not fn and isinstance(d, _NESTED)]
     late = {f"self.{attr}" for d in nested for attr in _stored(d)}
-    sources, values = frozenset(_dtype_sources(init)), {}
+    found, set_here = _dtype_sources(init, scope)
+    sources, values = frozenset(found), {}
+    pinned = sources - {DTYPE} if set_here else sources  # (the attribute pinned where __init__ sets it)
     props = {name: ast.Call(ast.parse(f"self.{name}", mode="eval").body, [], []) for name in scope.properties()}
     for dtype in (*FP8_DTYPES, schema.AUTO_DTYPE):
-        env = {**base, _SOURCES: sources, **dict.fromkeys(sources, dtype)}
+        env = {**base, _SOURCES: sources, _PIN: dtype, **dict.fromkeys(pinned, dtype)}
         with contextlib.suppress(_Stop):
             _block(init.body, env, scope, 0)
         for name, call in props.items():  # what a property gives once __init__ has run

@@ -338,7 +338,7 @@ def _unproven_roles(p: Pieces) -> str:
             f'proven true for "fp8", "fp8_e4m3", "fp8_e5m2" and false for "{AUTO_DTYPE}" from '
             f"`self.{DTYPE_ATTR}` alone: the flag's role is not proven, nothing was changed. If it is meant "
             f'to be true for the fp8 cache dtypes, write it as `"fp8" in self.{DTYPE_ATTR}` (or a helper '
-            "returning that), then run again"
+            f"returning that) after __init__ sets `self.{DTYPE_ATTR}`, once, then run again"
         )
     return (
         f"the file's own fp8 bypass cannot be proven: {'; '.join(p.role_problems)}. "

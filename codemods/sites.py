@@ -253,7 +253,10 @@ def _insert_kv_form(
     writers = (fn, *a.delegates(fn, cls, functions))
     scatter = any(a.raw_scatters(f) for f in writers)
     bf16_index = any(a.bf16_index_writes(f) for f in writers)
-    return schema.insert_kv_form(reads_metadata, len(a.param_names(fn)) - 1, scatter, bf16_index)
+    form = schema.insert_kv_form(reads_metadata, len(a.param_names(fn)) - 1, scatter, bf16_index)
+    # a write that may return before it writes (for some batches, say) is none the bypass's
+    leaves = any(isinstance(n, cst.Return) for f in writers for n in a.nodes_in(f.body, scope_only=True))
+    return "other" if leaves and form in schema.SLOTS_FORMS else form
 
 
 def is_insert_kv_call(node: cst.CSTNode, name: str = codegen.INSERT_KV) -> bool:

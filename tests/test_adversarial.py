@@ -990,3 +990,34 @@ def test_a_native_call_whose_caches_hang_on_the_dtype_is_refused(tmp_path: Path)
         ("            index_q,\n        )\n\n        output", "            index_q,\n            self.kv_cache_dtype,\n        )\n\n        output"),
     )
     assert_refused(tmp_path, native, "has a condition the bypass did not write")
+
+
+def test_a_write_method_that_may_return_first_is_not_the_bypass(tmp_path: Path) -> None:
+    """`_insert_kv` returning early for one batch size (a decode fast path, say): with an fp8 cache
+    those batches are never written, so the file is not patched."""
+    body = "        key_cache, value_cache = self.kv_cache.unbind(1)\n"
+    source = edit(EXPECTED, (body, "        if key.shape[0] == 1:\n            return\n" + body))
+    assert_refused(tmp_path, source, "may return before it writes")
+
+
+@pytest.mark.parametrize(
+    "placeholder",
+    [
+        pytest.param('        self.kv_cache_dtype = "auto"\n        self._fp8_kv = "fp8" in self.kv_cache_dtype\n', id="flag-before-the-dtype"),
+        pytest.param('        self.kv_cache_dtype = "auto"\n        self.kernel_dtype = self.kv_cache_dtype\n', id="copy-before-the-dtype"),
+    ],
+)
+def test_what_init_reads_before_it_sets_the_dtype_is_not_the_dtype(tmp_path: Path, placeholder: str) -> None:
+    """``self.kv_cache_dtype = "auto"`` first, the flag (or the native call's dtype) read from it, the
+    real dtype set after: the flag is false (the dtype "auto") for every cache dtype. The reading held
+    the attribute at the cache dtype all through __init__ and called the file patched (or native)."""
+    if "_fp8_kv" in placeholder:
+        source = edit(EXPECTED, ('        self._fp8_kv = "fp8" in self.kv_cache_dtype\n', ""), (DTYPE, placeholder + DTYPE))
+        why = "the flag's role is not proven"
+    else:
+        native = (FIXTURES / "native" / "model.py").read_text()
+        source = edit(native, ("            self.kv_cache_dtype,\n        )", "            self.kernel_dtype,\n        )"))
+        source = edit(source, ("        self.kv_cache_dtype = cache_config.cache_dtype\n",
+                               placeholder + "        self.kv_cache_dtype = cache_config.cache_dtype\n"))
+        why = "cannot be proven to be the cache dtype"
+    assert_refused(tmp_path, source, why)
