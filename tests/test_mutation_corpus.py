@@ -50,9 +50,9 @@ JUSTIFIED_REFUSALS = {
     ("half_applied", "rebind-aliases"): ("is called elsewhere than right after the insert call", "has a condition the bypass did not write"),
     # Half-applied: the existing post-call insert passes `main_slot_mapping`, the
     # call now `fwd_slot_mapping[self.layer_name]`; equal values, but not provably.
-    ("half_applied", "slot-expressions"): "is not passed the call's own slot mappings",
+    ("half_applied", "slot-expressions"): "is not wired",
     # The same for the seed's complete bypass that `run` upgrades.
-    ("seed_form", "slot-expressions"): "is not passed the call's own slot mappings",
+    ("seed_form", "slot-expressions"): "is not wired",
     # (or, seen from the helper, the guard arrives as a parameter: the caller's condition)
     ("seed_form", "call-only"): ("is called elsewhere than right after the insert call", "has a condition the bypass did not write"),
     ("seed_form", "rebind-aliases"): ("is called elsewhere than right after the insert call", "has a condition the bypass did not write"),
