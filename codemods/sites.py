@@ -288,7 +288,8 @@ def collect_pieces(
         condition = guarded[0]
         local = _local(condition)
         fused_when = roles.expression(condition)
-        statements, value = _guard_binding(slot, local) if local is not None and slot is not None else ([], None)
+        chain = a.slot_chain(method, slot) if local is not None and slot is not None else []
+        statements, value = _guard_binding(chain, local) if chain else ([], None)  # type: ignore[arg-type]
         if value is not None and not _bound_only_in(bound[local], slot.block, statements):  # type: ignore[union-attr]
             value = None  # also bound elsewhere: what it holds at the call is not proven
         # a local the method never binds, nor the module (a builtin counts as bound)
@@ -378,7 +379,7 @@ def collect_pieces(
         # wired: right after the call (before anything, attention say, reads the caches), and
         # nothing in the block leaves it before the write
         straight = at == 0 and a.first_in(stmt, lambda n: isinstance(n, _EXITS)) is None
-        p.post_insert_wired = post is not None and straight and _insert_is_wired(node, op)
+        p.post_insert_wired = post is not None and straight and _insert_is_wired(node, op, m.methods(cls).get(p.insert_method))
         slots_none = _slots_none_somewhere(method, op)
         p.compiled_write = p.post_insert_wired and post is not None and post.while_compiling and slots_none
         p.compiled_branch = a.first_in(stmt, m.compiled_path_write) is not None and slots_none
@@ -408,8 +409,9 @@ def _slots_none_somewhere(method: cst.FunctionDef, op: a.OpCall) -> bool:
     return any(isinstance(p[0], cst.Name) and p[0].value in names and a.is_none(p[1]) for p in pairs if p)
 
 
-def _guard_binding(slot: a.StatementSlot, local: str) -> tuple[list[cst.BaseStatement], ast.expr | None]:
-    """The statements before the call that bind the guard local, and the value the last leaves:
+def _guard_binding(chain: list[a.StatementSlot], local: str) -> tuple[list[cst.BaseStatement], ast.expr | None]:
+    """The statements before the call that bind the guard local, in its block or one that holds it
+    (``chain``: ``anchors.slot_chain``; the call under a ``with``, say), and the value the last leaves:
     ``G = <expr>``, or ``if T: G = A`` / ``else: G = B`` (``elif`` too), read as ``A if T else B``."""
 
     def value(stmt: cst.CSTNode) -> str | None:
@@ -423,15 +425,15 @@ def _guard_binding(slot: a.StatementSlot, local: str) -> tuple[list[cst.BaseStat
         body, orelse = map(value, lone)
         return f"({body}) if ({a.code(stmt.test)}) else ({orelse})" if body and orelse else None
 
-    found = [(stmt, code) for stmt in slot.before() if (code := value(stmt)) is not None]
+    found = [(stmt, code) for level in chain for stmt in level.before() if (code := value(stmt)) is not None]
     return [stmt for stmt, _ in found], roles.expression(found[-1][1]) if found else None
 
 
 def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Module, also: list[cst.CSTNode]) -> bool:
     """Every binding (``anchors.bindings``) is a parameter or a plain assignment statement of ``block``
-    (or of the branches of ``also``, the guard's ``if``)."""
+    (or of ``also``, the guard's binding statements, and their branches)."""
     plain = {id(pair[0]) for stmt in block.body if (pair := a.simple_assignment(stmt)) is not None}
-    branches = [n for stmt in also for n in a.walk_all(stmt)]
+    branches = [n for stmt in also for n in (stmt, *a.walk_all(stmt))]
     plain |= {id(pair[0]) for n in branches if (pair := a.simple_assignment(n)) is not None}  # type: ignore[arg-type]
     return all(isinstance(n, cst.Param) or id(getattr(n, "target", None)) in plain for n in nodes)
 
@@ -524,11 +526,16 @@ def _store_targets(stmt: cst.CSTNode) -> list[cst.BaseExpression]:
     return []
 
 
-def _insert_is_wired(insert: cst.Call, fused: a.OpCall) -> bool:
-    """``self.<write>(_, _, _, <slots>, <index slots>)``: five positional arguments, the last
-    two the fused call's slot mappings."""
-    args = [x for x in insert.args if x.keyword is None]
+def _insert_is_wired(insert: cst.Call, fused: a.OpCall, write: cst.FunctionDef | None) -> bool:
+    """``self.<write>(_, _, _, <slots>, <index slots>)``: five arguments, bound to the write method's five
+    parameters after ``self`` as Python binds them (by position, then by keyword), the last two the fused
+    call's slot mappings."""
+    params = a.param_names(write)[1:] if write is not None else []
     main, index = fused.arg(schema.SLOT_MAPPING), fused.arg(schema.INDEX_SLOT_MAPPING)
-    if len(insert.args) != 5 or len(args) != 5 or main is None or index is None:
+    if len(params) != 5 or len(insert.args) != 5 or main is None or index is None or any(x.star for x in insert.args):
         return False
-    return a.same_expr(args[3].value, main.value) and a.same_expr(args[4].value, index.value)
+    bound = {params[i]: x.value for i, x in enumerate(x for x in insert.args if x.keyword is None)}
+    bound |= {x.keyword.value: x.value for x in insert.args if x.keyword is not None}
+    if set(bound) != set(params):
+        return False  # an argument bound twice, or a keyword the method does not take
+    return a.same_expr(bound[params[3]], main.value) and a.same_expr(bound[params[4]], index.value)

@@ -1023,3 +1023,31 @@ def test_what_init_reads_before_it_sets_the_dtype_is_not_the_dtype(tmp_path: Pat
                                placeholder + "        self.kv_cache_dtype = cache_config.cache_dtype\n"))
         why = "cannot be proven to be the cache dtype"
     assert_refused(tmp_path, source, why)
+
+
+@pytest.mark.parametrize(
+    "call, state",
+    [
+        ("self._insert_kv(k, v, index_k, index_slot_mapping=index_slot_mapping, main_slot_mapping=main_slot_mapping)", "patched"),
+        ("self._insert_kv(key=k, value=v, index_key=index_k, main_slot_mapping=main_slot_mapping, index_slot_mapping=index_slot_mapping)", "patched"),
+        ("self._insert_kv(k, v, index_k, index_slot_mapping=main_slot_mapping, main_slot_mapping=index_slot_mapping)", "unsupported"),
+        ("self._insert_kv(k, v, index_k, main_slot_mapping, main_slot_mapping=index_slot_mapping)", "unsupported"),
+    ],
+)
+def test_the_write_call_is_bound_as_python_binds_it(tmp_path: Path, call: str, state: str) -> None:
+    """The post-call write handed the slot mappings by keyword, in any order, is wired (it was
+    refused); the same keywords swapped, or an argument given twice, are not."""
+    source = edit(EXPECTED, (POST_END, f"            {call}\n"))
+    assert checked_site(tmp_path, source).state.value == state
+
+
+def test_a_guard_bound_before_the_block_that_holds_the_call(tmp_path: Path) -> None:
+    """``G = not self.F`` before a ``with`` that holds the call and the post-call block: the guard's
+    value is what that binding leaves (it was refused: the condition the bypass did not write)."""
+    start = EXPECTED.rindex(CALL)
+    end = EXPECTED.rindex(POST_END) + len(POST_END)
+    body = "".join("    " + line if line.strip() else line for line in EXPECTED[start:end].splitlines(keepends=True))
+    source = EXPECTED[:start] + "        with torch.no_grad():\n" + body + EXPECTED[end:]
+    assert checked_site(tmp_path, source).state.value == "patched"
+    rebound = edit(source, ("        with torch.no_grad():\n", "        with torch.no_grad():\n            insert_via_fused = True\n"))
+    assert checked_site(tmp_path, rebound).state.value == "unsupported"  # bound again inside: not proven

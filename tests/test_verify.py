@@ -398,6 +398,23 @@ def test_semantic_catches_a_broken_rewrite(tmp_path: Path, mutant: str) -> None:
     assert level.status is Status.FAILED, f"{mutant}: {level.reason}"
 
 
+
+def test_semantic_runs_inits_own_dtype_and_its_return(tmp_path: Path) -> None:
+    """The stand-in keeps what the file's ``__init__`` leaves in ``self.kv_cache_dtype``: a flag read
+    from an "auto" placeholder set before the real dtype fails (the fused op gets the fp8 cache); and
+    a ``return`` in ``__init__`` ends it there (it failed: "'return' outside function")."""
+    flag = '        self._fp8_kv = "fp8" in self.kv_cache_dtype\n'
+    dtype = "        self.kv_cache_dtype = (\n"
+    assert EXPECTED.count(flag) == 1 and EXPECTED.count(dtype) == 1
+    path = tmp_path / "model.py"
+    path.write_text(EXPECTED.replace(flag, "").replace(dtype, '        self.kv_cache_dtype = "auto"\n' + flag + dtype))
+    level, _ = semantic(path)
+    assert level.status is Status.FAILED and "bf16 cache only" in level.reason, level.reason
+    path.write_text(EXPECTED.replace(flag, flag + "        if cache_config is None:\n            return\n"))
+    level, _ = semantic(path)
+    assert level.status is Status.PASSED, level.reason
+
+
 # --- no size stands in for another: rewrites that take a width from the wrong product -------
 
 # The generated lines that hold the index key's head size, in fork_era's rewrite.

@@ -453,7 +453,24 @@ def _init(fn: ast.FunctionDef | None, path: str) -> Init:
         for d in [defaults.get(a.arg)]
     }
     statements = [
-        compile(ast.Module(body=[stmt], type_ignores=[]), path, "exec", flags=_ANNOTATIONS, dont_inherit=True)
+        compile(ast.Module([_Returns().visit(stmt)], []), path, "exec", flags=_ANNOTATIONS, dont_inherit=True)
         for stmt in fn.body
     ]
     return Init(statements, params)
+
+
+class Returned(BaseException):
+    """``__init__`` returned here (its ``return``, run one statement at a time, raises this)."""
+
+
+class _Returns(ast.NodeTransformer):
+    """``return`` in ``__init__``'s own code -> ``raise Returned`` (it is no function when run so)."""
+
+    def visit_Return(self, node: ast.Return) -> ast.AST:
+        raise_ = ast.Raise(exc=ast.Name(Returned.__name__, ast.Load()), cause=None)
+        return ast.fix_missing_locations(ast.copy_location(raise_, node))
+
+    def visit_FunctionDef(self, node: ast.AST) -> ast.AST:  # a nested def's own returns stay
+        return node
+
+    visit_AsyncFunctionDef = visit_Lambda = visit_FunctionDef

@@ -33,7 +33,7 @@ from codemods import codegen
 from codemods.schema import FUSED_OP, RESHAPE_OP
 
 from . import refops
-from .layercode import SIZES, LayerCode, Shape
+from .layercode import SIZES, LayerCode, Returned, Shape
 
 
 class StandInGap(Exception):
@@ -514,7 +514,7 @@ def _standin(
         values.setdefault(chain[0], None)
     # __init__ itself, statement by statement, on the stand-in's sizes as this rank sees them;
     # what the stand-in set above stays, and a statement that raises is skipped.
-    cls.pinned = frozenset(values)
+    cls.pinned = frozenset(values) - {"kv_cache_dtype"}  # (what the file's own __init__ leaves in it counts)
     # one dict for the module's names and __init__'s locals: a comprehension in __init__ sees both
     local = namespace | code.init.params | {
         "self": layer,
@@ -523,11 +523,14 @@ def _standin(
         "quant_config": None,
         "cache_config": types.SimpleNamespace(cache_dtype=cache_dtype_name, block_size=s.block_size),
         "vllm_config": vllm_config,
+        Returned.__name__: Returned,
     }
     for statement in code.init.statements:
         try:
             with torch.device(dev):  # vLLM builds its layers on the target device
                 exec(statement, local)
+        except Returned:
+            break
         except Exception:  # builds something the stand-in does not model
             continue
     cls.pinned = frozenset()
