@@ -221,6 +221,9 @@ def test_what_the_stand_in_cannot_model_is_a_skip_not_a_failure(tmp_path: Path) 
     source = (FIXTURES / "native" / "model.py").read_text()
     assert source.count("        qkv, _ = self.qkv_proj(hidden_states)\n") == 2
     path = tmp_path / "model.py"
+    dtype = "        self.kv_cache_dtype = cache_config.cache_dtype\n"
+    assert source.count(dtype) == 1
+    source = source.replace(dtype, dtype + "        self.use_nvfp4_kv = vllm_kv_quant_mode(cache_config).nvfp4\n")
     path.write_text(
         source.replace(
             "        qkv, _ = self.qkv_proj(hidden_states)\n        num_tokens",
@@ -413,6 +416,19 @@ def test_semantic_runs_inits_own_dtype_and_its_return(tmp_path: Path) -> None:
     path.write_text(EXPECTED.replace(flag, flag + "        if cache_config is None:\n            return\n"))
     level, _ = semantic(path)
     assert level.status is Status.PASSED, level.reason
+
+
+
+def test_an_attribute_nothing_in_the_file_sets_is_the_files_fault(tmp_path: Path) -> None:
+    """The write method reads a scale under a name nothing in the file sets: every fp8 forward
+    raises AttributeError in vLLM too, so the semantic level fails (it skipped, blaming the
+    stand-in, for every name but the two `run` writes)."""
+    read = "        scale = self._fp8_kv_scale  # identity: stores x / 1\n"
+    assert EXPECTED.count(read) == 1
+    path = tmp_path / "model.py"
+    path.write_text(EXPECTED.replace(read, read.replace("_fp8_kv_scale", "_kv_scale_one")))
+    level, _ = semantic(path)
+    assert level.status is Status.FAILED and "_kv_scale_one" in level.reason, level.reason
 
 
 # --- no size stands in for another: rewrites that take a width from the wrong product -------

@@ -133,6 +133,8 @@ def test_a_file_the_stand_in_cannot_run_is_not_verified_and_names_the_engine_lev
     """The semantic level's own limit (an attribute __init__ sets by code the stand-in does not
     run): not the file's failure, and not a pass either."""
     source = (FIXTURES / "native" / "model.py").read_text()
+    dtype = "        self.kv_cache_dtype = cache_config.cache_dtype\n"
+    source = source.replace(dtype, dtype + "        self.use_nvfp4_kv = vllm_kv_quant_mode(cache_config).nvfp4\n")
     path = tmp_path / "model.py"
     path.write_text(
         source.replace(

@@ -180,6 +180,7 @@ class LayerCode:
     compile_aware: bool = False  # the class or a module function asks torch.compiler.is_compiling()
     constants: dict[str, object] = field(default_factory=dict)  # module-level literals (roles.module_constants)
     class_constants: dict[str, object] = field(default_factory=dict)  # its (and its bases') literal class attributes
+    settable: frozenset[str] | None = None  # what the file may set on the layer (_settable); None: anything
 
     def fit(self, shape: Shape) -> Shape:
         """``shape`` with the sizes that one attribute of the file holds made equal: the
@@ -302,7 +303,30 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
         path, class_name, methods, decorators, init, ops, imported, bindings, called, functions, native,
         others - set(functions), _custom_ops(tree), compile_aware, roles.module_constants(tree, roles.NO_SCOPE),
         {k.removeprefix("self."): v for k, v in roles.module_constants(tree, roles.NO_SCOPE, cls).items()},
+        _settable(cls, tree, defs, imports),
     )
+
+
+def _settable(cls: ast.ClassDef, tree: ast.Module, defs: dict[str, ast.FunctionDef], imports: dict[str, str]) -> frozenset[str] | None:
+    """The attributes the file may set on a layer of ``cls``: its classes' names and ``self.`` stores, any
+    string (a name ``setattr`` or ``register_buffer`` may take); None where ``__init__`` sets some by a name
+    that cannot be read (``roles.set_by_name``). An attribute outside them that a method reads is the file's
+    bug (an AttributeError in vLLM too), not code the stand-in does not run."""
+    init = defs.get("__init__")
+    scope = roles.Scope({}, defs, imports)
+    if init is not None and any(roles.set_by_name(fn, imports) is None for fn in roles.init_methods(init, scope)):
+        return None
+    names: set[str] = set()
+    for c in roles.lineage(cls, tree):
+        for node in ast.walk(c):
+            if isinstance(getattr(node, "ctx", None), ast.Store) and (attr := roles.self_member(node)):
+                names.add(attr)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names.add(node.value)
+        names |= {n.name for n in c.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        names |= {t.id for n in c.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                  for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+    return frozenset(names)
 
 
 def _custom_ops(tree: ast.Module) -> dict[str, str]:

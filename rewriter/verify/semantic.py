@@ -75,7 +75,7 @@ def run_layer(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> R
             torch.cuda.synchronize()
     except Exception as exc:  # the layer's own failure is the finding
         frame = _last_file_frame(exc, code.path)
-        gap = _gap(exc, layer, frame)
+        gap = _gap(exc, layer, frame, code)
         result.traceback = _traceback_tail(exc, code.path)
         where = ""
         if frame is not None:

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from codemods import codegen
 from codemods.schema import FUSED_OP, RESHAPE_OP
 
 from . import refops
@@ -546,10 +545,6 @@ def _standin(
     return layer, rec, state
 
 
-# The bypass's own attributes: a missing one is the file's bug, never the stand-in's.
-_BYPASS_ATTRS = (codegen.FP8_FLAG, codegen.FP8_SCALE)
-
-
 def _made_here(value: Any) -> bool:
     """A value the stand-in made up for something it does not model."""
     return isinstance(value, _Imported) or getattr(value, "__func__", None) is _Recorder.sink
@@ -559,11 +554,12 @@ def _made_here(value: Any) -> bool:
 _STAND_INS = (_Indexer, _Impl, _Projection, _Recorder)
 
 
-def _gap(exc: BaseException, layer: Any, frame: types.FrameType | None) -> str | None:
-    """Why ``exc`` is the stand-in's limit rather than the file's fault, if it is."""
+def _gap(exc: BaseException, layer: Any, frame: types.FrameType | None, code: LayerCode) -> str | None:
+    """Why ``exc`` is the stand-in's limit rather than the file's fault, if it is (an attribute of
+    the layer the file never sets, ``LayerCode.settable``, is the file's fault)."""
     if isinstance(exc, StandInGap):
         return str(exc)
-    if isinstance(exc, AttributeError) and exc.obj is layer and exc.name not in _BYPASS_ATTRS:
+    if isinstance(exc, AttributeError) and exc.obj is layer and (code.settable is None or exc.name in code.settable):
         return f"the stand-in lacks `self.{exc.name}` (set by __init__ code it does not run)"
     if isinstance(exc, AttributeError) and type(getattr(exc, "obj", None)) in _STAND_INS:
         return f"the stand-in's {type(exc.obj).__name__.lstrip('_')} has no `{exc.name}` (vLLM's has more than it models)"
