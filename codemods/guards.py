@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from codemods import schema
-from codemods.roles import COMPILING, Scope, Unknown, callee, dotted, evaluate, self_member
+from codemods.naming import callee, dotted, self_member
+from codemods.roles import COMPILING, Scope, Unknown, evaluate
 
 
 def self_attrs(node: ast.expr) -> set[str]:
