@@ -10,8 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from codemods import schema
-from codemods.naming import callee, dotted, self_member
-from codemods.roles import COMPILING, Scope, Unknown, evaluate
+from codemods.roles import COMPILING, Scope, Unknown, callee, dotted, evaluate, self_member
 
 
 def self_attrs(node: ast.expr) -> set[str]:

@@ -1,6 +1,6 @@
 """The one model of a file, read once and asked by every command. As in ruff's semantic model,
 a recogniser asks what a name *is*, not how it is spelled: imports resolve names to qualified
-ones (``naming.import_table``), and a flag is known by the value ``__init__`` leaves in it."""
+ones (``roles.import_table``), and a flag is known by the value ``__init__`` leaves in it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import naming, roles, schema
+from codemods import roles, schema
 from codemods.sourcemap import SourceMap
 
 
@@ -51,7 +51,7 @@ class FileModel:
     def of(cls, module: cst.Module, source: str | bytes | None = None) -> FileModel:
         source_map = SourceMap.of(module, module.code if source is None else source)
         try:
-            imports = naming.import_table(source_map.tree if source_map is not None else ast.parse(module.code))
+            imports = roles.import_table(source_map.tree if source_map is not None else ast.parse(module.code))
         except (SyntaxError, ValueError, RecursionError, MemoryError):  # newer Python than this one's
             imports = {i.bound: _qualified(i) for i in a.module_imports(module)}
         return cls(module, source_map, a.module_functions(module), pass_through_wrappers(module), imports)
@@ -146,24 +146,24 @@ class FileModel:
 
     def carries_dtype(self, cls: cst.ClassDef, expr: cst.BaseExpression) -> bool:
         """``expr``, a native call's dtype argument, holds the cache dtype (``roles.carries_dtype``)."""
-        values, tree = self._values(cls), naming.expression(a.code(expr))
+        values, tree = self._values(cls), roles.expression(a.code(expr))
         return values is not None and tree is not None and roles.carries_dtype(tree, self.scope(cls), values)
 
     def is_compiling(self, expr: cst.BaseExpression) -> bool:
-        tree = naming.expression(a.code(expr))
-        return tree is not None and naming.is_compiling(tree, self.imports)
+        tree = roles.expression(a.code(expr))
+        return tree is not None and roles.is_compiling(tree, self.imports)
 
     def compile_test(self) -> str:
         """How this file calls ``torch.compiler.is_compiling()``: as it calls it already, else its own
         spelling where it imports it (``is_compiling()``, ``dynamo.is_compiling()``), else that one."""
         tree = self.source_map.tree if self.source_map is not None else ast.Module([], [])
-        calls = (ast.unparse(n) for n in ast.walk(tree) if naming.is_compiling(n, self.imports))  # type: ignore[arg-type]
+        calls = (ast.unparse(n) for n in ast.walk(tree) if roles.is_compiling(n, self.imports))  # type: ignore[arg-type]
         if (called := next(calls, None)) is not None:
             return called
         for bound, name in sorted(self.imports.items()):
-            if name in naming.COMPILE_TESTS:
+            if name in roles.COMPILE_TESTS:
                 return f"{bound}()"
-            if f"{name}.is_compiling" in naming.COMPILE_TESTS and bound != "torch":
+            if f"{name}.is_compiling" in roles.COMPILE_TESTS and bound != "torch":
                 return f"{bound}.is_compiling()"
         return "torch.compiler.is_compiling()"
 
@@ -174,8 +174,8 @@ class FileModel:
             return self.is_compiling(node.test)
         if not isinstance(node, cst.Call):
             return False
-        tree = naming.expression(a.code(node.func))
-        return tree is not None and (naming.qualified(tree, self.imports) or "").startswith("torch.ops.")
+        tree = roles.expression(a.code(node.func))
+        return tree is not None and (roles.qualified(tree, self.imports) or "").startswith("torch.ops.")
 
     def flag_definition(self, cls: cst.ClassDef, init: cst.FunctionDef, flag: str) -> list[cst.BaseStatement]:
         """The statements of ``__init__`` that do nothing but decide ``self.<flag>``: its
@@ -187,7 +187,7 @@ class FileModel:
 
         def evaluated(expr: cst.BaseExpression) -> object | None:
             """What ``expr`` holds for an fp8 cache dtype, where that can be read (else None)."""
-            tree = naming.expression(a.code(expr))
+            tree = roles.expression(a.code(expr))
             env = {**_locals, roles.DTYPE: "fp8"}
             try:
                 return roles.evaluate(tree, env, scope) if tree is not None else None

@@ -10,7 +10,7 @@ import functools
 import importlib.util
 from collections.abc import Callable
 
-from codemods import guards, naming, roles, schema
+from codemods import guards, roles, schema
 
 _DEFS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
@@ -23,7 +23,7 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
     except (SyntaxError, ValueError, RecursionError, MemoryError, UnicodeDecodeError):
         return None
     lines = text.split("\n")
-    imports = naming.import_table(tree)
+    imports = roles.import_table(tree)
     functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
     constants = roles.module_constants(tree, roles.Scope(functions, {}, imports))
 
@@ -40,7 +40,7 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
     def visit(node: ast.AST, stack: tuple[ast.AST, ...]) -> None:
         nonlocal named
         named += sum(isinstance(v, str) and schema.FUSED_OP in v for _, v in ast.iter_fields(node))
-        if isinstance(node, ast.Call) and naming.callee(node) == schema.FUSED_OP:
+        if isinstance(node, ast.Call) and roles.callee(node) == schema.FUSED_OP:
             sites.append(_site(node, stack, lines, read))
         inner = (*stack, node) if isinstance(node, _DEFS) else stack
         for child in ast.iter_child_nodes(node):
@@ -95,14 +95,14 @@ def _site(
         slots = [schema.bind_arg(p, args, keywords) for p in (schema.SLOT_MAPPING, schema.INDEX_SLOT_MAPPING)]
         passed = [s for s in slots if s is not None]
         after = [n for s in _after(call, method.body) for n in ast.walk(s)]
-        writes = (guards.writes_cache(naming.self_member(n.func), scope) for n in after if isinstance(n, ast.Call))
+        writes = (guards.writes_cache(roles.self_member(n.func), scope) for n in after if isinstance(n, ast.Call))
         if any(roles.flags(init, scope, values).values()) or any(  # type: ignore[arg-type]
             guards.passes_slots(n, passed) for n in after
         ) or any(writes):
             raise _Defer  # a flag, or a post-call write: the pieces of a bypass, whatever their names
     facts = schema.CallFacts(
         line=call.lineno, class_name=cls.name, method=method.name, module_function=None, nested_in=None,
-        star_args=False, has_cache=has_cache, dtype=naming.dotted(dtype) if has_cache else None,
+        star_args=False, has_cache=has_cache, dtype=roles.dotted(dtype) if has_cache else None,
         dtype_is_auto=False, dtype_proven=True, in_block=False,  # in_block: not asked with a dtype
     )
     return schema.verdict(facts, schema.Pieces)
@@ -110,7 +110,7 @@ def _site(
 
 def _plain(node: ast.expr, lines: list[str]) -> bool:
     """``self.kv_cache_dtype``-like, written plainly between ``=``/``,`` and ``,``/``)``."""
-    if naming.dotted(node) is None or node.end_lineno != node.lineno:
+    if roles.dotted(node) is None or node.end_lineno != node.lineno:
         return False
     line = lines[node.lineno - 1].encode()
     start, end = node.col_offset, node.end_col_offset or 0
@@ -118,7 +118,7 @@ def _plain(node: ast.expr, lines: list[str]) -> bool:
     above = (text.encode().rstrip() for text in reversed(lines[: node.lineno - 1]))
     before = line[:start].rstrip() or next((text for text in above if text), b"")
     return (
-        line[start:end].decode() == naming.dotted(node)
+        line[start:end].decode() == roles.dotted(node)
         and before[-1:] in (b"=", b",")
         and line[end:].lstrip()[:1] in (b",", b")", b"")
     )

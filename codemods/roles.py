@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from codemods import schema
-from codemods.naming import callee, dotted, is_compiling, literal, qualified, self_member
 
 FP8_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 DTYPE = f"self.{schema.DTYPE_ATTR}"
@@ -28,12 +27,94 @@ _ERRORS = (TypeError, ValueError, RecursionError, AttributeError)  # besides Unk
 _MISSING = object()
 # statements that bind nothing the reading follows
 _STEPPED_OVER = (ast.Pass, ast.Assert, ast.Import, ast.ImportFrom, ast.Expr, ast.Global, ast.Nonlocal)
-_SOURCES = "<dtype sources>"  # env's key for the names that are the cache dtype (to that dtype)
+_SOURCES = "<dtype sources>"  # env's key for the names that are the cache dtype
+_PIN = "<dtype>"  # env's key for the cache dtype of this reading
 _NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+
+# --- Python's own tree: names and expressions (parser-free) --------------------------------
+
+
+def dotted(node: ast.expr) -> str | None:
+    """``a.b.c``; ``getattr(a, "b", <constant>)`` is ``a.b`` (its default stands only where the
+    attribute is unset, where the reading knows no value)."""
+    parts = []
+    while (attr := _attribute(node)) is not None:
+        parts.append(attr)
+        node = node.value if isinstance(node, ast.Attribute) else node.args[0]  # type: ignore[attr-defined]
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def _attribute(node: ast.AST) -> str | None:
+    """``b`` of ``a.b``, ``getattr(a, "b")`` and ``getattr(a, "b", <constant>)``."""
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"):
+        return None
+    args = node.args if not node.keywords and len(node.args) in (2, 3) else []
+    name = _literal(args[1]) if args and isinstance(args[-1], ast.Constant) else None
+    return name if name is not None and name.isidentifier() else None
+
+
+def self_member(node: ast.AST) -> str | None:
+    """``x`` of ``self.x`` (not of ``self.x.y``)."""
+    name = dotted(node)  # type: ignore[arg-type]
+    return name[5:] if name is not None and name.startswith("self.") and name.count(".") == 1 else None
+
+
+def callee(call: ast.Call) -> str | None:
+    """``f`` of ``f(…)`` and of ``x.f(…)``."""
+    if isinstance(call.func, ast.Name):
+        return call.func.id
+    return call.func.attr if isinstance(call.func, ast.Attribute) else None
+
+
+def expression(code: str) -> ast.expr | None:
+    """One expression's source as Python's own tree (None: not an expression)."""
+    try:
+        return ast.parse(f"({code})", mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
 
 
 class Unknown(Exception):
     """The expression holds something the reading cannot evaluate."""
+
+
+# What `torch.compiler.is_compiling()` is, under any of its public names (dynamo's own test too: vLLM compiles with it).
+COMPILE_TESTS = frozenset(
+    f"torch.{name}" for name in "compiler.is_compiling compiler.is_dynamo_compiling _dynamo.is_compiling "
+    "_dynamo.external_utils.is_compiling _utils.is_compiling".split()
+)
+
+
+def import_table(tree: ast.Module) -> dict[str, str]:
+    """Each name an import binds (anywhere in the file), to the qualified name it is bound to."""
+    table: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:  # `import a.b` binds `a`, and says that `a.b` is loaded
+                root = alias.name.partition(".")[0]
+                table |= {alias.asname: alias.name} if alias.asname else {root: root, alias.name: alias.name}
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            for alias in node.names:
+                if alias.name != "*":
+                    table[alias.asname or alias.name] = f"{base}.{alias.name}" if base else alias.name
+    return table
+
+
+def qualified(node: ast.expr, imports: Mapping[str, str]) -> str | None:
+    """The dotted name ``node`` is, its first part resolved through the imports."""
+    root, dot, rest = (dotted(node) or "").partition(".")
+    return imports.get(root, root) + dot + rest if root else None
+
+
+def is_compiling(node: ast.expr, imports: Mapping[str, str]) -> bool:
+    """A call of ``torch.compiler.is_compiling()``, however the file imported or spelled it."""
+    if not isinstance(node, ast.Call) or node.args or node.keywords:
+        return False
+    return qualified(node.func, imports) in COMPILE_TESTS
 
 
 @dataclass(frozen=True)
@@ -230,12 +311,15 @@ class _Stop(Exception):
 
 
 def _dtype_sources(init: ast.FunctionDef, scope: Scope) -> tuple[set[str], bool]:
-    """``self.kv_cache_dtype``, the name it is assigned from, the locals that is in turn (``d =
-    cache_config.cache_dtype``; ``self.kv_cache_dtype = d``), each set by one statement of __init__ (or method it
-    calls) if at all: where two set one (``= "auto"``, then the real one), which is the dtype is not known, so it
-    is none (nor the rest of the chain); and whether __init__ sets the attribute (the dtype from that store on)."""
-    places = [{dotted(n) for n in ast.walk(node) if isinstance(getattr(n, "ctx", None), ast.Store)}
-              for node in (*init.body, *init_methods(init, scope)[1:])]
+    """``self.kv_cache_dtype`` and what it is assigned from: a name, or the locals a name is assigned from
+    in turn (``d = cache_config.cache_dtype``; ``self.kv_cache_dtype = d``); and whether __init__ sets the
+    attribute (then it is the dtype from that store on). Each is set by one statement of __init__ (both
+    branches of one ``if``, say) or method it calls, if at all: set by two (``= "auto"``, then the real
+    one), which is the dtype's is not known, and it is none of them (nor, for the attribute, what follows)."""
+    def stores(node: ast.AST) -> set[str | None]:
+        return {dotted(n) for n in ast.walk(node) if isinstance(getattr(n, "ctx", None), ast.Store)}
+
+    places = [stores(node) for node in (*init.body, *init_methods(init, scope)[1:])]
     values: dict[str, ast.expr] = {}
     for node in ast.walk(init):
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and (name := dotted(node.targets[0])):
@@ -268,7 +352,8 @@ def _store(target: ast.expr, value: object, env: dict[str, object]) -> None:
     if name is None or ("." in name and self_member(target) is None):
         return  # a subscript or a deeper attribute: no attribute of ours changes
     if name in env.get(_SOURCES, ()):  # type: ignore[operator]
-        env[name] = env[_SOURCES][name]  # type: ignore[index]  # the cache dtype itself, whatever it is read from
+        if name == DTYPE:  # the cache dtype itself from here on, whatever __init__ reads it from
+            env[DTYPE] = env[_PIN]
         return
     if value is _MISSING:
         env.pop(name, None)
@@ -287,8 +372,8 @@ def _forget(node: ast.AST, env: dict[str, object], scope: Scope) -> None:
                 seen.add(method)
                 todo.append(scope.methods[method])
             # bound or deleted, whatever binds it (an assignment, a loop, `with … as`, `:=`, `del`)
-            if isinstance(getattr(sub, "ctx", None), (ast.Store, ast.Del)):
-                _store(sub, _MISSING, env)  # type: ignore[arg-type]  # (the cache dtype: itself from here on)
+            if isinstance(getattr(sub, "ctx", None), (ast.Store, ast.Del)) and dotted(sub) != DTYPE:
+                env.pop(dotted(sub), None)  # type: ignore[arg-type]
 
 
 def _block(body: list[ast.stmt], env: dict[str, object], scope: Scope, depth: int) -> None:
@@ -414,13 +499,13 @@ def set_by_name(node: ast.AST, imports: Mapping[str, str]) -> set[str] | None:
             on_self = isinstance(func, ast.Attribute) and (_is_self(func.value) or isinstance(func.value, ast.Call))
             at = next((i + 1 for i, arg in enumerate(sub.args) if _is_self(arg)), 0 if on_self else None)
             if setter and at is not None:  # (else another object's attribute)
-                attr = literal(sub.args[at]) if at < len(sub.args) else None
+                attr = _literal(sub.args[at]) if at < len(sub.args) else None
                 if attr is None:
                     return None
                 found.add(f"self.{attr}")
             trusted = setter or isinstance(func, ast.Attribute) or name in imports or name in _READERS
             if name == "getattr":
-                attr = literal(sub.args[1]) if len(sub.args) > 1 else None
+                attr = _literal(sub.args[1]) if len(sub.args) > 1 else None
                 trusted = attr is not None and not attr.startswith("__")
             if trusted:
                 handed.update(id(arg) for arg in (*sub.args, *(k.value for k in sub.keywords)))
@@ -430,6 +515,10 @@ def set_by_name(node: ast.AST, imports: Mapping[str, str]) -> set[str] | None:
 
 def _is_self(node: ast.AST) -> bool:
     return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _literal(node: ast.AST) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 
 def _either(stmt: ast.If, env: dict[str, object], scope: Scope, depth: int) -> None:
@@ -474,11 +563,12 @@ def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object])
     # what a def nested in __init__ (or in a method it calls) stores through ``self``: whenever it is called
     nested = [d for fn in init_methods(init, scope) for d in ast.walk(fn) if d is not fn and isinstance(d, _NESTED)]
     late = {f"self.{attr}" for d in nested for attr in _stored(d)}
-    sources, set_here = _dtype_sources(init, scope)
-    pinned, values = sources - {DTYPE} if set_here else sources, {}  # (the attribute: where __init__ sets it)
+    found, set_here = _dtype_sources(init, scope)
+    sources, values = frozenset(found), {}
+    pinned = sources - {DTYPE} if set_here else sources  # (the attribute pinned where __init__ sets it)
     props = {name: ast.Call(ast.parse(f"self.{name}", mode="eval").body, [], []) for name in scope.properties()}
     for dtype in (*FP8_DTYPES, schema.AUTO_DTYPE):
-        env = {**base, _SOURCES: dict.fromkeys(sources, dtype), **dict.fromkeys(pinned, dtype)}
+        env = {**base, _SOURCES: sources, _PIN: dtype, **dict.fromkeys(pinned, dtype)}
         with contextlib.suppress(_Stop):
             _block(init.body, env, scope, 0)
         for name, call in props.items():  # what a property gives once __init__ has run

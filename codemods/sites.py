@@ -12,7 +12,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import codegen, guards, naming, roles, schema
+from codemods import codegen, guards, roles, schema
 from codemods.model import FileModel
 from codemods.sourcemap import SourceMap
 
@@ -147,7 +147,7 @@ def _ast_calls(tree: ast.Module, op_lines: list[int], names: set[str]) -> list[a
             first = min((d.lineno for d in getattr(node, "decorator_list", ())), default=node.lineno)
             if not _holds(first, node.end_lineno or node.lineno, op_lines):
                 return
-        if isinstance(node, ast.Call) and naming.callee(node) in names:
+        if isinstance(node, ast.Call) and roles.callee(node) in names:
             found.append(node)
         for child in ast.iter_child_nodes(node):
             visit(child)
@@ -236,7 +236,7 @@ def unguarded(arg: cst.Arg) -> cst.BaseExpression:
 
 def _local(condition: str) -> str | None:
     """The local a condition reads, where it is ``G`` or ``not G``."""
-    tree = naming.expression(condition)
+    tree = roles.expression(condition)
     while isinstance(tree, ast.UnaryOp) and isinstance(tree.op, ast.Not):
         tree = tree.operand
     return tree.id if isinstance(tree, ast.Name) else None
@@ -287,7 +287,7 @@ def collect_pieces(
     if guarded and len(set(guarded)) == 1:
         condition = guarded[0]
         local = _local(condition)
-        fused_when = naming.expression(condition)
+        fused_when = roles.expression(condition)
         chain = a.slot_chain(method, slot) if local is not None and slot is not None else []
         statements, value = _guard_binding(chain, local) if chain else ([], None)  # type: ignore[arg-type]
         if value is not None and not _bound_only_in(bound[local], slot.block, statements):  # type: ignore[union-attr]
@@ -317,7 +317,7 @@ def collect_pieces(
         free = m.dtype_free(cls) if native else set()
 
         def dtype_free(c: str) -> bool:  # (a native call honours a condition no cache dtype decides)
-            tree, local = naming.expression(c), _local(c)
+            tree, local = roles.expression(c), _local(c)
             if tree is None or any(isinstance(n, ast.Call) for n in ast.walk(tree)):
                 return False
             param = local is None or [type(b) for b in bound.get(local, [])] == [cst.Param]
@@ -368,7 +368,7 @@ def collect_pieces(
         p.post_insert, p.post_insert_call, p.post_block = True, node, stmt
         p.insert_method = a.self_attr(node.func) or codegen.INSERT_KV
         p.insert_from_file = _passes_slots(node, main, index)
-        test = naming.expression(a.code(stmt.test)) if isinstance(stmt, cst.If) else None
+        test = roles.expression(a.code(stmt.test)) if isinstance(stmt, cst.If) else None
         lost = sorted(guards.self_attrs(test) - set(init_attrs) - set(flags)) if test is not None else []
         if guard is None and not p.flag_set and len(lost) == 1:  # the block tests a flag nothing sets
             p.flag_attr, p.flag_read, p.flag_from_file = lost[0], True, True
@@ -397,7 +397,7 @@ def _passes_slots(node: cst.CSTNode, main: cst.Arg | None, index: cst.Arg | None
     (``guards.passes_slots``, prefilter's rule)."""
     if not (isinstance(node, cst.Call) and a.self_attr(node.func) is not None) or main is None or index is None:
         return False
-    trees = [naming.expression(a.code(n)) for n in (node, main.value, index.value)]
+    trees = [roles.expression(a.code(n)) for n in (node, main.value, index.value)]
     return None not in trees and guards.passes_slots(trees[0], trees[1:])  # type: ignore[arg-type]
 
 
@@ -426,7 +426,7 @@ def _guard_binding(chain: list[a.StatementSlot], local: str) -> tuple[list[cst.B
         return f"({body}) if ({a.code(stmt.test)}) else ({orelse})" if body and orelse else None
 
     found = [(stmt, code) for level in chain for stmt in level.before() if (code := value(stmt)) is not None]
-    return [stmt for stmt, _ in found], naming.expression(found[-1][1]) if found else None
+    return [stmt for stmt, _ in found], roles.expression(found[-1][1]) if found else None
 
 
 def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Module, also: list[cst.CSTNode]) -> bool:
@@ -500,8 +500,8 @@ _CLASS_ATTR = (cst.AssignTarget, cst.AnnAssign)
 
 def is_scale_value(node: cst.BaseExpression) -> bool:
     """``torch.ones(…)``: the identity scale as the bypass makes it."""
-    tree = naming.expression(a.code(node))
-    return isinstance(tree, ast.Call) and naming.dotted(tree.func) == "torch.ones"
+    tree = roles.expression(a.code(node))
+    return isinstance(tree, ast.Call) and roles.dotted(tree.func) == "torch.ones"
 
 
 def registered_buffer(init: cst.FunctionDef | None, name: str) -> cst.BaseStatement | None:

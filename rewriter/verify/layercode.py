@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from codemods import naming, roles, schema
+from codemods import roles, schema
 from codemods.schema import FUSED_OP, KV_CACHE
 from rewriter.apply import read_source
 
@@ -293,9 +293,9 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
         for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
         if isinstance(t, ast.Name)
     }
-    imports = naming.import_table(tree)
+    imports = roles.import_table(tree)
     compile_aware = any(
-        naming.is_compiling(n, imports)
+        roles.is_compiling(n, imports)
         for node in [cls, *(f for f in tree.body if isinstance(f, ast.FunctionDef))]
         for n in ast.walk(node)
     )
@@ -319,7 +319,7 @@ def _settable(cls: ast.ClassDef, tree: ast.Module, defs: dict[str, ast.FunctionD
     names: set[str] = set()
     for c in roles.lineage(cls, tree):
         for node in ast.walk(c):
-            if isinstance(getattr(node, "ctx", None), ast.Store) and (attr := naming.self_member(node)):
+            if isinstance(getattr(node, "ctx", None), ast.Store) and (attr := roles.self_member(node)):
                 names.add(attr)
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
                 names.add(node.value)
@@ -334,7 +334,7 @@ def _custom_ops(tree: ast.Module) -> dict[str, str]:
     found = {}
     for node in tree.body:
         call = node.value if isinstance(node, ast.Expr) else None
-        if not (isinstance(call, ast.Call) and (naming.callee(call) or "").endswith("register_custom_op")):
+        if not (isinstance(call, ast.Call) and (roles.callee(call) or "").endswith("register_custom_op")):
             continue
         kw = {k.arg: k.value for k in call.keywords}
         name, func = kw.get("op_name", call.args[0] if call.args else None), kw.get("op_func")
