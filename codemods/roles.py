@@ -27,8 +27,7 @@ _ERRORS = (TypeError, ValueError, RecursionError, AttributeError)  # besides Unk
 _MISSING = object()
 # statements that bind nothing the reading follows
 _STEPPED_OVER = (ast.Pass, ast.Assert, ast.Import, ast.ImportFrom, ast.Expr, ast.Global, ast.Nonlocal)
-_SOURCES = "<dtype sources>"  # env's key for the names that are the cache dtype
-_PIN = "<dtype>"  # env's key for the cache dtype of this reading
+_SOURCES = "<dtype sources>"  # env's key for the names that are the cache dtype (to that dtype)
 _NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
 
@@ -311,19 +310,13 @@ class _Stop(Exception):
 
 
 def _dtype_sources(init: ast.FunctionDef, scope: Scope) -> tuple[set[str], bool]:
-    """``self.kv_cache_dtype`` and what it is assigned from: a name, or the locals a name is assigned from
-    in turn (``d = cache_config.cache_dtype``; ``self.kv_cache_dtype = d``); and whether __init__ sets the
-    attribute (then it is the dtype from that store on). Each is set by one statement of __init__ (both
-    branches of one ``if``, say) or method it calls, if at all: set by two (``= "auto"``, then the real
-    one), which is the dtype's is not known, and it is none of them (nor, for the attribute, what follows)."""
-    def stores(node: ast.AST) -> set[str | None]:
-        return {dotted(n) for n in ast.walk(node) if isinstance(getattr(n, "ctx", None), ast.Store)}
-
-    places = [stores(node) for node in (*init.body, *init_methods(init, scope)[1:])]
-    values: dict[str, ast.expr] = {}
-    for node in ast.walk(init):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and (name := dotted(node.targets[0])):
-            values.setdefault(name, node.value)
+    """``self.kv_cache_dtype`` and the chain of names it is assigned from (``d = cache_config.cache_dtype``;
+    ``self.kv_cache_dtype = d``), each set by one statement of __init__ or a method it calls (two, ``= "auto"``
+    then the real one: which is the dtype's is not known); and whether __init__ sets it (the dtype from there)."""
+    places = [{dotted(n) for n in ast.walk(node) if isinstance(getattr(n, "ctx", None), ast.Store)}
+              for node in (*init.body, *init_methods(init, scope)[1:])]
+    assigns = [n for n in ast.walk(init) if isinstance(n, ast.Assign) and len(n.targets) == 1]
+    values = {name: n.value for n in reversed(assigns) if (name := dotted(n.targets[0]))}  # (the first)
     sources, name = set(), DTYPE
     while name is not None and name not in sources and sum(name in p for p in places) <= 1:
         sources.add(name)
@@ -352,9 +345,7 @@ def _store(target: ast.expr, value: object, env: dict[str, object]) -> None:
     if name is None or ("." in name and self_member(target) is None):
         return  # a subscript or a deeper attribute: no attribute of ours changes
     if name in env.get(_SOURCES, ()):  # type: ignore[operator]
-        if name == DTYPE:  # the cache dtype itself from here on, whatever __init__ reads it from
-            env[DTYPE] = env[_PIN]
-        return
+        value = env[_SOURCES][name]  # type: ignore[index]  # the cache dtype itself, whatever it is read from
     if value is _MISSING:
         env.pop(name, None)
     else:
@@ -372,8 +363,8 @@ def _forget(node: ast.AST, env: dict[str, object], scope: Scope) -> None:
                 seen.add(method)
                 todo.append(scope.methods[method])
             # bound or deleted, whatever binds it (an assignment, a loop, `with … as`, `:=`, `del`)
-            if isinstance(getattr(sub, "ctx", None), (ast.Store, ast.Del)) and dotted(sub) != DTYPE:
-                env.pop(dotted(sub), None)  # type: ignore[arg-type]
+            if isinstance(getattr(sub, "ctx", None), (ast.Store, ast.Del)):
+                _store(sub, _MISSING, env)  # type: ignore[arg-type]  # (the cache dtype: itself from here on)
 
 
 def _block(body: list[ast.stmt], env: dict[str, object], scope: Scope, depth: int) -> None:
@@ -563,12 +554,11 @@ def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object])
     # what a def nested in __init__ (or in a method it calls) stores through ``self``: whenever it is called
     nested = [d for fn in init_methods(init, scope) for d in ast.walk(fn) if d is not fn and isinstance(d, _NESTED)]
     late = {f"self.{attr}" for d in nested for attr in _stored(d)}
-    found, set_here = _dtype_sources(init, scope)
-    sources, values = frozenset(found), {}
-    pinned = sources - {DTYPE} if set_here else sources  # (the attribute pinned where __init__ sets it)
+    sources, set_here = _dtype_sources(init, scope)
+    pinned, values = sources - {DTYPE} if set_here else sources, {}  # (the attribute: where __init__ sets it)
     props = {name: ast.Call(ast.parse(f"self.{name}", mode="eval").body, [], []) for name in scope.properties()}
     for dtype in (*FP8_DTYPES, schema.AUTO_DTYPE):
-        env = {**base, _SOURCES: sources, _PIN: dtype, **dict.fromkeys(pinned, dtype)}
+        env = {**base, _SOURCES: dict.fromkeys(sources, dtype), **dict.fromkeys(pinned, dtype)}
         with contextlib.suppress(_Stop):
             _block(init.body, env, scope, 0)
         for name, call in props.items():  # what a property gives once __init__ has run
@@ -581,12 +571,10 @@ def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object])
 def flags(init: ast.FunctionDef, scope: Scope, values: Mapping[str, Mapping[str, object]]) -> dict[str, bool]:
     """Each attribute ``__init__`` assigns (or property): whether it is a flag - true for every fp8 dtype
     and false for "auto" once ``__init__`` has run (``values``: ``init_values``), however decided."""
-    assigned = set().union(*map(_stored, init_methods(init, scope)), scope.properties())
-    found = {}
-    for attr in assigned - {schema.DTYPE_ATTR}:
-        *fp8, auto = [run.get(f"self.{attr}", _MISSING) for run in values.values()]  # auto last
-        found[attr] = all(v is not _MISSING for v in (*fp8, auto)) and all(fp8) and not auto
-    return found
+    assigned = set().union(*map(_stored, init_methods(init, scope)), scope.properties()) - {schema.DTYPE_ATTR}
+    held = {attr: [run.get(f"self.{attr}", _MISSING) for run in values.values()] for attr in assigned}  # auto last
+    known = {attr: runs for attr, runs in held.items() if all(v is not _MISSING for v in runs)}
+    return {attr: attr in known and all(runs[:-1]) and not runs[-1] for attr, runs in held.items()}
 
 
 def carries_dtype(node: ast.expr, scope: Scope, values: Mapping[str, Mapping[str, object]]) -> bool:
