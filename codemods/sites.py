@@ -531,8 +531,9 @@ def _insert_is_wired(insert: cst.Call, fused: a.OpCall, write: cst.FunctionDef |
     parameters after ``self`` as Python binds them (by position, then by keyword), the last two the fused
     call's slot mappings."""
     params = a.param_names(write)[1:] if write is not None else []
+    params = params if len(params) == 5 else ["0", "1", "2", "3", "4"]  # (no such method: by position alone)
     main, index = fused.arg(schema.SLOT_MAPPING), fused.arg(schema.INDEX_SLOT_MAPPING)
-    if len(params) != 5 or len(insert.args) != 5 or main is None or index is None or any(x.star for x in insert.args):
+    if len(insert.args) != 5 or main is None or index is None or any(x.star for x in insert.args):
         return False
     bound = {params[i]: x.value for i, x in enumerate(x for x in insert.args if x.keyword is None)}
     bound |= {x.keyword.value: x.value for x in insert.args if x.keyword is not None}

@@ -103,3 +103,14 @@ def test_the_issue_merge_is_not_called_native(tmp_path) -> None:
     (site,) = [s for s in plan_file(path).sites if s.state.value != "not-a-site"]
     assert site.state.value == "half-applied", site.reason
     assert site.write_method == "_write_kv_fp8"
+
+
+@pytest.mark.parametrize("taken", [("method",), ("flag", "method"), ("call", "guard", "method")])
+def test_a_post_call_write_whose_method_the_merge_took_away_is_still_read_by_position(tmp_path, taken) -> None:
+    """Upstream's side taken for the write method (gone): the post-call block still hands the call's
+    slot mappings by position, so the stale bypass is read and taken out. Binding the write call to
+    the method's parameters (for keywords) refused these merges when there was no method to bind to."""
+    path = tmp_path / "model.py"
+    path.write_text(_merge(taken, "tool"))
+    (site,) = [s for s in plan_file(path).sites if s.state.value != "not-a-site"]
+    assert site.action.value != "refuse", site.reason
