@@ -140,8 +140,8 @@ class FileModel:
 
     def dtype_free(self, cls: cst.ClassDef) -> set[str]:
         """The attributes ``__init__`` leaves holding the same value whatever the cache dtype."""
-        runs = list((self._values(cls) or {}).values())
-        same = [k for k in (runs[0] if runs else {}) if all(k in r and repr(r[k]) == repr(runs[0][k]) for r in runs)]
+        first, *rest = list((self._values(cls) or {}).values()) or [{}]
+        same = [k for k, v in first.items() if all(k in r and repr(r[k]) == repr(v) for r in rest)]
         return {k.removeprefix("self.") for k in same}
 
     def carries_dtype(self, cls: cst.ClassDef, expr: cst.BaseExpression) -> bool:

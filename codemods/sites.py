@@ -314,7 +314,7 @@ def collect_pieces(
     elif p.guard_other or len(set(guarded)) > 1:
         p.guard_args = [_local(c) or c for c in guarded]
     if len(set(guarded)) <= 1:
-        free = m.dtype_free(cls) if native else set()
+        free = m.dtype_free(cls) if native and guarded else set()
 
         def dtype_free(c: str) -> bool:  # (a native call honours a condition no cache dtype decides)
             tree, local = roles.expression(c), _local(c)
@@ -379,7 +379,8 @@ def collect_pieces(
         # wired: right after the call (before anything, attention say, reads the caches), and
         # nothing in the block leaves it before the write
         straight = at == 0 and a.first_in(stmt, lambda n: isinstance(n, _EXITS)) is None
-        p.post_insert_wired = post is not None and straight and _insert_is_wired(node, op, m.methods(cls).get(p.insert_method))
+        write = m.methods(cls).get(p.insert_method)
+        p.post_insert_wired = post is not None and straight and _insert_is_wired(node, op, write)
         slots_none = _slots_none_somewhere(method, op)
         p.compiled_write = p.post_insert_wired and post is not None and post.while_compiling and slots_none
         p.compiled_branch = a.first_in(stmt, m.compiled_path_write) is not None and slots_none

@@ -307,7 +307,9 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
     )
 
 
-def _settable(cls: ast.ClassDef, tree: ast.Module, defs: dict[str, ast.FunctionDef], imports: dict[str, str]) -> frozenset[str] | None:
+def _settable(
+    cls: ast.ClassDef, tree: ast.Module, defs: dict[str, ast.FunctionDef], imports: dict[str, str]
+) -> frozenset[str] | None:
     """The attributes the file may set on a layer of ``cls``: its classes' names and ``self.`` stores, any
     string (a name ``setattr`` or ``register_buffer`` may take); None where ``__init__`` sets some by a name
     that cannot be read (``roles.set_by_name``). An attribute outside them that a method reads is the file's

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from codemods.schema import FUSED_OP, RESHAPE_OP
+from codemods.schema import DTYPE_ATTR, FUSED_OP, RESHAPE_OP
 
 from . import refops
 from .layercode import SIZES, LayerCode, Returned, Shape
@@ -513,7 +513,7 @@ def _standin(
         values.setdefault(chain[0], None)
     # __init__ itself, statement by statement, on the stand-in's sizes as this rank sees them;
     # what the stand-in set above stays, and a statement that raises is skipped.
-    cls.pinned = frozenset(values) - {"kv_cache_dtype"}  # (what the file's own __init__ leaves in it counts)
+    cls.pinned = frozenset(values) - {DTYPE_ATTR}  # (what the file's own __init__ leaves in it counts)
     # one dict for the module's names and __init__'s locals: a comprehension in __init__ sees both
     local = namespace | code.init.params | {
         "self": layer,
