@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import libcst as cst
 
 from codemods import anchors as a
-from codemods import codegen, schema
+from codemods import schema
 from codemods.fp8_kv_bypass import BypassPlan, apply_plan, plan_bypass
 from codemods.fp8_kv_revert import RevertPlan, apply_revert, plan_site, revert_reason
 from codemods.schema import CHANGING, Action, InsertSite, SiteState, Unsupported
@@ -48,9 +48,7 @@ def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalys
         source = module.code
     m = FileModel.of(module, source)
     finder = find_calls(module, m.source_map, m.wrappers)
-    flag = codegen.FP8_FLAG if isinstance(source, str) else codegen.FP8_FLAG.encode()
-    mentions_flag = flag in source  # type: ignore[operator]
-    classified = [classify(m, f, mentions_flag) for f in finder.found]
+    classified = [classify(m, f) for f in finder.found]
     strays = [_stray_site(stmt, m.source_map) for _, stmt in finder.strays()]
     sites = schema.one_candidate([site for site, _ in classified] + strays)
     plans = [plan for (_, plan), site in zip(classified, sites) if plan is not None and site.action in CHANGING]
@@ -74,16 +72,14 @@ def _stray_site(stmt: cst.CSTNode | None, source_map: SourceMap | None) -> Inser
     return InsertSite(None, "<module>", span[0] if span else 0, SiteState.UNSUPPORTED, Action.REFUSE, reason)
 
 
-def classify(
-    m: FileModel, found: FoundCall, mentions_flag: bool = True
-) -> tuple[InsertSite, BypassPlan | RevertPlan | None]:
+def classify(m: FileModel, found: FoundCall) -> tuple[InsertSite, BypassPlan | RevertPlan | None]:
     """One call's site, asked of the file's model ``m``, and the plan of its change."""
     facts, slot = call_facts(found, m)
     found_pieces: list[FoundPieces] = []
 
     def collect() -> FoundPieces:
         assert found.cls is not None and found.method is not None
-        found_pieces.append(collect_pieces(m, found.cls, found.method, found.op, slot, mentions_flag))
+        found_pieces.append(collect_pieces(m, found.cls, found.method, found.op, slot))
         return found_pieces[-1]
 
     decided = schema.verdict(facts, collect)

@@ -116,8 +116,8 @@ def plan_site(
             if not pieces.flag_set and any(isinstance(n, cst.Call) for n in a.walk_all(value)):
                 raise Unsupported(f"`self.{pieces.flag_attr}` is assigned a call, which removing would skip")
             remove.append(flag_slot.statement)
-        remove += [scale_slot.statement for scale_slot, _ in attrs.get(codegen.FP8_SCALE, [])]
-        buffer = sites.registered_buffer(init, codegen.FP8_SCALE)
+        remove += [scale_slot.statement for scale_slot, _ in attrs.get(pieces.scale_attr, [])]
+        buffer = sites.registered_buffer(init, pieces.scale_attr)
         remove += [buffer] if buffer is not None else []
     remove += pieces.guard_statements  # the guard's binding (`sites._guard_binding`)
     post = _post_call_block(m, slot, pieces)

@@ -210,6 +210,7 @@ class FoundPieces(schema.Pieces):
     guard_statements: list[cst.BaseStatement] = field(default_factory=list)  # those binding `guard_assigned`
     flag_attr: str = codegen.FP8_FLAG  # the names run writes, where the file has no piece of the role
     insert_method: str = codegen.INSERT_KV
+    scale_attr: str = codegen.FP8_SCALE
 
 
 def _condition(arg: cst.Arg | None) -> tuple[cst.BaseExpression, str] | None:
@@ -269,11 +270,9 @@ def other_insert_kv_call(cls: cst.ClassDef, allowed: set[int], name: str) -> cst
 
 
 def collect_pieces(
-    m: FileModel, cls: cst.ClassDef, method: cst.FunctionDef, op: a.OpCall, slot: a.StatementSlot | None,
-    mentions_flag: bool = True,
+    m: FileModel, cls: cst.ClassDef, method: cst.FunctionDef, op: a.OpCall, slot: a.StatementSlot | None
 ) -> FoundPieces:
-    """Each piece by its role (``roles``), whatever the file calls it, asked of the file's
-    model ``m``. ``mentions_flag``: the file's text holds the bypass's own flag name at all."""
+    """Each piece by its role (``roles``), whatever the file calls it, asked of the file's model ``m``."""
     p = FoundPieces()
     native = op.arg(schema.KV_CACHE_DTYPE) is not None
     init = m.init(cls)
@@ -341,12 +340,9 @@ def collect_pieces(
     p.flag_set = flags.get(p.flag_attr) is True
     if guard_flag and p.flag_attr in init_attrs and not p.flag_set:
         p.flag_unproven = "`, then `".join(a.code(v) for _, v in init_attrs[p.flag_attr])  # set to what?
-    p.scale_set = codegen.FP8_SCALE in init_attrs or registered_buffer(init, codegen.FP8_SCALE) is not None
-    if mentions_flag or p.flag_from_file:  # (else neither the flag nor the scale is named at all)
-        attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
-        # Once set, whether the flag is also read decides nothing (schema.Pieces.any_bypass).
-        p.flag_read = not p.flag_set and p.flag_attr in attrs and p.flag_unproven is None
-        p.scale_read = codegen.FP8_SCALE in attrs
+    attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
+    # Once set, whether the flag is also read decides nothing (schema.Pieces.any_bypass).
+    p.flag_read = not p.flag_set and p.flag_attr in attrs and p.flag_unproven is None
 
     # The post-call block: the `if` after the call that hands the call's slot mappings to a
     # method when the fused op did not write - whatever the method and the test are called; else
@@ -386,7 +382,14 @@ def collect_pieces(
         p.compiled_branch = a.first_in(stmt, m.compiled_path_write) is not None and slots_none
         break
     p.insert_kv = _insert_kv_form(a.find_method(cls, p.insert_method), cls, m.functions)
-    _taken_names(m, cls, scope, init_attrs if mentions_flag or p.flag_from_file else {}, p)
+    # The scale: the identity scale (``torch.ones``) __init__ makes that the write method reads.
+    write = m.methods(cls).get(p.insert_method)
+    read = {a.self_attr(n) for n in a.nodes_in(write.body)} - {None} if write is not None else set()
+    made = sorted(x for x in read if (value := _first_value(init_attrs, init, x)) is not None and is_scale_value(value))
+    p.scale_attr = made[0] if len(made) == 1 else codegen.FP8_SCALE
+    p.scale_set = p.scale_attr in init_attrs or registered_buffer(init, p.scale_attr) is not None
+    p.scale_read = p.scale_attr in attrs
+    _taken_names(m, cls, scope, init_attrs, p)
     return p
 
 
@@ -453,7 +456,7 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, scope: roles.Scope, init_attrs
     for c in m.lineage(cls):  # the class, and its bases in this file
         bound = at_class if c is cls else a.scope_bindings(c.body)
         where = "the class body" if c is cls else f"the body of {c.name.value}, a base class of this one"
-        names = (p.flag_attr, codegen.FP8_SCALE) + ((p.insert_method,) if c is not cls else ())  # (own: below)
+        names = (p.flag_attr, p.scale_attr) + ((p.insert_method,) if c is not cls else ())  # (own: below)
         for name in [n for n in names if n in bound]:
             # (not a proven flag's class attribute, what it holds until __init__ sets it, or its property)
             flag = name == p.flag_attr and p.flag_set
@@ -475,12 +478,12 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, scope: roles.Scope, init_attrs
         called = [scope.methods[n] for n in guards.self_attrs(prop) if n in scope.methods]
         reads = set().union(*map(guards.self_attrs, [prop, *called])) - set(scope.methods) - {schema.DTYPE_ATTR}
     own_roles |= reads
-    scale = init_attrs.get(codegen.FP8_SCALE, [])[:1]
+    scale = init_attrs.get(p.scale_attr, [])[:1]
     own = {id(scale[0][1])} if scale and is_scale_value(scale[0][1]) else set()
     for method in m.methods(cls).values():  # a mixin's too
         in_init = method.name.value in setters
         flag_free = p.flag_unproven is not None or (in_init and not flag_def)  # it may set the flag
-        pieces = ({p.flag_attr, codegen.FP8_SCALE} - ({p.flag_attr} if flag_free else set())) | (set() if in_init else reads)
+        pieces = ({p.flag_attr, p.scale_attr} - ({p.flag_attr} if flag_free else set())) | (set() if in_init else reads)
         for node in a.all_statements(method.body):
             stored = {a.self_attr(t) for t in _store_targets(node)}
             if p.insert_method in stored:
@@ -503,6 +506,15 @@ def is_scale_value(node: cst.BaseExpression) -> bool:
     """``torch.ones(…)``: the identity scale as the bypass makes it."""
     tree = roles.expression(a.code(node))
     return isinstance(tree, ast.Call) and roles.dotted(tree.func) == "torch.ones"
+
+
+def _first_value(init_attrs: a.Assignments, init: cst.FunctionDef | None, name: str) -> cst.BaseExpression | None:
+    """What __init__ first makes ``self.<name>``: assigned, or registered as a buffer."""
+    if name in init_attrs:
+        return init_attrs[name][0][1]
+    buffer = registered_buffer(init, name)
+    call = a.expression_call(buffer) if buffer is not None else None
+    return call.args[1].value if call is not None and len(call.args) > 1 else None
 
 
 def registered_buffer(init: cst.FunctionDef | None, name: str) -> cst.BaseStatement | None:

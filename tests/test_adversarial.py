@@ -1051,3 +1051,17 @@ def test_a_guard_bound_before_the_block_that_holds_the_call(tmp_path: Path) -> N
     assert checked_site(tmp_path, source).state.value == "patched"
     rebound = edit(source, ("        with torch.no_grad():\n", "        with torch.no_grad():\n            insert_via_fused = True\n"))
     assert checked_site(tmp_path, rebound).state.value == "unsupported"  # bound again inside: not proven
+
+
+def test_a_scale_under_the_forks_own_name_is_the_scale_by_its_role(tmp_path: Path) -> None:
+    """The identity scale `__init__` makes and the write method reads is the scale whatever it is
+    called: `revert --whole-bypass` took out every piece but a renamed scale (found by `run`'s name)."""
+    source = PATCHED_RUN.replace("_fp8_kv_scale", "_unit_scale")
+    assert checked_site(tmp_path, source).state.value == "patched"
+    reverted = plan_revert_file(tmp_path / "model.py", whole_bypass=True)
+    assert reverted.new is not None, reverted.error
+    assert ast.dump(ast.parse(reverted.new)) == ast.dump(ast.parse((FIXTURES / "fork_era" / "model.py").read_text()))
+    # another `torch.ones` the write method does not read is not the scale
+    other = edit(source, ("        self._fp8_kv = ", "        self._spare = torch.ones(())\n        self._fp8_kv = "))
+    assert checked_site(tmp_path, other).state.value == "patched"
+    assert b"self._spare" in (plan_revert_file(tmp_path / "model.py", whole_bypass=True).new or b"")
