@@ -89,6 +89,12 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
         )
     name = p.insert_method  # the write method, by its role: what the post-call block calls
     old_insert_kv = a.find_method(cls, name)
+    outside = m.bases_outside(cls)
+    if insert_kv == "add" and p.post_insert and outside:
+        raise Unsupported(
+            f"the post-call block calls `self.{name}`, which this file does not define: it may be inherited "
+            f"from {', '.join(f'`{b}`' for b in outside)}, defined elsewhere, and a new `{name}` would override it"
+        )
     # Only the post-call insert may call it: the rewrite gives it the slot-mapping
     # signature; a call elsewhere is a caller it would break, or a stale piece of a bypass.
     own = a.nodes_in(old_insert_kv) if old_insert_kv is not None else []

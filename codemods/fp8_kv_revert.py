@@ -116,6 +116,12 @@ def plan_site(
             if not pieces.flag_set and any(isinstance(n, cst.Call) for n in a.walk_all(value)):
                 raise Unsupported(f"`self.{pieces.flag_attr}` is assigned a call, which removing would skip")
             remove.append(flag_slot.statement)
+        # another fp8 flag by its value that nothing reads (a renamed copy, a merge's): the bypass's too
+        for extra in [f for f, ok in m.flags(cls).items() if ok and f != pieces.flag_attr]:
+            definition = m.flag_definition(cls, init, extra)
+            own = {id(n) for r in definition for n in a.walk_all(r)}
+            if definition and all(id(n) in own for n in _attribute_reads(m, extra)):
+                remove += definition
         remove += [scale_slot.statement for scale_slot, _ in attrs.get(pieces.scale_attr, [])]
         buffer = sites.registered_buffer(init, pieces.scale_attr)
         remove += [buffer] if buffer is not None else []
@@ -214,14 +220,20 @@ def _check_nothing_left(
     m: FileModel, cls: cst.ClassDef, method: cst.FunctionDef,
     gone: list[cst.CSTNode], guards: set[str], flag: str,
 ) -> None:
-    """After the removal of ``gone`` no read of the flag (``self.<flag>``) or of a guard may remain."""
+    """After the removal of ``gone`` no read of the flag (``self.<flag>``, or ``<x>.<flag>`` anywhere in the
+    file: another class's read through the layer) or of a guard may remain."""
     removed_nodes = {id(n) for root in gone for n in a.walk_all(root)}
-    flags = [(n, f"`self.{flag}`") for n in a.walk_all(cls.body) if a.self_attr(n) == flag]
+    flags = [(n, f"`{' '.join(a.code(n).split())}`") for n in _attribute_reads(m, flag)]
     guard_reads = [n for n in a.walk_scope(method.body) if isinstance(n, cst.Name) and n.value in guards]
     for node, what in flags + [(n, f"the guard `{n.value}`") for n in guard_reads]:
         if id(node) not in removed_nodes:
             line = m.positions[node].start.line if node in m.positions else "?"
             raise Unsupported(f"{what} is also used at line {line}, outside the bypass")
+
+
+def _attribute_reads(m: FileModel, name: str) -> list[cst.CSTNode]:
+    """Every ``<x>.<name>`` in the file, and every string that is ``name`` (``getattr(x, "<name>")``)."""
+    return [n for n in m.named(name) if isinstance(n, (cst.Attribute, cst.SimpleString))]
 
 
 def _plan_insert_kv(
@@ -237,6 +249,11 @@ def _plan_insert_kv(
     allowed = {id(n) for n in a.nodes_in(post)} if post is not None else set()
     if sites.other_insert_kv_call(cls, allowed, name) is not None:
         raise Unsupported(f"`{name}` is also called outside the bypass: its signature must stay")
+    allowed |= {id(n) for root in (fn, *plan.dead) for n in a.walk_all(root)}  # (module code only it left dead)
+    other = next((n for n in _attribute_reads(m, name) if id(n) not in allowed), None)
+    if other is not None:
+        line = m.positions[other].start.line if other in m.positions else "?"
+        raise Unsupported(f"`{' '.join(a.code(other).split())}` at line {line} also names `{name}`, outside the bypass")
     imports = a.module_imports(module)
     metadata = [  # plain from-imports of the metadata classes
         i.importer for i in imports if i.bound in (MAIN_METADATA, INDEX_METADATA) and i.alias.asname is None

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import ast
 import itertools
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from codemods import schema
-from codemods.roles import COMPILING, Scope, Unknown, callee, dotted, evaluate, self_member
+from codemods.roles import COMPILING, NO_SCOPE, Scope, Unknown, callee, dotted, evaluate, self_member
 
 
 def self_attrs(node: ast.expr) -> set[str]:
@@ -28,7 +27,7 @@ class Guard:
     fused_when: ast.expr
     local: str | None = None
     value: ast.expr | None = None
-    imports: Mapping[str, str] = field(default_factory=dict)  # the file's (``import_table``)
+    scope: Scope = NO_SCOPE  # the file's functions and imports (``model.FileModel.module_scope``)
 
     def reads(self) -> set[str]:
         """The ``self.`` attributes the guard reads (its value's where it has one)."""
@@ -42,8 +41,7 @@ class Guard:
         if self.local is not None and self.value is None:
             atoms.append(self.local)
         rows = [dict(zip(atoms, values)) for values in itertools.product((False, True), repeat=len(atoms))]
-        scope = Scope({}, {}, self.imports)
-        table = []
+        scope, table = self.scope, []
         for row in rows:
             env: dict[str, object] = dict(row)
             try:

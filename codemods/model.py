@@ -102,6 +102,14 @@ class FileModel:
         """What ``self.<name>(…)`` reaches (``roles.class_methods``): a mixin's methods too."""
         return {f.name.value: f for c in reversed(self.lineage(cls)) for f in a.methods(c)}
 
+    def bases_outside(self, cls: cst.ClassDef) -> list[str]:
+        """The bases of the class and its lineage that this file does not define (but ``nn.Module``)."""
+        defined = {c.name.value for c in self.lineage(cls)}
+        bases = [a.code(b.value) for c in self.lineage(cls) for b in c.bases if b.keyword is None]
+        module = ("torch.nn.Module", "torch.nn.modules.module.Module")
+        tree = roles.expression
+        return [b for b in bases if b not in defined and roles.qualified(tree(b), self.imports) not in module]  # type: ignore[arg-type]
+
     def init(self, cls: cst.ClassDef) -> cst.FunctionDef | None:
         """The ``__init__`` that builds the class: its own, else a base class's of this file."""
         return self.methods(cls).get("__init__")
@@ -115,12 +123,14 @@ class FileModel:
         return _defs(self.functions, self.source_map)
 
     @functools.cached_property
+    def module_scope(self) -> roles.Scope:
+        """What an expression outside a class may call: the module's functions, and imports."""
+        return roles.Scope(self._function_trees, {}, self.imports)
+
+    @functools.cached_property
     def constants(self) -> dict[str, object]:
         """The module's literal constants (``roles.module_constants``), read once for every class."""
-        if self.source_map is None:
-            return {}
-        scope = roles.Scope(self._function_trees, {}, self.imports)
-        return roles.module_constants(self.source_map.tree, scope)
+        return roles.module_constants(self.source_map.tree, self.module_scope) if self.source_map else {}
 
     def _values(self, cls: cst.ClassDef) -> dict[str, dict[str, object]] | None:
         """What ``__init__`` leaves in each attribute, per cache dtype (``roles.init_values``), read

@@ -88,19 +88,39 @@ COMPILE_TESTS = frozenset(
 
 
 def import_table(tree: ast.Module) -> dict[str, str]:
-    """Each name an import binds (anywhere in the file), to the qualified name it is bound to."""
+    """Each name an import binds (anywhere in the file), or a module-level alias of one (``_tc =
+    torch.compiler``), to the qualified name it is bound to; a name bound to two things, or also
+    bound otherwise (a ``def``, an assignment, a parameter), is none: what it holds is not known."""
     table: dict[str, str] = {}
+    bound: dict[str, int] = {}  # how many times each name is bound otherwise than by an import
+
+    def bind(name: str, qualified: str) -> None:
+        table[name] = qualified if table.get(name, qualified) == qualified else ""
+
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:  # `import a.b` binds `a`, and says that `a.b` is loaded
                 root = alias.name.partition(".")[0]
-                table |= {alias.asname: alias.name} if alias.asname else {root: root, alias.name: alias.name}
+                for name, target in [(alias.asname, alias.name)] if alias.asname else [(root, root), (alias.name, alias.name)]:
+                    bind(name, target)
         elif isinstance(node, ast.ImportFrom):
             base = "." * node.level + (node.module or "")
             for alias in node.names:
                 if alias.name != "*":
-                    table[alias.asname or alias.name] = f"{base}.{alias.name}" if base else alias.name
-    return table
+                    bind(alias.asname or alias.name, f"{base}.{alias.name}" if base else alias.name)
+        names = [node.name] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else []
+        names += [node.id] if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) else []
+        names += [node.arg] if isinstance(node, ast.arg) else []
+        for name in names:
+            bound[name] = bound.get(name, 0) + 1
+    aliases = {}
+    for stmt in tree.body:  # `NAME = <an imported dotted name>`, bound once
+        target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
+        if isinstance(target, ast.Name) and bound[target.id] == 1 and target.id not in table:
+            root = (dotted(stmt.value) or "").partition(".")[0]  # type: ignore[union-attr]
+            if table.get(root):
+                aliases[target.id] = qualified(stmt.value, table)  # type: ignore[union-attr]
+    return {k: v for k, v in table.items() if v and k not in bound} | aliases  # type: ignore[operator]
 
 
 def qualified(node: ast.expr, imports: Mapping[str, str]) -> str | None:
@@ -286,8 +306,8 @@ def _helper(
     body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None:
         raise Unknown(fn.name)
-    # a method still reads the layer's attributes; a module function only its parameters
-    inner = {k: v for k, v in env.items() if self_member(call.func) and (k.startswith("self.") or k == COMPILING)}
+    # a method still reads the layer's attributes; a module function only its parameters (and whether compiling)
+    inner = {k: v for k, v in env.items() if k == COMPILING or (self_member(call.func) and k.startswith("self."))}
     return evaluate(body[0].value, {**inner, **_bind(fn, call, passed, scope, depth)}, scope, depth + 1)
 
 

@@ -154,6 +154,7 @@ class Pieces:
     # the post-call block holds a compiled-path write, wired or not, and the call's slot mappings
     # are None somewhere: the compiled path may need that write, so it is never taken out
     compiled_branch: bool = False
+    slots_none: bool = False  # a slot mapping the call passes is set to None somewhere (while compiling, say)
     # The roles' names in this file (``roles``): the flag the guard reads, the method the post-call
     # block hands the write to; codegen's names where the file has none (sites.FoundPieces).
     flag_attr: str = ""
@@ -278,10 +279,14 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
         f"names the bypass would write are used for something else: {'; '.join(p.taken)}. "
         "Rename that other use (every place the name appears), then run again"
     )
+    way_out = (
+        "The call's slot mappings are None on some path (while compiling, say), where an unconditional cache "
+        "argument fails too: this file's fp8 path must be written by hand"
+        if p.slots_none else "Pass the cache unconditionally (or write the fp8 path by hand), then run again"
+    )
     conditioned = refuse(
         f"cache argument `{(p.user_conditions or [''])[0]}` has a condition the bypass did not write: "
-        "the fp8 write after the call cannot honour it (with an fp8 cache it may write nothing). Pass the "
-        "cache unconditionally (or write the fp8 path by hand), then run again"
+        f"the fp8 write after the call cannot honour it (with an fp8 cache it may write nothing). {way_out}"
     )
     if f.dtype is not None:
         if f.dtype_is_auto:

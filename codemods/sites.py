@@ -295,7 +295,7 @@ def collect_pieces(
         lost = local is not None and local not in bound and not hasattr(builtins, local)
         lost = lost and local not in a.scope_bindings(m.module)
         if fused_when is not None and (local is None or value is not None or lost):
-            guard = guards.Guard(fused_when, local, value, m.imports)
+            guard = guards.Guard(fused_when, local, value, m.module_scope)
             guard_flag = guards.guard_flag(guard, native)
             if guard_flag is None and (local is None or value is not None):
                 # the local the cache arguments test holds something else; or, with no local,
@@ -357,6 +357,7 @@ def collect_pieces(
             forms[name] = _insert_kv_form(a.find_method(cls, name), cls, m.functions) if writes else "other"
         return name is not None and forms[name] in schema.SLOTS_FORMS
 
+    p.slots_none = _slots_none_somewhere(method, op)
     for at, stmt in enumerate(slot.after() if slot is not None else ()):
         node = a.first_in(stmt, lambda n: _passes_slots(n, main, index)) or a.first_in(stmt, write_shaped)
         if not isinstance(node, cst.Call):
@@ -370,16 +371,15 @@ def collect_pieces(
             p.flag_attr, p.flag_read, p.flag_from_file = lost[0], True, True
         block_guard = guard
         if block_guard is None and p.flag_set and not guarded:
-            block_guard = guards.Guard(ast.parse(f"not self.{p.flag_attr}", mode="eval").body, imports=m.imports)
+            block_guard = guards.Guard(ast.parse(f"not self.{p.flag_attr}", mode="eval").body, scope=m.module_scope)
         post = guards.post_block(test, block_guard, guard_flag or p.flag_attr) if test and block_guard else None
         # wired: right after the call (before anything, attention say, reads the caches), and
         # nothing in the block leaves it before the write
         straight = at == 0 and a.first_in(stmt, lambda n: isinstance(n, _EXITS)) is None
         write = m.methods(cls).get(p.insert_method)
         p.post_insert_wired = post is not None and straight and _insert_is_wired(node, op, write)
-        slots_none = _slots_none_somewhere(method, op)
-        p.compiled_write = p.post_insert_wired and post is not None and post.while_compiling and slots_none
-        p.compiled_branch = a.first_in(stmt, m.compiled_path_write) is not None and slots_none
+        p.compiled_write = p.post_insert_wired and post is not None and post.while_compiling and p.slots_none
+        p.compiled_branch = a.first_in(stmt, m.compiled_path_write) is not None and p.slots_none
         break
     p.insert_kv = _insert_kv_form(a.find_method(cls, p.insert_method), cls, m.functions)
     # The scale: the identity scale (``torch.ones``) __init__ makes that the write method reads.
