@@ -31,6 +31,7 @@ class Wrapper:
 
     name: str
     params: dict[int, schema.OpParam]
+    dtype_default: cst.BaseExpression | None = None  # what the op's kv_cache_dtype gets where a call omits it
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,9 @@ class OpCall:
     def arg(self, param: schema.OpParam) -> cst.Arg | None:
         """The argument the op's ``param`` receives from this call."""
         own = param if self.wrapper is None else self.wrapper.params.get(param.index)
-        return get_arg(self.call, own) if own is not None else None
+        found = get_arg(self.call, own) if own is not None else None
+        default = self.wrapper.dtype_default if self.wrapper is not None and param == schema.KV_CACHE_DTYPE else None
+        return cst.Arg(default) if found is None and default is not None else found
 
 
 def get_arg(call: cst.Call, param: schema.OpParam) -> cst.Arg | None:

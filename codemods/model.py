@@ -290,7 +290,10 @@ def _as_wrapper(fn: cst.FunctionDef, known: dict[str, a.Wrapper]) -> a.Wrapper |
         mappings.append(mapping)
     if not mappings or any(m != mappings[0] for m in mappings):
         return None
-    return a.Wrapper(fn.name.value, mappings[0])
+    dtype = mappings[0].get(schema.KV_CACHE_DTYPE.index)
+    params = [*fn.params.posonly_params, *fn.params.params, *fn.params.kwonly_params]
+    default = next((p.default for p in params if dtype is not None and p.name.value == dtype.keyword), None)
+    return a.Wrapper(fn.name.value, mappings[0], default)
 
 
 def _positional_params(fn: cst.FunctionDef) -> dict[str, schema.OpParam]:

@@ -154,6 +154,7 @@ class Pieces:
     # the post-call block holds a compiled-path write, wired or not, and the call's slot mappings
     # are None somewhere: the compiled path may need that write, so it is never taken out
     compiled_branch: bool = False
+    subclassed: str | None = None  # a class of the file derives from this one and redefines a piece (in words)
     slots_none: bool = False  # a slot mapping the call passes is set to None somewhere (while compiling, say)
     # The roles' names in this file (``roles``): the flag the guard reads, the method the post-call
     # block hands the write to; codegen's names where the file has none (sites.FoundPieces).
@@ -275,6 +276,8 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
     present = p.present()
     if p.role_problems or p.flag_unproven is not None:
         return refuse(_unproven_roles(p))
+    if p.subclassed is not None:
+        return refuse(f"{p.subclassed}: what the bypass relies on is proven for this class alone. Nothing was changed")
     taken = refuse(
         f"names the bypass would write are used for something else: {'; '.join(p.taken)}. "
         "Rename that other use (every place the name appears), then run again"

@@ -390,7 +390,23 @@ def collect_pieces(
     p.scale_set = p.scale_attr in init_attrs or registered_buffer(init, p.scale_attr) is not None
     p.scale_read = p.scale_attr in attrs
     _taken_names(m, cls, scope, init_attrs, p)
+    init_tree = scope.methods.get("__init__")
+    setters = {f.name for f in roles.init_methods(init_tree, scope)} if init_tree is not None else set()
+    methods, attrs = {method.name.value, p.insert_method, "__init__", *setters}, {p.flag_attr, p.scale_attr, schema.DTYPE_ATTR}
+    p.subclassed = _redefined_below(m, cls, methods, attrs)
     return p
+
+
+def _redefined_below(m: FileModel, cls: cst.ClassDef, methods: set[str], attrs: set[str]) -> str | None:
+    """A class of the file that derives from ``cls`` and defines one of ``methods`` or a method storing
+    ``self.<attr>`` of ``attrs``: the layer it builds runs what the bypass was not proven with. In words."""
+    for sub in (c for c in m.module.body if isinstance(c, cst.ClassDef) and c is not cls and cls in m.lineage(c)):
+        bound = a.scope_bindings(sub.body)
+        stored = {a.self_attr(t) for f in a.methods(sub) for n in a.all_statements(f.body) for t in _store_targets(n)}
+        found = sorted(methods & set(bound) | attrs & stored)
+        if found:
+            return f"class `{sub.name.value}` derives from `{cls.name.value}` and redefines `{found[0]}`"
+    return None
 
 
 _EXITS = (cst.Return, cst.Raise, cst.Break, cst.Continue)

@@ -1065,3 +1065,119 @@ def test_a_scale_under_the_forks_own_name_is_the_scale_by_its_role(tmp_path: Pat
     other = edit(source, ("        self._fp8_kv = ", "        self._spare = torch.ones(())\n        self._fp8_kv = "))
     assert checked_site(tmp_path, other).state.value == "patched"
     assert b"self._spare" in (plan_revert_file(tmp_path / "model.py", whole_bypass=True).new or b"")
+
+
+# --- hunt 45: merges, compile-test spellings, re-runs, subclasses, wrappers ---------------------------
+
+COMPILED = (FIXTURES / "compiled_native" / "model.py").read_text()
+COMPILE_TEST = "torch.compiler.is_compiling()"
+STALE = (FIXTURES / "native_stale_bypass" / "model.py").read_text()
+
+
+@pytest.mark.parametrize(
+    "header, spelled",
+    [
+        ("_compiling = torch.compiler.is_compiling\n", "_compiling()"),
+        ("_tc = torch.compiler\n", "_tc.is_compiling()"),
+        ("def _in_compile() -> bool:\n    return torch.compiler.is_compiling()\n", "_in_compile()"),
+    ],
+    ids=["function-alias", "module-alias", "helper-function"],
+)
+def test_the_compile_test_through_an_alias_or_a_helper_is_the_compile_test(tmp_path: Path, header: str, spelled: str) -> None:
+    """A module-level alias of `torch.compiler.is_compiling` (or of `torch.compiler`), or a function
+    returning it, is the compile test: the file is read as the fixture is (it was refused, with advice to
+    pass the cache unconditionally that breaks the compiled path)."""
+    source = COMPILED.replace(COMPILE_TEST, spelled).replace("\nclass ", "\n" + header + "\n\nclass ", 1)
+    assert checked_site(tmp_path, source).state == checked_site(tmp_path, COMPILED).state
+
+
+def test_an_imported_compile_test_the_file_binds_again_is_not_the_compile_test(tmp_path: Path) -> None:
+    """`from torch.compiler import is_compiling`, then a `def is_compiling()` of the file's own: the name
+    is the file's function (always False here), not torch's: no compile-aware bypass."""
+    source = COMPILED.replace(COMPILE_TEST, "is_compiling()").replace(
+        "\nclass ", "\nfrom torch.compiler import is_compiling\n\n\ndef is_compiling() -> bool:\n    return False\n\n\nclass ", 1
+    )
+    site = checked_site(tmp_path, source)
+    assert "torch.compile-aware" not in site.reason, site.reason
+    assert site.action.value in ("refuse", "strip"), site.reason
+
+
+def test_advice_never_passes_a_cache_whose_slot_mappings_may_be_none(tmp_path: Path) -> None:
+    """A guard the tool cannot read, on a call whose slot mappings are None while compiling: passing the
+    cache unconditionally fails there too, so the refusal does not advise it."""
+    source = COMPILED.replace(COMPILE_TEST, "torch.cuda.is_current_stream_capturing()")
+    site = checked_site(tmp_path, source)
+    assert site.action.value == "refuse"
+    assert "Pass the cache unconditionally" not in site.reason and "None on some path" in site.reason, site.reason
+
+
+def test_a_flag_read_through_another_object_is_not_stripped(tmp_path: Path) -> None:
+    """The decoder layer reads the attention layer's stale flag (`self.self_attn._fp8_kv`): taking the
+    flag out would raise AttributeError there, so the strip is refused, naming that read."""
+    reader = "    def uses_fp8(self) -> bool:\n        return self.self_attn._fp8_kv\n\n\n"
+    source = STALE.replace("\nclass MiniMaxM3Attention", "\nclass Reader(nn.Module):\n" + reader + "class MiniMaxM3Attention", 1)
+    assert checked_site(tmp_path, STALE).action.value == "strip"
+    site = checked_site(tmp_path, source)
+    assert site.action.value == "refuse" and "`self.self_attn._fp8_kv`" in site.reason, site.reason
+
+
+def test_a_write_method_called_but_inherited_from_elsewhere_is_not_added(tmp_path: Path) -> None:
+    """The post-call block calls `self._insert_kv`, which a base imported from another module may
+    define: `run` would add an `_insert_kv` over it. Refused, naming the base."""
+    start = PATCHED_RUN.index("    def _insert_kv(")
+    end = PATCHED_RUN.index("    def forward(", start)
+    source = PATCHED_RUN[:start] + PATCHED_RUN[end:]
+    source = source.replace("(nn.Module, AttentionLayerBase)", "(nn.Module, AttentionLayerBase, KVWriter)")
+    source = source.replace("\nclass ", "\nfrom vllm.fp8_kv import KVWriter\n\n\nclass ", 1)
+    site = checked_site(tmp_path, source)
+    assert site.action.value == "refuse" and "`KVWriter`" in site.reason, site.reason
+
+
+def test_an_unread_second_flag_goes_with_the_bypass(tmp_path: Path) -> None:
+    """`run`'s output with a second fp8 flag nobody reads (a half rename): `check` said patched and
+    `revert` failed its own second pass; now both say why revert refuses, and --whole-bypass takes both out."""
+    flag = '        self._fp8_kv = "fp8" in self.kv_cache_dtype\n'
+    source = edit(PATCHED_RUN, (flag, flag + '        self._kv_is_fp8 = "fp8" in self.kv_cache_dtype\n'))
+    site = checked_site(tmp_path, source)
+    reverted = plan_revert_file(tmp_path / "model.py")
+    assert site.state.value == "patched" and reverted.status is FileStatus.REFUSED, reverted.error
+    why = reverted.sites[-1].reason.removeprefix("cannot revert: ")
+    assert why[:80] in site.reason, (why, site.reason)
+    whole = plan_revert_file(tmp_path / "model.py", whole_bypass=True)
+    assert whole.new is not None and b"_kv_is_fp8" not in whole.new, whole.error
+
+
+@pytest.mark.parametrize("redefined", ["_insert_kv", "__init__"])
+def test_a_subclass_that_redefines_a_piece_is_refused(tmp_path: Path, redefined: str) -> None:
+    """A class of the file deriving from the layer and redefining its write method (the raw scatter,
+    say) or `__init__` (setting the flag False after `super().__init__`) builds a layer the bypass was
+    not proven with: `check` called the file patched."""
+    body = {
+        "_insert_kv": "    def _insert_kv(self, key, value, index_key, main_slot_mapping, index_slot_mapping):\n        pass\n",
+        "__init__": "    def __init__(self, *args, **kwargs):\n        super().__init__(*args, **kwargs)\n        self._fp8_kv = False\n",
+    }[redefined]
+    source = PATCHED_RUN.replace("\nclass MiniMaxM3DecoderLayer", f"\nclass Sub(MiniMaxM3SparseAttention):\n{body}\n\nclass MiniMaxM3DecoderLayer", 1)
+    site = next(s for s in sites_of(tmp_path, source) if s.class_name == "MiniMaxM3SparseAttention" and s.state.value != "not-a-site")
+    assert site.action.value == "refuse" and f"redefines `{redefined}`" in site.reason, site.reason
+
+
+def test_a_wrapper_whose_dtype_parameter_defaults_to_auto_is_not_fork_era(tmp_path: Path) -> None:
+    """A pass-through wrapper with `kv_cache_dtype="auto"` as a default, called without it: the op gets
+    "auto", as if written out (refused); it was called fork-era and given the fork-era bypass."""
+    params = "qkv q_norm_weight k_norm_weight cos_sin_cache positions num_heads num_kv_heads rotary_dim eps "
+    params += "index_q_norm_weight index_k_norm_weight num_index_heads slot_mapping index_slot_mapping kv_cache "
+    params += "index_cache block_size q_out index_q_out"
+    names = ", ".join(params.split())
+    wrapper = f'def _run({names}, kv_cache_dtype="auto"):\n    ops.fused_minimax_m3_qknorm_rope_kv_insert({names}, kv_cache_dtype)\n'
+    source = FORK_ERA.replace(CALL, "        _run(\n").replace("\nclass ", "\n" + wrapper + "\n\nclass ", 1)
+    site = next(s for s in sites_of(tmp_path, source) if s.class_name is not None and s.state.value != "not-a-site")
+    assert site.action.value == "refuse" and 'kv_cache_dtype="auto"' in site.reason, site.reason
+    plain = source.replace(', kv_cache_dtype="auto"):', "):").replace(", kv_cache_dtype)", ")")
+    assert [s.state.value for s in sites_of(tmp_path, plain) if s.class_name and s.state.value != "not-a-site"] == ["needs-bypass"]
+
+
+def sites_of(tmp_path: Path, source: str) -> list[InsertSite]:
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
+    return result.sites

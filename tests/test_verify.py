@@ -1118,3 +1118,38 @@ def test_semantic_runs_what_the_layer_inherits_from_a_class_of_its_file(tmp_path
     path.write_text(source.replace(layer, base + layer.replace("(nn.Module,", "(_LayerBase,")))
     level, _ = semantic(path)
     assert level.status is Status.PASSED, level.reason + "\n" + "\n".join(level.details)
+
+
+INDEX_WRITE_START = "        # Index-key cache: one head per token, written by reshape_and_cache_flash,\n"
+
+
+@pytest.mark.parametrize(
+    "write, why",
+    [
+        pytest.param(
+            "        idx_cache = self.indexer.index_cache.kv_cache\n"
+            "        valid = index_slot_mapping >= 0\n"
+            "        slots = index_slot_mapping[valid].long()\n"
+            "        idx_cache[slots // 16, slots % 16] = index_key[valid].to(idx_cache.dtype)\n",
+            "IndexError", id="block-size-16-hard-coded",
+        ),
+        pytest.param(
+            "        idx_cache = self.indexer.index_cache.kv_cache.view(-1, self.idx_head_dim)\n"
+            "        valid = (index_slot_mapping >= 0).unsqueeze(-1)\n"
+            "        safe = index_slot_mapping.clamp(min=0).long()\n"
+            "        idx_cache[safe] = torch.where(valid, index_key.to(idx_cache.dtype), idx_cache[safe])\n",
+            "index cache identical: no", id="padded-slots-clamped-to-0",
+        ),
+    ],
+)
+def test_an_index_write_right_for_one_block_size_or_slot_set_only_fails(tmp_path: Path, write: str, why: str) -> None:
+    """An index write that assumes the block size (16, the kernel level's), or sends padded tokens to
+    slot 0 with row 0's old value (undoing a real token's write there): the semantic level runs a second
+    block size and always has a real token in slot 0, so both fail (they passed)."""
+    source = (FIXTURES / "patched" / "model.py").read_text()
+    start = source.index(INDEX_WRITE_START)
+    end = source.index("        )\n", source.index("ops.reshape_and_cache_flash(", start)) + len("        )\n")
+    path = tmp_path / "model.py"
+    path.write_text(source[:start] + write + source[end:])
+    level, _ = semantic(path)
+    assert level.status is Status.FAILED and why in level.reason, level.reason

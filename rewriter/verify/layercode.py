@@ -105,8 +105,11 @@ SIZES = ("num_heads", "num_kv_heads", "num_idx_heads", "head_dim", "idx_head_dim
 # The semantic level's sizes: all different, so that no width, head count or head
 # size can stand in for another. head_dim < idx_head_dim: an index key sliced with
 # head_dim comes out short (a slice too wide clips at the end of qkv, harmlessly -
-# the index key is its last part in vLLM too).
-DISTINCT = Shape(num_heads=6, num_kv_heads=2, num_idx_heads=3, head_dim=64, idx_head_dim=128, rotary_dim=32)
+# the index key is its last part in vLLM too). Its block size is not the kernel level's
+# either: a write that assumes one block size (``slots // 16``) fails at the other.
+DISTINCT = Shape(
+    num_heads=6, num_kv_heads=2, num_idx_heads=3, head_dim=64, idx_head_dim=128, rotary_dim=32, block_size=32
+)
 
 
 # --- the layer's code, out of the file -----------------------------------------

@@ -319,8 +319,11 @@ class Inputs:
 
         def slots() -> torch.Tensor:
             # Never the last slot, where a padded token's write would land
-            # (index -1); padded tokens at the end of the batch, as vLLM pads.
+            # (index -1); always slot 0, where one clamped to 0 would land; padded
+            # tokens at the end of the batch, as vLLM pads.
             chosen = torch.randperm(slots_total - 1, generator=g)[: shape.tokens]
+            if not bool((chosen == 0).any()):
+                chosen[0] = 0
             chosen[shape.tokens - shape.padded :] = -1
             return chosen.to(device)
 
