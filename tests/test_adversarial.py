@@ -1181,3 +1181,15 @@ def sites_of(tmp_path: Path, source: str) -> list[InsertSite]:
     path.write_text(source)
     (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
     return result.sites
+
+
+def test_a_call_under_an_nvtx_range_is_rewritten_and_proven_on_cpu(tmp_path: Path) -> None:
+    """`with torch.cuda.nvtx.range(...)` around the call: a profiler's label, no value changes. CPU torch
+    raises on NVTX, so the proof failed in the unchanged bf16 path and `run` refused a file `check`
+    said it would rewrite; on the stand-in NVTX does nothing where there is no CUDA."""
+    start = FORK_ERA.rindex(CALL)
+    end = FORK_ERA.index("        )\n", start) + len("        )\n")
+    body = "".join("    " + line if line.strip() else line for line in FORK_ERA[start:end].splitlines(keepends=True))
+    source = FORK_ERA[:start] + '        with torch.cuda.nvtx.range("qknorm_rope_kv_insert"):\n' + body + FORK_ERA[end:]
+    after = assert_rewritten_right(tmp_path, source)
+    assert "nvtx.range" in after

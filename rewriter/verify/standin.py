@@ -18,6 +18,7 @@ is the stand-in's limit from the file's fault.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
 import inspect
 import re
@@ -286,7 +287,24 @@ class _TorchProxy(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         if name in ("compiler", "_dynamo"):  # looked up only when the file asks (dynamo is heavy)
             return _Compiler(getattr(torch, name), self._compiling)
+        if name == "cuda" and not torch.cuda.is_available():
+            return _CudaOnCpu()
         return getattr(torch, name)
+
+
+class _CudaOnCpu:
+    """``torch.cuda`` on a machine without CUDA: its NVTX ranges and marks, a profiler's labels that
+    change no value, do nothing (CPU torch raises on them); the rest is torch's."""
+
+    nvtx = types.SimpleNamespace(
+        range=lambda *args, **kwargs: contextlib.nullcontext(),
+        range_push=lambda *args, **kwargs: 0,
+        range_pop=lambda *args, **kwargs: 0,
+        mark=lambda *args, **kwargs: None,
+    )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
 
 
 @dataclass
