@@ -9,6 +9,7 @@ truth tables over ``evaluate`` (``codemods.guards``). All on Python's own ``ast`
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,8 +26,7 @@ _BUILTINS = {"bool": bool, "str": str, "any": any, "all": all}
 DEPTH = 3  # how deep the reading follows helpers calling helpers (or methods __init__ calls)
 _ERRORS = (TypeError, ValueError, RecursionError, AttributeError)  # besides Unknown, from evaluating
 _MISSING = object()
-# statements that bind nothing the reading follows
-_STEPPED_OVER = (ast.Pass, ast.Assert, ast.Import, ast.ImportFrom, ast.Expr, ast.Global, ast.Nonlocal)
+_STEPPED_OVER = (ast.Pass, ast.Assert, ast.Import, ast.ImportFrom, ast.Expr, ast.Global, ast.Nonlocal)  # bind nothing read
 _SOURCES = "<dtype sources>"  # env's key for the names that are the cache dtype (to that dtype)
 _NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
@@ -91,36 +91,25 @@ def import_table(tree: ast.Module) -> dict[str, str]:
     """Each name an import binds (anywhere in the file), or a module-level alias of one (``_tc =
     torch.compiler``), to the qualified name it is bound to; a name bound to two things, or also
     bound otherwise (a ``def``, an assignment, a parameter), is none: what it holds is not known."""
-    table: dict[str, str] = {}
-    bound: dict[str, int] = {}  # how many times each name is bound otherwise than by an import
-
-    def bind(name: str, qualified: str) -> None:
-        table[name] = qualified if table.get(name, qualified) == qualified else ""
-
+    pairs: list[tuple[str, str]] = []
+    others: collections.Counter[str] = collections.Counter()  # bindings otherwise than by an import
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:  # `import a.b` binds `a`, and says that `a.b` is loaded
-                root = alias.name.partition(".")[0]
-                for name, target in [(alias.asname, alias.name)] if alias.asname else [(root, root), (alias.name, alias.name)]:
-                    bind(name, target)
+        if isinstance(node, ast.Import):  # `import a.b` binds `a`, and says that `a.b` is loaded
+            pairs += [p for x in node.names for p in ([(x.asname, x.name)] if x.asname else [(x.name.split(".")[0],) * 2, (x.name,) * 2])]
         elif isinstance(node, ast.ImportFrom):
             base = "." * node.level + (node.module or "")
-            for alias in node.names:
-                if alias.name != "*":
-                    bind(alias.asname or alias.name, f"{base}.{alias.name}" if base else alias.name)
-        names = [node.name] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else []
-        names += [node.id] if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) else []
-        names += [node.arg] if isinstance(node, ast.arg) else []
-        for name in names:
-            bound[name] = bound.get(name, 0) + 1
-    aliases = {}
+            pairs += [(x.asname or x.name, f"{base}.{x.name}" if base else x.name) for x in node.names if x.name != "*"]
+        stored = [node.id] if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) else []
+        others.update([node.name] if isinstance(node, (*_NESTED[:2], ast.ClassDef)) else [node.arg] if isinstance(node, ast.arg) else stored)
+    table: dict[str, str] = {}
+    for name, target in pairs:
+        table[name] = target if table.get(name, target) == target else ""
+    table = {k: v for k, v in table.items() if v and k not in others}
     for stmt in tree.body:  # `NAME = <an imported dotted name>`, bound once
         target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
-        if isinstance(target, ast.Name) and bound[target.id] == 1 and target.id not in table:
-            root = (dotted(stmt.value) or "").partition(".")[0]  # type: ignore[union-attr]
-            if table.get(root):
-                aliases[target.id] = qualified(stmt.value, table)  # type: ignore[union-attr]
-    return {k: v for k, v in table.items() if v and k not in bound} | aliases  # type: ignore[operator]
+        if isinstance(target, ast.Name) and others[target.id] == 1 and (dotted(stmt.value) or ".").split(".")[0] in table:
+            table[target.id] = qualified(stmt.value, table)  # type: ignore[assignment]
+    return table
 
 
 def qualified(node: ast.expr, imports: Mapping[str, str]) -> str | None:
@@ -166,8 +155,7 @@ def lineage(cls: ast.ClassDef, module: ast.Module) -> list[ast.ClassDef]:
 
 def class_methods(cls: ast.ClassDef, module: ast.Module) -> dict[str, ast.FunctionDef]:
     """What ``self.<name>(…)`` reaches: the last def of that name in the first class of the lineage."""
-    classes = reversed(lineage(cls, module))
-    return {f.name: f for c in classes for f in c.body if isinstance(f, ast.FunctionDef)}
+    return {f.name: f for c in reversed(lineage(cls, module)) for f in c.body if isinstance(f, ast.FunctionDef)}
 
 
 def evaluate(node: ast.expr, env: Mapping[str, object], scope: Scope = NO_SCOPE, depth: int = 0) -> object:
@@ -235,10 +223,8 @@ def _compare(op: ast.cmpop, left: object, right: object) -> bool:
         return (left in right) is isinstance(op, ast.In)
     if isinstance(op, (ast.Eq, ast.NotEq)):
         return (left == right) is isinstance(op, ast.Eq)
-    if isinstance(op, (ast.Is, ast.IsNot)):  # `G is False`: only on bools and None, where it is ==
-        if not all(v is None or isinstance(v, bool) for v in (left, right)):
-            raise Unknown("is")
-        return (left is right) is isinstance(op, ast.Is)
+    if isinstance(op, (ast.Is, ast.IsNot)) and all(v is None or isinstance(v, bool) for v in (left, right)):
+        return (left is right) is isinstance(op, ast.Is)  # `G is False`: only on bools and None, where it is ==
     raise Unknown(type(op).__name__)
 
 
@@ -291,8 +277,7 @@ def _bind(fn: ast.FunctionDef, call: ast.Call, passed: tuple[list, dict], scope:
     if depth >= DEPTH or fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs or len(args) > len(params):
         raise Unknown(fn.name)
     bound = {**dict(zip(params, args)), **kwargs}
-    defaults = fn.args.defaults
-    for param, default in zip(params[len(params) - len(defaults) :], defaults):
+    for param, default in zip(params[len(params) - len(fn.args.defaults) :], fn.args.defaults):
         bound.setdefault(param, evaluate(default, {}, scope, depth + 1))
     if set(bound) != set(params):
         raise Unknown(fn.name)
@@ -340,8 +325,7 @@ def _dtype_sources(init: ast.FunctionDef, scope: Scope) -> tuple[set[str], bool]
     sources, name = set(), DTYPE
     while name is not None and name not in sources and sum(name in p for p in places) <= 1:
         sources.add(name)
-        value = values.get(name)
-        name = dotted(value) if value is not None else None
+        name = dotted(values[name]) if name in values else None
     return sources, any(DTYPE in p for p in places)
 
 
@@ -497,7 +481,7 @@ def set_by_name(node: ast.AST, imports: Mapping[str, str]) -> set[str] | None:
     handed: set[int] = set()  # the places ``self`` itself may stand
     for sub in ast.walk(node):
         if isinstance(sub, ast.Attribute):
-            if sub.attr == "__dict__" and _is_self(sub.value):
+            if sub.attr == "__dict__" and dotted(sub.value) == "self":
                 return None
             handed.add(id(sub.value))
         elif isinstance(sub, ast.Assign) and all(isinstance(t, ast.Subscript) for t in sub.targets):
@@ -507,8 +491,8 @@ def set_by_name(node: ast.AST, imports: Mapping[str, str]) -> set[str] | None:
             if name in ("exec", "eval"):
                 return None
             func, setter = sub.func, callee(sub) in _SETTERS
-            on_self = isinstance(func, ast.Attribute) and (_is_self(func.value) or isinstance(func.value, ast.Call))
-            at = next((i + 1 for i, arg in enumerate(sub.args) if _is_self(arg)), 0 if on_self else None)
+            on_self = isinstance(func, ast.Attribute) and (dotted(func.value) == "self" or isinstance(func.value, ast.Call))
+            at = next((i + 1 for i, arg in enumerate(sub.args) if dotted(arg) == "self"), 0 if on_self else None)
             if setter and at is not None:  # (else another object's attribute)
                 attr = _literal(sub.args[at]) if at < len(sub.args) else None
                 if attr is None:
@@ -520,12 +504,8 @@ def set_by_name(node: ast.AST, imports: Mapping[str, str]) -> set[str] | None:
                 trusted = attr is not None and not attr.startswith("__")
             if trusted:
                 handed.update(id(arg) for arg in (*sub.args, *(k.value for k in sub.keywords)))
-    loads = (sub for sub in ast.walk(node) if _is_self(sub) and isinstance(sub.ctx, ast.Load))  # type: ignore[attr-defined]
+    loads = (sub for sub in ast.walk(node) if dotted(sub) == "self" and isinstance(sub.ctx, ast.Load))  # type: ignore[attr-defined]
     return None if any(id(sub) not in handed for sub in loads) else found
-
-
-def _is_self(node: ast.AST) -> bool:
-    return isinstance(node, ast.Name) and node.id == "self"
 
 
 def _literal(node: ast.AST) -> str | None:
