@@ -170,7 +170,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     insert_kv_code = render(
         codegen.INSERT_KV_METHOD.replace("{replaced}", codegen.REPLACED if insert_kv == "replace" else ""),
         module,
-        len(found.outer) + 1,
+        m.depth(cls) + 1,
         name=name, **names, **codegen.METHOD_NAMES,
     )
     return BypassPlan(

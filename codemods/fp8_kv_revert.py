@@ -283,7 +283,7 @@ def _plan_insert_kv(
     plan.insert_kv_code = codegen.render(
         codegen.INSERT_KV_METADATA,
         module,
-        len(found.outer) + 1,
+        m.depth(cls) + 1,
         main_key=_metadata_key(method, op, schema.SLOT_MAPPING, slot),
         index_key=_metadata_key(method, op, schema.INDEX_SLOT_MAPPING, slot),
         main_slots="main_meta.slot_mapping",

@@ -110,6 +110,12 @@ class FileModel:
         tree = roles.expression
         return [b for b in bases if b not in defined and roles.qualified(tree(b), self.imports) not in module]  # type: ignore[arg-type]
 
+    def depth(self, node: cst.CSTNode) -> int:
+        """How many blocks deep a statement stands: its column over the file's indent step."""
+        tree = self.source_map.trees.get(id(node)) if self.source_map is not None else None
+        column = tree.col_offset if isinstance(tree, ast.stmt) else self.positions[node].start.column
+        return column // max(len(self.module.default_indent), 1)
+
     def init(self, cls: cst.ClassDef) -> cst.FunctionDef | None:
         """The ``__init__`` that builds the class: its own, else a base class's of this file."""
         return self.methods(cls).get("__init__")

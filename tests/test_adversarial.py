@@ -1193,3 +1193,18 @@ def test_a_call_under_an_nvtx_range_is_rewritten_and_proven_on_cpu(tmp_path: Pat
     source = FORK_ERA[:start] + '        with torch.cuda.nvtx.range("qknorm_rope_kv_insert"):\n' + body + FORK_ERA[end:]
     after = assert_rewritten_right(tmp_path, source)
     assert "nvtx.range" in after
+
+
+def test_the_write_methods_docstring_is_indented_as_its_body_in_a_nested_class(tmp_path: Path) -> None:
+    """The layer class under an `if` (an env switch, `TYPE_CHECKING`'s `else`): the generated method's
+    docstring lines stood at a top-level class's indent, 4 columns short of the body's."""
+    start = FORK_ERA.index("class MiniMaxM3SparseAttention")
+    end = FORK_ERA.index("\nclass ", start + 1) + 1
+    block = "".join("    " + line if line.strip() else line for line in FORK_ERA[start:end].splitlines(keepends=True))
+    source = FORK_ERA[:start] + "if True:\n" + block + "\n" + FORK_ERA[end:]
+    checked, ran, after = outcome(tmp_path, source)
+    assert ran == "rewritten", after
+    doc = after.index('"""Write main K/V')
+    body = after[after.rindex("\n", 0, doc) + 1 : doc]
+    continuation = after[doc:].split("\n")[2]  # the docstring's third line (after its blank line)
+    assert continuation.startswith(body) and not continuation.startswith(body + " "), (body, continuation)
