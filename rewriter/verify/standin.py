@@ -296,12 +296,8 @@ class _CudaOnCpu:
     """``torch.cuda`` on a machine without CUDA: its NVTX ranges and marks, a profiler's labels that
     change no value, do nothing (CPU torch raises on them); the rest is torch's."""
 
-    nvtx = types.SimpleNamespace(
-        range=lambda *args, **kwargs: contextlib.nullcontext(),
-        range_push=lambda *args, **kwargs: 0,
-        range_pop=lambda *args, **kwargs: 0,
-        mark=lambda *args, **kwargs: None,
-    )
+    nvtx = types.SimpleNamespace(range=lambda *a, **k: contextlib.nullcontext(), range_push=lambda *a, **k: 0,
+                                 range_pop=lambda *a, **k: 0, mark=lambda *a, **k: None)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
