@@ -130,7 +130,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     # the guard: the guarded arguments' name, else an existing guard assignment's, else a fresh name
     guard = p.guard_args[0] if p.guard_args else p.guard_assigned or _fresh(codegen.GUARD_NAME, taken)
     init_attrs = a.self_assignments(init)
-    names = write_names(op, method, slot, init_attrs, m.imports)
+    names = write_names(op, method, slot, init, m.imports)
     caches = (op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE))
     wrap = [arg for arg in caches if arg is not None and guard_of(arg) is None]
     qkv, main_slots, index_slots = qkv_and_slots(op)

@@ -12,7 +12,7 @@ import libcst as cst
 from codemods import anchors as a
 from codemods import roles, schema
 from codemods.schema import Unsupported
-from codemods.sites import guard_of, unguarded
+from codemods.sites import guard_of, products, rebound, unguarded
 
 
 def op_namespace(op: a.OpCall, imports: Mapping[str, str]) -> str | None:
@@ -38,15 +38,15 @@ def op_namespace(op: a.OpCall, imports: Mapping[str, str]) -> str | None:
 
 
 def write_names(
-    op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments,
-    imports: Mapping[str, str],
+    op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init: cst.FunctionDef, imports: Mapping[str, str]
 ) -> dict[str, str]:
     """What a write method and the post-call block are filled in with, the bypass's
     (``codegen.INSERT_KV_METHOD``, ``POST_INSERT``) and the fork-era one ``revert`` restores
     (``INSERT_KV_METADATA``) alike: the caches the call passes (``cache_args``), the widths of the
     fused buffer's parts (``widths``), the cache dtype, and ``reshape_and_cache_flash`` where the
     module reaches it (``op_namespace``; bare: the op's own name)."""
-    names = cache_args(op, method, slot) | widths(op, method, slot, init_attrs)
+    init_attrs = a.self_assignments(init)
+    names = cache_args(op, method, slot) | widths(op, method, slot, init_attrs, rebound(init))
     if schema.DTYPE_ATTR not in init_attrs:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
     namespace = op_namespace(op, imports)
@@ -97,14 +97,15 @@ def qkv_and_slots(op: a.OpCall) -> tuple[str, str, str]:
 
 
 def widths(
-    op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments
+    op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments, again: set[str]
 ) -> dict[str, str]:
     """Code for the widths of the fused buffer's parts, [q | k | v | index_q | index_k] (index_k is
     one head: ``idx_head_dim`` wide), by the names the templates fill in. Each size by what it is
     in the layout, never by the first product that fits: a head size is what that part's norms are
     built with (the call passes their ``.weight``), else the one size that multiplies its head
     counts in ``__init__``; a width is a ``self.W = <count> * <size>`` of ``__init__`` assigned
-    once, else that product itself."""
+    once from a count and a size each assigned once (``again``: those bound more than once; a width made
+    before the count is divided per rank holds the model's width), else that product itself."""
     counts: dict[str, cst.BaseExpression] = {}
     for param in (schema.NUM_HEADS, schema.NUM_KV_HEADS, schema.NUM_INDEX_HEADS):
         arg = op.arg(param)
@@ -112,7 +113,7 @@ def widths(
         if resolved is None:
             raise Unsupported(f"`{param.keyword}` is not a `self.` attribute (or a local proven to hold one)")
         counts[param.keyword] = resolved
-    products = _products(init_attrs)
+    found_products = products(init_attrs)
 
     def size(what: str, label: str, norm_weights: tuple[schema.OpParam, ...], *count_names: str) -> str:
         built = _norm_sizes(op, method, slot, init_attrs, norm_weights)
@@ -121,7 +122,7 @@ def widths(
         if built:
             return built.pop()
         # The sizes each count multiplies; the first count's narrowed by the next ones'.
-        found = [f for n in count_names if (f := {d for w, c, d in products if a.same_expr(c, counts[n])})]
+        found = [f for n in count_names if (f := {d for w, c, d in found_products if a.same_expr(c, counts[n])})]
         candidates = found[0] if found else set()
         for more in found[1:]:
             if len(candidates) > 1 and candidates & more:
@@ -141,7 +142,8 @@ def widths(
     idx_head_dim = size("idx_head_dim", "index head size", schema.OP_PARAMS[9:11], "num_index_heads")
 
     def width(count: cst.BaseExpression, dim: str) -> str:
-        found = (f"self.{attr}" for attr, c, d in products if a.same_expr(c, count) and d == dim)
+        settled = (p for p in found_products if not {a.self_attr(p[1]), p[2][5:]} & again)
+        found = (f"self.{attr}" for attr, c, d in settled if a.same_expr(c, count) and d == dim)
         return next(found, f"{a.code(count)} * {dim}")
 
     return {
@@ -152,19 +154,6 @@ def widths(
         "idx_head_dim": idx_head_dim,
         "num_kv_heads": a.code(counts["num_kv_heads"]),
     }
-
-
-def _products(init_attrs: a.Assignments) -> list[tuple[str, cst.BaseExpression, str]]:
-    """``self.W = <count> * self.D`` assigned once in __init__ (either order): (W, count, "self.D")."""
-    found = []
-    for attr, defs in init_attrs.items():
-        value = defs[0][1] if len(defs) == 1 else None
-        if not (isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Multiply)):
-            continue
-        for count, dim in ((value.left, value.right), (value.right, value.left)):
-            if a.self_attr(dim) is not None:
-                found.append((attr, count, a.code(dim)))
-    return found
 
 
 def _norm_sizes(

@@ -378,6 +378,13 @@ def collect_pieces(
         straight = at == 0 and a.first_in(stmt, lambda n: isinstance(n, _EXITS)) is None
         write = m.methods(cls).get(p.insert_method)
         p.post_insert_wired = post is not None and straight and _insert_is_wired(node, op, write)
+        again, read = rebound(init) if init is not None else set(), {a.self_attr(n) for n in a.nodes_in(stmt)}
+        stale = sorted(w for w, c, d in products(init_attrs) if w in read and {a.self_attr(c), d[5:]} & again)
+        if stale:  # (run writes the product itself there)
+            p.role_problems.append(
+                f"the post-call block slices with `self.{stale[0]}`, made in __init__ from a head count or size that "
+                "__init__ sets again (divided per rank, say): it may hold the model's width, not the rank's"
+            )
         p.compiled_write = p.post_insert_wired and post is not None and post.while_compiling and p.slots_none
         p.compiled_branch = a.first_in(stmt, m.compiled_path_write) is not None and p.slots_none
         break
@@ -542,6 +549,25 @@ def registered_buffer(init: cst.FunctionDef | None, name: str) -> cst.BaseStatem
         if named and a.self_attr(call.func) == "register_buffer":  # type: ignore[union-attr]
             return slot.statement
     return None
+
+
+def products(init_attrs: a.Assignments) -> list[tuple[str, cst.BaseExpression, str]]:
+    """``self.W = <count> * self.D`` assigned once in __init__ (either order): (W, count, "self.D")."""
+    found = []
+    for attr, defs in init_attrs.items():
+        value = defs[0][1] if len(defs) == 1 else None
+        if not (isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Multiply)):
+            continue
+        for count, dim in ((value.left, value.right), (value.right, value.left)):
+            if a.self_attr(dim) is not None:
+                found.append((attr, count, a.code(dim)))
+    return found
+
+
+def rebound(init: cst.FunctionDef) -> set[str]:
+    """The ``self.`` attributes __init__ binds more than once (an augmented assignment too)."""
+    stored = [a.self_attr(t) for n in a.all_statements(init.body) for t in _store_targets(n)]
+    return {x for x in stored if x is not None and stored.count(x) > 1}
 
 
 def _store_targets(stmt: cst.CSTNode) -> list[cst.BaseExpression]:

@@ -1208,3 +1208,21 @@ def test_the_write_methods_docstring_is_indented_as_its_body_in_a_nested_class(t
     body = after[after.rindex("\n", 0, doc) + 1 : doc]
     continuation = after[doc:].split("\n")[2]  # the docstring's third line (after its blank line)
     assert continuation.startswith(body) and not continuation.startswith(body + " "), (body, continuation)
+
+
+REBOUND = (
+    ("        self.num_kv_heads = max(1, config.num_key_value_heads // tp_size)\n",
+     "        self.num_kv_heads = config.num_key_value_heads\n"),
+    ("        self.kv_size = self.num_kv_heads * self.head_dim\n",
+     "        self.kv_size = self.num_kv_heads * self.head_dim\n        self.num_kv_heads = max(1, self.num_kv_heads // tp_size)\n"),
+)
+
+
+def test_a_width_made_before_its_head_count_is_divided_per_rank_is_not_sliced_with(tmp_path: Path) -> None:
+    """`self.kv_size` made from the model's KV head count, which __init__ then divides per rank: it holds
+    the model's width, and slicing with it crashes every fp8 forward at TP >= 2 (verify's stand-in, which
+    holds each size at the rank's, cannot see it). `run` slices with the product itself; a fork's own
+    bypass slicing with the stale width is refused."""
+    after = assert_rewritten_right(tmp_path, edit(FORK_ERA, *REBOUND))
+    assert "kv = self.num_kv_heads * self.head_dim" in post_insert(after) and "self.kv_size" not in post_insert(after)
+    assert_refused(tmp_path, edit(PATCHED_RUN, *REBOUND), "slices with `self.kv_size`")
