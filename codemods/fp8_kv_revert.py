@@ -56,7 +56,8 @@ class RevertPlan:
 def revert_reason(plan: RevertPlan) -> str:
     have = ", ".join(k for k, v in plan.pieces.items() if v) or "a read of a flag nothing sets"
     what = {
-        "restore": f"{plan.write_method} back to its attn_metadata form",
+        "restore": f"{plan.write_method} back to its stock attn_metadata form (`run` replaced the file's own, "
+        "whose lines it did not keep: where it was edited, compare with version control)",
         "remove": f"{plan.write_method} removed ({plan.removed_because})",
         "keep": f"{plan.write_method} kept",
     }[plan.insert_kv]

@@ -208,8 +208,8 @@ def _check_nesting(body: bytes) -> None:
             if depth > MAX_BRACKETS or operators > MAX_OPERATORS:
                 what = TOO_DEEP if depth > MAX_BRACKETS else TOO_LONG
                 raise FileError(f"line {token.start[0]}: {what}; {SPLIT_IT}")
-    except (tokenize.TokenError, SyntaxError):
-        return
+    except (tokenize.TokenError, SyntaxError, UnicodeDecodeError, LookupError):
+        return  # (LibCST says what is wrong: an undecodable byte is `cannot decode source`)
 
 
 def _parse(raw: bytes, ours: bool = False) -> cst.Module:
@@ -345,11 +345,13 @@ def undo_refusal(reverted: FileResult, second_pass: bool = True) -> str | None:
             f"this bypass is not the one `run` writes into the file without it (line {i + 1} has {has};"
             f" `run` writes {writes})"
         )
+    write = next((f"`{s.write_method}`" for s in reverted.sites if s.write_method), "write method")
     backup = path.with_name(path.name + ".orig")
     restore = f"from {backup}, the copy `run --backup` kept," if backup.is_file() else "from version control"
     return (
         f"{why}, so taking it out would not give back the file as it was before `run` (a fork's own"
-        f" bypass, or one `run` upgraded). Restore that {restore} or take the whole bypass out with"
+        f" bypass, one `run` upgraded, or a fork-era {write} `run` replaced and cannot put back)."
+        f" Restore that {restore} or take the whole bypass out with"
         " `revert --whole-bypass`"
     )
 

@@ -10,8 +10,11 @@ processes in test_faults), two runs at once (test_faults).
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -241,3 +244,14 @@ def test_a_syntax_error_is_reported_where_python_reports_it(tmp_path, source: st
     expected = f"not valid Python (line {python.value.lineno}, column {python.value.offset}): {python.value.msg}"
     assert expected in proc.stderr, proc.stderr
     assert path.read_text() == source
+
+
+def test_an_undecodable_byte_past_line_two_is_one_line_exit_2(tmp_path: Path) -> None:
+    """A latin-1 byte on line 3 (no coding line): tokenize raises UnicodeDecodeError late, which the
+    nesting check let through as a traceback, exit 1 ("work needed" to CI), no JSON."""
+    path = tmp_path / "model.py"
+    lines = (FIXTURES / "fork_era" / "model.py").read_bytes().split(b"\n")
+    path.write_bytes(b"\n".join(lines[:2] + [b"# caf\xe9"] + lines[2:]))
+    proc = subprocess.run([sys.executable, "-m", "rewriter", "check", "--json", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "cannot decode source" in proc.stderr and json.loads(proc.stdout)["exit_code"] == 2

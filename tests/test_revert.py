@@ -643,3 +643,19 @@ def test_a_call_in_a_nested_def_of_a_class_with_a_flag_is_refused_whatever_the_f
     """revert refused this under run's flag name only; under a fork's it said there was nothing to revert."""
     (site,) = analyze_revert(cst.parse_module(NESTED.replace("FLAG", flag))).sites
     assert site.action.value == "refuse" and "not directly in a method" in site.reason, site
+
+
+def test_a_replaced_write_method_is_said_to_come_back_in_its_stock_form(tmp_path: Path) -> None:
+    """`run` replaces a fork-era `_insert_kv` and keeps none of its lines; `revert` puts back the stock
+    form. Where the file's own had a line of its own, that line is gone: the reason says so rather than
+    letting exit 0 read as the file before `run`."""
+    source = (FIXTURES / "fork_era" / "model.py").read_text()
+    marker = "        main_meta = attn_metadata[self.layer_name]\n"
+    assert source.count(marker) == 1
+    head, _, tail = source.partition(marker)
+    path = tmp_path / "model.py"
+    path.write_text(head + marker + "        self.writes = getattr(self, 'writes', 0) + 1\n" + tail)
+    assert cli("run", str(path)).returncode == 0
+    reverted = plan_revert_file(path)
+    assert reverted.new is not None and b"self.writes" not in reverted.new
+    assert any("stock attn_metadata form" in s.reason and "did not keep" in s.reason for s in reverted.sites)
