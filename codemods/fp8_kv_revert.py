@@ -121,7 +121,7 @@ def plan_site(
         for extra in [f for f, ok in m.flags(cls).items() if ok and f != pieces.flag_attr]:
             definition = m.flag_definition(cls, init, extra)
             own = {id(n) for r in definition for n in a.walk_all(r)}
-            if definition and all(id(n) in own for n in _attribute_reads(m, extra)):
+            if definition and all(id(n) in own for n in _attribute_reads(m, cls, extra)):
                 remove += definition
         remove += [scale_slot.statement for scale_slot, _ in attrs.get(pieces.scale_attr, [])]
         buffer = sites.registered_buffer(init, pieces.scale_attr)
@@ -224,7 +224,7 @@ def _check_nothing_left(
     """After the removal of ``gone`` no read of the flag (``self.<flag>``, or ``<x>.<flag>`` anywhere in the
     file: another class's read through the layer) or of a guard may remain."""
     removed_nodes = {id(n) for root in gone for n in a.walk_all(root)}
-    flags = [(n, f"`{' '.join(a.code(n).split())}`") for n in _attribute_reads(m, flag)]
+    flags = [(n, f"`{' '.join(a.code(n).split())}`") for n in _attribute_reads(m, cls, flag)]
     guard_reads = [n for n in a.walk_scope(method.body) if isinstance(n, cst.Name) and n.value in guards]
     for node, what in flags + [(n, f"the guard `{n.value}`") for n in guard_reads]:
         if id(node) not in removed_nodes:
@@ -232,9 +232,12 @@ def _check_nothing_left(
             raise Unsupported(f"{what} is also used at line {line}, outside the bypass")
 
 
-def _attribute_reads(m: FileModel, name: str) -> list[cst.CSTNode]:
-    """Every ``<x>.<name>`` in the file, and every string that is ``name`` (``getattr(x, "<name>")``)."""
-    return [n for n in m.named(name) if isinstance(n, (cst.Attribute, cst.SimpleString))]
+def _attribute_reads(m: FileModel, cls: cst.ClassDef, name: str) -> list[cst.CSTNode]:
+    """Every ``<x>.<name>`` in the file, and every string that is ``name`` (``getattr(x, "<name>")``); but
+    ``self.<name>`` in a class outside the layer's lineage, another object's attribute."""
+    lineage = {id(n) for c in m.lineage(cls) for n in a.walk_all(c)}
+    found = [n for n in m.named(name) if isinstance(n, (cst.Attribute, cst.SimpleString))]
+    return [n for n in found if a.self_attr(n) is None or id(n) in lineage]
 
 
 def _plan_insert_kv(
@@ -251,7 +254,7 @@ def _plan_insert_kv(
     if sites.other_insert_kv_call(cls, allowed, name) is not None:
         raise Unsupported(f"`{name}` is also called outside the bypass: its signature must stay")
     allowed |= {id(n) for root in (fn, *plan.dead) for n in a.walk_all(root)}  # (module code only it left dead)
-    other = next((n for n in _attribute_reads(m, name) if id(n) not in allowed), None)
+    other = next((n for n in _attribute_reads(m, cls, name) if id(n) not in allowed), None)
     if other is not None:
         line = m.positions[other].start.line if other in m.positions else "?"
         raise Unsupported(f"`{' '.join(a.code(other).split())}` at line {line} also names `{name}`, outside the bypass")

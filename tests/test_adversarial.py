@@ -1226,3 +1226,14 @@ def test_a_width_made_before_its_head_count_is_divided_per_rank_is_not_sliced_wi
     after = assert_rewritten_right(tmp_path, edit(FORK_ERA, *REBOUND))
     assert "kv = self.num_kv_heads * self.head_dim" in post_insert(after) and "self.kv_size" not in post_insert(after)
     assert_refused(tmp_path, edit(PATCHED_RUN, *REBOUND), "slices with `self.kv_size`")
+
+
+def test_another_class_reading_its_own_attribute_of_the_flags_name_is_no_read_of_the_flag(tmp_path: Path) -> None:
+    """Two layer classes, each with its own bypass: `self._fp8_kv` in the other class is that object's
+    attribute, not a read of this layer's flag through another object (which a strip must not leave)."""
+    start = PATCHED_RUN.index("class MiniMaxM3SparseAttention(")
+    end = PATCHED_RUN.index("\nclass ", start + 1) + 1
+    twin = PATCHED_RUN[start:end].replace("class MiniMaxM3SparseAttention(", "class MiniMaxM3SparseAttentionTwin(", 1)
+    sites = [s for s in sites_of(tmp_path, PATCHED_RUN[:end] + "\n" + twin + PATCHED_RUN[end:]) if s.state.value == "patched"]
+    assert len(sites) == 2
+    assert all("2 sites carry an fp8 bypass" in s.reason and "outside the bypass" not in s.reason for s in sites), sites[0].reason
