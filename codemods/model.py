@@ -104,11 +104,11 @@ class FileModel:
 
     def bases_outside(self, cls: cst.ClassDef) -> list[str]:
         """The bases of the class and its lineage that this file does not define (but ``nn.Module``)."""
-        defined = {c.name.value for c in self.lineage(cls)}
-        bases = [a.code(b.value) for c in self.lineage(cls) for b in c.bases if b.keyword is None]
+        lineage = self.lineage(cls)
+        bases = [a.code(b.value) for c in lineage for b in c.bases if b.keyword is None]
         module = ("torch.nn.Module", "torch.nn.modules.module.Module")
-        tree = roles.expression
-        return [b for b in bases if b not in defined and roles.qualified(tree(b), self.imports) not in module]  # type: ignore[arg-type]
+        qualified = {b: roles.qualified(roles.expression(b), self.imports) for b in bases}  # type: ignore[arg-type]
+        return [b for b in bases if b not in {c.name.value for c in lineage} and qualified[b] not in module]
 
     def depth(self, node: cst.CSTNode) -> int:
         """How many blocks deep a statement stands: its column over the file's indent step."""

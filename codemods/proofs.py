@@ -12,7 +12,7 @@ import libcst as cst
 from codemods import anchors as a
 from codemods import roles, schema
 from codemods.schema import Unsupported
-from codemods.sites import guard_of, products, rebound, unguarded
+from codemods.sites import guard_of, products, stale_widths, unguarded
 
 
 def op_namespace(op: a.OpCall, imports: Mapping[str, str]) -> str | None:
@@ -46,7 +46,7 @@ def write_names(
     fused buffer's parts (``widths``), the cache dtype, and ``reshape_and_cache_flash`` where the
     module reaches it (``op_namespace``; bare: the op's own name)."""
     init_attrs = a.self_assignments(init)
-    names = cache_args(op, method, slot) | widths(op, method, slot, init_attrs, rebound(init))
+    names = cache_args(op, method, slot) | widths(op, method, slot, init_attrs, stale_widths(init, init_attrs))
     if schema.DTYPE_ATTR not in init_attrs:
         raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
     namespace = op_namespace(op, imports)
@@ -97,15 +97,15 @@ def qkv_and_slots(op: a.OpCall) -> tuple[str, str, str]:
 
 
 def widths(
-    op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments, again: set[str]
+    op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments, stale: set[str]
 ) -> dict[str, str]:
     """Code for the widths of the fused buffer's parts, [q | k | v | index_q | index_k] (index_k is
     one head: ``idx_head_dim`` wide), by the names the templates fill in. Each size by what it is
     in the layout, never by the first product that fits: a head size is what that part's norms are
     built with (the call passes their ``.weight``), else the one size that multiplies its head
     counts in ``__init__``; a width is a ``self.W = <count> * <size>`` of ``__init__`` assigned
-    once from a count and a size each assigned once (``again``: those bound more than once; a width made
-    before the count is divided per rank holds the model's width), else that product itself."""
+    once, but a stale one (``sites.stale_widths``: made before its count is divided per rank, it holds the
+    model's width), else that product itself."""
     counts: dict[str, cst.BaseExpression] = {}
     for param in (schema.NUM_HEADS, schema.NUM_KV_HEADS, schema.NUM_INDEX_HEADS):
         arg = op.arg(param)
@@ -142,8 +142,7 @@ def widths(
     idx_head_dim = size("idx_head_dim", "index head size", schema.OP_PARAMS[9:11], "num_index_heads")
 
     def width(count: cst.BaseExpression, dim: str) -> str:
-        settled = (p for p in found_products if not {a.self_attr(p[1]), p[2][5:]} & again)
-        found = (f"self.{attr}" for attr, c, d in settled if a.same_expr(c, count) and d == dim)
+        found = (f"self.{w}" for w, c, d in found_products if w not in stale and a.same_expr(c, count) and d == dim)
         return next(found, f"{a.code(count)} * {dim}")
 
     return {

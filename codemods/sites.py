@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import collections
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -378,8 +379,8 @@ def collect_pieces(
         straight = at == 0 and a.first_in(stmt, lambda n: isinstance(n, _EXITS)) is None
         write = m.methods(cls).get(p.insert_method)
         p.post_insert_wired = post is not None and straight and _insert_is_wired(node, op, write)
-        again, read = rebound(init) if init is not None else set(), {a.self_attr(n) for n in a.nodes_in(stmt)}
-        stale = sorted(w for w, c, d in products(init_attrs) if w in read and {a.self_attr(c), d[5:]} & again)
+        read = {a.self_attr(n) for n in a.nodes_in(stmt)}
+        stale = sorted(read & stale_widths(init, init_attrs)) if init is not None else []  # type: ignore[operator]
         if stale:  # (run writes the product itself there)
             p.role_problems.append(
                 f"the post-call block slices with `self.{stale[0]}`, made in __init__ from a head count or size that "
@@ -399,8 +400,8 @@ def collect_pieces(
     _taken_names(m, cls, scope, init_attrs, p)
     init_tree = scope.methods.get("__init__")
     setters = {f.name for f in roles.init_methods(init_tree, scope)} if init_tree is not None else set()
-    methods, attrs = {method.name.value, p.insert_method, "__init__", *setters}, {p.flag_attr, p.scale_attr, schema.DTYPE_ATTR}
-    p.subclassed = _redefined_below(m, cls, methods, attrs)
+    pieces = {method.name.value, p.insert_method, "__init__", *setters}  # (``attrs`` is every self.<x> read)
+    p.subclassed = _redefined_below(m, cls, pieces, {p.flag_attr, p.scale_attr, schema.DTYPE_ATTR})
     return p
 
 
@@ -564,10 +565,12 @@ def products(init_attrs: a.Assignments) -> list[tuple[str, cst.BaseExpression, s
     return found
 
 
-def rebound(init: cst.FunctionDef) -> set[str]:
-    """The ``self.`` attributes __init__ binds more than once (an augmented assignment too)."""
-    stored = [a.self_attr(t) for n in a.all_statements(init.body) for t in _store_targets(n)]
-    return {x for x in stored if x is not None and stored.count(x) > 1}
+def stale_widths(init: cst.FunctionDef, init_attrs: a.Assignments) -> set[str]:
+    """The widths of ``products`` made from a count or size that __init__ binds again (an augmented assignment
+    too; divided per rank, say): they may hold the model's width, not the rank's."""
+    stored = collections.Counter(a.self_attr(t) for n in a.all_statements(init.body) for t in _store_targets(n))
+    stored.pop(None, None)  # (a local, a subscript: no attribute)
+    return {w for w, count, dim in products(init_attrs) if stored[a.self_attr(count)] > 1 or stored[dim[5:]] > 1}
 
 
 def _store_targets(stmt: cst.CSTNode) -> list[cst.BaseExpression]:
