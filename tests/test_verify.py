@@ -470,11 +470,17 @@ WRONG_WIDTHS = {
         [(_SPARSE_Q_SIZE, _ROPE_Q_SIZE + _SPARSE_Q_SIZE)],
         [("k0 = self.q_size\n", "k0 = self.rope_q_size\n")],
     ),
-    # index_q's width from the kv head count (the fixture sets one index head per kv head;
-    # the op is passed `self.num_idx_heads`, and that is what the slices must follow)
+    # index_q's width from the kv head count, in a file whose index head count is not the kv
+    # count's attribute (the op is passed `self.num_idx_heads`: the slices must follow it; where
+    # the file says `self.num_idx_heads = self.num_kv_heads`, the two are one size)
     "index_q width from the kv head count": (
         "fork_era",
-        [],
+        [
+            (
+                "self.num_idx_heads = self.num_kv_heads\n",
+                "self.num_idx_heads = max(1, config.num_key_value_heads // tp_size)\n",
+            )
+        ],
         [("2 * kv + self.index_q_size", "2 * kv + self.num_kv_heads * self.idx_head_dim")],
     ),
     # renamed attributes (`self.dim`, `self.index_dim`): the index key sliced with `dim`
@@ -554,13 +560,58 @@ def test_the_stand_in_tells_each_size_from_the_file_and_keeps_its_ties(tmp_path:
     assert level.status is Status.PASSED, level.reason + "\n" + "\n".join(level.details)
     ran = "6 q / 2 kv / 2 index heads, head dims 64 / index 128, rotary 32"
     assert f"MiniMaxM3SparseAttention: sizes: {ran}" in level.details
-    # the index norms built with head_dim: the op's index head size is head_dim, so the two stay equal
+    # the index norms built with head_dim: the op's index head size is head_dim, so the two stay
+    # equal; and `self.num_idx_heads = self.num_kv_heads` (each bound once) ties the two counts
     tied = EXPECTED.replace("GemmaRMSNorm(self.idx_head_dim", "GemmaRMSNorm(self.head_dim")
     path.write_text(tied)
     code = layercode.load_layer(path, "MiniMaxM3SparseAttention")
-    assert code.fit(distinct) == replace(distinct, idx_head_dim=distinct.head_dim)
+    both = replace(distinct, idx_head_dim=distinct.head_dim, num_idx_heads=distinct.num_kv_heads)
+    assert code.fit(distinct) == both
     assert semantic(path)[0].status is Status.PASSED
 
+
+
+MODEL = (FIXTURES / "fork_era" / "model.py").read_text()
+# The fork-era file says `self.num_idx_heads = self.num_kv_heads`: these two spell the index
+# head count through the kv count (hunt 46, E D1 and D2), the same program.
+INDEX_THROUGH_KV = {
+    "call": [
+        ("        q = qkv.new_empty(", "        num_kv_heads = self.num_kv_heads\n        q = qkv.new_empty("),
+        ("            self.num_idx_heads,\n", "            num_kv_heads,\n"),
+    ],
+    "index_q_size": [
+        ("self.index_q_size = self.num_idx_heads *", "self.index_q_size = self.num_kv_heads *"),
+    ],
+}
+
+
+@pytest.mark.parametrize("case", sorted(INDEX_THROUGH_KV))
+def test_an_index_count_the_file_ties_to_the_kv_count_is_run_as_one(tmp_path: Path, case: str) -> None:
+    """`check` says rewrite; `run` then proves and writes it (before, the stand-in gave the two
+    counts its own distinct sizes, its bf16 run of the file's own code failed and `run` refused:
+    check and run disagreed); `verify` passes the output at TP=2 and 4."""
+    path = tmp_path / "model.py"
+    path.write_text(_edited(MODEL, INDEX_THROUGH_KV[case]))
+    assert cli("check", str(path)).returncode == 1
+    proc = cli("run", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "proven:" in proc.stderr
+    proc = cli("verify", "--tp", "2", "--tp", "4", str(path))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_count_bound_again_after_the_copy_is_not_tied(tmp_path: Path) -> None:
+    """`self.num_idx_heads = self.num_kv_heads`, then the kv count bound again: the two may differ,
+    so the stand-in keeps its own distinct sizes for them."""
+    rebound = "        self.num_idx_heads = self.num_kv_heads\n"
+    source = _edited(EXPECTED, [(rebound, rebound + "        self.num_kv_heads = max(1, self.num_kv_heads)\n")])
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    code = layercode.load_layer(path, "MiniMaxM3SparseAttention")
+    assert code.fit(layercode.DISTINCT).num_idx_heads == layercode.DISTINCT.num_idx_heads
+    path.write_text(EXPECTED)
+    tied = layercode.load_layer(path, "MiniMaxM3SparseAttention").fit(layercode.DISTINCT)
+    assert tied.num_idx_heads == layercode.DISTINCT.num_kv_heads
 
 # --- the import level -----------------------------------------------------------------
 

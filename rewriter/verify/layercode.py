@@ -417,6 +417,14 @@ def _bindings(
         if isinstance(node, ast.Attribute) and _self_chain(node) == (node.attr,) and node.attr in SIZES:
             held.setdefault((node.attr,), set()).add(node.attr)
     init = _init_values(init_def)
+    # `self.A = self.B` where __init__ binds each once and both hold sizes: the file makes them one.
+    once = [name for name, _ in init]
+    for name, value in init:
+        other = _self_chain(value)
+        if (name,) in held and other in held and once.count(name) == 1 and other != (name,):
+            if len(other) == 1 and once.count(other[0]) == 1:
+                held[(name,)] |= held[other]
+                held[other] |= held[(name,)]
     built = {name: value for name, value in init if isinstance(value, ast.Call) and value.args}
     for chain, what in list(held.items()):
         dims = {_NORM_DIMS[w] for w in what if w in _NORM_DIMS}
