@@ -46,6 +46,8 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
         for child in ast.iter_child_nodes(node):
             visit(child, inner)
 
+    if guards.set_through_another(tree, [schema.DTYPE_ATTR]):
+        return None  # a layer's cache dtype changed from outside: LibCST says what
     try:
         visit(tree, ())
     except (_Defer, RecursionError):
@@ -83,8 +85,8 @@ def _site(
     keywords = [(k.arg, k.value) for k in call.keywords if k.arg is not None]
     kv = schema.bind_arg(schema.KV_CACHE, args, keywords)
     index = schema.bind_arg(schema.INDEX_CACHE, args, keywords)
-    if isinstance(kv, ast.IfExp) or isinstance(index, ast.IfExp):
-        raise _Defer  # a cache argument under a condition: a bypass's guard, whatever it is called
+    if any(c is not None and not _self_chain(c) for c in (kv, index)):
+        raise _Defer  # a cache argument under a condition (a bypass's guard, whatever it is called), or not self's
     dtype = schema.bind_arg(schema.KV_CACHE_DTYPE, args, keywords)
     has_cache = kv is not None and not (isinstance(kv, ast.Constant) and kv.value is None)
     init, scope, values = read(cls)
@@ -98,14 +100,19 @@ def _site(
         writes = (guards.writes_cache(roles.self_member(n.func), scope) for n in after if isinstance(n, ast.Call))
         if any(roles.flags(init, scope, values).values()) or any(  # type: ignore[arg-type]
             guards.passes_slots(n, passed) for n in after
-        ) or any(writes):
-            raise _Defer  # a flag, or a post-call write: the pieces of a bypass, whatever their names
+        ) or any(writes) or guards.own_writes(method, scope, init, passed):
+            raise _Defer  # a flag, or a write of its own: the pieces of a bypass, whatever their names
     facts = schema.CallFacts(
         line=call.lineno, class_name=cls.name, method=method.name, module_function=None, nested_in=None,
         star_args=False, has_cache=has_cache, dtype=roles.dotted(dtype) if has_cache else None,
         dtype_is_auto=False, dtype_proven=True, in_block=False,  # in_block: not asked with a dtype
     )
     return schema.verdict(facts, schema.Pieces)
+
+
+def _self_chain(node: ast.expr) -> bool:
+    """``self.a.b`` (or None)."""
+    return (isinstance(node, ast.Constant) and node.value is None) or (roles.dotted(node) or "").startswith("self.")
 
 
 def _plain(node: ast.expr, lines: list[str]) -> bool:

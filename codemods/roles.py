@@ -1,7 +1,7 @@
 """The roles of a bypass, proven from what its expressions do, never from how they are spelled.
 
 A fork may name every piece differently and write every condition another way round. The *flag*
-is a ``self.<attr>`` that ``__init__`` leaves true for every fp8 dtype and false for "auto"
+is a ``self.<attr>`` that ``__init__`` leaves true for every fp8 dtype and false for "bfloat16" and "auto"
 (``flags`` runs ``__init__`` on each dtype, reading with ``evaluate``); the *guard* conditions the
 cache arguments on ``not flag`` and the *post-call block* runs when the guard is false, read as
 truth tables over ``evaluate`` (``codemods.guards``). All on Python's own ``ast``."""
@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from codemods import schema
 
 FP8_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+# The dtypes a flag is false for: vLLM's other KV-cache dtype for MiniMax-M3 ("bfloat16") and "auto".
+NOT_FP8 = ("bfloat16", schema.AUTO_DTYPE)
 DTYPE = f"self.{schema.DTYPE_ATTR}"
 COMPILING = "<compiling>"  # the truth tables' name for torch.compiler.is_compiling()
-# vLLM's helper (wherever a release keeps it): true for every quantized cache dtype (not "auto").
-VLLM_HELPERS = {"is_quantized_kv_cache": lambda dtype: dtype != schema.AUTO_DTYPE}
+# vLLM's helper (wherever a release keeps it): true for every quantized cache dtype (0.24.0's test).
+VLLM_HELPERS = {"is_quantized_kv_cache": lambda dtype: dtype.startswith("fp8") or dtype.endswith("per_token_head")}
 _STR_METHODS = {"startswith", "endswith", "lower", "upper", "strip", "casefold"}
 _BUILTINS = {"bool": bool, "str": str, "any": any, "all": all}
 DEPTH = 3  # how deep the reading follows helpers calling helpers (or methods __init__ calls)
@@ -318,15 +320,26 @@ def _dtype_sources(init: ast.FunctionDef, scope: Scope) -> tuple[set[str], bool]
     """``self.kv_cache_dtype`` and the chain of names it is assigned from (``d = cache_config.cache_dtype``;
     ``self.kv_cache_dtype = d``), each set by one statement of __init__ or a method it calls (two, ``= "auto"``
     then the real one: which is the dtype's is not known); and whether __init__ sets it (the dtype from there)."""
-    places = [{dotted(n) for n in ast.walk(node) if isinstance(getattr(n, "ctx", None), ast.Store)}
-              for node in (*init.body, *init_methods(init, scope)[1:])]
+    body = [*init.body, *(s for fn in init_methods(init, scope)[1:] for s in fn.body)]
     assigns = [n for n in ast.walk(init) if isinstance(n, ast.Assign) and len(n.targets) == 1]
     values = {name: n.value for n in reversed(assigns) if (name := dotted(n.targets[0]))}  # (the first)
     sources, name = set(), DTYPE
-    while name is not None and name not in sources and sum(name in p for p in places) <= 1:
+    while name is not None and name not in sources and _stores_on_a_path(body, name) <= 1:
         sources.add(name)
         name = dotted(values[name]) if name in values else None
-    return sources, any(DTYPE in p for p in places)
+    return sources, _stores_on_a_path(body, DTYPE) > 0
+
+
+def _stores_on_a_path(body: list[ast.stmt], name: str) -> int:
+    """How often one path through ``body`` may store ``name`` (an ``if``'s branches are two paths)."""
+    def stores(node: ast.AST) -> int:
+        return sum(dotted(n) == name for n in ast.walk(node) if isinstance(getattr(n, "ctx", None), ast.Store))
+
+    return sum(
+        stores(s.test) + max(_stores_on_a_path(s.body, name), _stores_on_a_path(s.orelse, name))
+        if isinstance(s, ast.If) else stores(s)
+        for s in body
+    )
 
 
 def _assign(target: ast.expr, value: ast.expr | None, env: dict[str, object], scope: Scope) -> None:
@@ -549,15 +562,15 @@ def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int)
 
 
 def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object]) -> dict[str, dict[str, object]]:
-    """What each ``self.<attr>`` holds when ``__init__`` returns (``base``: before), for each fp8 dtype and "auto"
-    as ``self.kv_cache_dtype``, where every path the reading cannot decide agrees. Read once a class."""
+    """What each ``self.<attr>`` holds when ``__init__`` returns (``base``: before), for each fp8 dtype, "bfloat16"
+    and "auto" as ``self.kv_cache_dtype``, where every path the reading cannot decide agrees. Read once a class."""
     # what a def nested in __init__ (or in a method it calls) stores through ``self``: whenever it is called
     nested = [d for fn in init_methods(init, scope) for d in ast.walk(fn) if d is not fn and isinstance(d, _NESTED)]
     late = {f"self.{attr}" for d in nested for attr in _stored(d)}
     sources, set_here = _dtype_sources(init, scope)
     pinned, values = sources - {DTYPE} if set_here else sources, {}  # (the attribute: where __init__ sets it)
     props = {name: ast.Call(ast.parse(f"self.{name}", mode="eval").body, [], []) for name in scope.properties()}
-    for dtype in (*FP8_DTYPES, schema.AUTO_DTYPE):
+    for dtype in (*FP8_DTYPES, *NOT_FP8):
         env = {**base, _SOURCES: dict.fromkeys(sources, dtype), **dict.fromkeys(pinned, dtype)}
         with contextlib.suppress(_Stop):
             _block(init.body, env, scope, 0)
@@ -570,16 +583,18 @@ def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object])
 
 def flags(init: ast.FunctionDef, scope: Scope, values: Mapping[str, Mapping[str, object]]) -> dict[str, bool]:
     """Each attribute ``__init__`` assigns (or property): whether it is a flag - true for every fp8 dtype
-    and false for "auto" once ``__init__`` has run (``values``: ``init_values``), however decided."""
+    and false for "bfloat16" and "auto" once ``__init__`` has run (``values``: ``init_values``), however decided."""
     assigned = set().union(*map(_stored, init_methods(init, scope)), scope.properties()) - {schema.DTYPE_ATTR}
-    held = {attr: [run.get(f"self.{attr}", _MISSING) for run in values.values()] for attr in assigned}  # auto last
-    known = {attr: runs for attr, runs in held.items() if all(v is not _MISSING for v in runs)}
-    return {attr: attr in known and all(runs[:-1]) and not runs[-1] for attr, runs in held.items()}
+    held = {attr: {d: run.get(f"self.{attr}", _MISSING) for d, run in values.items()} for attr in assigned}
+    return {
+        attr: _MISSING not in runs.values() and all(runs[d] for d in FP8_DTYPES) and not any(runs[d] for d in NOT_FP8)
+        for attr, runs in held.items()
+    }
 
 
 def carries_dtype(node: ast.expr, scope: Scope, values: Mapping[str, Mapping[str, object]]) -> bool:
     """A native call's ``kv_cache_dtype`` argument holds the cache dtype: for each of the fp8
-    dtypes and "auto", it is that dtype when ``__init__`` has run (``values``: ``init_values``)."""
+    dtypes, "bfloat16" and "auto", it is that dtype when ``__init__`` has run (``values``: ``init_values``)."""
     try:  # (each env a copy: a `:=` in it binds nothing here)
         return all(evaluate(node, dict(env), scope) == dtype for dtype, env in values.items())
     except (Unknown, *_ERRORS):

@@ -127,6 +127,8 @@ class CallFacts:
     in_block: bool  # the call is a statement of its own in a block of the method
     is_async: bool = False  # the method holding the call is an `async def`
     in_wrapper: bool = False  # outside a class: in a pass-through wrapper (the layer's call of it is the site)
+    # a cache argument of a native call that is no `self.` attribute (nor a local proven to hold one)
+    cache_unproven: str | None = None
 
 
 @dataclass
@@ -155,6 +157,7 @@ class Pieces:
     # are None somewhere: the compiled path may need that write, so it is never taken out
     compiled_branch: bool = False
     subclassed: str | None = None  # a class of the file derives from this one and redefines a piece (in words)
+    own_write: str | None = None  # a cache write the call's method reaches besides a bypass's (``guards.own_writes``)
     slots_none: bool = False  # a slot mapping the call passes is set to None somewhere (while compiling, say)
     # The roles' names in this file (``roles``): the flag the guard reads, the method the post-call
     # block hands the write to; codegen's names where the file has none (sites.FoundPieces).
@@ -297,12 +300,24 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
         if not f.dtype_proven:
             return refuse(
                 f"the call passes kv_cache_dtype={f.dtype}, which cannot be proven to be the cache dtype "
-                f'(`self.{DTYPE_ATTR}` as __init__ sets it) for "fp8", "fp8_e4m3", "fp8_e5m2" and "auto": '
+                f'(`self.{DTYPE_ATTR}` as __init__ sets it) for "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16" and "auto": '
                 "with an fp8 cache the native kernel would be told another. Pass "
                 f"`self.{DTYPE_ATTR}`, then run again"
             )
         if p.user_conditions:
             return conditioned
+        if f.cache_unproven is not None:
+            return refuse(
+                f"the call's cache argument `{f.cache_unproven}` is not a `self.` attribute (or a local proven to "
+                "hold one on every path to the call): that the kernel gets the layer's cache, fp8 included, "
+                "is not proven. Pass the cache attribute itself, then run again"
+            )
+        if not p.any_bypass(native=True) and p.own_write is not None:
+            return refuse(
+                f"besides the native call, the layer writes a cache itself (`{p.own_write}`): the native kernel "
+                "writes fp8 and skips padded slots, and a second write into its cache is not proven (a stale fp8 "
+                "write of a fork, say). Take that write out, then run again"
+            )
         if not p.any_bypass(native=True):
             native = f"native fp8 support (passes kv_cache_dtype={f.dtype})"
             return site(SiteState.NATIVE, Action.NONE, f"{native}: run with --kv-cache-dtype fp8 directly")
@@ -343,7 +358,7 @@ def _unproven_roles(p: Pieces) -> str:
     if p.flag_unproven is not None:
         return (
             f"the guard reads `self.{p.flag_attr}`, set in __init__ to `{p.flag_unproven}`, which cannot be "
-            f'proven true for "fp8", "fp8_e4m3", "fp8_e5m2" and false for "{AUTO_DTYPE}" from '
+            f'proven true for "fp8", "fp8_e4m3", "fp8_e5m2" and false for "bfloat16" and "{AUTO_DTYPE}" from '
             f"`self.{DTYPE_ATTR}` alone: the flag's role is not proven, nothing was changed. If it is meant "
             f'to be true for the fp8 cache dtypes, write it as `"fp8" in self.{DTYPE_ATTR}` (or a helper '
             f"returning that) after __init__ sets `self.{DTYPE_ATTR}`, once, then run again"

@@ -189,8 +189,22 @@ def call_facts(found: FoundCall, m: FileModel) -> tuple[schema.CallFacts, a.Stat
         dtype_proven=_carries_dtype(found, held, m),
         is_async=found.method is not None and found.method.asynchronous is not None,
         in_wrapper=found.module_function in m.wrappers,
+        cache_unproven=_cache_unproven(found, method, slot) if dtype_value is not None else None,
     )
     return facts, slot
+
+
+def _cache_unproven(found: FoundCall, method: cst.FunctionDef | None, slot: a.StatementSlot | None) -> str | None:
+    """A native call's cache argument (not under a condition: a guard's or the caller's, read as
+    such) that is no ``self.`` attribute, nor a local proven to hold one at the call."""
+    for param in (schema.KV_CACHE, schema.INDEX_CACHE):
+        arg = found.op.arg(param)
+        if found.cls is None or method is None or arg is None or a.is_none(arg.value) or isinstance(arg.value, cst.IfExp):
+            continue
+        held = a.resolve_self_expr(method, arg.value, slot) if slot is not None else arg.value
+        if not (isinstance(held, cst.Attribute) and a.is_self_rooted(held)):
+            return " ".join(a.code(arg.value).split())
+    return None
 
 
 def _carries_dtype(found: FoundCall, held: cst.BaseExpression | None, m: FileModel) -> bool:
@@ -399,10 +413,27 @@ def collect_pieces(
     p.scale_read = p.scale_attr in attrs
     _taken_names(m, cls, scope, init_attrs, p)
     init_tree = scope.methods.get("__init__")
+    tree = scope.methods.get(method.name.value)
+    slots = [roles.expression(a.code(s.value)) for s in (main, index) if s is not None]
+    writes = guards.own_writes(tree, scope, init_tree, [s for s in slots if s is not None]) if native and tree else []
+    shown = [f"{ast.unparse(w.func)}(…)" if isinstance(w, ast.Call) else f"{ast.unparse(w.value)}[…] = …" for w in writes]  # type: ignore[attr-defined]
+    p.own_write = shown[0] if shown else None
     setters = {f.name for f in roles.init_methods(init_tree, scope)} if init_tree is not None else set()
     pieces = {method.name.value, p.insert_method, "__init__", *setters}  # (``attrs`` is every self.<x> read)
     p.subclassed = _redefined_below(m, cls, pieces, {p.flag_attr, p.scale_attr, schema.DTYPE_ATTR})
+    own = [p.flag_attr] if p.flag_from_file or p.flag_set else []
+    p.role_problems += _set_through_another(m, [*own, p.scale_attr, schema.DTYPE_ATTR])
     return p
+
+
+def _set_through_another(m: FileModel, names: list[str]) -> list[str]:
+    """The stores ``guards.set_through_another`` finds, in words."""
+    tree = m.source_map.tree if m.source_map is not None else None
+    return [
+        f"`{' '.join(ast.unparse(node).split())}` at line {node.lineno} sets `{name}` through another object than "
+        "`self` (the bypass relies on it being what the layer's __init__ sets)"
+        for node, name in (guards.set_through_another(tree, names) if tree is not None else [])
+    ]
 
 
 def _redefined_below(m: FileModel, cls: cst.ClassDef, methods: set[str], attrs: set[str]) -> str | None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from codemods.roles import COMPILE_TESTS
 from codemods.schema import DTYPE_ATTR, FUSED_OP, RESHAPE_OP
 
 from . import refops
@@ -262,15 +263,25 @@ def _ops_namespace(backend: Backend) -> types.SimpleNamespace:
 
 
 class _Compiler(types.ModuleType):
-    """``torch.compiler`` / ``torch._dynamo`` answering ``is_compiling()`` for the run's path."""
+    """A module on the way to a compile test (``torch.compiler``, ``torch._dynamo.external_utils``):
+    every spelling the codemod reads as ``is_compiling()`` (``roles.COMPILE_TESTS``) answers the run's path."""
 
-    def __init__(self, real: Any, compiling: bool) -> None:
-        super().__init__(real.__name__)
-        self._real = real
-        self.is_compiling = lambda: compiling
+    def __init__(self, real: Any, compiling: bool, dotted: str) -> None:
+        super().__init__(dotted)
+        self._real, self._compiling = real, compiling
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
+        return _compile_test(f"{self.__name__}.{name}", self._compiling, lambda: getattr(self._real, name))
+
+
+def _compile_test(dotted: str, compiling: bool, real: Callable[[], Any]) -> Any:
+    """``torch.<...>`` as the stand-in serves it: a compile test answers ``compiling``; a module
+    on the way to one is a ``_Compiler`` (looked up only when the file asks: dynamo is heavy)."""
+    if dotted in COMPILE_TESTS:
+        return lambda: compiling
+    if any(test.startswith(dotted + ".") for test in COMPILE_TESTS):
+        return _Compiler(real(), compiling, dotted)
+    return real()
 
 
 class _TorchProxy(types.ModuleType):
@@ -285,8 +296,8 @@ class _TorchProxy(types.ModuleType):
         self._compiling = compiling
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("compiler", "_dynamo"):  # looked up only when the file asks (dynamo is heavy)
-            return _Compiler(getattr(torch, name), self._compiling)
+        if any(test.startswith(f"torch.{name}.") for test in COMPILE_TESTS):
+            return _compile_test(f"torch.{name}", self._compiling, lambda: getattr(torch, name))
         if name == "cuda" and not torch.cuda.is_available():
             return _CudaOnCpu()
         return getattr(torch, name)
@@ -440,7 +451,9 @@ def _standin(
             namespace[name] = backend.fused
         elif origin.endswith("." + RESHAPE_OP):
             namespace[name] = backend.reshape_and_cache_flash
-        elif origin in ("torch.ops", "torch.ops._C", "torch.ops._C_cache_ops", "torch.ops.vllm"):  # `from torch.ops import _C`
+        elif origin in ("torch.ops", "torch.ops._C", "torch.ops._C_cache_ops", "torch.ops.vllm") or any(
+            test == origin or test.startswith(origin + ".") for test in COMPILE_TESTS
+        ):  # `from torch.ops import _C`, `from torch.compiler import is_compiling`
             namespace[name] = functools.reduce(getattr, origin.split(".")[1:], torch_proxy)
         elif name == "get_forward_context":
             namespace[name] = lambda: ctx
