@@ -1,0 +1,89 @@
+"""Hunt 47's wrong verdicts, each through the whole command (``check --json``: the prefilter and the
+LibCST analysis), as small edits of the fixtures; each case with its control, the same file right."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, cli
+
+NATIVE = (FIXTURES / "native" / "model.py").read_text()
+PATCHED = (FIXTURES / "patched" / "model.py").read_text()
+COMPILED = (FIXTURES / "compiled_native" / "expected.py").read_text()
+CALL_END = "            self.kv_cache_dtype,\n        )\n"
+WRITE = (
+    "        key_cache, value_cache = self.kv_cache.unbind(1)\n"
+    "        ops.reshape_and_cache_flash(k, v, key_cache, value_cache, main_slot_mapping, self.kv_cache_dtype, s, s)\n"
+)
+
+
+def _edited(source: str, edits: list[tuple[str, str]]) -> str:
+    for old, new in edits:
+        assert source.count(old) >= 1, f"{old!r} no longer applies"
+        source = source.replace(old, new)
+    return source
+
+
+# name -> (base, edits, the verdict: "unsupported" for each case)
+CASES = {
+    # a flag true for "bfloat16", vLLM's other cache dtype for MiniMax-M3: the bypass writes a bf16 cache as fp8
+    "flag != auto": (PATCHED, [('self._fp8_kv = "fp8" in self.kv_cache_dtype', 'self._fp8_kv = self.kv_cache_dtype != "auto"')]),
+    # the decoder layer sets the layer's flag (or its cache dtype) after building it
+    "flag set by another class": (
+        PATCHED,
+        [("        self.input_layernorm = ", "        self.self_attn._fp8_kv = False\n        self.input_layernorm = ")],
+    ),
+    "flag set by another class with setattr": (
+        PATCHED,
+        [("        self.input_layernorm = ", '        setattr(self.self_attn, "_fp8_kv", False)\n        self.input_layernorm = ')],
+    ),
+    # a native call's cache arguments through a local the cache dtype decides
+    "native cache through a local": (
+        NATIVE,
+        [("            self.kv_cache,\n            self.indexer", "            kv_arg,\n            self.indexer"),
+         ("        ops.fused_minimax", '        kv_arg = self.kv_cache if self.kv_cache_dtype == "auto" else None\n        ops.fused_minimax')],
+    ),
+    # __init__ sets the cache dtype, then "auto", in one block: it is "auto" at the call
+    "native dtype set twice in one block": (
+        NATIVE,
+        [("        self.kv_cache_dtype = cache_config.cache_dtype\n",
+          "        if cache_config is not None:\n            self.kv_cache_dtype = cache_config.cache_dtype\n"
+          '            self.kv_cache_dtype = "auto"\n        else:\n            self.kv_cache_dtype = "auto"\n')],
+    ),
+    # a native call followed by the layer's own (stale) cache write, inline
+    "native with its own write": (NATIVE, [(CALL_END, CALL_END + WRITE.replace("k, v,", "qkv, qkv,").replace("s, s", "None, None"))]),
+    # the same write in a lambda __init__ keeps in an attribute
+    "native with a lambda write": (
+        NATIVE,
+        [("        self.kv_cache_dtype = cache_config.cache_dtype\n",
+          "        self.kv_cache_dtype = cache_config.cache_dtype\n"
+          "        self._post = lambda k, v: ops.reshape_and_cache_flash(k, v, *self.kv_cache.unbind(1), None, 'fp8', None, None)\n"),
+         (CALL_END, CALL_END + "        self._post(qkv, qkv)\n")],
+    ),
+    # the cache dtype set from outside the layer (a module function): the prefilter must not answer native
+    "native dtype set through another object": (NATIVE, [("\n\nclass ", '\n\ndef _tweak(layer):\n    layer.kv_cache_dtype = "auto"\n\n\nclass ')]),
+    # the compile test as dynamo's own name, with a compiled branch that writes nothing: verify's stand-in
+    # must take the compiled path for it too (it ran eager twice and said patched)
+    "compiled branch writes nothing (is_dynamo_compiling)": (
+        COMPILED,
+        [("torch.compiler.is_compiling()", "torch.compiler.is_dynamo_compiling()"),
+         ("                torch.ops.vllm.sparse_kv_cache_update(k, v, index_k, layer_name)\n", "                pass\n")],
+    ),
+}
+
+
+def _states(path: Path) -> list[str]:
+    proc = cli("check", "--json", str(path))
+    return [s["state"] for f in json.loads(proc.stdout)["files"] for s in f["sites"] if s["class"]]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_is_refused_and_its_base_is_not(tmp_path: Path, case: str) -> None:
+    base, edits = CASES[case]
+    path = tmp_path / "model.py"
+    path.write_text(base)
+    assert "unsupported" not in _states(path)  # the control: the base file as it is
+    path.write_text(_edited(base, edits))
+    assert "unsupported" in _states(path), case
