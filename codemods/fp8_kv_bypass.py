@@ -99,6 +99,8 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     # signature; a call elsewhere is a caller it would break, or a stale piece of a bypass.
     own = a.nodes_in(old_insert_kv) if old_insert_kv is not None else []
     call = other_insert_kv_call(cls, {id(p.post_insert_call), *map(id, own)}, name)
+    if call is None and insert_kv != "keep":  # through another object: a decoder's `self.self_attn.<name>(…)`
+        call = next((n for n in m.named(name) if isinstance(n, cst.Attribute) and a.self_attr(n) is None), None)
     if call is not None:
         raise Unsupported(
             f"`{' '.join(a.code(call).split())}` is called elsewhere than right after the insert call: "

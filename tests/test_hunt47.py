@@ -12,6 +12,7 @@ from conftest import FIXTURES, cli
 NATIVE = (FIXTURES / "native" / "model.py").read_text()
 PATCHED = (FIXTURES / "patched" / "model.py").read_text()
 COMPILED = (FIXTURES / "compiled_native" / "expected.py").read_text()
+FORK_ERA = (FIXTURES / "fork_era" / "model.py").read_text()
 CALL_END = "            self.kv_cache_dtype,\n        )\n"
 WRITE = (
     "        key_cache, value_cache = self.kv_cache.unbind(1)\n"
@@ -64,6 +65,10 @@ CASES = {
     ),
     # the cache dtype set from outside the layer (a module function): the prefilter must not answer native
     "native dtype set through another object": (NATIVE, [("\n\nclass ", '\n\ndef _tweak(layer):\n    layer.kv_cache_dtype = "auto"\n\n\nclass ')]),
+    # another object calls the fork-era write method that `run` would give the slot-mapping signature (H W2)
+    "write method called through another object": (
+        FORK_ERA, [("\n\nclass ", "\n\ndef _refill(layer, k, v, ik):\n    layer._insert_kv(k, v, ik)\n\n\nclass ")]
+    ),
     # the compile test as dynamo's own name, with a compiled branch that writes nothing: verify's stand-in
     # must take the compiled path for it too (it ran eager twice and said patched)
     "compiled branch writes nothing (is_dynamo_compiling)": (
