@@ -395,6 +395,19 @@ def resolve_self_expr(
     return expr if isinstance(expr, cst.Attribute) and is_self_rooted(expr) else None
 
 
+def unproven_cache(op: OpCall, method: cst.FunctionDef | None, slot: StatementSlot | None) -> str | None:
+    """A cache argument of a call in a layer's method (not under a condition: a guard's or the caller's,
+    read as such) that is no ``self.`` attribute, nor a local proven to hold one at the call."""
+    for param in (schema.KV_CACHE, schema.INDEX_CACHE):
+        arg = op.arg(param)
+        if method is None or arg is None or is_none(arg.value) or isinstance(arg.value, cst.IfExp):
+            continue
+        held = resolve_self_expr(method, arg.value, slot) if slot is not None else arg.value
+        if not (isinstance(held, cst.Attribute) and is_self_rooted(held)):
+            return " ".join(code(arg.value).split())
+    return None
+
+
 def module_functions(module: cst.Module) -> dict[str, cst.FunctionDef]:
     """Top-level ``def``s of the module, by name (the last one wins, as at runtime)."""
     return {s.name.value: s for s in module.body if isinstance(s, cst.FunctionDef)}

@@ -189,22 +189,10 @@ def call_facts(found: FoundCall, m: FileModel) -> tuple[schema.CallFacts, a.Stat
         dtype_proven=_carries_dtype(found, held, m),
         is_async=found.method is not None and found.method.asynchronous is not None,
         in_wrapper=found.module_function in m.wrappers,
-        cache_unproven=_cache_unproven(found, method, slot) if dtype_value is not None else None,
+        cache_unproven=a.unproven_cache(found.op, method, slot) if dtype_value is not None and found.cls else None,
     )
     return facts, slot
 
-
-def _cache_unproven(found: FoundCall, method: cst.FunctionDef | None, slot: a.StatementSlot | None) -> str | None:
-    """A native call's cache argument (not under a condition: a guard's or the caller's, read as
-    such) that is no ``self.`` attribute, nor a local proven to hold one at the call."""
-    for param in (schema.KV_CACHE, schema.INDEX_CACHE):
-        arg = found.op.arg(param)
-        if found.cls is None or method is None or arg is None or a.is_none(arg.value) or isinstance(arg.value, cst.IfExp):
-            continue
-        held = a.resolve_self_expr(method, arg.value, slot) if slot is not None else arg.value
-        if not (isinstance(held, cst.Attribute) and a.is_self_rooted(held)):
-            return " ".join(a.code(arg.value).split())
-    return None
 
 
 def _carries_dtype(found: FoundCall, held: cst.BaseExpression | None, m: FileModel) -> bool:
@@ -422,18 +410,13 @@ def collect_pieces(
     pieces = {method.name.value, p.insert_method, "__init__", *setters}  # (``attrs`` is every self.<x> read)
     p.subclassed = _redefined_below(m, cls, pieces, {p.flag_attr, p.scale_attr, schema.DTYPE_ATTR})
     own = [p.flag_attr] if p.flag_from_file or p.flag_set else []
-    p.role_problems += _set_through_another(m, [*own, p.scale_attr, schema.DTYPE_ATTR])
+    outside = guards.set_through_another(m.source_map.tree, [*own, p.scale_attr, schema.DTYPE_ATTR]) if m.source_map else []
+    p.role_problems += [
+        f"`{ast.unparse(node)}` at line {node.lineno} sets `{name}` through another object than `self` (the bypass "
+        "relies on it being what the layer's __init__ sets)" for node, name in outside
+    ]
     return p
 
-
-def _set_through_another(m: FileModel, names: list[str]) -> list[str]:
-    """The stores ``guards.set_through_another`` finds, in words."""
-    tree = m.source_map.tree if m.source_map is not None else None
-    return [
-        f"`{' '.join(ast.unparse(node).split())}` at line {node.lineno} sets `{name}` through another object than "
-        "`self` (the bypass relies on it being what the layer's __init__ sets)"
-        for node, name in (guards.set_through_another(tree, names) if tree is not None else [])
-    ]
 
 
 def _redefined_below(m: FileModel, cls: cst.ClassDef, methods: set[str], attrs: set[str]) -> str | None:
