@@ -660,7 +660,7 @@ def test_a_def_in_init_that_sets_the_flag_later_is_refused(tmp_path: Path) -> No
     [
         'try:\n            self._fp8_kv = "fp8" in self.kv_cache_dtype\n        except Exception:\n            self._fp8_kv = False\n',
         'self._fp8_kv = False\n        for d in ("fp8", "fp8_e4m3", "fp8_e5m2"):\n            if self.kv_cache_dtype == d:\n                self._fp8_kv = True\n',
-        'match self.kv_cache_dtype:\n            case "auto":\n                self._fp8_kv = False\n            case _:\n                self._fp8_kv = True\n',
+        'match self.kv_cache_dtype:\n            case "auto" | "bfloat16":\n                self._fp8_kv = False\n            case _:\n                self._fp8_kv = True\n',
         'if (quantized := "fp8" in self.kv_cache_dtype):\n            pass\n        self._fp8_kv = quantized\n',
         'self._fp8_kv = False\n        while not self._fp8_kv and "fp8" in self.kv_cache_dtype:\n            self._fp8_kv = True\n',
         'self._set_mode(enabled="fp8" in self.kv_cache_dtype)\n',
