@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from codemods import schema
@@ -94,11 +95,14 @@ def writes_cache(method: str | None, scope: Scope) -> bool:
     return any(callee(c) == schema.RESHAPE_OP for f in [fn, *map(defined, calls(fn))] for c in calls(f))
 
 
-def own_writes(method: ast.FunctionDef, scope: Scope, init: ast.FunctionDef | None, slots: list[ast.expr]) -> list[ast.AST]:
+def own_writes(
+    method: ast.FunctionDef, scope: Scope, init: ast.FunctionDef | None, slots: list[ast.expr]
+) -> list[ast.AST]:
     """What ``method`` reaches that writes a cache itself, whatever it is called: a call of the reshape
     op, or a store indexed by one of the call's ``slots``; in the method, the methods and module
     functions it names (``type(self).m`` too), and what ``__init__`` puts in an attribute it names (a lambda)."""
-    values = {self_member(t): n.value for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets} if init else {}
+    assigns = (n for n in (ast.walk(init) if init is not None else ()) if isinstance(n, ast.Assign))
+    values = {self_member(t): n.value for n in assigns for t in n.targets}
     seen, todo, dumps = [method], [method], {ast.dump(s) for s in slots}
     while todo:
         for n in ast.walk(todo.pop()):
@@ -107,25 +111,31 @@ def own_writes(method: ast.FunctionDef, scope: Scope, init: ast.FunctionDef | No
                 if reached is not None and all(reached is not s for s in seen):
                     seen.append(reached)
                     todo.append(reached)
+
+    def indexed(n: ast.Subscript) -> bool:
+        return isinstance(n.ctx, ast.Store) and any(ast.dump(x) in dumps for x in ast.walk(n.slice))
+
     return [
         n for fn in seen for n in ast.walk(fn)
-        if (isinstance(n, ast.Call) and callee(n) == schema.RESHAPE_OP)
-        or (isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) and any(ast.dump(x) in dumps for x in ast.walk(n.slice)))
+        if (isinstance(n, ast.Call) and callee(n) == schema.RESHAPE_OP) or (isinstance(n, ast.Subscript) and indexed(n))
     ]
 
 
-def set_through_another(tree: ast.Module, names: list[str]) -> list[tuple[ast.expr, str]]:
-    """``<x>.<name> = …`` or ``setattr(<x>, "<name>", …)`` anywhere in the file, with ``x`` not ``self``:
-    another object changes a layer's ``name`` (its flag, scale or cache dtype) after its ``__init__``."""
-    found: list[tuple[ast.expr, str]] = []
-    for n in ast.walk(tree):
+STORES = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Call)  # the nodes ``set_through_another`` reads
+
+
+def set_through_another(nodes: Iterable[ast.AST], names: list[str]) -> list[tuple[ast.expr, str]]:
+    """``<x>.<name> = …`` or ``setattr(<x>, "<name>", …)`` among ``nodes`` (the file's), with ``x`` not
+    ``self``: another object changes a layer's ``name`` (its flag, scale or cache dtype) after its ``__init__``."""
+    found: list[tuple[ast.expr, ast.expr, str]] = []  # (the store, the object, the name)
+    for n in nodes:
         if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-            targets = [t for top in getattr(n, "targets", [getattr(n, "target", None)]) for t in ast.walk(top)]
-            found += [(t, t.attr) for t in targets if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store)]
-        elif isinstance(n, ast.Call) and callee(n) == "setattr" and len(n.args) >= 2 and isinstance(n.args[1], ast.Constant):
-            found += [(n, n.args[1].value)] if isinstance(n.args[1].value, str) else []
-    on = [(node, getattr(node, "value", None) or node.args[0], name) for node, name in found]  # type: ignore[attr-defined]
-    return [(node, name) for node, x, name in on if name in names and not (isinstance(x, ast.Name) and x.id == "self")]
+            targets = (t for top in getattr(n, "targets", [getattr(n, "target", None)]) for t in ast.walk(top))
+            found += [(t, t.value, t.attr) for t in targets if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store)]
+        elif isinstance(n, ast.Call) and callee(n) == "setattr" and len(n.args) >= 2:
+            name = n.args[1].value if isinstance(n.args[1], ast.Constant) else None
+            found += [(n, n.args[0], name)] if isinstance(name, str) else []
+    return [(node, name) for node, x, name in found if name in names and not (isinstance(x, ast.Name) and x.id == "self")]
 
 
 @dataclass(frozen=True)

@@ -35,23 +35,26 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
         return init, scope, roles.init_values(init, scope, constants | attrs) if init is not None else {}
 
     sites: list[schema.InsertSite] = []
+    stores: list[ast.AST] = []  # for ``guards.set_through_another``
     named = 0  # every place the op is named: each must be the callee of a call read below
 
     def visit(node: ast.AST, stack: tuple[ast.AST, ...]) -> None:
         nonlocal named
         named += sum(isinstance(v, str) and schema.FUSED_OP in v for _, v in ast.iter_fields(node))
+        if isinstance(node, guards.STORES):
+            stores.append(node)
         if isinstance(node, ast.Call) and roles.callee(node) == schema.FUSED_OP:
             sites.append(_site(node, stack, lines, read))
         inner = (*stack, node) if isinstance(node, _DEFS) else stack
         for child in ast.iter_child_nodes(node):
             visit(child, inner)
 
-    if guards.set_through_another(tree, [schema.DTYPE_ATTR]):
-        return None  # a layer's cache dtype changed from outside: LibCST says what
     try:
         visit(tree, ())
     except (_Defer, RecursionError):
         return None
+    if guards.set_through_another(stores, [schema.DTYPE_ATTR]):
+        return None  # a layer's cache dtype changed from outside: LibCST says what
     answered = (schema.SiteState.NATIVE, schema.SiteState.NOT_A_SITE)
     if named != len(sites) or any(s.state not in answered for s in sites):
         return None
@@ -97,10 +100,9 @@ def _site(
         slots = [schema.bind_arg(p, args, keywords) for p in (schema.SLOT_MAPPING, schema.INDEX_SLOT_MAPPING)]
         passed = [s for s in slots if s is not None]
         after = [n for s in _after(call, method.body) for n in ast.walk(s)]
-        writes = (guards.writes_cache(roles.self_member(n.func), scope) for n in after if isinstance(n, ast.Call))
         if any(roles.flags(init, scope, values).values()) or any(  # type: ignore[arg-type]
             guards.passes_slots(n, passed) for n in after
-        ) or any(writes) or guards.own_writes(method, scope, init, passed):
+        ) or guards.own_writes(method, scope, init, passed):  # (every method and function a call after it reaches)
             raise _Defer  # a flag, or a write of its own: the pieces of a bypass, whatever their names
     facts = schema.CallFacts(
         line=call.lineno, class_name=cls.name, method=method.name, module_function=None, nested_in=None,

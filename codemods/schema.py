@@ -312,13 +312,13 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
                 "hold one on every path to the call): that the kernel gets the layer's cache, fp8 included, "
                 "is not proven. Pass the cache attribute itself, then run again"
             )
-        if not p.any_bypass(native=True) and p.own_write is not None:
-            return refuse(
-                f"besides the native call, the layer writes a cache itself (`{p.own_write}`): the native kernel "
-                "writes fp8 and skips padded slots, and a second write into its cache is not proven (a stale fp8 "
-                "write of a fork, say). Take that write out, then run again"
-            )
         if not p.any_bypass(native=True):
+            if p.own_write is not None:
+                return refuse(
+                    f"besides the native call, the layer writes a cache itself (`{p.own_write}`): the native kernel "
+                    "writes fp8 and skips padded slots, and a second write into its cache is not proven (a stale "
+                    "fp8 write of a fork, say). Take that write out, then run again"
+                )
             native = f"native fp8 support (passes kv_cache_dtype={f.dtype})"
             return site(SiteState.NATIVE, Action.NONE, f"{native}: run with --kv-cache-dtype fp8 directly")
         if p.taken:

@@ -194,7 +194,6 @@ def call_facts(found: FoundCall, m: FileModel) -> tuple[schema.CallFacts, a.Stat
     return facts, slot
 
 
-
 def _carries_dtype(found: FoundCall, held: cst.BaseExpression | None, m: FileModel) -> bool:
     """The dtype argument holds the cache dtype: in a layer's method, by what ``__init__`` leaves in
     it (``roles.carries_dtype``); outside a class, only as ``<layer>.kv_cache_dtype`` of a local layer."""
@@ -404,19 +403,20 @@ def collect_pieces(
     tree = scope.methods.get(method.name.value)
     slots = [roles.expression(a.code(s.value)) for s in (main, index) if s is not None]
     writes = guards.own_writes(tree, scope, init_tree, [s for s in slots if s is not None]) if native and tree else []
-    shown = [f"{ast.unparse(w.func)}(…)" if isinstance(w, ast.Call) else f"{ast.unparse(w.value)}[…] = …" for w in writes]  # type: ignore[attr-defined]
-    p.own_write = shown[0] if shown else None
+    if writes:  # in words: the callee, or the subscripted cache
+        w = writes[0]
+        p.own_write = f"{ast.unparse(w.func)}(…)" if isinstance(w, ast.Call) else f"{ast.unparse(w.value)}[…] = …"  # type: ignore[attr-defined]
     setters = {f.name for f in roles.init_methods(init_tree, scope)} if init_tree is not None else set()
     pieces = {method.name.value, p.insert_method, "__init__", *setters}  # (``attrs`` is every self.<x> read)
     p.subclassed = _redefined_below(m, cls, pieces, {p.flag_attr, p.scale_attr, schema.DTYPE_ATTR})
     own = [p.flag_attr] if p.flag_from_file or p.flag_set else []
-    outside = guards.set_through_another(m.source_map.tree, [*own, p.scale_attr, schema.DTYPE_ATTR]) if m.source_map else []
+    names = [*own, p.scale_attr, schema.DTYPE_ATTR]
+    outside = guards.set_through_another(ast.walk(m.source_map.tree), names) if m.source_map is not None else []
     p.role_problems += [
         f"`{ast.unparse(node)}` at line {node.lineno} sets `{name}` through another object than `self` (the bypass "
         "relies on it being what the layer's __init__ sets)" for node, name in outside
     ]
     return p
-
 
 
 def _redefined_below(m: FileModel, cls: cst.ClassDef, methods: set[str], attrs: set[str]) -> str | None:

@@ -14,6 +14,7 @@ the stand-in's sizes; ``LayerCode.fit`` makes equal the ones the file ties.
 from __future__ import annotations
 
 import ast
+import collections
 import functools
 import types
 from dataclasses import dataclass, field, replace
@@ -418,13 +419,13 @@ def _bindings(
             held.setdefault((node.attr,), set()).add(node.attr)
     init = _init_values(init_def)
     # `self.A = self.B` where __init__ binds each once and both hold sizes: the file makes them one.
-    once = [name for name, _ in init]
+    bound = collections.Counter(name for name, _ in init)
     for name, value in init:
-        other = _self_chain(value)
-        if (name,) in held and other in held and once.count(name) == 1 and other != (name,):
-            if len(other) == 1 and once.count(other[0]) == 1:
-                held[(name,)] |= held[other]
-                held[other] |= held[(name,)]
+        other = _self_chain(value) or ()
+        once = len(other) == 1 and bound[name] == bound[other[0]] == 1
+        if once and other != (name,) and {(name,), other} <= held.keys():
+            held[(name,)] |= held[other]
+            held[other] |= held[(name,)]
     built = {name: value for name, value in init if isinstance(value, ast.Call) and value.args}
     for chain, what in list(held.items()):
         dims = {_NORM_DIMS[w] for w in what if w in _NORM_DIMS}
