@@ -367,7 +367,8 @@ def _init_in_base(module: cst.Module) -> cst.Module:
 # Every re-spelling, by the piece it re-spells. ``needs``: the text it works on.
 RESPELLINGS = (
     Respelling("flag-startswith", "flag", _flag_by(f'{DTYPE}.startswith("fp8")'), (f"self.{FLAG} = ",)),
-    Respelling("flag-not-auto", "flag", _flag_by(f'{DTYPE} != "auto"'), (f"self.{FLAG} = ",)),
+    # (false for "bfloat16", vLLM's other MiniMax-M3 cache dtype, too: `!= "auto"` alone is no flag)
+    Respelling("flag-not-auto", "flag", _flag_by(f'{DTYPE} not in ("auto", "bfloat16")'), (f"self.{FLAG} = ",)),
     Respelling("flag-membership", "flag", _flag_by(f'{DTYPE} in ("fp8", "fp8_e4m3", "fp8_e5m2")'), (f"self.{FLAG} = ",)),
     Respelling(
         "flag-vllm-helper",
@@ -392,7 +393,7 @@ RESPELLINGS = (
     Respelling(
         "flag-default-then-set",
         "flag",
-        _flag_statements('{F} = False\nif {D} != "auto":\n    {F} = True\n'),
+        _flag_statements('{F} = False\nif {D} not in ("auto", "bfloat16"):\n    {F} = True\n'),
         (f"self.{FLAG} = ",),
     ),
     Respelling(
@@ -413,7 +414,7 @@ RESPELLINGS = (
     Respelling(
         "flag-by-match",
         "flag",
-        _flag_statements('match {D}:\n    case "auto":\n        {F} = False\n    case _:\n        {F} = True\n'),
+        _flag_statements('match {D}:\n    case "auto" | "bfloat16":\n        {F} = False\n    case _:\n        {F} = True\n'),
         (f"self.{FLAG} = ",),
     ),
     Respelling(

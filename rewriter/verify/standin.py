@@ -266,21 +266,22 @@ class _Compiler(types.ModuleType):
     """A module on the way to a compile test (``torch.compiler``, ``torch._dynamo.external_utils``):
     every spelling the codemod reads as ``is_compiling()`` (``roles.COMPILE_TESTS``) answers the run's path."""
 
-    def __init__(self, real: Any, compiling: bool, dotted: str) -> None:
+    def __init__(self, real: Callable[[], Any], compiling: bool, dotted: str) -> None:
         super().__init__(dotted)
-        self._real, self._compiling = real, compiling
+        self._real, self._compiling = real, compiling  # the real module, imported only if asked for more
 
     def __getattr__(self, name: str) -> Any:
-        return _compile_test(f"{self.__name__}.{name}", self._compiling, lambda: getattr(self._real, name))
+        return _compile_test(f"{self.__name__}.{name}", self._compiling, lambda: getattr(self._real(), name))
 
 
 def _compile_test(dotted: str, compiling: bool, real: Callable[[], Any]) -> Any:
     """``torch.<...>`` as the stand-in serves it: a compile test answers ``compiling``; a module
-    on the way to one is a ``_Compiler`` (looked up only when the file asks: dynamo is heavy)."""
+    on the way to one is a ``_Compiler`` (the real module is imported only when the file asks it
+    for something else: importing torch._dynamo leaves a torchinductor folder in the temp dir)."""
     if dotted in COMPILE_TESTS:
         return lambda: compiling
     if any(test.startswith(dotted + ".") for test in COMPILE_TESTS):
-        return _Compiler(real(), compiling, dotted)
+        return _Compiler(real, compiling, dotted)
     return real()
 
 
