@@ -155,12 +155,15 @@ def plan_site(
 
 
 def _guarded_by(arg: cst.Arg, guards: set[str], inline: str | None) -> bool:
-    """``X if G else <None or a number>`` with ``G`` one of the bypass's guards, or a cache
-    argument under the bypass's inlined condition."""
-    value = arg.value
-    return (inline is not None and sites.guard_of(arg) == inline) or (
+    """A cache argument under the bypass's guard, however it is written (``sites.guard_of``: ``X if G
+    else None``, ``None if not G else X``, the inlined condition), or any other argument the guard
+    decides as ``X if G else <a number>`` (a merge's ``self.kv_cache.size(2) if G else 0`` block size)."""
+    condition, value = sites.guard_of(arg), arg.value
+    if condition is not None:
+        return condition == inline or sites.guard_local(condition) in guards
+    return (
         isinstance(value, cst.IfExp) and isinstance(value.test, cst.Name) and value.test.value in guards
-        and (a.is_none(value.orelse) or isinstance(value.orelse, (cst.Integer, cst.Float)))
+        and isinstance(value.orelse, (cst.Integer, cst.Float))
     )
 
 
@@ -173,8 +176,8 @@ def _post_call_block(m: FileModel, slot: a.StatementSlot, pieces: sites.FoundPie
         return None
     if not isinstance(stmt, cst.If) or stmt.orelse is not None:
         raise Unsupported(f"the post-call `self.{name}(...)` is not in an `if not <guard>:` block")
-    if not pieces.post_insert_wired:
-        raise Unsupported(f"the post-call `self.{name}(...)` is not under `if not <guard>:`")
+    if not pieces.post_insert_wired:  # (check's reason: ``schema.WIRED``)
+        raise Unsupported(f"the post-call `self.{name}(...)` is not wired: {schema.WIRED}")
     assigned: set[str] = set()
     if _block_inserts(m, stmt.body, assigned, name) != 1:
         raise Unsupported(f"the post-call block does not hold exactly one `self.{name}(...)`")

@@ -98,27 +98,63 @@ def writes_cache(method: str | None, scope: Scope) -> bool:
 def own_writes(
     method: ast.FunctionDef, scope: Scope, init: ast.FunctionDef | None, slots: list[ast.expr]
 ) -> list[ast.AST]:
-    """What ``method`` reaches that writes a cache itself, whatever it is called: a call of the reshape
-    op, or a store indexed by one of the call's ``slots``; in the method, the methods and module
-    functions it names (``type(self).m`` too), and what ``__init__`` puts in an attribute it names (a lambda)."""
-    assigns = (n for n in (ast.walk(init) if init is not None else ()) if isinstance(n, ast.Assign))
-    values = {self_member(t): n.value for n in assigns for t in n.targets}
-    seen, todo, dumps = [method], [method], {ast.dump(s) for s in slots}
-    while todo:
-        for n in ast.walk(todo.pop()):
-            name = n.attr if isinstance(n, ast.Attribute) else n.id if isinstance(n, ast.Name) else None
-            for reached in (scope.methods.get(name), scope.functions.get(name), values.get(name) if name else None):
-                if reached is not None and all(reached is not s for s in seen):
-                    seen.append(reached)
-                    todo.append(reached)
+    """What ``method`` reaches (``reached``) that writes a cache itself: a call of the reshape op, or a
+    store indexed by one of the call's ``slots``."""
+    dumps = {ast.dump(s) for s in slots}
 
     def indexed(n: ast.Subscript) -> bool:
         return isinstance(n.ctx, ast.Store) and any(ast.dump(x) in dumps for x in ast.walk(n.slice))
 
     return [
-        n for fn in seen for n in ast.walk(fn)
+        n for fn in reached(method, scope, init) for n in ast.walk(fn)
         if (isinstance(n, ast.Call) and callee(n) == schema.RESHAPE_OP) or (isinstance(n, ast.Subscript) and indexed(n))
     ]
+
+
+def reached(code: ast.AST, scope: Scope, init: ast.FunctionDef | None) -> list[ast.AST]:
+    """``code`` and what it runs, whatever it is called: the methods and module functions it names
+    (``type(self).m`` too), and what ``__init__`` puts in an attribute it names (a lambda), in turn."""
+    assigns = (n for n in (ast.walk(init) if init is not None else ()) if isinstance(n, ast.Assign))
+    values = {self_member(t): n.value for n in assigns for t in n.targets}
+    seen, todo = [code], [code]
+    while todo:
+        for n in ast.walk(todo.pop()):
+            name = n.attr if isinstance(n, ast.Attribute) else n.id if isinstance(n, ast.Name) else None
+            for found in (scope.methods.get(name), scope.functions.get(name), values.get(name) if name else None):
+                if found is not None and all(found is not s for s in seen):
+                    seen.append(found)
+                    todo.append(found)
+    return seen
+
+
+# Tensor methods and torch functions whose result the host must wait for (a size, a value): a
+# CUDA graph cannot capture them, and torch.compile breaks its graph there.
+SYNCS = {"item", "tolist", "cpu", "numpy", "nonzero", "argwhere", "masked_select", "unique"}
+_MASKS = {"ge", "gt", "le", "lt", "eq", "ne", "isin", "logical_and", "logical_or", "logical_not", "bool"}
+
+
+def host_syncs(code: Iterable[ast.AST]) -> list[ast.AST]:
+    """Where ``code`` makes the host wait for the device: a call of ``SYNCS``, or indexing by a
+    boolean mask (``x[slots >= 0]``, ``x[valid]`` where ``valid = …`` is one), whose size the host needs."""
+    def mask(n: ast.AST, names: set[str]) -> bool:
+        if isinstance(n, ast.Name):
+            return n.id in names
+        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.BitAnd, ast.BitOr)):
+            return mask(n.left, names) or mask(n.right, names)
+        if isinstance(n, ast.Tuple):  # x[mask, :]
+            return any(mask(e, names) for e in n.elts)
+        invert = isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Invert)
+        return invert or isinstance(n, ast.Compare) or isinstance(n, ast.Call) and callee(n) in _MASKS
+
+    found: list[ast.AST] = []
+    for fn in code:
+        assigns = [n for n in ast.walk(fn) if isinstance(n, ast.Assign)]
+        names = {t.id for n in assigns if mask(n.value, set()) for t in n.targets if isinstance(t, ast.Name)}
+        found += [
+            n for n in ast.walk(fn)
+            if isinstance(n, ast.Call) and callee(n) in SYNCS or isinstance(n, ast.Subscript) and mask(n.slice, names)
+        ]
+    return found
 
 
 STORES = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Call)  # the nodes ``set_through_another`` reads

@@ -169,6 +169,9 @@ class Pieces:
     insert_from_file: bool = False  # the write method is the one the file's post-call block calls
     # the file's own pieces used otherwise than a bypass does (what they hold at the call is not proven)
     role_problems: list[str] = field(default_factory=list)
+    # the bypass needs a flag and the layer's `self.kv_cache_dtype` is not proven to hold the cache dtype
+    # after __init__ (set twice on one path, say): no flag read from it can be proven
+    dtype_unread: bool = False
 
     def present(self, native: bool = False) -> dict[str, bool]:
         """Which pieces are there; on a native call the flag is a piece only where it is read
@@ -279,6 +282,12 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
     present = p.present()
     if p.role_problems or p.flag_unproven is not None:
         return refuse(_unproven_roles(p))
+    if p.dtype_unread:
+        return refuse(
+            f"`self.{DTYPE_ATTR}` is not proven to hold the cache dtype once __init__ has run (it is set more than "
+            "once on one path, or from what the reading cannot follow), so no fp8 flag read from it can be proven. "
+            f"Set `self.{DTYPE_ATTR}` once in __init__, then run again"
+        )
     if p.subclassed is not None:
         return refuse(f"{p.subclassed}: what the bypass relies on is proven for this class alone. Nothing was changed")
     taken = refuse(

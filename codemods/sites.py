@@ -237,7 +237,7 @@ def unguarded(arg: cst.Arg) -> cst.BaseExpression:
     return found[0] if found is not None else arg.value
 
 
-def _local(condition: str) -> str | None:
+def guard_local(condition: str) -> str | None:
     """The local a condition reads, where it is ``G`` or ``not G``."""
     tree = roles.expression(condition)
     while isinstance(tree, ast.UnaryOp) and isinstance(tree.op, ast.Not):
@@ -287,7 +287,7 @@ def collect_pieces(
     guard = guard_flag = None
     if guarded and len(set(guarded)) == 1:
         condition = guarded[0]
-        local = _local(condition)
+        local = guard_local(condition)
         fused_when = roles.expression(condition)
         chain = a.slot_chain(method, slot) if local is not None and slot is not None else []
         statements, value = _guard_binding(chain, local) if chain else ([], None)  # type: ignore[arg-type]
@@ -313,12 +313,12 @@ def collect_pieces(
         else:
             p.guard_inline = guarded[0]
     elif p.guard_other or len(set(guarded)) > 1:
-        p.guard_args = [_local(c) or c for c in guarded]
+        p.guard_args = [guard_local(c) or c for c in guarded]
     if len(set(guarded)) <= 1:
         free = m.dtype_free(cls) if native and guarded else set()
 
         def dtype_free(c: str) -> bool:  # (a native call honours a condition no cache dtype decides)
-            tree, local = roles.expression(c), _local(c)
+            tree, local = roles.expression(c), guard_local(c)
             if tree is None or any(isinstance(n, ast.Call) for n in ast.walk(tree)):
                 return False
             param = local is None or [type(b) for b in bound.get(local, [])] == [cst.Param]
@@ -340,6 +340,8 @@ def collect_pieces(
     if p.flag_from_file:
         p.flag_attr = guard_flag or proven[0]
     p.flag_set = flags.get(p.flag_attr) is True
+    if not p.flag_set and p.flag_unproven is None and not native:  # (run writes one reading the dtype)
+        p.dtype_unread = not m.carries_dtype(cls, cst.parse_expression(f"self.{schema.DTYPE_ATTR}"))
     if guard_flag and p.flag_attr in init_attrs and not p.flag_set:
         p.flag_unproven = "`, then `".join(a.code(v) for _, v in init_attrs[p.flag_attr])  # set to what?
     attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
@@ -391,15 +393,22 @@ def collect_pieces(
         p.compiled_branch = a.first_in(stmt, m.compiled_path_write) is not None and p.slots_none
         break
     p.insert_kv = _insert_kv_form(a.find_method(cls, p.insert_method), cls, m.functions)
-    # The scale: the identity scale (``torch.ones``) __init__ makes that the write method reads.
+    init_tree, write_tree = scope.methods.get("__init__"), scope.methods.get(p.insert_method)
+    if p.insert_kv == "slots" and write_tree is not None:  # (run replaces an older form's write whole)
+        block = m.source_map.trees.get(id(p.post_block)) if m.source_map is not None else None
+        runs = guards.reached(write_tree, scope, init_tree) + ([block] if block is not None else [])
+        p.role_problems += [
+            f"the post-call write (`self.{p.insert_method}(…)`) makes the host wait for the device at line {n.lineno} (`{ast.unparse(n)}`): "
+            "a CUDA graph cannot capture it, nor torch.compile without a graph break" for n in guards.host_syncs(runs)[:1]
+        ]
     write = m.methods(cls).get(p.insert_method)
+    # The scale: the identity scale (``torch.ones``) __init__ makes that the write method reads.
     read = {a.self_attr(n) for n in a.nodes_in(write.body)} - {None} if write is not None else set()
     made = sorted(x for x in read if (value := _first_value(init_attrs, init, x)) is not None and is_scale_value(value))
     p.scale_attr = made[0] if len(made) == 1 else codegen.FP8_SCALE
     p.scale_set = p.scale_attr in init_attrs or registered_buffer(init, p.scale_attr) is not None
     p.scale_read = p.scale_attr in attrs
     _taken_names(m, cls, scope, init_attrs, p)
-    init_tree = scope.methods.get("__init__")
     tree = scope.methods.get(method.name.value)
     slots = [roles.expression(a.code(s.value)) for s in (main, index) if s is not None]
     writes = guards.own_writes(tree, scope, init_tree, [s for s in slots if s is not None]) if native and tree else []

@@ -76,6 +76,17 @@ CASES = {
         [("torch.compiler.is_compiling()", "torch.compiler.is_dynamo_compiling()"),
          ("                torch.ops.vllm.sparse_kv_cache_update(k, v, index_k, layer_name)\n", "                pass\n")],
     ),
+    # H W1: the write skips padded slots by a boolean mask, whose size the host must wait for: no CUDA graph
+    "write by a boolean mask": (
+        PATCHED,
+        [("        ops.reshape_and_cache_flash(\n            idx_key,",
+          "        valid = index_slot_mapping >= 0\n        idx_key, index_slot_mapping = idx_key[valid], index_slot_mapping[valid]\n"
+          "        ops.reshape_and_cache_flash(\n            idx_key,")],
+    ),
+    "post-call block reads a slot on the host": (
+        PATCHED,
+        [("            self._insert_kv(k, v, index_k,", "            assert min(main_slot_mapping.tolist()) >= -1\n            self._insert_kv(k, v, index_k,")],
+    ),
 }
 
 
@@ -92,3 +103,47 @@ def test_each_is_refused_and_its_base_is_not(tmp_path: Path, case: str) -> None:
     assert "unsupported" not in _states(path)  # the control: the base file as it is
     path.write_text(_edited(base, edits))
     assert "unsupported" in _states(path), case
+
+
+# Hunt 47's disagreements: check and revert give one reason, and it is true.
+POSITIVE_GUARD = [
+    ("insert_via_fused = not self._fp8_kv", "use_bypass = self._fp8_kv"),
+    ("self.kv_cache if insert_via_fused else None", "None if use_bypass else self.kv_cache"),
+    ("self.indexer.index_cache.kv_cache if insert_via_fused else None", "None if use_bypass else self.indexer.index_cache.kv_cache"),
+    ("if not insert_via_fused:", "if use_bypass:"),
+]
+
+
+def test_a_positive_guard_is_taken_out_whole(tmp_path: Path) -> None:
+    """H D1: ``None if use_bypass else X`` is the bypass's guarded argument, not a use "outside the bypass"."""
+    path = tmp_path / "model.py"
+    path.write_text(_edited(PATCHED, POSITIVE_GUARD))
+    assert _states(path)[-1] == "patched"
+    proc = cli("revert", "--whole-bypass", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "use_bypass" not in path.read_text() and "_fp8_kv" not in path.read_text()
+
+
+def test_an_unwired_post_call_is_refused_for_one_reason(tmp_path: Path) -> None:
+    """H D2: slot mappings handed on as ``.long()``: check and revert --whole-bypass both say it is not wired."""
+    path = tmp_path / "model.py"
+    path.write_text(_edited(PATCHED, [("main_slot_mapping, index_slot_mapping)\n", "main_slot_mapping.long(), index_slot_mapping)\n")]))
+    check, revert = cli("check", str(path)), cli("revert", "--whole-bypass", "--dry-run", str(path))
+    assert check.returncode == revert.returncode == 2
+    assert "is not wired: it must be the statement right after the call" in revert.stdout + revert.stderr
+    assert "not wired: it must be the statement right after the call" in check.stdout + check.stderr
+
+
+def test_a_dtype_set_twice_is_refused_before_the_rewrite(tmp_path: Path) -> None:
+    """H D3: __init__ normalises the cache dtype after setting it: the verdict names that, not a rewrite
+    whose own flag then fails its proof (advice to write what the file would already get)."""
+    path = tmp_path / "model.py"
+    again = '\n        if self.kv_cache_dtype == "fp8":\n            self.kv_cache_dtype = "fp8_e4m3"\n'
+    path.write_text(FORK_ERA)
+    assert _states(path)[-1] == "needs-bypass"  # the control
+    path.write_text(_edited(FORK_ERA, [('cache_config.cache_dtype if cache_config is not None else "auto"\n        )\n',
+                                        'cache_config.cache_dtype if cache_config is not None else "auto"\n        )' + again)]))
+    proc = cli("check", "--json", str(path))
+    site = json.loads(proc.stdout)["files"][0]["sites"][-1]
+    assert (proc.returncode, site["state"], site["action"]) == (2, "unsupported", "refuse")
+    assert "is not proven to hold the cache dtype" in proc.stdout
