@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import ast
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from codemods import schema
-from codemods.roles import COMPILING, NO_SCOPE, Scope, Unknown, callee, dotted, evaluate, self_member
+from codemods.roles import COMPILING, NO_SCOPE, Scope, Unknown, callee, dotted, evaluate, qualified, self_member
 
 
 def self_attrs(node: ast.expr) -> set[str]:
@@ -113,9 +113,9 @@ def own_writes(
 
 def reached(code: ast.AST, scope: Scope, init: ast.FunctionDef | None) -> list[ast.AST]:
     """``code`` and what it runs, whatever it is called: the methods and module functions it names
-    (``type(self).m`` too), and what ``__init__`` puts in an attribute it names (a lambda), in turn."""
+    (``type(self).m`` too), and a lambda ``__init__`` puts in an attribute it names, in turn."""
     assigns = (n for n in (ast.walk(init) if init is not None else ()) if isinstance(n, ast.Assign))
-    values = {self_member(t): n.value for n in assigns for t in n.targets}
+    values = {self_member(t): n.value for n in assigns for t in n.targets if isinstance(n.value, ast.Lambda)}
     seen, todo = [code], [code]
     while todo:
         for n in ast.walk(todo.pop()):
@@ -127,15 +127,20 @@ def reached(code: ast.AST, scope: Scope, init: ast.FunctionDef | None) -> list[a
     return seen
 
 
-# Tensor methods and torch functions whose result the host must wait for (a size, a value): a
-# CUDA graph cannot capture them, and torch.compile breaks its graph there.
-SYNCS = {"item", "tolist", "cpu", "numpy", "nonzero", "argwhere", "masked_select", "unique"}
+# What a CUDA graph cannot capture (torch.compile breaks its graph there too): tensor methods and torch
+# functions whose result the host must wait for (a value, a size), a copy from the host, another stream.
+SYNCS = {
+    "item", "tolist", "cpu", "numpy", "nonzero", "argwhere", "masked_select", "unique",
+    "tensor", "as_tensor", "from_numpy", "synchronize", "stream", "Stream",
+}
 _MASKS = {"ge", "gt", "le", "lt", "eq", "ne", "isin", "logical_and", "logical_or", "logical_not", "bool"}
+_REDUCTIONS = {"any", "all", "min", "max", "sum", "amax", "amin"}  # a tensor, read as a bool in a test
 
 
 def host_syncs(code: Iterable[ast.AST]) -> list[ast.AST]:
-    """Where ``code`` makes the host wait for the device: a call of ``SYNCS``, or indexing by a
-    boolean mask (``x[slots >= 0]``, ``x[valid]`` where ``valid = …`` is one), whose size the host needs."""
+    """Where ``code`` does what a captured CUDA graph cannot replay: a call of ``SYNCS`` (``torch.where``
+    with one argument too), a tensor reduction tested as a bool (``if (slots >= 0).any():``), or indexing
+    by a boolean mask (``x[slots >= 0]``, ``x[valid]`` where ``valid = …`` is one), whose size the host needs."""
     def mask(n: ast.AST, names: set[str]) -> bool:
         if isinstance(n, ast.Name):
             return n.id in names
@@ -146,15 +151,92 @@ def host_syncs(code: Iterable[ast.AST]) -> list[ast.AST]:
         invert = isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Invert)
         return invert or isinstance(n, ast.Compare) or isinstance(n, ast.Call) and callee(n) in _MASKS
 
+    def tested(n: ast.AST) -> list[ast.AST]:  # the reductions a test reads as a bool
+        test = getattr(n, "test", None) if isinstance(n, (ast.If, ast.While, ast.Assert, ast.IfExp)) else None
+        calls = (c for c in ast.walk(test) if isinstance(c, ast.Call)) if test is not None else ()
+        return [c for c in calls if isinstance(c.func, ast.Attribute) and c.func.attr in _REDUCTIONS]
+
     found: list[ast.AST] = []
     for fn in code:
         assigns = [n for n in ast.walk(fn) if isinstance(n, ast.Assign)]
         names = {t.id for n in assigns if mask(n.value, set()) for t in n.targets if isinstance(t, ast.Name)}
-        found += [
-            n for n in ast.walk(fn)
-            if isinstance(n, ast.Call) and callee(n) in SYNCS or isinstance(n, ast.Subscript) and mask(n.slice, names)
-        ]
+        for n in ast.walk(fn):
+            where = isinstance(n, ast.Call) and callee(n) == "where" and len(n.args) + len(n.keywords) == 1
+            if isinstance(n, ast.Call) and (callee(n) in SYNCS or where):
+                found.append(n)
+            elif isinstance(n, ast.Subscript) and mask(n.slice, names):
+                found.append(n)
+            found += tested(n)
+    return sorted(found, key=lambda n: (n.lineno, n.col_offset))
+
+
+# Where vLLM defines the reshape op: its Python wrapper, and the torch library it registers.
+RESHAPE_HOMES = {f"vllm._custom_ops.{schema.RESHAPE_OP}", f"torch.ops._C_cache_ops.{schema.RESHAPE_OP}"}
+
+
+def foreign_reshapes(code: Iterable[ast.AST], imports: Mapping[str, str]) -> list[ast.Call]:
+    """Calls of the reshape op in ``code`` through what is not one of ``RESHAPE_HOMES`` however the file
+    imports it (``torch.ops._C.reshape_and_cache_flash``: no such op, an AttributeError on the first write)."""
+    calls = (n for fn in code for n in ast.walk(fn) if isinstance(n, ast.Call) and callee(n) == schema.RESHAPE_OP)
+    return [c for c in calls if qualified(c.func, imports) not in RESHAPE_HOMES]
+
+
+_FLOAT32 = {"torch.float32", "torch.float"}
+
+
+def unproven_scales(code: Iterable[ast.AST], init: ast.FunctionDef | None, upgraded: bool) -> list[ast.expr]:
+    """The scales the reshape op's calls in ``code`` hand the kernel (``k_scale``, ``v_scale``: a float32 on the
+    device, to it) not proven so. Proven: ``torch.ones(…, device=…)`` made at run time (float32 by default); a
+    ``self.<x>`` that ``__init__`` makes (or registers) as ``torch.ones(…, dtype=torch.float32)`` (vLLM builds a
+    model on the device but in its own dtype, bf16); a local bound once to either, or (``upgraded``: ``run``
+    replaces it) to any ``torch.ones(…)``."""
+    def ones(value: ast.AST | None, at_init: bool) -> bool:
+        if not (isinstance(value, ast.Call) and dotted(value.func) == "torch.ones"):
+            return False
+        given = {k.arg: dotted(k.value) for k in value.keywords}
+        return given.get("dtype", None if at_init else "torch.float32") in _FLOAT32 and (at_init or "device" in given)
+
+    made: dict[str | None, list[ast.AST]] = {}
+    for n in ast.walk(init) if init is not None else ():
+        if isinstance(n, ast.Assign) and len(n.targets) == 1:
+            made.setdefault(self_member(n.targets[0]), []).append(n.value)
+        elif isinstance(n, ast.Call) and self_member(n.func) == "register_buffer" and len(n.args) >= 2:
+            made.setdefault(getattr(n.args[0], "value", None), []).append(n.args[1])
+    found: list[ast.expr] = []
+    for fn in code:
+        bound: dict[str, list[ast.AST]] = {}  # a local's bindings: the value of a lone `x = …`, else the node
+        for n in ast.walk(fn):
+            if isinstance(getattr(n, "ctx", None), ast.Store) and isinstance(n, ast.Name):
+                bound.setdefault(n.id, []).append(n)
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+                bound[n.targets[0].id] = [n.value] * len(bound[n.targets[0].id])
+        calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and callee(n) == schema.RESHAPE_OP]
+        for scale in (x for c in calls for x in [*c.args[6:8], *(k.value for k in c.keywords if k.arg in ("k_scale", "v_scale"))]):
+            local = isinstance(scale, ast.Name) and len(bound.get(scale.id, [])) == 1
+            value = bound[scale.id][0] if local else scale  # type: ignore[union-attr]
+            held = made.get(self_member(value), [None])  # type: ignore[arg-type]
+            replaced = upgraded and local and isinstance(value, ast.Call) and dotted(value.func) == "torch.ones"
+            if not (replaced or ones(value, False) or len(held) == 1 and ones(held[0], True)):
+                found.append(scale)
     return found
+
+
+def kept_write_problems(
+    runs: list[ast.AST], init: ast.FunctionDef | None, imports: Mapping[str, str], upgraded: bool, name: str
+) -> list[str]:
+    """What the write a bypass keeps must not do, in words (``runs``: what it and the post-call block run):
+    the first host sync (``host_syncs``), unproven scale (``unproven_scales``), reshape op vLLM does not define
+    (``foreign_reshapes``)."""
+    syncs, scales = host_syncs(runs)[:1], unproven_scales(runs, init, upgraded)[:1]
+    return [
+        *(f"the post-call write (`self.{name}(…)`) makes the host wait for the device at line {n.lineno} "
+          f"(`{ast.unparse(n)}`): a CUDA graph cannot capture it, nor torch.compile without a graph break" for n in syncs),
+        *(f"the scale `{ast.unparse(n)}` that the write hands `{schema.RESHAPE_OP}` at line {n.lineno} is not proven "
+          "a float32 tensor (`torch.ones(…, dtype=torch.float32)`), which the kernel reads it as" for n in scales),
+        *(f"the write calls `{ast.unparse(n.func)}` at line {n.lineno}: vLLM defines `{schema.RESHAPE_OP}` in "
+          "`vllm._custom_ops` and `torch.ops._C_cache_ops` alone" for n in foreign_reshapes(runs, imports)[:1]),
+    ]
 
 
 STORES = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Call)  # the nodes ``set_through_another`` reads

@@ -368,9 +368,11 @@ def _unproven_roles(p: Pieces) -> str:
         return (
             f"the guard reads `self.{p.flag_attr}`, set in __init__ to `{p.flag_unproven}`, which cannot be "
             f'proven true for "fp8", "fp8_e4m3", "fp8_e5m2" and false for "bfloat16" and "{AUTO_DTYPE}" from '
-            f"`self.{DTYPE_ATTR}` alone: the flag's role is not proven, nothing was changed. If it is meant "
-            f'to be true for the fp8 cache dtypes, write it as `"fp8" in self.{DTYPE_ATTR}` (or a helper '
-            f"returning that) after __init__ sets `self.{DTYPE_ATTR}`, once, then run again"
+            f"`self.{DTYPE_ATTR}` alone: the flag's role is not proven, nothing was changed. Either that is no "
+            f"fp8 test, or __init__ hands `self` to code the reading cannot follow, which may change the flag or "
+            f"the dtype (hand such calls what they read instead). If it is meant to be true for the fp8 cache "
+            f'dtypes, write it as `"fp8" in self.{DTYPE_ATTR}` (or a helper returning that) after __init__ sets '
+            f"`self.{DTYPE_ATTR}`, once, then run again"
         )
     return (
         f"the file's own fp8 bypass cannot be proven: {'; '.join(p.role_problems)}. "

@@ -394,13 +394,11 @@ def collect_pieces(
         break
     p.insert_kv = _insert_kv_form(a.find_method(cls, p.insert_method), cls, m.functions)
     init_tree, write_tree = scope.methods.get("__init__"), scope.methods.get(p.insert_method)
-    if p.insert_kv == "slots" and write_tree is not None:  # (run replaces an older form's write whole)
+    if p.insert_kv in schema.SLOTS_FORMS and write_tree is not None:  # (kept by run, all but its index write)
         block = m.source_map.trees.get(id(p.post_block)) if m.source_map is not None else None
         runs = guards.reached(write_tree, scope, init_tree) + ([block] if block is not None else [])
-        p.role_problems += [
-            f"the post-call write (`self.{p.insert_method}(…)`) makes the host wait for the device at line {n.lineno} (`{ast.unparse(n)}`): "
-            "a CUDA graph cannot capture it, nor torch.compile without a graph break" for n in guards.host_syncs(runs)[:1]
-        ]
+        upgraded = p.insert_kv in schema.OLDER_FORMS
+        p.role_problems += guards.kept_write_problems(runs, init_tree, m.imports, upgraded, p.insert_method)
     write = m.methods(cls).get(p.insert_method)
     # The scale: the identity scale (``torch.ones``) __init__ makes that the write method reads.
     read = {a.self_attr(n) for n in a.nodes_in(write.body)} - {None} if write is not None else set()

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 from codemods.schema import InsertSite
@@ -76,6 +77,13 @@ def prove_source(path: Path, raw: bytes, classes: list[str]) -> Proof:
     except Exception as exc:  # a broken install: as good as none
         return Proof(UNAVAILABLE, f"torch cannot be imported here: {type(exc).__name__}: {exc}")
     source = source_text(raw)  # these bytes compiled in planning: they decode
+    try:  # (LibCST reads newer syntax than this Python may compile: not the file's failure)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the file's own warnings ("\d") are not ours
+            compile(source, str(path), "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        here = f"Python {sys.version_info.major}.{sys.version_info.minor}"
+        return Proof(SKIPPED, f"{here} cannot compile it (line {exc.lineno}: {exc.msg}): run mm3-codemod under the Python vLLM runs on")
     if not classes:  # not expected: a rewrite is of a layer class's insert call
         return Proof(SKIPPED, "no layer class with an insert site in the new source")
     try:
