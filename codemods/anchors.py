@@ -482,6 +482,15 @@ class ImportedName:
     bound: str
     importer: cst.Import | cst.ImportFrom  # the import of ``statement`` that holds ``alias``
 
+    @property
+    def qualified(self) -> str:
+        """The qualified name ``bound`` is bound to (``model`` reads it where Python's parser cannot)."""
+        name, small = code(self.alias.name).replace(" ", ""), self.importer
+        if isinstance(small, cst.Import):
+            return name if self.alias.asname is not None else self.bound
+        base = "." * len(small.relative) + (code(small.module).replace(" ", "") if small.module is not None else "")
+        return f"{base}.{name}" if base else name
+
 
 def module_imports(module: cst.Module) -> list[ImportedName]:
     """Top-level ``import`` / ``from … import`` aliases and the names they bind."""

@@ -53,7 +53,7 @@ class FileModel:
         try:
             imports = roles.import_table(source_map.tree if source_map is not None else ast.parse(module.code))
         except (SyntaxError, ValueError, RecursionError, MemoryError):  # newer Python than this one's
-            imports = {i.bound: _qualified(i) for i in a.module_imports(module)}
+            imports = {i.bound: i.qualified for i in a.module_imports(module)}
         return cls(module, source_map, a.module_functions(module), pass_through_wrappers(module), imports)
 
     @functools.cached_property
@@ -252,15 +252,6 @@ class FileModel:
                 found.append(stmt)
         prop = self.flag_property(cls, flag)  # the flag as a property
         return [*found, *setters, *([prop] if prop is not None else [])]
-
-
-def _qualified(imp: a.ImportedName) -> str:
-    """What a top-level import binds, read from LibCST (where Python's parser cannot read the file)."""
-    name, small = a.code(imp.alias.name).replace(" ", ""), imp.importer
-    if isinstance(small, cst.Import):
-        return name if imp.alias.asname is not None else imp.bound
-    base = "." * len(small.relative) + (a.code(small.module).replace(" ", "") if small.module is not None else "")
-    return f"{base}.{name}" if base else name
 
 
 def pass_through_wrappers(module: cst.Module) -> dict[str, a.Wrapper]:

@@ -206,12 +206,9 @@ def bare_import(imports: list[a.ImportedName]) -> tuple[cst.SimpleStatementLine,
     if any(i.bound == schema.RESHAPE_OP for i in imports):
         return None
     for imp in imports:
-        small = imp.importer
-        if not isinstance(small, cst.ImportFrom) or small.relative or small.module is None:
-            continue
-        source = a.code(small.module).replace(" ", "")
-        if imp.bound == schema.FUSED_OP and imp.alias.asname is None and source == "vllm._custom_ops":
-            return imp.statement, small
+        plain = isinstance(imp.importer, cst.ImportFrom) and imp.alias.asname is None
+        if plain and imp.qualified == f"vllm._custom_ops.{schema.FUSED_OP}":
+            return imp.statement, imp.importer  # type: ignore[return-value]
     raise Unsupported(
         f"`{schema.FUSED_OP}` is called by a bare name that `from vllm._custom_ops import …` does not bring in: "
         f"where `{schema.RESHAPE_OP}` is cannot be told; import both from `vllm._custom_ops`, then run again"
