@@ -86,7 +86,7 @@ class FileModel:
         """What a flag's expression may call: the module's functions, the class's methods, imports."""
         if id(cls) not in self._scopes:
             methods = _defs(self.methods(cls), self.source_map)
-            self._scopes[id(cls)] = roles.Scope(self._function_trees, methods, self.imports)
+            self._scopes[id(cls)] = roles.Scope(self.module_scope.functions, methods, self.imports)
         return self._scopes[id(cls)]
 
     def lineage(self, cls: cst.ClassDef) -> list[cst.ClassDef]:
@@ -125,13 +125,9 @@ class FileModel:
         return self.methods(cls).get(flag) if flag in self.scope(cls).properties() else None
 
     @functools.cached_property
-    def _function_trees(self) -> dict[str, ast.FunctionDef]:
-        return _defs(self.functions, self.source_map)
-
-    @functools.cached_property
     def module_scope(self) -> roles.Scope:
         """What an expression outside a class may call: the module's functions, and imports."""
-        return roles.Scope(self._function_trees, {}, self.imports)
+        return roles.Scope(_defs(self.functions, self.source_map), {}, self.imports)
 
     @functools.cached_property
     def constants(self) -> dict[str, object]:
