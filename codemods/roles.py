@@ -50,9 +50,8 @@ def _attribute(node: ast.AST) -> str | None:
     """``b`` of ``a.b``, ``getattr(a, "b")`` and ``getattr(a, "b", <constant>)``."""
     if isinstance(node, ast.Attribute):
         return node.attr
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"):
-        return None
-    args = node.args if not node.keywords and len(node.args) in (2, 3) else []
+    getattr_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+    args = node.args if getattr_call and not node.keywords and len(node.args) in (2, 3) else []  # type: ignore[attr-defined]
     name = _literal(args[1]) if args and isinstance(args[-1], ast.Constant) else None
     return name if name is not None and name.isidentifier() else None
 
@@ -122,9 +121,8 @@ def qualified(node: ast.expr, imports: Mapping[str, str]) -> str | None:
 
 def is_compiling(node: ast.expr, imports: Mapping[str, str]) -> bool:
     """A call of ``torch.compiler.is_compiling()``, however the file imported or spelled it."""
-    if not isinstance(node, ast.Call) or node.args or node.keywords:
-        return False
-    return qualified(node.func, imports) in COMPILE_TESTS
+    bare = isinstance(node, ast.Call) and not node.args and not node.keywords
+    return bare and qualified(node.func, imports) in COMPILE_TESTS  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -249,16 +247,11 @@ def _call(node: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -
         method = self_member(func)  # a method of the class, else a module function
         defs, key = (scope.methods, method) if method is not None else (scope.functions, name)
         if "." not in key and key in defs:
-            try:
-                return _helper(defs[key], node, (args, kwargs), env, scope, depth)
-            except KeyError:
-                raise Unknown(name) from None
+            return _helper(defs[key], node, (args, kwargs), env, scope, depth)
         # vLLM's helper, by what the name is bound to: a name imported from vLLM
         bound = qualified(func, scope.imports) or ""
         helper = VLLM_HELPERS.get(bound.rpartition(".")[2]) if bound.startswith("vllm.") else None
-        if helper is not None and len(args) == 1:
-            if not isinstance(args[0], str):
-                raise Unknown(name.rpartition(".")[2])
+        if helper is not None and len(args) == 1 and isinstance(args[0], str):
             return helper(args[0])
     raise Unknown(name or "call")
 
@@ -448,11 +441,10 @@ def _unrolled(stmt: ast.For | ast.While | ast.Match, env: dict[str, object], sco
             case = next((c for c in stmt.cases if _matches(c, subject, env, scope)), None)
             _block(case.body if case is not None else [], env, scope, depth)
             return
-        if any(isinstance(n, (ast.Break, ast.Continue)) for n in ast.walk(stmt)):
-            raise Unknown("jump")
+        jumps = any(isinstance(n, (ast.Break, ast.Continue)) for n in ast.walk(stmt))
         items = evaluate(stmt.iter, env, scope) if isinstance(stmt, ast.For) else range(16)
-        if not isinstance(items, (tuple, str, range)):
-            raise Unknown("for")
+        if jumps or not isinstance(items, (tuple, str, range)):
+            raise Unknown("loop")
         for item in items:
             if isinstance(stmt, ast.For):
                 _store(stmt.target, item, env)
@@ -479,9 +471,7 @@ def _matches(case: ast.match_case, subject: object, env: dict[str, object], scop
 
 
 # Builtins that read an object they are handed, never set its attributes.
-_READERS = {
-    "isinstance", "issubclass", "hasattr", "id", "type", "print", "repr", "str", "len", "hash", "callable", "super"
-}
+_READERS = set("isinstance issubclass hasattr id type print repr str len hash callable super".split())
 _SETTERS = ("setattr", "__setattr__", "delattr", "__delattr__")
 
 
@@ -530,23 +520,19 @@ def _either(stmt: ast.If, env: dict[str, object], scope: Scope, depth: int) -> N
     ends = []
     for body in (stmt.body, stmt.orelse):
         branch = dict(env)
-        try:
+        with contextlib.suppress(_Stop):
             _block(body, branch, scope, depth)
-        except _Stop:
-            continue
-        ends.append(branch)
+            ends.append(branch)
     if not ends:
         raise _Stop
+    alike = {k: v for k, v in ends[0].items() if all(k in e and type(e[k]) is type(v) and e[k] == v for e in ends[1:])}
     env.clear()  # (each end a copy) what is alike: equal, and of one type (True is not 1)
-    env.update(
-        {k: v for k, v in ends[0].items() if all(k in e and type(e[k]) is type(v) and e[k] == v for e in ends[1:])}
-    )
+    env.update(alike)
 
 
 def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int) -> None:
     """``self.<method>(…)`` in ``__init__``: its statements run on the same attributes."""
-    method = self_member(call.func)
-    fn = scope.methods.get(method) if method is not None else None
+    fn = scope.methods.get(self_member(call.func) or "")
     if fn is None:
         return  # a call of something else: vLLM's layers do not set this layer's attributes
     try:
