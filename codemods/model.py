@@ -263,7 +263,9 @@ def pass_through_wrappers(module: cst.Module) -> dict[str, a.Wrapper]:
 
 
 def _as_wrapper(fn: cst.FunctionDef, known: dict[str, a.Wrapper]) -> a.Wrapper | None:
-    own = _positional_params(fn)
+    params = [*fn.params.posonly_params, *fn.params.params, *fn.params.kwonly_params]
+    positional = len(params) - len(fn.params.kwonly_params)  # (keyword-only ones bind by keyword alone)
+    own = {p.name.value: schema.OpParam(i if i < positional else 10_000, p.name.value) for i, p in enumerate(params)}
     mappings = []
     for node in a.nodes_in(fn.body, scope_only=True):
         name = a.callee_name(node) if isinstance(node, cst.Call) else None
@@ -272,25 +274,12 @@ def _as_wrapper(fn: cst.FunctionDef, known: dict[str, a.Wrapper]) -> a.Wrapper |
         inner = None if name == schema.FUSED_OP else known[name]
         if any(arg.star for arg in node.args):
             return None
-        mapping: dict[int, schema.OpParam] = {}
-        for param in schema.OP_PARAMS:
-            arg = a.OpCall(node, inner).arg(param)
-            if arg is None:
-                continue
-            if not (isinstance(arg.value, cst.Name) and arg.value.value in own):
-                return None  # not handed on unchanged
-            mapping[param.index] = own[arg.value.value]
-        mappings.append(mapping)
+        passed = [(p, arg.value) for p in schema.OP_PARAMS if (arg := a.OpCall(node, inner).arg(p)) is not None]
+        if not all(isinstance(value, cst.Name) and value.value in own for _, value in passed):
+            return None  # not handed on unchanged
+        mappings.append({p.index: own[value.value] for p, value in passed})  # type: ignore[attr-defined]
     if not mappings or any(m != mappings[0] for m in mappings):
         return None
     dtype = mappings[0].get(schema.KV_CACHE_DTYPE.index)
-    params = [*fn.params.posonly_params, *fn.params.params, *fn.params.kwonly_params]
     default = next((p.default for p in params if dtype is not None and p.name.value == dtype.keyword), None)
     return a.Wrapper(fn.name.value, mappings[0], default)
-
-
-def _positional_params(fn: cst.FunctionDef) -> dict[str, schema.OpParam]:
-    """A function's parameters as ``schema.OpParam``s (keyword-only ones bind by keyword alone)."""
-    positional = [*fn.params.posonly_params, *fn.params.params]
-    keyword_only = {p.name.value: schema.OpParam(10_000, p.name.value) for p in fn.params.kwonly_params}
-    return {p.name.value: schema.OpParam(i, p.name.value) for i, p in enumerate(positional)} | keyword_only
