@@ -264,27 +264,26 @@ def _write_all(report: Report, backup: bool) -> None:
     if any(f.failed for f in report.files):
         report.note = "nothing written: a target was refused or failed"
         return
+
+    def fail(result: FileResult, exc: FileError, left: list[StagedWrite], done: int = 0) -> None:
+        for stage in left:
+            discard(stage)
+        result.status, result.error = FileStatus.ERROR, str(exc)
+        report.note = f"{done} file(s) were rewritten before this failure" if done else NOT_WRITTEN
+
     staged: list[StagedWrite] = []
     for result in report.files:
         if result.status is FileStatus.NEEDS_REWRITE:
             try:
                 staged.append(stage_write(result, backup=backup))
             except FileError as exc:
-                for done in staged:
-                    discard(done)
-                result.status, result.error = FileStatus.ERROR, str(exc)
-                report.note = NOT_WRITTEN
-                return
+                return fail(result, exc, staged)
     with _no_interrupt():
         for i, stage in enumerate(staged):
             try:
                 commit_write(stage)
             except FileError as exc:
-                for rest in staged[i:]:
-                    discard(rest)
-                stage.result.status, stage.result.error = FileStatus.ERROR, str(exc)
-                report.note = f"{i} file(s) were rewritten before this failure" if i else NOT_WRITTEN
-                return
+                return fail(stage.result, exc, staged[i:], i)
 
 
 @contextlib.contextmanager
