@@ -228,13 +228,15 @@ def next_steps(report: Report) -> list[str]:
     if report.dry and pending and report.command != "survey":
         actions = {s.action for i in pending for s in report.files[i].sites if s.action in CHANGING}
         if report.command == "revert":
-            steps.append(f"to take the fp8 bypass out: {command_for(report.verb or 'revert', report, pending)}")
+            what, verb = "take the fp8 bypass out", report.verb or "revert"
         else:
             what = "take the stale bypass out" if actions <= {Action.STRIP} else "apply the fp8 bypass"
-            steps.append(f"to {what}: {command_for('run', report, pending)}")
+            verb = "run"
+        steps.append(f"to {what}: {command_for(verb, report, pending)}")
     whole = [i for i, f in enumerate(report.files) if f.not_an_undo]
     if whole:  # no hook runs it: from the user's shell
-        steps.append(f"to take the whole bypass out anyway: {command_for('revert --whole-bypass', report, whole)}")
+        anyway = command_for("revert --whole-bypass", report, whole)
+        steps.append(f"to take the whole bypass out anyway: {anyway}")
     written = [i for i, f in enumerate(report.files) if f.status is FileStatus.REWRITTEN]
     if written and under_pre_commit():
         names = " ".join(shlex.quote(shown_path(report.files[i].path)) for i in written)
