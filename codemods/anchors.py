@@ -531,3 +531,35 @@ def name_uses(module: cst.Module, skip: Sequence[cst.CSTNode] = ()) -> dict[str,
 
 def names_read(node: cst.CSTNode) -> set[str]:
     return {n.value for n in nodes_in(node) if isinstance(n, cst.Name)}
+
+
+def products(init_attrs: Assignments) -> list[tuple[str, cst.BaseExpression, str]]:
+    """``self.W = <count> * self.D`` assigned once in __init__ (either order): (W, count, "self.D")."""
+    found = []
+    for attr, defs in init_attrs.items():
+        value = defs[0][1] if len(defs) == 1 else None
+        if not (isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Multiply)):
+            continue
+        for count, dim in ((value.left, value.right), (value.right, value.left)):
+            if self_attr(dim) is not None:
+                found.append((attr, count, code(dim)))
+    return found
+
+
+def stale_widths(init: cst.FunctionDef, init_attrs: Assignments) -> set[str]:
+    """The widths of ``products`` made from a count or size that __init__ binds again (an augmented assignment
+    too; divided per rank, say): they may hold the model's width, not the rank's."""
+    stored = Counter(self_attr(t) for n in all_statements(init.body) for t in store_targets(n))
+    stored.pop(None, None)  # (a local, a subscript: no attribute)
+    return {w for w, count, dim in products(init_attrs) if stored[self_attr(count)] > 1 or stored[dim[5:]] > 1}
+
+
+def store_targets(stmt: cst.CSTNode) -> list[cst.BaseExpression]:
+    """What a statement stores to (``self.x`` of ``self.x = …``, ``for self.x in …``, ``with … as self.x``)."""
+    if isinstance(stmt, cst.Assign):
+        return [t.target for t in stmt.targets]
+    if isinstance(stmt, (cst.AnnAssign, cst.AugAssign, cst.Del, cst.For)):
+        return [stmt.target]
+    if isinstance(stmt, cst.With):
+        return [item.asname.name for item in stmt.items if item.asname is not None]
+    return []

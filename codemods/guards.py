@@ -162,10 +162,8 @@ def host_syncs(code: Iterable[ast.AST]) -> list[ast.AST]:
         names = {t.id for n in assigns if mask(n.value, set()) for t in n.targets if isinstance(t, ast.Name)}
         for n in ast.walk(fn):
             where = isinstance(n, ast.Call) and callee(n) == "where" and len(n.args) + len(n.keywords) == 1
-            if isinstance(n, ast.Call) and (callee(n) in SYNCS or where):
-                found.append(n)
-            elif isinstance(n, ast.Subscript) and mask(n.slice, names):
-                found.append(n)
+            synced = isinstance(n, ast.Call) and (callee(n) in SYNCS or where)
+            found += [n] if synced or isinstance(n, ast.Subscript) and mask(n.slice, names) else []
             found += tested(n)
     return sorted(found, key=lambda n: (n.lineno, n.col_offset))
 

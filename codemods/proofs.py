@@ -11,8 +11,9 @@ import libcst as cst
 
 from codemods import anchors as a
 from codemods import roles, schema
+from codemods.anchors import products, stale_widths
 from codemods.schema import Unsupported
-from codemods.sites import guard_of, products, stale_widths, unguarded
+from codemods.sites import guard_of, unguarded
 
 
 def op_namespace(op: a.OpCall, imports: Mapping[str, str]) -> str | None:
@@ -104,7 +105,7 @@ def widths(
     in the layout, never by the first product that fits: a head size is what that part's norms are
     built with (the call passes their ``.weight``), else the one size that multiplies its head
     counts in ``__init__``; a width is a ``self.W = <count> * <size>`` of ``__init__`` assigned
-    once, but a stale one (``sites.stale_widths``: made before its count is divided per rank, it holds the
+    once, but a stale one (``anchors.stale_widths``: made before its count is divided per rank, it holds the
     model's width), else that product itself."""
     counts: dict[str, cst.BaseExpression] = {}
     for param in (schema.NUM_HEADS, schema.NUM_KV_HEADS, schema.NUM_INDEX_HEADS):

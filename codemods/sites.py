@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import collections
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -383,7 +382,7 @@ def collect_pieces(
         write = m.methods(cls).get(p.insert_method)
         p.post_insert_wired = post is not None and straight and _insert_is_wired(node, op, write)
         read = {a.self_attr(n) for n in a.nodes_in(stmt)}
-        stale = sorted(read & stale_widths(init, init_attrs)) if init is not None else []  # type: ignore[operator]
+        stale = sorted(read & a.stale_widths(init, init_attrs)) if init is not None else []  # type: ignore[operator]
         if stale:  # (run writes the product itself there)
             p.role_problems.append(
                 f"the post-call block slices with `self.{stale[0]}`, made in __init__ from a head count or size that "
@@ -431,7 +430,7 @@ def _redefined_below(m: FileModel, cls: cst.ClassDef, methods: set[str], attrs: 
     ``self.<attr>`` of ``attrs``: the layer it builds runs what the bypass was not proven with. In words."""
     for sub in (c for c in m.module.body if isinstance(c, cst.ClassDef) and c is not cls and cls in m.lineage(c)):
         bound = a.scope_bindings(sub.body)
-        stored = {a.self_attr(t) for f in a.methods(sub) for n in a.all_statements(f.body) for t in _store_targets(n)}
+        stored = {a.self_attr(t) for f in a.methods(sub) for n in a.all_statements(f.body) for t in a.store_targets(n)}
         found = sorted(methods & set(bound) | attrs & stored)
         if found:
             return f"class `{sub.name.value}` derives from `{cls.name.value}` and redefines `{found[0]}`"
@@ -530,7 +529,7 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, scope: roles.Scope, init_attrs
         flag_free = p.flag_unproven is not None or (in_init and not flag_def)  # it may set the flag
         pieces = ({p.flag_attr, p.scale_attr} - ({p.flag_attr} if flag_free else set())) | (set() if in_init else reads)
         for node in a.all_statements(method.body):
-            stored = {a.self_attr(t) for t in _store_targets(node)}
+            stored = {a.self_attr(t) for t in a.store_targets(node)}
             if p.insert_method in stored:
                 note(p.insert_method, f"`self.{p.insert_method}` is assigned in {method.name.value}, hiding the method")
             for name in sorted(stored & pieces):
@@ -571,38 +570,6 @@ def registered_buffer(init: cst.FunctionDef | None, name: str) -> cst.BaseStatem
         if named and a.self_attr(call.func) == "register_buffer":  # type: ignore[union-attr]
             return slot.statement
     return None
-
-
-def products(init_attrs: a.Assignments) -> list[tuple[str, cst.BaseExpression, str]]:
-    """``self.W = <count> * self.D`` assigned once in __init__ (either order): (W, count, "self.D")."""
-    found = []
-    for attr, defs in init_attrs.items():
-        value = defs[0][1] if len(defs) == 1 else None
-        if not (isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Multiply)):
-            continue
-        for count, dim in ((value.left, value.right), (value.right, value.left)):
-            if a.self_attr(dim) is not None:
-                found.append((attr, count, a.code(dim)))
-    return found
-
-
-def stale_widths(init: cst.FunctionDef, init_attrs: a.Assignments) -> set[str]:
-    """The widths of ``products`` made from a count or size that __init__ binds again (an augmented assignment
-    too; divided per rank, say): they may hold the model's width, not the rank's."""
-    stored = collections.Counter(a.self_attr(t) for n in a.all_statements(init.body) for t in _store_targets(n))
-    stored.pop(None, None)  # (a local, a subscript: no attribute)
-    return {w for w, count, dim in products(init_attrs) if stored[a.self_attr(count)] > 1 or stored[dim[5:]] > 1}
-
-
-def _store_targets(stmt: cst.CSTNode) -> list[cst.BaseExpression]:
-    """What a statement stores to (``self.x`` of ``self.x = …``, ``for self.x in …``, ``with … as self.x``)."""
-    if isinstance(stmt, cst.Assign):
-        return [t.target for t in stmt.targets]
-    if isinstance(stmt, (cst.AnnAssign, cst.AugAssign, cst.Del, cst.For)):
-        return [stmt.target]
-    if isinstance(stmt, cst.With):
-        return [item.asname.name for item in stmt.items if item.asname is not None]
-    return []
 
 
 def _insert_is_wired(insert: cst.Call, fused: a.OpCall, write: cst.FunctionDef | None) -> bool:
