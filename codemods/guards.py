@@ -237,6 +237,24 @@ def kept_write_problems(
     ]
 
 
+def dropped_writes(block: ast.stmt, method: ast.FunctionDef, module: ast.Module, imports: Mapping[str, str]) -> list[ast.Call]:
+    """The registered ops (``torch.ops.<ns>.<op>(…)``) the post-call ``block`` calls that torch.compile may drop:
+    the file registers none of them as mutating (``direct_register_custom_op``'s or ``custom_op``'s
+    ``mutates_args``) and nothing in ``method`` after the block reads what the call returns (vLLM hands it to
+    attention as ``kv_cache_dummy_dep``): a call whose result no one uses is dead code to the compiler."""
+    mutating = set()
+    for n in (n for n in ast.walk(module) if isinstance(n, ast.Call) and callee(n) in ("direct_register_custom_op", "custom_op")):
+        given = {k.arg: k.value for k in n.keywords} | ({"op_name": n.args[0]} if n.args else {})
+        name, mutates = given.get("op_name"), given.get("mutates_args")
+        if isinstance(name, ast.Constant) and isinstance(mutates, (ast.List, ast.Tuple)) and mutates.elts:
+            mutating.add(str(name.value).rpartition("::")[2])
+    end = block.end_lineno or block.lineno
+    later = {n.id for n in ast.walk(method) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.lineno > end}
+    kept = {id(n.value) for n in ast.walk(block) if isinstance(n, ast.Assign) and any(getattr(t, "id", None) in later for t in n.targets)}
+    calls = (n for n in ast.walk(block) if isinstance(n, ast.Call) and (qualified(n.func, imports) or "").startswith("torch.ops."))
+    return [c for c in calls if id(c) not in kept and (qualified(c.func, imports) or "").rpartition(".")[2] not in mutating]
+
+
 STORES = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Call)  # the nodes ``set_through_another`` reads
 
 

@@ -390,6 +390,14 @@ def collect_pieces(
             )
         p.compiled_write = p.post_insert_wired and post is not None and post.while_compiling and p.slots_none
         p.compiled_branch = a.first_in(stmt, m.compiled_path_write) is not None and p.slots_none
+        block, tree = (m.source_map.trees.get(id(stmt)), m.source_map.tree) if m.source_map is not None else (None, None)
+        if (p.compiled_write or p.compiled_branch) and block is not None and (fn := scope.methods.get(method.name.value)):
+            p.role_problems += [
+                f"the compiled path's cache write `{ast.unparse(c.func)}(…)` at line {c.lineno}: the op declares no "
+                "mutation and nothing after the post-call block reads what it returns, so torch.compile drops it (no "
+                "token written while compiled); hand its result to attention, as vLLM's `kv_cache_dummy_dep`"
+                for c in guards.dropped_writes(block, fn, tree, m.imports)[:1]
+            ]
         break
     p.insert_kv = _insert_kv_form(a.find_method(cls, p.insert_method), cls, m.functions)
     init_tree, write_tree = scope.methods.get("__init__"), scope.methods.get(p.insert_method)

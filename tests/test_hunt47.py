@@ -74,7 +74,7 @@ CASES = {
     "compiled branch writes nothing (is_dynamo_compiling)": (
         COMPILED,
         [("torch.compiler.is_compiling()", "torch.compiler.is_dynamo_compiling()"),
-         ("                torch.ops.vllm.sparse_kv_cache_update(k, v, index_k, layer_name)\n", "                pass\n")],
+         ("                kv_dep = torch.ops.vllm.sparse_kv_cache_update(k, v, index_k, layer_name)\n", "                pass\n")],
     ),
     # H W1: the write skips padded slots by a boolean mask, whose size the host must wait for: no CUDA graph
     "write by a boolean mask": (

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, cli
-from test_hunt47 import PATCHED, _edited, _states
+from test_hunt47 import COMPILED, PATCHED, _edited, _states
 
 OLD_FORM = (FIXTURES / "old_form" / "model.py").read_text()
 SCALE_LINE = "        scale = self._fp8_kv_scale  # identity: stores x / 1\n"
@@ -51,6 +51,11 @@ CASES = {
     "the reshape op under torch.ops._C": (
         PATCHED, [("        ops.reshape_and_cache_flash(\n            key.view", "        torch.ops._C.reshape_and_cache_flash(\n            key.view")]
     ),
+    # the compiled path's write returns a tensor nothing reads, of an op declaring no mutation: torch.compile
+    # drops it as dead code (aot_eager and inductor write nothing; eager, and so the stand-in, still write)
+    "the compiled write's result left unread": (
+        COMPILED, [("        return self.attend(q, index_q, kv_dep)\n", "        return self.attend(q, index_q, None)\n")]
+    ),
     # an upgrade keeps all of the write but its index write: a host sync there stays
     "an upgrade keeping an .item() assert": (
         OLD_FORM, [("        idx_cache[index_slot_mapping] =", "        assert index_slot_mapping.min().item() >= -1\n        idx_cache[index_slot_mapping] =")]
@@ -89,3 +94,11 @@ def test_a_file_this_python_cannot_compile_is_not_said_to_fail(tmp_path: Path) -
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout + proc.stderr
     assert "running it fails" not in out and "cannot compile it (line" in out
+
+
+def test_a_compiled_write_declared_mutating_is_kept_without_its_result_read(tmp_path: Path) -> None:
+    """An op registered with ``mutates_args`` is no dead code: the compiler keeps it whether or not its result is read."""
+    path = tmp_path / "model.py"
+    path.write_text(_edited(COMPILED, [("        return self.attend(q, index_q, kv_dep)\n", "        return self.attend(q, index_q, None)\n"),
+                                       ("    mutates_args=[],\n    fake_impl=sparse_kv_cache_update_fake", '    mutates_args=["key"],\n    fake_impl=sparse_kv_cache_update_fake')]))
+    assert "unsupported" not in _states(path)

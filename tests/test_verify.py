@@ -261,7 +261,7 @@ def test_a_compiled_path_that_writes_nothing_fails(tmp_path: Path) -> None:
     path = _fixture_edited(
         tmp_path,
         "compiled_native_lost_guard",
-        "torch.ops.vllm.sparse_kv_cache_update(k, v, index_k, layer_name)",
+        "kv_dep = torch.ops.vllm.sparse_kv_cache_update(k, v, index_k, layer_name)",
         "pass",
     )
     level, _ = semantic(path)
