@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, cli
-from test_hunt47 import COMPILED, PATCHED, _edited, _states
+from test_hunt47 import COMPILED, PATCHED, _edited, _states, refused_but_not_its_base
 
 OLD_FORM = (FIXTURES / "old_form" / "model.py").read_text()
 SCALE_LINE = "        scale = self._fp8_kv_scale  # identity: stores x / 1\n"
@@ -65,12 +65,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_each_is_refused_and_its_base_is_not(tmp_path: Path, case: str) -> None:
-    base, edits = CASES[case]
-    path = tmp_path / "model.py"
-    path.write_text(base)
-    assert "unsupported" not in _states(path)  # the control: the base file as it is
-    path.write_text(_edited(base, edits))
-    assert "unsupported" in _states(path), case
+    refused_but_not_its_base(tmp_path / "model.py", *CASES[case])
 
 
 @pytest.mark.parametrize(
