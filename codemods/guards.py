@@ -179,20 +179,27 @@ def foreign_reshapes(code: Iterable[ast.AST], imports: Mapping[str, str]) -> lis
     return [c for c in calls if qualified(c.func, imports) not in RESHAPE_HOMES]
 
 
+def _one(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and not isinstance(node.value, bool) and node.value == 1
+
+
 _FLOAT32 = {"torch.float32", "torch.float"}
 
 
 def unproven_scales(code: Iterable[ast.AST], init: ast.FunctionDef | None, upgraded: bool) -> list[ast.expr]:
     """The scales the reshape op's calls in ``code`` hand the kernel (``k_scale``, ``v_scale``: a float32 on the
-    device, to it) not proven so. Proven: ``torch.ones(…, device=…)`` made at run time (float32 by default); a
-    ``self.<x>`` that ``__init__`` makes (or registers) as ``torch.ones(…, dtype=torch.float32)`` (vLLM builds a
-    model on the device but in its own dtype, bf16); a local bound once to either, or (``upgraded``: ``run``
-    replaces it) to any ``torch.ones(…)``."""
-    def ones(value: ast.AST | None, at_init: bool) -> bool:
-        if not (isinstance(value, ast.Call) and dotted(value.func) == "torch.ones"):
+    device, to it) not proven so. Proven: ``torch.ones(…, device=…)`` (or ``torch.full(…, 1.0, device=…)``) made at
+    run time (float32 by default); a ``self.<x>`` that ``__init__`` makes (or registers) as ``torch.ones(…,
+    dtype=torch.float32)`` (vLLM builds a model on the device but in its own dtype, bf16); a local bound once to
+    either, or (``upgraded``: ``run`` replaces it) to any ``torch.ones(…)``."""
+    def ones(value: ast.AST | None, at_init: bool) -> bool:  # (``torch.full(shape, 1.0, …)`` too: 1 is int64)
+        fill = value.args[1] if isinstance(value, ast.Call) and len(value.args) == 2 else None
+        full = isinstance(value, ast.Call) and dotted(value.func) == "torch.full" and _one(fill)
+        if not (isinstance(value, ast.Call) and dotted(value.func) == "torch.ones" or full):
             return False
-        given = {k.arg: dotted(k.value) for k in value.keywords}
-        return given.get("dtype", None if at_init else "torch.float32") in _FLOAT32 and (at_init or "device" in given)
+        given = {k.arg: dotted(k.value) for k in value.keywords}  # type: ignore[union-attr]
+        default = None if at_init or full and not isinstance(fill.value, float) else "torch.float32"  # type: ignore[union-attr]
+        return given.get("dtype", default) in _FLOAT32 and (at_init or "device" in given)
 
     made: dict[str | None, list[ast.AST]] = {}
     for n in ast.walk(init) if init is not None else ():

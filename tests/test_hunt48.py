@@ -97,3 +97,15 @@ def test_a_compiled_write_declared_mutating_is_kept_without_its_result_read(tmp_
     path.write_text(_edited(COMPILED, [("        return self.attend(q, index_q, kv_dep)\n", "        return self.attend(q, index_q, None)\n"),
                                        ("    mutates_args=[],\n    fake_impl=sparse_kv_cache_update_fake", '    mutates_args=["key"],\n    fake_impl=sparse_kv_cache_update_fake')]))
     assert "unsupported" not in _states(path)
+
+
+@pytest.mark.parametrize(
+    ("scale", "proven"),
+    [("torch.full((), 1.0, device=key.device)", True), ("torch.full((), 1, device=key.device)", False),
+     ("torch.full((), 1, dtype=torch.float32, device=key.device)", True), ("torch.full((), 2.0, device=key.device)", False)],
+)
+def test_a_scale_filled_with_one(tmp_path: Path, scale: str, proven: bool) -> None:
+    """``torch.full`` takes its dtype from the fill where none is given: 1 is an int64 tensor, 1.0 a float32 one."""
+    path = tmp_path / "model.py"
+    path.write_text(_edited(PATCHED, [(SCALE_LINE, f"        scale = {scale}\n")]))
+    assert (_states(path)[-1] == "patched") is proven
