@@ -198,7 +198,8 @@ def unproven_scales(code: Iterable[ast.AST], init: ast.FunctionDef | None, upgra
         if not (isinstance(value, ast.Call) and dotted(value.func) == "torch.ones" or full):
             return False
         given = {k.arg: dotted(k.value) for k in value.keywords}  # type: ignore[union-attr]
-        default = None if at_init or full and not isinstance(fill.value, float) else "torch.float32"  # type: ignore[union-attr]
+        int_fill = full and not isinstance(fill.value, float)  # type: ignore[union-attr]
+        default = None if at_init or int_fill else "torch.float32"
         return given.get("dtype", default) in _FLOAT32 and (at_init or "device" in given)
 
     made: dict[str | None, list[ast.AST]] = {}
@@ -217,10 +218,12 @@ def unproven_scales(code: Iterable[ast.AST], init: ast.FunctionDef | None, upgra
             if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
                 bound[n.targets[0].id] = [n.value] * len(bound[n.targets[0].id])
         calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and callee(n) == schema.RESHAPE_OP]
-        for scale in (x for c in calls for x in [*c.args[6:8], *(k.value for k in c.keywords if k.arg in ("k_scale", "v_scale"))]):
+        scales = (x for c in calls for x in [*c.args[6:8], *(k.value for k in c.keywords if k.arg in ("k_scale", "v_scale"))])
+        for scale in scales:
             local = isinstance(scale, ast.Name) and len(bound.get(scale.id, [])) == 1
             value = bound[scale.id][0] if local else scale  # type: ignore[union-attr]
-            held = made.get(self_member(value), [None])  # type: ignore[arg-type]
+            attr = self_member(value)  # type: ignore[arg-type]
+            held = made.get(attr, [None]) if attr is not None else [None]
             replaced = upgraded and local and isinstance(value, ast.Call) and dotted(value.func) == "torch.ones"
             if not (replaced or ones(value, False) or len(held) == 1 and ones(held[0], True)):
                 found.append(scale)
@@ -236,7 +239,8 @@ def kept_write_problems(
     syncs, scales = host_syncs(runs)[:1], unproven_scales(runs, init, upgraded)[:1]
     return [
         *(f"the post-call write (`self.{name}(…)`) makes the host wait for the device at line {n.lineno} "
-          f"(`{ast.unparse(n)}`): a CUDA graph cannot capture it, nor torch.compile without a graph break" for n in syncs),
+          f"(`{ast.unparse(n)}`): a CUDA graph cannot capture it, nor torch.compile without a graph break"
+          for n in syncs),
         *(f"the scale `{ast.unparse(n)}` that the write hands `{schema.RESHAPE_OP}` at line {n.lineno} is not proven "
           "a float32 tensor (`torch.ones(…, dtype=torch.float32)`), which the kernel reads it as" for n in scales),
         *(f"the write calls `{ast.unparse(n.func)}` at line {n.lineno}: vLLM defines `{schema.RESHAPE_OP}` in "
@@ -244,22 +248,26 @@ def kept_write_problems(
     ]
 
 
-def dropped_writes(block: ast.stmt, method: ast.FunctionDef, module: ast.Module, imports: Mapping[str, str]) -> list[ast.Call]:
+def dropped_writes(
+    block: ast.stmt, method: ast.FunctionDef, module: ast.Module, imports: Mapping[str, str]
+) -> list[ast.Call]:
     """The registered ops (``torch.ops.<ns>.<op>(…)``) the post-call ``block`` calls that torch.compile may drop:
     the file registers none of them as mutating (``direct_register_custom_op``'s or ``custom_op``'s
     ``mutates_args``) and nothing in ``method`` after the block reads what the call returns (vLLM hands it to
     attention as ``kv_cache_dummy_dep``): a call whose result no one uses is dead code to the compiler."""
     mutating = set()
-    for n in (n for n in ast.walk(module) if isinstance(n, ast.Call) and callee(n) in ("direct_register_custom_op", "custom_op")):
+    registers = ("direct_register_custom_op", "custom_op")
+    for n in (n for n in ast.walk(module) if isinstance(n, ast.Call) and callee(n) in registers):
         given = {k.arg: k.value for k in n.keywords} | ({"op_name": n.args[0]} if n.args else {})
         name, mutates = given.get("op_name"), given.get("mutates_args")
         if isinstance(name, ast.Constant) and isinstance(mutates, (ast.List, ast.Tuple)) and mutates.elts:
             mutating.add(str(name.value).rpartition("::")[2])
     end = block.end_lineno or block.lineno
     later = {n.id for n in ast.walk(method) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.lineno > end}
-    kept = {id(n.value) for n in ast.walk(block) if isinstance(n, ast.Assign) and any(getattr(t, "id", None) in later for t in n.targets)}
-    calls = (n for n in ast.walk(block) if isinstance(n, ast.Call) and (qualified(n.func, imports) or "").startswith("torch.ops."))
-    return [c for c in calls if id(c) not in kept and (qualified(c.func, imports) or "").rpartition(".")[2] not in mutating]
+    assigns = (n for n in ast.walk(block) if isinstance(n, ast.Assign))
+    kept = {id(n.value) for n in assigns if any(getattr(t, "id", None) in later for t in n.targets)}
+    ops = ((n, qualified(n.func, imports) or "") for n in ast.walk(block) if isinstance(n, ast.Call))
+    return [c for c, op in ops if op.startswith("torch.ops.") and id(c) not in kept and op.rpartition(".")[2] not in mutating]
 
 
 STORES = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Call)  # the nodes ``set_through_another`` reads
