@@ -242,7 +242,8 @@ def kept_write_problems(
           f"(`{ast.unparse(n)}`): a CUDA graph cannot capture it, nor torch.compile without a graph break"
           for n in syncs),
         *(f"the scale `{ast.unparse(n)}` that the write hands `{schema.RESHAPE_OP}` at line {n.lineno} is not proven "
-          "a float32 tensor (`torch.ones(…, dtype=torch.float32)`), which the kernel reads it as" for n in scales),
+          "the identity scale the kernel reads: a float32 tensor of ones on the device (made in __init__ as "
+          "`torch.ones(…, dtype=torch.float32)`)" for n in scales),
         *(f"the write calls `{ast.unparse(n.func)}` at line {n.lineno}: vLLM defines `{schema.RESHAPE_OP}` in "
           "`vllm._custom_ops` and `torch.ops._C_cache_ops` alone" for n in foreign_reshapes(runs, imports)[:1]),
     ]

@@ -546,9 +546,10 @@ def test_a_wired_bypass_whose_fp8_write_is_wrong_is_refused(tmp_path: Path, edit
     """`run`'s own bypass, its write then edited by hand: every piece is there and wired, so
     check once said patched (exit 0), but the fp8 path writes the wrong rows, dtype or scale.
     Not `run`'s own any more, it is run (the semantic level) and refused; a write that may return
-    first is refused by its shape before that."""
-    early = "return" in edits[0][1]
-    assert_refused(tmp_path, edit(PATCHED_RUN, *edits), "may return before it writes" if early else "running it fails")
+    first, or a scale that is no identity one, is refused by its shape before that."""
+    early, scaled = "return" in edits[0][1], "_fp8_kv_scale *" in edits[0][1]
+    why = "may return before it writes" if early else "not proven the identity scale" if scaled else "running it fails"
+    assert_refused(tmp_path, edit(PATCHED_RUN, *edits), why)
 
 
 def test_a_bypass_that_is_not_runs_own_but_right_is_patched_once_run(tmp_path: Path) -> None:

@@ -357,7 +357,7 @@ def test_metadata_form_restored_with_its_import() -> None:
             ),
             "called outside the bypass",
         ),
-        (("        if not insert_via_fused:\n", "        if True:\n"), "not under"),
+        (("        if not insert_via_fused:\n", "        if True:\n"), "is not wired"),
         (
             ('self._fp8_kv = "fp8" in self.kv_cache_dtype', "self._fp8_kv = is_fp8(self.kv_cache_dtype)"),
             "assigned a call",
