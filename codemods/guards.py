@@ -235,9 +235,13 @@ def kept_write_problems(
 ) -> list[str]:
     """What the write a bypass keeps must not do, in words (``runs``: what it and the post-call block run):
     the first host sync (``host_syncs``), unproven scale (``unproven_scales``), reshape op vLLM does not define
-    (``foreign_reshapes``)."""
+    (``foreign_reshapes``), and an ``except`` that swallows a failed write."""
     syncs, scales = host_syncs(runs)[:1], unproven_scales(runs, init, upgraded)[:1]
+    handlers = (h for fn in runs for h in ast.walk(fn) if isinstance(h, ast.ExceptHandler))
+    swallowed = [h for h in handlers if not any(isinstance(n, ast.Raise) for n in ast.walk(h))][:1]
     return [
+        *(f"an `except` at line {h.lineno} around the write goes on without raising: a write that fails leaves the "
+          "cache as it was, and attention reads it as if written" for h in swallowed),
         *(f"the post-call write (`self.{name}(…)`) makes the host wait for the device at line {n.lineno} "
           f"(`{ast.unparse(n)}`): a CUDA graph cannot capture it, nor torch.compile without a graph break"
           for n in syncs),

@@ -47,6 +47,10 @@ CASES = {
     "a float scale": (PATCHED, [(SCALE_LINE, "        scale = 1.0\n")]),
     "a scale in the key's dtype": (PATCHED, [(SCALE_LINE, "        scale = key.new_ones(())\n")]),
     "a run-time scale on the host": (PATCHED, [(SCALE_LINE, "        scale = torch.ones(())\n")]),
+    # a failed write swallowed: the cache holds what it held, and attention reads it as written (hunt 48's e19)
+    "a post-call that swallows a failed write": (
+        PATCHED, [(POST_CALL, "            try:\n    " + POST_CALL + "            except Exception:\n                pass\n")]
+    ),
     # no such op: an AttributeError at the first fp8 write (an upgrade copies the spelling into its index write)
     "the reshape op under torch.ops._C": (
         PATCHED, [("        ops.reshape_and_cache_flash(\n            key.view", "        torch.ops._C.reshape_and_cache_flash(\n            key.view")]
