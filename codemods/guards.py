@@ -275,6 +275,18 @@ def dropped_writes(
     return [c for c, op in ops if op.startswith("torch.ops.") and id(c) not in kept and op.rpartition(".")[2] not in mutating]
 
 
+def dropped_write_problems(
+    block: ast.stmt, method: ast.FunctionDef, module: ast.Module, imports: Mapping[str, str]
+) -> list[str]:
+    """The first of ``dropped_writes``, in words."""
+    return [
+        f"the compiled path's cache write `{ast.unparse(c.func)}(…)` at line {c.lineno}: the op declares no "
+        "mutation and nothing after the post-call block reads what it returns, so torch.compile drops it (no "
+        "token written while compiled); hand its result to attention, as vLLM's `kv_cache_dummy_dep`"
+        for c in dropped_writes(block, method, module, imports)[:1]
+    ]
+
+
 STORES = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Call)  # the nodes ``set_through_another`` reads
 
 

@@ -56,6 +56,15 @@ class FileModel:
             imports = {i.bound: i.qualified for i in a.module_imports(module)}
         return cls(module, source_map, a.module_functions(module), pass_through_wrappers(module), imports)
 
+    @property
+    def tree(self) -> ast.Module:
+        """Python's own tree of the file (empty where its parser reads other statements than LibCST's)."""
+        return self.source_map.tree if self.source_map is not None else ast.Module([], [])
+
+    def ast_of(self, node: cst.CSTNode) -> ast.stmt | None:
+        """The compound statement (a def, a class, an ``if``) of Python's own tree that ``node`` is."""
+        return self.source_map.trees.get(id(node)) if self.source_map is not None else None
+
     @functools.cached_property
     def positions(self) -> Mapping[cst.CSTNode, CodeRange]:
         """Every node's position: LibCST generates them for the whole file, so only when asked."""
@@ -91,12 +100,12 @@ class FileModel:
 
     def lineage(self, cls: cst.ClassDef) -> list[cst.ClassDef]:
         """The class, then its bases that this file defines (``roles.lineage``)."""
-        tree = self.source_map.trees.get(id(cls)) if self.source_map is not None else None
+        tree = self.ast_of(cls)
         if not isinstance(tree, ast.ClassDef):
             return [cls]
-        classes = {id(self.source_map.trees.get(id(c))): c for c in self.module.body if isinstance(c, cst.ClassDef)}
+        classes = {id(self.ast_of(c)): c for c in self.module.body if isinstance(c, cst.ClassDef)}
         classes[id(tree)] = cls  # (a class nested in another, too)
-        return [classes[id(c)] for c in roles.lineage(tree, self.source_map.tree)]  # type: ignore[union-attr]
+        return [classes[id(c)] for c in roles.lineage(tree, self.tree)]
 
     def methods(self, cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
         """What ``self.<name>(…)`` reaches (``roles.class_methods``): a mixin's methods too."""
@@ -112,7 +121,7 @@ class FileModel:
 
     def depth(self, node: cst.CSTNode) -> int:
         """How many blocks deep a statement stands: its column over the file's indent step."""
-        tree = self.source_map.trees.get(id(node)) if self.source_map is not None else None
+        tree = self.ast_of(node)
         column = tree.col_offset if isinstance(tree, ast.stmt) else self.positions[node].start.column
         return column // max(len(self.module.default_indent), 1)
 
@@ -132,14 +141,14 @@ class FileModel:
     @functools.cached_property
     def constants(self) -> dict[str, object]:
         """The module's literal constants (``roles.module_constants``), read once for every class."""
-        return roles.module_constants(self.source_map.tree, self.module_scope) if self.source_map else {}
+        return roles.module_constants(self.tree, self.module_scope)
 
     def _values(self, cls: cst.ClassDef) -> dict[str, dict[str, object]] | None:
         """What ``__init__`` leaves in each attribute, per cache dtype (``roles.init_values``), read
         once a class; None where Python's parser reads no plain ``def __init__``."""
         if id(cls) not in self._init_values:
-            init, tree = self.scope(cls).methods.get("__init__"), self.source_map and self.source_map.trees.get(id(cls))
-            attrs = roles.module_constants(self.source_map.tree, roles.NO_SCOPE, tree) if tree else {}  # type: ignore[union-attr,arg-type]
+            init, tree = self.scope(cls).methods.get("__init__"), self.ast_of(cls)
+            attrs = roles.module_constants(self.tree, roles.NO_SCOPE, tree) if tree else {}  # type: ignore[arg-type]
             values = roles.init_values(init, self.scope(cls), self.constants | attrs) if init is not None else None
             self._init_values[id(cls)] = values
         return self._init_values[id(cls)]
@@ -156,9 +165,10 @@ class FileModel:
         same = [k for k, v in first.items() if all(k in r and repr(r[k]) == repr(v) for r in rest)]
         return {k.removeprefix("self.") for k in same}
 
-    def carries_dtype(self, cls: cst.ClassDef, expr: cst.BaseExpression) -> bool:
+    def carries_dtype(self, cls: cst.ClassDef, expr: cst.BaseExpression | ast.expr | None) -> bool:
         """``expr``, a native call's dtype argument, holds the cache dtype (``roles.carries_dtype``)."""
-        values, tree = self._values(cls), roles.expression(a.code(expr))
+        tree = expr if isinstance(expr, ast.expr) or expr is None else roles.expression(a.code(expr))
+        values = self._values(cls)
         return values is not None and tree is not None and roles.carries_dtype(tree, self.scope(cls), values)
 
     def is_compiling(self, expr: cst.BaseExpression) -> bool:
@@ -168,8 +178,7 @@ class FileModel:
     def compile_test(self) -> str:
         """How this file calls ``torch.compiler.is_compiling()``: as it calls it already, else its own
         spelling where it imports it (``is_compiling()``, ``dynamo.is_compiling()``), else that one."""
-        tree = self.source_map.tree if self.source_map is not None else ast.Module([], [])
-        calls = (ast.unparse(n) for n in ast.walk(tree) if roles.is_compiling(n, self.imports))  # type: ignore[arg-type]
+        calls = (ast.unparse(n) for n in ast.walk(self.tree) if roles.is_compiling(n, self.imports))  # type: ignore[arg-type]
         if (called := next(calls, None)) is not None:
             return called
         for bound, name in sorted(self.imports.items()):

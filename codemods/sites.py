@@ -340,7 +340,7 @@ def collect_pieces(
         p.flag_attr = guard_flag or proven[0]
     p.flag_set = flags.get(p.flag_attr) is True
     if not p.flag_set and p.flag_unproven is None and not native:  # (run writes one reading the dtype)
-        p.dtype_unread = not m.carries_dtype(cls, cst.parse_expression(f"self.{schema.DTYPE_ATTR}"))
+        p.dtype_unread = not m.carries_dtype(cls, roles.expression(roles.DTYPE))
     if guard_flag and p.flag_attr in init_attrs and not p.flag_set:
         p.flag_unproven = "`, then `".join(a.code(v) for _, v in init_attrs[p.flag_attr])  # set to what?
     attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
@@ -390,19 +390,13 @@ def collect_pieces(
             )
         p.compiled_write = p.post_insert_wired and post is not None and post.while_compiling and p.slots_none
         p.compiled_branch = a.first_in(stmt, m.compiled_path_write) is not None and p.slots_none
-        block, tree = (m.source_map.trees.get(id(stmt)), m.source_map.tree) if m.source_map is not None else (None, None)
-        if (p.compiled_write or p.compiled_branch) and block is not None and (fn := scope.methods.get(method.name.value)):
-            p.role_problems += [
-                f"the compiled path's cache write `{ast.unparse(c.func)}(…)` at line {c.lineno}: the op declares no "
-                "mutation and nothing after the post-call block reads what it returns, so torch.compile drops it (no "
-                "token written while compiled); hand its result to attention, as vLLM's `kv_cache_dummy_dep`"
-                for c in guards.dropped_writes(block, fn, tree, m.imports)[:1]
-            ]
         break
     p.insert_kv = _insert_kv_form(a.find_method(cls, p.insert_method), cls, m.functions)
     init_tree, write_tree = scope.methods.get("__init__"), scope.methods.get(p.insert_method)
+    method_tree, block = scope.methods.get(method.name.value), m.ast_of(p.post_block) if p.post_block else None
+    if (p.compiled_write or p.compiled_branch) and block is not None and method_tree is not None:
+        p.role_problems += guards.dropped_write_problems(block, method_tree, m.tree, m.imports)
     if p.insert_kv in schema.SLOTS_FORMS and write_tree is not None:  # (kept by run, all but its index write)
-        block = m.source_map.trees.get(id(p.post_block)) if m.source_map is not None else None
         runs = guards.reached(write_tree, scope, init_tree) + ([block] if block is not None else [])
         upgraded = p.insert_kv in schema.OLDER_FORMS
         p.role_problems += guards.kept_write_problems(runs, init_tree, m.imports, upgraded, p.insert_method)
@@ -414,9 +408,8 @@ def collect_pieces(
     p.scale_set = p.scale_attr in init_attrs or registered_buffer(init, p.scale_attr) is not None
     p.scale_read = p.scale_attr in attrs
     _taken_names(m, cls, scope, init_attrs, p)
-    tree = scope.methods.get(method.name.value)
     slots = [roles.expression(a.code(s.value)) for s in (main, index) if s is not None]
-    writes = guards.own_writes(tree, scope, init_tree, [s for s in slots if s is not None]) if native and tree else []
+    writes = guards.own_writes(method_tree, scope, init_tree, [s for s in slots if s]) if native and method_tree else []
     if writes:  # in words: the callee, or the subscripted cache
         w = writes[0]
         p.own_write = f"{ast.unparse(w.func)}(…)" if isinstance(w, ast.Call) else f"{ast.unparse(w.value)}[…] = …"  # type: ignore[attr-defined]
@@ -425,7 +418,7 @@ def collect_pieces(
     p.subclassed = _redefined_below(m, cls, pieces, {p.flag_attr, p.scale_attr, schema.DTYPE_ATTR})
     own = [p.flag_attr] if p.flag_from_file or p.flag_set else []
     names = [*own, p.scale_attr, schema.DTYPE_ATTR]
-    outside = guards.set_through_another(ast.walk(m.source_map.tree), names) if m.source_map is not None else []
+    outside = guards.set_through_another(ast.walk(m.tree), names)
     p.role_problems += [
         f"`{ast.unparse(node)}` at line {node.lineno} sets `{name}` through another object than `self` (the bypass "
         "relies on it being what the layer's __init__ sets)" for node, name in outside
