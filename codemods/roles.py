@@ -23,7 +23,7 @@ DTYPE = f"self.{schema.DTYPE_ATTR}"
 COMPILING = "<compiling>"  # the truth tables' name for torch.compiler.is_compiling()
 # vLLM's helper (wherever a release keeps it): true for every quantized cache dtype (0.24.0's test).
 VLLM_HELPERS = {"is_quantized_kv_cache": lambda dtype: dtype.startswith("fp8") or dtype.endswith("per_token_head")}
-_STR_METHODS = {"startswith", "endswith", "lower", "upper", "strip", "casefold"}
+_STR_METHODS = {"startswith", "endswith", "lower", "upper", "strip", "casefold", "replace"}
 _BUILTINS = {"bool": bool, "str": str, "any": any, "all": all}
 DEPTH = 3  # how deep the reading follows helpers calling helpers (or methods __init__ calls)
 _ERRORS = (TypeError, ValueError, RecursionError, AttributeError)  # besides Unknown, from evaluating
@@ -64,9 +64,8 @@ def self_member(node: ast.AST) -> str | None:
 
 def callee(call: ast.Call) -> str | None:
     """``f`` of ``f(…)`` and of ``x.f(…)``."""
-    if isinstance(call.func, ast.Name):
-        return call.func.id
-    return call.func.attr if isinstance(call.func, ast.Attribute) else None
+    func = call.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
 
 
 def expression(code: str) -> ast.expr | None:
@@ -579,17 +578,18 @@ def flags(init: ast.FunctionDef, scope: Scope, values: Mapping[str, Mapping[str,
 
 
 def carries_dtype(node: ast.expr, scope: Scope, values: Mapping[str, Mapping[str, object]]) -> bool:
-    """A native call's ``kv_cache_dtype`` argument holds the cache dtype: for each of the fp8
-    dtypes, "bfloat16" and "auto", it is that dtype when ``__init__`` has run (``values``: ``init_values``)."""
+    """A native call's ``kv_cache_dtype`` argument holds the cache dtype: for each of the fp8 dtypes, "bfloat16"
+    and "auto", that dtype (or "fp8" for "fp8_e4m3": one to vLLM's kernels) once ``__init__`` has run (``values``)."""
+    kernel = {"fp8_e4m3": "fp8"}.get
     try:  # (each env a copy: a `:=` in it binds nothing here)
-        return all(evaluate(node, dict(env), scope) == dtype for dtype, env in values.items())
+        found = {dtype: evaluate(node, dict(env), scope) for dtype, env in values.items()}
+        return all(kernel(v, v) == kernel(d, d) for d, v in found.items())  # type: ignore[call-overload]
     except (Unknown, *_ERRORS):
         return False
 
 
 def init_methods(init: ast.FunctionDef, scope: Scope) -> list[ast.FunctionDef]:
-    """``__init__`` and the methods it calls on ``self`` as statements (``self.m(…)``): those whose
-    assignments the reading of a flag follows (``_self_call``)."""
+    """``__init__`` and the methods it calls as statements (``self.m(…)``): what ``_self_call`` follows."""
     calls = (n.value for n in ast.walk(init) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call))
     return [init, *{scope.methods[m]: 0 for call in calls if (m := self_member(call.func)) in scope.methods}]
 

@@ -378,7 +378,9 @@ def collect_pieces(
         post = guards.post_block(test, block_guard, guard_flag or p.flag_attr) if test and block_guard else None
         # wired: right after the call (before anything, attention say, reads the caches), and
         # nothing in the block leaves it before the write
-        straight = at == 0 and a.first_in(stmt, lambda n: isinstance(n, _EXITS)) is None
+        # (a failed write re-raised in an `except` leaves loudly: no silent skip)
+        handled = {id(r) for h in a.nodes_in(stmt) if isinstance(h, _HANDLERS) for r in a.nodes_in(h) if isinstance(r, cst.Raise)}
+        straight = at == 0 and a.first_in(stmt, lambda n: isinstance(n, _EXITS) and id(n) not in handled) is None
         write = m.methods(cls).get(p.insert_method)
         p.post_insert_wired = post is not None and straight and _insert_is_wired(node, op, write)
         read = {a.self_attr(n) for n in a.nodes_in(stmt)}
@@ -439,6 +441,7 @@ def _redefined_below(m: FileModel, cls: cst.ClassDef, methods: set[str], attrs: 
 
 
 _EXITS = (cst.Return, cst.Raise, cst.Break, cst.Continue)
+_HANDLERS = (cst.ExceptHandler, cst.ExceptStarHandler)
 
 
 def _passes_slots(node: cst.CSTNode, main: cst.Arg | None, index: cst.Arg | None) -> bool:
