@@ -24,7 +24,7 @@ COMPILING = "<compiling>"  # the truth tables' name for torch.compiler.is_compil
 # vLLM's helper (wherever a release keeps it): true for every quantized cache dtype (0.24.0's test).
 VLLM_HELPERS = {"is_quantized_kv_cache": lambda dtype: dtype.startswith("fp8") or dtype.endswith("per_token_head")}
 _STR_METHODS = {"startswith", "endswith", "lower", "upper", "strip", "casefold", "replace"}
-_BUILTINS = {"bool": bool, "str": str, "any": any, "all": all}
+_BUILTINS = {"bool": bool, "str": str, "any": any, "all": all, "frozenset": tuple, "set": tuple, "tuple": tuple}
 DEPTH = 3  # how deep the reading follows helpers calling helpers (or methods __init__ calls)
 _ERRORS = (TypeError, ValueError, RecursionError, AttributeError)  # besides Unknown, from evaluating
 _MISSING = object()
@@ -241,7 +241,7 @@ def _call(node: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -
         raise Unknown(func.attr)
     name = dotted(func)
     if name in _BUILTINS and len(args) == 1 and not kwargs and (name in ("bool", "str") or isinstance(args[0], tuple)):
-        return _BUILTINS[name](args[0])  # (any, all: of a comprehension the reading evaluated)
+        return _BUILTINS[name](args[0])  # (any, all: of a comprehension the reading evaluated; a set: as a tuple)
     if name is not None:
         method = self_member(func)  # a method of the class, else a module function
         defs, key = (scope.methods, method) if method is not None else (scope.functions, name)

@@ -23,6 +23,13 @@ SAME = {
           '                raise RuntimeError("fp8 kv insert failed") from e\n')],
         "patched",
     ),
+    # a module constant made a frozenset: membership in it is membership in its items (hunt 47's f29)
+    "a flag tested against a frozenset constant": (
+        PATCHED,
+        [("from vllm import _custom_ops as ops\n", 'from vllm import _custom_ops as ops\n\n_FP8 = frozenset({"fp8", "fp8_e4m3", "fp8_e5m2"})\n'),
+         ('self._fp8_kv = "fp8" in self.kv_cache_dtype', "self._fp8_kv = self.kv_cache_dtype in _FP8")],
+        "patched",
+    ),
 }
 
 
