@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from codemods import schema
+from codemods import guards, schema
 
 
 def callee_name(call: cst.Call) -> str | None:
@@ -240,7 +240,7 @@ def _sub_blocks(stmt: cst.CSTNode) -> Iterator[cst.IndentedBlock]:
             yield from _sub_blocks(child)
 
 
-def _lone_small(stmt: cst.CSTNode) -> cst.BaseSmallStatement | None:
+def lone_small(stmt: cst.CSTNode) -> cst.BaseSmallStatement | None:
     """The small statement of a line (or of an ``if x: <it>`` suite) that holds only it."""
     lone = isinstance(stmt, (cst.SimpleStatementLine, cst.SimpleStatementSuite)) and len(stmt.body) == 1
     return stmt.body[0] if lone else None  # type: ignore[attr-defined]
@@ -248,7 +248,7 @@ def _lone_small(stmt: cst.CSTNode) -> cst.BaseSmallStatement | None:
 
 def expression_call(stmt: cst.BaseStatement) -> cst.Call | None:
     """The call of a statement that is nothing but one call (``f(...)``)."""
-    small = _lone_small(stmt)
+    small = lone_small(stmt)
     return small.value if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call) else None
 
 
@@ -256,7 +256,7 @@ def simple_assignment(
     stmt: cst.BaseStatement,
 ) -> tuple[cst.BaseAssignTargetExpression, cst.BaseExpression] | None:
     """``target = value`` (one target, annotated or not) -> (target, value)."""
-    small = _lone_small(stmt)
+    small = lone_small(stmt)
     if isinstance(small, cst.Assign) and len(small.targets) == 1:
         return small.targets[0].target, small.value
     if isinstance(small, cst.AnnAssign) and small.value is not None:
@@ -450,7 +450,7 @@ def bf16_index_writes(fn: cst.FunctionDef) -> list[tuple[StatementSlot, Statemen
     indexer_kv_dtype "fp8", then raises). (the assert, the call) of each."""
     found = []
     for slot in statement_slots(fn):
-        small = _lone_small(slot.statement)
+        small = lone_small(slot.statement)
         test = small.test if isinstance(small, cst.Assert) else None
         compared = test.comparisons if isinstance(test, cst.Comparison) else ()
         if len(compared) != 1 or not isinstance(compared[0].operator, cst.Equal):
@@ -473,6 +473,31 @@ def bf16_index_writes(fn: cst.FunctionDef) -> list[tuple[StatementSlot, Statemen
                 found.append((slot, StatementSlot(slot.block, later)))
                 break
     return found
+
+
+def insert_kv_form(fn: cst.FunctionDef | None, cls: cst.ClassDef, functions: dict[str, cst.FunctionDef]) -> str:
+    """The form of the write method ``fn`` (``schema.insert_kv_form``), read in it and what it hands its arguments to."""
+    if fn is None:
+        return "absent"
+    reads_metadata = any(isinstance(n, cst.Attribute) and n.attr.value == schema.METADATA_ATTR for n in nodes_in(fn.body))
+    writers = (fn, *delegates(fn, cls, functions))
+    scatter, bf16_index = any(map(raw_scatters, writers)), any(map(bf16_index_writes, writers))
+    form = schema.insert_kv_form(reads_metadata, len(param_names(fn)) - 1, scatter, bf16_index)
+    # a write that may return before it writes (for some batches, say) is none the bypass's (but for no token)
+    returns = [(n, f) for f in writers for n in nodes_in(f.body, scope_only=True)]
+    empty = {id(r) for n, f in returns if (r := _no_token_return(n, param_names(f))) is not None}
+    leaves = any(isinstance(n, cst.Return) and id(n) not in empty for n, _ in returns)
+    return "other" if leaves and form in schema.SLOTS_FORMS else form
+
+
+def _no_token_return(node: cst.CSTNode, params: list[str]) -> cst.Return | None:
+    """The ``return`` of ``if <no token>: return`` (``guards.no_token``)."""
+    if not isinstance(node, cst.If) or node.orelse is not None:
+        return None
+    body = node.body.body[0] if isinstance(node.body, cst.IndentedBlock) and len(node.body.body) == 1 else node.body
+    small = lone_small(body)
+    bare = isinstance(small, cst.Return) and (small.value is None or is_none(small.value))
+    return small if bare and guards.no_token(code(node.test), params) else None  # type: ignore[return-value]
 
 
 @dataclass

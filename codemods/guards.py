@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from codemods import schema
-from codemods.roles import COMPILING, NO_SCOPE, Scope, Unknown, callee, dotted, evaluate, qualified, self_member
+from codemods.roles import COMPILING, NO_SCOPE, Scope, Unknown, callee, dotted, evaluate, expression, qualified, self_member
 
 
 def self_attrs(node: ast.expr) -> set[str]:
@@ -79,6 +79,16 @@ def passes_slots(node: ast.AST, slots: list[ast.expr]) -> bool:
         return False
     args = {ast.dump(a) for a in (*node.args, *(k.value for k in node.keywords))}
     return all(ast.dump(s) in args for s in slots)
+
+
+def no_token(test: str, params: list[str]) -> bool:
+    """``X.numel() == 0`` (``not X.numel()``, ``X.shape[0] == 0``, ``X.size(0) == 0``, ``len(X) == 0``), ``X`` one of a
+    write's ``params`` (its tokens, first): a batch of no token, where there is nothing to write."""
+    tree = expression(test)
+    zero = isinstance(tree, ast.Compare) and [type(o) for o in tree.ops] == [ast.Eq] and ast.unparse(tree.comparators[0]) == "0"
+    count = tree.left if zero else tree.operand if isinstance(tree, ast.UnaryOp) and isinstance(tree.op, ast.Not) else None  # type: ignore[union-attr]
+    counts = {c for p in params for c in (f"{p}.numel()", f"{p}.shape[0]", f"{p}.size(0)", f"len({p})")}
+    return count is not None and ast.unparse(count) in counts
 
 
 def writes_cache(method: str | None, scope: Scope) -> bool:

@@ -244,23 +244,6 @@ def guard_local(condition: str) -> str | None:
     return tree.id if isinstance(tree, ast.Name) else None
 
 
-def _insert_kv_form(
-    fn: cst.FunctionDef | None, cls: cst.ClassDef, functions: dict[str, cst.FunctionDef]
-) -> str:
-    if fn is None:
-        return "absent"
-    reads_metadata = any(
-        isinstance(n, cst.Attribute) and n.attr.value == schema.METADATA_ATTR for n in a.nodes_in(fn.body)
-    )
-    writers = (fn, *a.delegates(fn, cls, functions))
-    scatter = any(a.raw_scatters(f) for f in writers)
-    bf16_index = any(a.bf16_index_writes(f) for f in writers)
-    form = schema.insert_kv_form(reads_metadata, len(a.param_names(fn)) - 1, scatter, bf16_index)
-    # a write that may return before it writes (for some batches, say) is none the bypass's
-    leaves = any(isinstance(n, cst.Return) for f in writers for n in a.nodes_in(f.body, scope_only=True))
-    return "other" if leaves and form in schema.SLOTS_FORMS else form
-
-
 def is_insert_kv_call(node: cst.CSTNode, name: str = codegen.INSERT_KV) -> bool:
     return isinstance(node, cst.Call) and a.self_attr(node.func) == name
 
@@ -357,7 +340,7 @@ def collect_pieces(
         name = a.self_attr(node.func) if isinstance(node, cst.Call) else None
         if name is not None and name not in forms:
             writes = guards.writes_cache(name, scope)
-            forms[name] = _insert_kv_form(a.find_method(cls, name), cls, m.functions) if writes else "other"
+            forms[name] = a.insert_kv_form(a.find_method(cls, name), cls, m.functions) if writes else "other"
         return name is not None and forms[name] in schema.SLOTS_FORMS
 
     p.slots_none = _slots_none_somewhere(method, op)
@@ -393,7 +376,7 @@ def collect_pieces(
         p.compiled_write = p.post_insert_wired and post is not None and post.while_compiling and p.slots_none
         p.compiled_branch = a.first_in(stmt, m.compiled_path_write) is not None and p.slots_none
         break
-    p.insert_kv = _insert_kv_form(a.find_method(cls, p.insert_method), cls, m.functions)
+    p.insert_kv = a.insert_kv_form(a.find_method(cls, p.insert_method), cls, m.functions)
     init_tree, write_tree = scope.methods.get("__init__"), scope.methods.get(p.insert_method)
     method_tree, block = scope.methods.get(method.name.value), m.ast_of(p.post_block) if p.post_block else None
     if (p.compiled_write or p.compiled_branch) and block is not None and method_tree is not None:

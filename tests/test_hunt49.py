@@ -30,6 +30,13 @@ SAME = {
          ('self._fp8_kv = "fp8" in self.kv_cache_dtype', "self._fp8_kv = self.kv_cache_dtype in _FP8")],
         "patched",
     ),
+    # a batch of no token has nothing to write: the early return skips no write (hunt 48's a07)
+    "an early return for a batch of no token": (
+        PATCHED,
+        [("        key_cache, value_cache = self.kv_cache.unbind(1)\n",
+          "        if key.numel() == 0:\n            return\n        key_cache, value_cache = self.kv_cache.unbind(1)\n")],
+        "patched",
+    ),
 }
 
 
@@ -57,4 +64,13 @@ def test_a_raise_that_leaves_before_the_write_is_not_wired(tmp_path: Path) -> No
     """Only a raise in an ``except`` (the write failed) is let through; one before the write still leaves it."""
     path = tmp_path / "model.py"
     path.write_text(_edited(PATCHED, [(POST_CALL, '            if k is None:\n                raise ValueError("no key")\n' + POST_CALL)]))
+    assert _states(path)[-1] != "patched"
+
+
+@pytest.mark.parametrize("test", ["key.numel() == 1", "self.kv_cache.numel() == 0", "key.numel() == 0 or True"])
+def test_an_early_return_for_a_batch_with_tokens_is_no_write_of_the_bypass(tmp_path: Path, test: str) -> None:
+    """A return under any other test may skip tokens: the write is not the bypass's (``other``), not patched."""
+    path = tmp_path / "model.py"
+    line = "        key_cache, value_cache = self.kv_cache.unbind(1)\n"
+    path.write_text(_edited(PATCHED, [(line, f"        if {test}:\n            return\n" + line)]))
     assert _states(path)[-1] != "patched"
