@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ast
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from codemods import schema
@@ -143,38 +143,91 @@ SYNCS = {
     "item", "tolist", "cpu", "numpy", "nonzero", "argwhere", "masked_select", "unique",
     "tensor", "as_tensor", "from_numpy", "synchronize", "stream", "Stream",
 }
-_MASKS = {"ge", "gt", "le", "lt", "eq", "ne", "isin", "logical_and", "logical_or", "logical_not", "bool"}
-_REDUCTIONS = {"any", "all", "min", "max", "sum", "amax", "amin"}  # a tensor, read as a bool in a test
+_MASKS = {
+    "ge", "gt", "le", "lt", "eq", "ne", "greater_equal", "greater", "less_equal", "less", "not_equal", "isin",
+    "logical_and", "logical_or", "logical_not", "logical_xor", "isnan", "isinf", "isfinite", "bool",
+}
+_REDUCTIONS = {"any", "all", "min", "max", "sum", "amax", "amin", "count_nonzero"}  # a tensor, read as a bool in a test
+# What the host knows of a tensor without waiting for the device; and what hands the host a value.
+_HOST = {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "size", "numel", "dim", "stride", "element_size", "nbytes"}
+_TO_HOST = {"int", "float", "bool", "complex", "str", "repr", "format", "print"}
 
 
-def host_syncs(code: Iterable[ast.AST]) -> list[ast.AST]:
-    """Where ``code`` does what a captured CUDA graph cannot replay: a call of ``SYNCS`` (``torch.where``
-    with one argument too), a tensor reduction tested as a bool (``if (slots >= 0).any():``), or indexing
-    by a boolean mask (``x[slots >= 0]``, ``x[valid]`` where ``valid = …`` is one), whose size the host needs."""
-    def mask(n: ast.AST, names: set[str]) -> bool:
-        if isinstance(n, ast.Name):
-            return n.id in names
-        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.BitAnd, ast.BitOr)):
-            return mask(n.left, names) or mask(n.right, names)
-        if isinstance(n, ast.Tuple):  # x[mask, :]
-            return any(mask(e, names) for e in n.elts)
-        invert = isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Invert)
-        return invert or isinstance(n, ast.Compare) or isinstance(n, ast.Call) and callee(n) in _MASKS
+def _on_device(node: ast.AST, device: set[str]) -> bool:
+    """``node``'s value is read from the device: it reads a name (or ``self.<name>``) of ``device``, not only
+    through what the host knows (``x.shape``, ``x.numel()``, ``len(x)``: ``_HOST``)."""
+    if isinstance(node, ast.Name):
+        return node.id in device
+    if isinstance(node, ast.Attribute):
+        return f"self.{self_member(node)}" in device or node.attr not in _HOST and _on_device(node.value, device)
+    if isinstance(node, ast.Call) and (dotted(node.func) == "len" or callee(node) in _HOST and isinstance(node.func, ast.Attribute)):
+        return False
+    return any(_on_device(c, device) for c in ast.iter_child_nodes(node))
 
-    def tested(n: ast.AST) -> list[ast.AST]:  # the reductions a test reads as a bool
-        test = getattr(n, "test", None) if isinstance(n, (ast.If, ast.While, ast.Assert, ast.IfExp)) else None
-        calls = (c for c in ast.walk(test) if isinstance(c, ast.Call)) if test is not None else ()
-        return [c for c in calls if isinstance(c.func, ast.Attribute) and c.func.attr in _REDUCTIONS]
 
+def _spread(fn: ast.AST, seeds: set[str], read: Callable[[ast.AST, set[str]], bool]) -> set[str]:
+    """``seeds`` and the names ``fn`` binds (assigned, looped over, ``with … as``) from what ``read`` says reads them."""
+    binds = [(t, v) for n in ast.walk(fn) for t, v in (
+        [(t, n.value) for t in n.targets] if isinstance(n, ast.Assign) else
+        [(n.target, n.value)] if isinstance(n, (ast.AugAssign, ast.AnnAssign, ast.NamedExpr)) and n.value else
+        [(n.target, n.iter)] if isinstance(n, (ast.For, ast.comprehension)) else
+        [(i.optional_vars, i.context_expr) for i in n.items if i.optional_vars] if isinstance(n, ast.With) else [])]
+    found, grown = set(seeds), True
+    while grown:
+        new = {x.id for t, v in binds if read(v, found) for x in ast.walk(t) if isinstance(x, ast.Name)} - found
+        found, grown = found | new, bool(new)
+    return found
+
+
+def _mask(n: ast.AST, names: set[str]) -> bool:
+    """``n`` is a boolean mask: a comparison, ``~x``, a test of ``_MASKS``, ``x.to(torch.bool)``, a name of ``names``."""
+    if isinstance(n, ast.Name):
+        return n.id in names
+    if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.BitAnd, ast.BitOr)):
+        return _mask(n.left, names) or _mask(n.right, names)
+    if isinstance(n, ast.Tuple):  # x[mask, :]
+        return any(_mask(e, names) for e in n.elts)
+    if isinstance(n, ast.Call) and callee(n) in ("to", "type"):
+        return "torch.bool" in map(dotted, [*n.args, *(k.value for k in n.keywords)])
+    invert = isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Invert)
+    return invert or isinstance(n, ast.Compare) or isinstance(n, ast.Call) and callee(n) in _MASKS
+
+
+def _host_reads(n: ast.AST) -> list[ast.AST]:
+    """What ``n`` hands the host: a test (of an ``if``, a loop, an ``assert``, ``and``/``or``), the arguments of a
+    conversion (``int(…)``, ``print(…)``), an f-string's value, a slice's bounds, ``repeat_interleave``'s repeats
+    (with no ``output_size``: the size of its result)."""
+    tested = [n.test] if isinstance(n, (ast.If, ast.While, ast.Assert, ast.IfExp)) else []
+    tested += n.ifs if isinstance(n, ast.comprehension) else n.values[:-1] if isinstance(n, ast.BoolOp) else []
+    if isinstance(n, ast.Call):
+        kws = {k.arg: k.value for k in n.keywords}
+        tested += n.args if dotted(n.func) in _TO_HOST else []
+        if callee(n) == "repeat_interleave" and "output_size" not in kws:
+            at = 1 if dotted(n.func) == "torch.repeat_interleave" and len(n.args) > 1 else 0
+            tested += [kws.get("repeats") or n.args[at]] if n.args or "repeats" in kws else []
+    tested += [n.value] if isinstance(n, ast.FormattedValue) else [n.lower, n.upper, n.step] if isinstance(n, ast.Slice) else []
+    return [x for x in tested if x is not None]
+
+
+def host_syncs(code: Iterable[ast.AST], tensors: Iterable[str] = ()) -> list[ast.AST]:
+    """Where ``code`` makes the host wait for the device, which a captured CUDA graph cannot replay: a call of
+    ``SYNCS`` (``torch.where`` with one argument too); a value from the device handed the host (``_host_reads``),
+    from the device meaning read from a parameter (not annotated as other than a tensor) or a ``self.<x>`` of
+    ``tensors``, or made from one; a tensor reduction tested as a bool; indexing by a boolean mask (``x[slots >= 0]``,
+    or through locals). Not: what the host knows of a tensor (its ``shape``, ``numel()``: ``_HOST``)."""
     found: list[ast.AST] = []
     for fn in code:
-        assigns = [n for n in ast.walk(fn) if isinstance(n, ast.Assign)]
-        names = {t.id for n in assigns if mask(n.value, set()) for t in n.targets if isinstance(t, ast.Name)}
+        args = fn.args if isinstance(fn, (ast.FunctionDef, ast.Lambda)) else None
+        params = [*args.posonlyargs, *args.args, *args.kwonlyargs] if args is not None else []
+        seeds = {a.arg for a in params if a.arg != "self" and "Tensor" in ast.unparse(a.annotation or ast.Name("Tensor"))}
+        device, masks = _spread(fn, seeds | {f"self.{t}" for t in tensors}, _on_device), _spread(fn, set(), _mask)
         for n in ast.walk(fn):
             where = isinstance(n, ast.Call) and callee(n) == "where" and len(n.args) + len(n.keywords) == 1
-            synced = isinstance(n, ast.Call) and (callee(n) in SYNCS or where)
-            found += [n] if synced or isinstance(n, ast.Subscript) and mask(n.slice, names) else []
-            found += tested(n)
+            read = [n if isinstance(n, ast.Call) else x for x in _host_reads(n) if _on_device(x, device)][:1]
+            synced = isinstance(n, ast.Call) and (callee(n) in SYNCS or where) or isinstance(n, ast.Subscript) and _mask(n.slice, masks)
+            found += [n] if synced else read
+            tests = [getattr(n, "test", None)] if isinstance(n, (ast.If, ast.While, ast.Assert, ast.IfExp)) else []
+            found += [c for t in tests for c in ast.walk(t) if isinstance(c, ast.Call) and callee(c) in _REDUCTIONS][:1]  # type: ignore[arg-type]
     return sorted(found, key=lambda n: (n.lineno, n.col_offset))
 
 
@@ -182,11 +235,29 @@ def host_syncs(code: Iterable[ast.AST]) -> list[ast.AST]:
 RESHAPE_HOMES = {f"vllm._custom_ops.{schema.RESHAPE_OP}", f"torch.ops._C_cache_ops.{schema.RESHAPE_OP}"}
 
 
+def reshape_calls(code: Iterable[ast.AST]) -> list[ast.Call]:
+    """The calls of the reshape op in ``code``."""
+    return [n for fn in code for n in ast.walk(fn) if isinstance(n, ast.Call) and callee(n) == schema.RESHAPE_OP]
+
+
 def foreign_reshapes(code: Iterable[ast.AST], imports: Mapping[str, str]) -> list[ast.Call]:
     """Calls of the reshape op in ``code`` through what is not one of ``RESHAPE_HOMES`` however the file
     imports it (``torch.ops._C.reshape_and_cache_flash``: no such op, an AttributeError on the first write)."""
-    calls = (n for fn in code for n in ast.walk(fn) if isinstance(n, ast.Call) and callee(n) == schema.RESHAPE_OP)
-    return [c for c in calls if qualified(c.func, imports) not in RESHAPE_HOMES]
+    return [c for c in reshape_calls(code) if qualified(c.func, imports) not in RESHAPE_HOMES]
+
+
+# The reshape op's key, value and kv-cache dtype parameters.
+_KEY, _VALUE, _DTYPE = schema.OpParam(0, "key"), schema.OpParam(1, "value"), schema.OpParam(5, "kv_cache_dtype")
+
+
+def foreign_dtypes(code: Iterable[ast.AST], carries: Callable[[ast.expr], bool]) -> list[ast.Call]:
+    """The main writes in ``code`` (a key and a value, not the index key twice) whose kv-cache dtype ``carries``
+    does not prove to be the layer's for every fp8 dtype: the kernel quantizes by it ("fp8" into an e5m2 cache: e4m3)."""
+    def arg(call: ast.Call, param: schema.OpParam) -> ast.expr | None:
+        return schema.bind_arg(param, call.args, [(k.arg, k.value) for k in call.keywords])  # type: ignore[misc]
+
+    mains = [c for c in reshape_calls(code) if ast.dump(arg(c, _KEY) or c) != ast.dump(arg(c, _VALUE) or c)]
+    return [c for c in mains if (dtype := arg(c, _DTYPE)) is None or not carries(dtype)]
 
 
 def _one(node: ast.expr) -> bool:
@@ -227,7 +298,7 @@ def unproven_scales(code: Iterable[ast.AST], init: ast.FunctionDef | None, upgra
         for n in ast.walk(fn):
             if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
                 bound[n.targets[0].id] = [n.value] * len(bound[n.targets[0].id])
-        calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and callee(n) == schema.RESHAPE_OP]
+        calls = reshape_calls([fn])
         scales = (x for c in calls for x in [*c.args[6:8], *(k.value for k in c.keywords if k.arg in ("k_scale", "v_scale"))])
         for scale in scales:
             local = isinstance(scale, ast.Name) and len(bound.get(scale.id, [])) == 1
@@ -240,13 +311,26 @@ def unproven_scales(code: Iterable[ast.AST], init: ast.FunctionDef | None, upgra
     return found
 
 
+def made_tensors(init: ast.FunctionDef | None) -> set[str]:
+    """The ``self.<x>`` that ``__init__`` makes tensors: assigned a ``torch.<f>(…)`` (not ``torch.nn``'s), or registered."""
+    made = set()
+    for n in ast.walk(init) if init is not None else ():
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and (dotted(n.value.func) or "").startswith("torch."):
+            made |= {x for t in n.targets if (x := self_member(t)) and not dotted(n.value.func).startswith("torch.nn.")}  # type: ignore[union-attr]
+        elif isinstance(n, ast.Call) and self_member(n.func) == "register_buffer" and n.args:
+            made |= {n.args[0].value} if isinstance(n.args[0], ast.Constant) else set()  # type: ignore[arg-type]
+    return made
+
+
 def kept_write_problems(
-    runs: list[ast.AST], init: ast.FunctionDef | None, imports: Mapping[str, str], upgraded: bool, name: str
+    runs: list[ast.AST], init: ast.FunctionDef | None, imports: Mapping[str, str], upgraded: bool, name: str,
+    carries: Callable[[ast.expr], bool],
 ) -> list[str]:
     """What the write a bypass keeps must not do, in words (``runs``: what it and the post-call block run):
     the first host sync (``host_syncs``), unproven scale (``unproven_scales``), reshape op vLLM does not define
-    (``foreign_reshapes``), and an ``except`` that swallows a failed write."""
-    syncs, scales = host_syncs(runs)[:1], unproven_scales(runs, init, upgraded)[:1]
+    (``foreign_reshapes``), kv-cache dtype not the layer's (``foreign_dtypes``), and an ``except`` that swallows
+    a failed write."""
+    syncs, scales = host_syncs(runs, made_tensors(init))[:1], unproven_scales(runs, init, upgraded)[:1]
     handlers = (h for fn in runs for h in ast.walk(fn) if isinstance(h, ast.ExceptHandler))
     swallowed = [h for h in handlers if not any(isinstance(n, ast.Raise) for n in ast.walk(h))][:1]
     return [
@@ -260,6 +344,9 @@ def kept_write_problems(
           "`torch.ones(…, dtype=torch.float32)`)" for n in scales),
         *(f"the write calls `{ast.unparse(n.func)}` at line {n.lineno}: vLLM defines `{schema.RESHAPE_OP}` in "
           "`vllm._custom_ops` and `torch.ops._C_cache_ops` alone" for n in foreign_reshapes(runs, imports)[:1]),
+        *(f"the write at line {n.lineno} hands `{schema.RESHAPE_OP}` a kv-cache dtype not proven to be the layer's "
+          '`self.kv_cache_dtype` for "fp8", "fp8_e4m3" and "fp8_e5m2": the kernel quantizes by it, so an fp8_e5m2 '
+          "cache would be written in another format" for n in foreign_dtypes(runs, carries)[:1]),
     ]
 
 
@@ -300,9 +387,10 @@ def dropped_write_problems(
 STORES = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Call)  # the nodes ``set_through_another`` reads
 
 
-def set_through_another(nodes: Iterable[ast.AST], names: list[str]) -> list[tuple[ast.expr, str]]:
+def set_through_another(nodes: Iterable[ast.AST], names: list[str], owner: str = "") -> list[tuple[ast.expr, str]]:
     """``<x>.<name> = …`` or ``setattr(<x>, "<name>", …)`` among ``nodes`` (the file's), with ``x`` not
-    ``self``: another object changes a layer's ``name`` (its flag, scale or cache dtype) after its ``__init__``."""
+    ``self``: another object changes a layer's ``name`` (its flag, scale or cache dtype) after its ``__init__``;
+    with ``owner``, ``x`` the class of that name (a method rebound after the class body)."""
     found: list[tuple[ast.expr, ast.expr, str]] = []  # (the store, the object, the name)
     for n in nodes:
         if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
@@ -311,7 +399,7 @@ def set_through_another(nodes: Iterable[ast.AST], names: list[str]) -> list[tupl
         elif isinstance(n, ast.Call) and callee(n) == "setattr" and len(n.args) >= 2:
             name = n.args[1].value if isinstance(n.args[1], ast.Constant) else None
             found += [(n, n.args[0], name)] if isinstance(name, str) else []
-    return [(node, name) for node, x, name in found if name in names and not (isinstance(x, ast.Name) and x.id == "self")]
+    return [(node, name) for node, x, name in found if name in names and (dotted(x) == owner if owner else dotted(x) != "self")]
 
 
 @dataclass(frozen=True)

@@ -165,10 +165,11 @@ class FileModel:
         same = [k for k, v in first.items() if all(k in r and repr(r[k]) == repr(v) for r in rest)]
         return {k.removeprefix("self.") for k in same}
 
-    def carries_dtype(self, cls: cst.ClassDef, expr: cst.BaseExpression | ast.expr | None) -> bool:
-        """``expr``, a native call's dtype argument, holds the cache dtype (``roles.carries_dtype``)."""
+    def carries_dtype(self, cls: cst.ClassDef, expr: cst.BaseExpression | ast.expr | None, fp8: bool = False) -> bool:
+        """``expr``, a native call's dtype argument, holds the cache dtype (``roles.carries_dtype``); ``fp8``: where
+        the cache dtype is one of the fp8 dtypes alone (a write the fp8 flag runs)."""
         tree = expr if isinstance(expr, ast.expr) or expr is None else roles.expression(a.code(expr))
-        values = self._values(cls)
+        values = {d: v for d, v in (self._values(cls) or {}).items() if d in roles.FP8_DTYPES or not fp8} or None
         return values is not None and tree is not None and roles.carries_dtype(tree, self.scope(cls), values)
 
     def is_compiling(self, expr: cst.BaseExpression) -> bool:

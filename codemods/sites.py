@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -384,7 +385,8 @@ def collect_pieces(
     if p.insert_kv in schema.SLOTS_FORMS and write_tree is not None:  # (kept by run, all but its index write)
         runs = guards.reached(write_tree, scope, init_tree) + ([block] if block is not None else [])
         upgraded = p.insert_kv in schema.OLDER_FORMS
-        p.role_problems += guards.kept_write_problems(runs, init_tree, m.imports, upgraded, p.insert_method)
+        carries = functools.partial(m.carries_dtype, cls, fp8=True)
+        p.role_problems += guards.kept_write_problems(runs, init_tree, m.imports, upgraded, p.insert_method, carries)
     write = m.methods(cls).get(p.insert_method)
     # The scale: the identity scale (``torch.ones``) __init__ makes that the write method reads.
     read = {a.self_attr(n) for n in a.nodes_in(write.body)} - {None} if write is not None else set()
@@ -407,6 +409,10 @@ def collect_pieces(
     p.role_problems += [
         f"`{ast.unparse(node)}` at line {node.lineno} sets `{name}` through another object than `self` (the bypass "
         "relies on it being what the layer's __init__ sets)" for node, name in outside
+    ] + [
+        f"line {node.lineno} rebinds `{cls.name.value}.{name}` outside the class body: the bypass is proven for "
+        "the class's own `def`, not for what runs" for node, name in
+        guards.set_through_another(ast.walk(m.tree), sorted(pieces), cls.name.value)[:1]
     ]
     return p
 

@@ -6,9 +6,79 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_hunt47 import NATIVE, PATCHED, _edited, _states
+from test_hunt47 import NATIVE, PATCHED, _edited, _states, refused_but_not_its_base
 
 POST_CALL = "            self._insert_kv(k, v, index_k, main_slot_mapping, index_slot_mapping)\n"
+SCALE_LINE = "        scale = self._fp8_kv_scale  # identity: stores x / 1\n"
+CLASS = "MiniMaxM3SparseAttention"
+
+
+def _in_write(*lines: str) -> list[tuple[str, str]]:
+    """``lines`` added to the write method, after its scale."""
+    return [(SCALE_LINE, SCALE_LINE + "".join(f"        {line}\n" for line in lines))]
+
+
+# name -> the lines added to the write: each makes the host wait for the device (hunt 49's W1), so a captured
+# CUDA graph cannot replay it, however it is spelled
+SYNCS = {
+    "a tensor element tested in a loop": ["for i, s in enumerate(index_slot_mapping):", "    if s >= 0:", "        pass"],
+    "a mask through an alias": ["valid = index_slot_mapping >= 0", "keep = valid", "rows = index_key[keep]"],
+    "a mask made by .to(torch.bool)": ["keep = (index_slot_mapping + 1).to(torch.bool)", "rows = index_key[keep]"],
+    "a mask made by torch.greater_equal": ["keep = torch.greater_equal(index_slot_mapping, 0)", "rows = index_key[keep]"],
+    "a count held in a local, then tested": ["n_real = (index_slot_mapping >= 0).sum()", "if n_real:", "    pass"],
+    "the scale converted to a float": ["if float(scale) != 1.0:", '    raise ValueError("identity scale expected")'],
+    "a count converted to an int": ["n_real = int(torch.count_nonzero(index_slot_mapping >= 0))"],
+    "a count as a slice's bound": ["n_real = (index_slot_mapping >= 0).sum()", "rows = index_key[:n_real]"],
+    "slots formatted into a string": ['text = f"slots={main_slot_mapping}"'],
+    "repeat_interleave by a tensor": [
+        "rows = torch.repeat_interleave(torch.arange(key.shape[0]), (index_slot_mapping >= 0).long())"
+    ],
+}
+
+
+@pytest.mark.parametrize("case", sorted(SYNCS))
+def test_a_host_sync_in_the_write_is_refused(tmp_path: Path, case: str) -> None:
+    refused_but_not_its_base(tmp_path / "model.py", PATCHED, _in_write(*SYNCS[case]))
+
+
+def test_what_the_host_knows_of_a_tensor_is_no_sync(tmp_path: Path) -> None:
+    """Its shape, size and dtype are the host's: reading them waits for nothing."""
+    path = tmp_path / "model.py"
+    lines = ['text = f"{key.shape} {key.dtype}"', "rows = index_key[: key.shape[0]]", "n = int(key.numel()) + len(key)",
+             "twice = key.repeat_interleave(2, dim=0)", "if key.size(0) > 0 and key.dim() == 3:", "    pass"]
+    path.write_text(_edited(PATCHED, _in_write(*lines)))
+    assert _states(path)[-1] == "patched"
+
+
+# name -> edits of PATCHED: each is refused (hunt 49's W2-W4)
+REFUSED = {
+    # the class's write method or __init__ rebound after the class body: what runs is not what was read
+    "the write method rebound after the class": [("    return loaded\n", f"    return loaded\n\n\n{CLASS}._insert_kv = lambda self, *a: None\n")],
+    "the write method set by setattr": [("    return loaded\n", f'    return loaded\n\n\nsetattr({CLASS}, "_insert_kv", lambda self, *a: None)\n')],
+    "__init__ rebound after the class": [("    return loaded\n", f"    return loaded\n\n\n{CLASS}.__init__ = {CLASS}.__init__\n")],
+    # the main write quantizes by its dtype argument: "fp8" writes e4m3 into an fp8_e5m2 cache
+    "a literal fp8 dtype in the main write": [("            self.kv_cache_dtype,\n", '            "fp8",\n')],
+    "the main write's dtype made e4m3 from e5m2": [
+        ("            self.kv_cache_dtype,\n", '            self.kv_cache_dtype.replace("fp8_e5m2", "fp8"),\n')
+    ],
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_each_is_refused_and_its_base_is_not(tmp_path: Path, case: str) -> None:
+    refused_but_not_its_base(tmp_path / "model.py", PATCHED, REFUSED[case])
+
+
+def test_another_class_rebinding_the_same_name_is_not_refused(tmp_path: Path) -> None:
+    path = tmp_path / "model.py"
+    path.write_text(_edited(PATCHED, [("    return loaded\n", "    return loaded\n\n\nMiniMaxM3DecoderLayer._insert_kv = None\n")]))
+    assert _states(path)[-1] == "patched"
+
+
+def test_int32_slots_handed_the_kernel_fail_the_proof(tmp_path: Path) -> None:
+    """The kernel reads slot mappings as int64 (``data_ptr<int64_t>``); the reference op does too now (hunt 49's W4)."""
+    pytest.importorskip("torch")
+    refused_but_not_its_base(tmp_path / "model.py", PATCHED, _in_write("main_slot_mapping = main_slot_mapping.to(torch.int32)"))
 
 # name -> (base, edits, the state `check` gives): the same program as the base, so the base's state
 SAME = {

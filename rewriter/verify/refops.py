@@ -169,6 +169,8 @@ def reshape_and_cache_flash(
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
 ) -> None:
+    if slot_mapping.dtype != torch.int64:  # the kernel reads it through data_ptr<int64_t>()
+        raise RuntimeError(f"reshape_and_cache_flash: slot_mapping must be int64, got {slot_mapping.dtype}")
     for x, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
         if kv_cache_dtype == "auto":
             if cache.dtype != x.dtype:
