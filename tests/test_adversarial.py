@@ -528,13 +528,15 @@ def test_a_flag_set_by_name_in_another_method_is_refused(tmp_path: Path, by_name
 
 MAIN_WRITE = "            main_slot_mapping,\n            self.kv_cache_dtype,\n"
 K_SLICE = "            k = qkv[:, k0 : k0 + kv]\n"
+# the main write's caches swapped: the keys land in the value cache (wired, every piece there; it fails when run)
+KV_SWAP = ("            key_cache,\n            value_cache,\n", "            value_cache,\n            key_cache,\n")
 
 
 @pytest.mark.parametrize(
     "edits",
     [
         [(MAIN_WRITE, '            main_slot_mapping,\n            "auto",\n')],
-        [("            key_cache,\n            value_cache,\n", "            value_cache,\n            key_cache,\n")],
+        [KV_SWAP],
         [("        key_cache, value_cache = self.kv_cache.unbind(1)\n", "        if key.numel() >= 0:\n            return\n        key_cache, value_cache = self.kv_cache.unbind(1)\n")],
         [(K_SLICE, "            k = qkv[:, k0 + 1 : k0 + kv + 1]\n")],
         [("            index_slot_mapping,\n            idx_dtype,\n", "            main_slot_mapping,\n            idx_dtype,\n")],
@@ -546,9 +548,10 @@ def test_a_wired_bypass_whose_fp8_write_is_wrong_is_refused(tmp_path: Path, edit
     """`run`'s own bypass, its write then edited by hand: every piece is there and wired, so
     check once said patched (exit 0), but the fp8 path writes the wrong rows, dtype or scale.
     Not `run`'s own any more, it is run (the semantic level) and refused; a write that may return
-    first, or a scale that is no identity one, is refused by its shape before that."""
-    early, scaled = "return" in edits[0][1], "_fp8_kv_scale *" in edits[0][1]
+    first, a scale that is no identity one, or a dtype not the layer's, is refused by its shape before that."""
+    early, scaled, auto = "return" in edits[0][1], "_fp8_kv_scale *" in edits[0][1], '"auto"' in edits[0][1]
     why = "may return before it writes" if early else "not proven the identity scale" if scaled else "running it fails"
+    why = "kv-cache dtype not proven to be the layer's" if auto else why
     assert_refused(tmp_path, edit(PATCHED_RUN, *edits), why)
 
 
@@ -569,7 +572,7 @@ def test_a_bypass_not_runs_own_is_not_called_proven_without_torch(tmp_path: Path
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
     path = tmp_path / "model.py"
-    path.write_text(edit(PATCHED_RUN, (MAIN_WRITE, '            main_slot_mapping,\n            "auto",\n')))
+    path.write_text(edit(PATCHED_RUN, KV_SWAP))
     (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
     (site,) = [s for s in result.sites if s.state.value != "not-a-site"]
     assert "it was not run here: torch is not installed; `mm3-codemod verify " in site.reason, site.reason
@@ -590,7 +593,7 @@ def test_the_way_out_of_a_wired_bypass_that_fails_works_as_written(tmp_path: Pat
     """The refusal names two commands; run as written where the file is, they leave `run`'s own
     bypass, which check calls patched."""
     path = tmp_path / "model.py"
-    path.write_text(edit(PATCHED_RUN, (MAIN_WRITE, '            main_slot_mapping,\n            "auto",\n')))
+    path.write_text(edit(PATCHED_RUN, KV_SWAP))
     proc = subprocess.run([sys.executable, "-m", "rewriter", "check", "model.py"], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     steps = re.findall(r"`(mm3-codemod [^`]+)`", proc.stderr.split("Mend it by hand", 1)[1])

@@ -97,13 +97,13 @@ def test_a_native_file_is_answered_at_import_and_needs_no_verdict(cache: Path) -
 
 def test_an_fp8_start_stops_on_a_wired_bypass_whose_write_fails_when_run(tmp_path: Path, cache: Path) -> None:
     """The plugin judges as check does: a patched bypass that is not run's own is run (the
-    semantic level), and one whose fp8 write stores with "auto" stops the start, naming why;
-    the verdict it keeps stops the next start without running it again."""
+    semantic level), and one whose fp8 write swaps the key and value caches stops the start, naming
+    why; the verdict it keeps stops the next start without running it again."""
     source = (FIXTURES / "fork_era" / "expected.py").read_text()
-    old = "            main_slot_mapping,\n            self.kv_cache_dtype,\n"
+    old = "            key_cache,\n            value_cache,\n"
     assert source.count(old) == 1
     target = tmp_path / "model.py"
-    target.write_text(source.replace(old, '            main_slot_mapping,\n            "auto",\n'))
+    target.write_text(source.replace(old, "            value_cache,\n            key_cache,\n"))
     stop = plugin.ModelHook("check").judge(target)
     assert isinstance(stop, plugin.Stop) and stop.later is not None
     judged = stop.settled()
