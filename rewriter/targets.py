@@ -4,7 +4,6 @@ with ``importlib.util.find_spec``, never imported: importing it is slow and want
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import json
 import os
 import signal
@@ -53,12 +52,18 @@ class Target:
 
 def dist_version_beside(package: Path) -> str | None:
     """The version in ``vllm-*.dist-info/METADATA`` (or an egg-info's PKG-INFO) next to the ``vllm``
-    package folder; None if there is none or several disagree."""
+    package folder (its header block); None if there is none or several disagree."""
+    from email.parser import HeaderParser
+
     versions, parent = set(), package.parent
     for meta in [*parent.glob("vllm-*.dist-info/METADATA"), *parent.glob("vllm*.egg-info/PKG-INFO")]:
-        headers = _metadata_headers(meta)
-        if headers.get("name", "").lower().replace("_", "-") == "vllm" and headers.get("version"):
-            versions.add(headers["version"])
+        try:
+            headers = HeaderParser().parsestr(meta.read_text(encoding="utf-8", errors="replace"))
+        except OSError:
+            continue
+        version = (headers.get("version") or "").strip()
+        if (headers.get("name") or "").strip().lower().replace("_", "-") == "vllm" and version:
+            versions.add(version)
     return versions.pop() if len(versions) == 1 else None
 
 
@@ -104,20 +109,6 @@ def git_describe(checkout: Path) -> str | None:
     if proc.returncode != 0 or len(described.split()) != 1:  # none, or not one word
         return None
     return described[1:] if described[:1] == "v" and described[1:2].isdigit() else described
-
-
-def _metadata_headers(path: Path) -> dict[str, str]:
-    """``Name:`` / ``Version:`` of a core-metadata file (the header block only)."""
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return {}
-    headers: dict[str, str] = {}
-    for line in itertools.takewhile(str.strip, lines):  # to the first blank line
-        key, sep, value = line.partition(":")
-        if sep and key.lower() in ("name", "version"):
-            headers.setdefault(key.lower(), value.strip())
-    return headers
 
 
 def example_path() -> Path:
