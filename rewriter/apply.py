@@ -28,8 +28,6 @@ from rewriter import testhook
 if TYPE_CHECKING:
     import libcst as cst
 
-    from codemods.analysis import FileAnalysis
-
 BOM = b"\xef\xbb\xbf"
 
 
@@ -171,13 +169,6 @@ def _through_proc(path: Path) -> bool:
     return False
 
 
-def rewrite(analysis: FileAnalysis) -> cst.Module:
-    """The LibCST codemod's rewrite, a revert's too (``codemods.analysis``, imported on first need)."""
-    from codemods.analysis import rewrite as rewrite_module
-
-    return rewrite_module(analysis)
-
-
 # What LibCST cannot take: brackets nested deeper than Python's own limit (its native parser
 # crashes on a few thousand), and a statement of thousands of operators (its parser slows down
 # with their square). Python's tokenizer measures both in milliseconds; nesting below these
@@ -262,7 +253,7 @@ def plan_file(
         if sites is not None:
             result.status, result.sites = FileStatus.UNCHANGED if sites else FileStatus.NO_SITES, sites
             return result
-        from codemods.analysis import analyze, analyze_revert
+        from codemods.analysis import analyze, analyze_revert, rewrite
 
         module = _parse(raw)
         analysis = analyze_revert(module) if revert else analyze(module, raw)
@@ -279,7 +270,7 @@ def plan_file(
         if not transform:  # classify only
             return result
         try:
-            _compile(raw, path)
+            compile_quietly(raw, path)
         except SyntaxError as exc:  # LibCST read it: its grammar knows newer Python
             version = f"{sys.version_info.major}.{sys.version_info.minor}"
             raise FileError(
@@ -370,7 +361,7 @@ def quick_sites(raw: bytes) -> list[InsertSite] | None:
     return [] if FUSED_OP.encode() not in raw else prefilter(raw)
 
 
-def _compile(source: bytes, path: Path) -> None:
+def compile_quietly(source: bytes, path: Path) -> None:
     """Compile ``source`` with this Python; raises ``SyntaxError``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the file's own warnings (`x is 1`, "\d") are not ours to print
@@ -384,7 +375,7 @@ def validate(new: bytes, path: Path, revert: bool, expected_patched: int) -> lis
 
     module = _parse(new, ours=True)
     try:
-        _compile(new, path)
+        compile_quietly(new, path)
     except SyntaxError as exc:
         raise FileError(f"output does not compile: {exc.msg} (line {exc.lineno})") from exc
     sites = analyze_revert(module).sites if revert else analyze(module, new).sites

@@ -10,11 +10,11 @@ import importlib.util
 import json
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 from codemods.schema import InsertSite
-from rewriter.apply import FAILED, LEVEL, OFF, PASSED, SKIPPED, UNAVAILABLE, FileResult, Proof, source_text
+from rewriter.apply import FAILED, LEVEL, OFF, PASSED, SKIPPED, UNAVAILABLE, FileResult, Proof
+from rewriter.apply import compile_quietly, source_text
 from rewriter.targets import shown_path
 
 NO_PROVE = Proof(OFF, "--no-prove: not run before writing")
@@ -78,9 +78,7 @@ def prove_source(path: Path, raw: bytes, classes: list[str]) -> Proof:
         return Proof(UNAVAILABLE, f"torch cannot be imported here: {type(exc).__name__}: {exc}")
     source = source_text(raw)  # these bytes compiled in planning: they decode
     try:  # (LibCST reads newer syntax than this Python may compile: not the file's failure)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the file's own warnings ("\d") are not ours
-            compile(source, str(path), "exec", dont_inherit=True)
+        compile_quietly(raw, path)
     except SyntaxError as exc:
         here = f"Python {sys.version_info.major}.{sys.version_info.minor}"
         return Proof(SKIPPED, f"{here} cannot compile it (line {exc.lineno}: {exc.msg}): run mm3-codemod under the Python vLLM runs on")
