@@ -182,7 +182,8 @@ def print_diffs(report: Report, only: FileStatus | None = None) -> None:
 
 
 # ANSI colours of a diff's lines: bold headers, cyan hunk headers, green/red lines.
-_DIFF_COLOURS = (("+++", "1"), ("---", "1"), ("@@", "36"), ("+", "32"), ("-", "31"))
+_DIFF_COLOURS = {"+++": "1", "---": "1", "@@": "36", "+": "32", "-": "31"}
+_DIFF_LINE = re.compile(r"^(\+\+\+|---|@@|\+|-).*", re.M)  # a line up to its "\n" (a "\r" stays in it)
 
 
 def write_diff(diff: str, encoding: str) -> None:
@@ -191,12 +192,7 @@ def write_diff(diff: str, encoding: str) -> None:
     each line whole between escape codes (rich would turn tabs into spaces and eat carriage returns)."""
     out = console(sys.stdout)
     if out.color_system is not None and not out.no_color:
-        lines = diff.split("\n")
-        for i, line in enumerate(lines):
-            code = next((c for prefix, c in _DIFF_COLOURS if line.startswith(prefix)), None)
-            if code:
-                lines[i] = f"\x1b[{code}m{line}\x1b[0m"
-        diff = "\n".join(lines)
+        diff = _DIFF_LINE.sub(lambda m: f"\x1b[{_DIFF_COLOURS[m[1]]}m{m[0]}\x1b[0m", diff)
     try:
         data = diff.encode(encoding, errors="surrogateescape")
     except UnicodeEncodeError:  # a file name the file's own encoding cannot spell
@@ -209,10 +205,13 @@ def print_json(data: dict[str, object]) -> None:
     write_stdout(json.dumps(data, indent=2) + "\n")
 
 
-def _finish(report: Report, o: SimpleNamespace, err: Console | None = None) -> int:
-    """The human report on stderr, the JSON one on stdout; the exit code."""
+def _finish(report: Report, o: SimpleNamespace, err: Console | None = None, diffs: bool = False) -> int:
+    """The diffs (``diffs``, not with --json) and the JSON report on stdout, the human one on stderr;
+    the exit code. Diffs of what was planned, or, where files were written, of those."""
     from rewriter.report import print_human, to_json
 
+    if diffs and not o.as_json:
+        print_diffs(report, only=None if report.dry else FileStatus.REWRITTEN)
     print_human(report, err or stderr(), show_all=o.show_all)
     if o.as_json:
         print_json(to_json(report))
@@ -225,10 +224,7 @@ def check(o: SimpleNamespace, command: str = "check") -> int:
     --diff: also the diff `run` would apply, on stdout (aliases: `preview`, `run --diff`).
     """
     targets, failed = _targets(command, o.paths, o.pythons, o.roots, o.example)
-    report = failed or analyze_targets(command, targets)
-    if o.diff and not o.as_json:
-        print_diffs(report)
-    return _finish(report, o)
+    return _finish(failed or analyze_targets(command, targets), o, diffs=o.diff)
 
 
 def preview(o: SimpleNamespace) -> int:
@@ -269,9 +265,7 @@ def _write(command: str, o: SimpleNamespace, dry: bool, copy: Path | None = None
     )
     if copy is not None and not failed:
         say(stderr(), f"the bundled example, copied to {copy} for this run (removed afterwards)")
-    if (o.diff or o.show_diff) and not o.as_json:
-        print_diffs(report, only=None if dry else FileStatus.REWRITTEN)
-    return _finish(report, o)
+    return _finish(report, o, diffs=o.diff or o.show_diff)
 
 
 # survey shows a progress bar (on a terminal) above this many targets.
@@ -320,10 +314,9 @@ def verify(o: SimpleNamespace) -> int:
     from rewriter.verify.table import print_verify
 
     targets, failed = _targets("verify", o.paths, [o.python] if o.python else [], o.roots, o.example)
-    if failed is not None:
-        report = VerifyReport([], error=failed.error)
-    elif o.kernels is not None and not o.kernels.is_file():
-        report = VerifyReport([], error=f"{o.kernels}: --kernels: no such file")
+    no_kernels = o.kernels is not None and not o.kernels.is_file()
+    if failed is not None or no_kernels:
+        report = VerifyReport([], error=failed.error if failed else f"{o.kernels}: --kernels: no such file")
     else:
         report = verify_targets(
             targets,
@@ -384,10 +377,9 @@ def read_plain(argv: list[str]) -> tuple[str, dict[str, Any]] | None:
     options = COMMANDS[argv[0]][0]
     values = {o.dest: [] if o.many else o.default for o in options}
     valued = {spelling: o for o in options if not o.is_flag for spelling in o.flags}
-    switches: dict[str, tuple[Option, bool]] = {}  # "--timing": (its option, True), "--no-timing": False
-    for o in options:
-        for flag in o.flags if o.is_flag else ():
-            switches.update(zip(flag.split("/"), ((o, True), (o, False))))
+    # "--timing": (its option, True), "--no-timing": (its option, False)
+    flags = [(o, flag.split("/")) for o in options if o.is_flag for flag in o.flags]
+    switches = {name: (o, i == 0) for o, names in flags for i, name in enumerate(names)}
     rest = argv[1:]
     while rest:
         arg = rest.pop(0)

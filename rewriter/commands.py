@@ -163,13 +163,11 @@ def mark_off(result: FileResult, name: str | None) -> None:
     """Put ``OFF_LINE`` into the new source (if any) of a file ``revert`` takes the bypass out of, after
     its opening comment lines (a licence header, a shebang, a coding cookie), in its line ending."""
     new = result.new
-    if new is None or off_line(new) is not None:
-        return
-    try:
-        directive = OFF_LINE.encode(result.encoding)
+    try:  # not an encoding that can spell it, or not an ASCII-compatible one: leave it
+        directive = OFF_LINE.encode(result.encoding) if "#".encode(result.encoding) == b"#" else None
     except (LookupError, UnicodeError):
         return
-    if "#".encode(result.encoding) != b"#":  # not an ASCII-compatible encoding: leave it
+    if new is None or directive is None or off_line(new) is not None:
         return
     start = len(BOM) if new.startswith(BOM) else 0
     lines = new[start:].splitlines(keepends=True)
@@ -288,14 +286,9 @@ def _write_all(report: Report, backup: bool) -> None:
 
 @contextlib.contextmanager
 def _no_interrupt() -> Iterator[None]:
-    """Hold Ctrl-C (SIGINT) back until every staged file is in place (the renames take
-    milliseconds): all or nothing, across files too.
-
-    A handler that only notes it, not a signal mask: a mask holds it back from this thread
-    alone, and another thread takes it instead (torch's OpenMP pool, left by the proof), after
-    which Python runs the handler here all the same. Off the main thread, which cannot set a
-    handler, nothing to hold: Python runs its handlers, and so raises KeyboardInterrupt, in the
-    main thread alone."""
+    """Hold Ctrl-C (SIGINT) back until every staged file is in place: all or nothing, across files.
+    A handler that notes it, not a signal mask, which another thread (torch's OpenMP pool, left by
+    the proof) would dodge. Off the main thread nothing to hold: only it gets KeyboardInterrupt."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -13,6 +13,7 @@ import libcst as cst
 import pytest
 from conftest import FIXTURES, cli
 
+import codemods.analysis
 from rewriter import apply, commands
 from rewriter.apply import FileStatus
 from rewriter.targets import Target, example_path
@@ -262,7 +263,7 @@ def test_failed_validation_writes_nothing(copy_fixture, monkeypatch) -> None:
         # Output that parses but still holds the fork-era call: the second pass objects.
         return analysis.module
 
-    monkeypatch.setattr(apply, "rewrite", bad_rewrite)
+    monkeypatch.setattr(codemods.analysis, "rewrite", bad_rewrite)
     report = commands.write_targets("run", [Target(target, "test")])
     assert report.exit_code == 2
     assert report.files[0].status is FileStatus.ERROR
@@ -274,7 +275,7 @@ def test_uncompilable_output_writes_nothing(copy_fixture, monkeypatch) -> None:
     target = copy_fixture("fork_era")
     original = target.read_bytes()
     # `return` outside a function parses but does not compile.
-    monkeypatch.setattr(apply, "rewrite", lambda analysis: cst.parse_module("return 1\n"))
+    monkeypatch.setattr(codemods.analysis, "rewrite", lambda analysis: cst.parse_module("return 1\n"))
     report = commands.write_targets("run", [Target(target, "test")])
     assert report.files[0].status is FileStatus.ERROR
     assert "does not compile" in report.files[0].error

@@ -186,12 +186,13 @@ def test_deep_nesting_is_one_line_exit_2_in_seconds(tmp_path: Path, shape: str, 
 
 
 def test_recursion_anywhere_in_libcst_is_reported_not_raised(tmp_path: Path, monkeypatch) -> None:
+    import codemods.analysis
     from rewriter import apply
 
     def too_deep(*args, **kwargs):
         raise RecursionError("maximum recursion depth exceeded")
 
-    monkeypatch.setattr(apply, "rewrite", too_deep)
+    monkeypatch.setattr(codemods.analysis, "rewrite", too_deep)
     result = apply.plan_file(put(tmp_path / "model.py", FORK_ERA))
     assert result.status is apply.FileStatus.ERROR
     assert result.error.startswith("an expression is nested too deeply; split it"), result.error
