@@ -169,14 +169,13 @@ def _targets(command: str, *args: Any, **kwargs: Any) -> tuple[list[Target], Rep
 
 def print_diffs(report: Report, only: FileStatus | None = None) -> None:
     """Each file's unified diff on stdout; on stderr, the folder to apply it from (if not this one)."""
-    roots = []
+    roots: dict[Path, None] = {}  # an ordered set
     for target, result in zip(report.targets, report.files):
         if result.diff and (only is None or result.status is only):
             write_diff(result.diff, result.encoding)
-            root = target.root if target.origin != "--example" else None
-            if root is not None and os.path.abspath(root) != os.getcwd() and root not in roots:
-                roots.append(root)
-    for root in roots:
+            if target.root is not None and target.origin != "--example":
+                roots[target.root] = None
+    for root in (r for r in roots if os.path.abspath(r) != os.getcwd()):
         where = f"diff paths are relative to {shown_path(root)}: apply it there (git apply, or patch -p1)"
         say(stderr(), where)
 

@@ -20,13 +20,6 @@ from rewriter.targets import shown_path
 NO_PROVE = Proof(OFF, "--no-prove: not run before writing")
 
 
-def install() -> str:
-    """How to install torch where this runs (``rewriter.verify.levels.install_torch``)."""
-    from rewriter.verify.levels import install_torch
-
-    return install_torch()
-
-
 def prove(result: FileResult) -> Proof:
     """The semantic level on ``result.new`` as ``result.path`` (``prove_source``)."""
     from rewriter.verify.layers import insert_classes
@@ -107,14 +100,14 @@ def proof_line(result: FileResult, example: bool, verify: str) -> str | None:
     name = shown_path(result.path)
     if proof.proven:
         return f"proven: {name}: the {LEVEL} level passed before writing: {proof.reason}"
+    from rewriter.verify.levels import ENGINE_STEP, install_torch  # ENGINE_STEP runs what the stand-in cannot
+
     if proof.status == UNAVAILABLE:
         why = f"{proof.reason}, so the new code was not run before writing"
-        how = f"{install()} and run it again" if example else f"{install()}, then {verify}"
+        how = f"{install_torch()} and run it again" if example else f"{install_torch()}, then {verify}"
     elif proof.status == OFF:
         why, how = proof.reason, ("run it again without --no-prove" if example else verify)
     else:
-        from rewriter.verify.levels import ENGINE_STEP  # what runs a file the stand-in cannot
-
         why = f"the {LEVEL} level cannot run it here: {proof.reason}"
         how = None if example else f"{verify} {ENGINE_STEP}"  # the kernel level has the same stand-in
     return f"unproven: {name}: {why}" + (f"; to prove it: {how}" if how else "")

@@ -21,10 +21,6 @@ from rewriter.targets import Target
 CHUNKS_PER_JOB = 4
 
 
-def default_jobs() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def survey_file(path: Path) -> FileResult:
     """``check``'s plan of one file, stripped to what the report shows."""
     result = judge_patched(honour_off(plan_file(path)))  # `off`: left as `run` leaves it
@@ -39,7 +35,8 @@ def survey_targets(
 ) -> Report:
     """Plan every target (nothing is written); ``advance`` is called after each file. Each
     interpreter in ``no_vllm`` (-> why) is one more entry, ``no-vllm``, named by its path."""
-    jobs = max(1, min(jobs or default_jobs(), len(targets) or 1))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    jobs = max(1, min(jobs or cpus, len(targets) or 1))
     paths = [t.path for t in targets]
     tick = advance or (lambda: None)
     files: list[FileResult] = []

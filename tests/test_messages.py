@@ -70,7 +70,8 @@ def test_the_torch_advice_is_a_command_for_this_interpreter() -> None:
         [
             sys.executable,
             "-c",
-            "import sys; sys.modules['torch'] = None\nfrom rewriter import proof\nprint(proof.install())",
+            "import sys; sys.modules['torch'] = None\n"
+            "from rewriter.verify.levels import install_torch\nprint(install_torch())",
         ],
         capture_output=True,
         text=True,
