@@ -493,12 +493,10 @@ def _interrupted(signum: int, frame: object) -> None:
 
 def _quit(line: str, code: int) -> None:
     """End with one line on stderr; what is still buffered for stdout goes nowhere."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
     sys.exit(code)
 
 

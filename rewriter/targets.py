@@ -3,6 +3,7 @@ with ``importlib.util.find_spec``, never imported: importing it is slow and want
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -57,13 +58,11 @@ def dist_version_beside(package: Path) -> str | None:
 
     versions, parent = set(), package.parent
     for meta in [*parent.glob("vllm-*.dist-info/METADATA"), *parent.glob("vllm*.egg-info/PKG-INFO")]:
-        try:
+        with contextlib.suppress(OSError):
             headers = HeaderParser().parsestr(meta.read_text(encoding="utf-8", errors="replace"))
-        except OSError:
-            continue
-        version = (headers.get("version") or "").strip()
-        if (headers.get("name") or "").strip().lower().replace("_", "-") == "vllm" and version:
-            versions.add(version)
+            version = (headers.get("version") or "").strip()
+            if (headers.get("name") or "").strip().lower().replace("_", "-") == "vllm" and version:
+                versions.add(version)
     return versions.pop() if len(versions) == 1 else None
 
 
