@@ -44,8 +44,6 @@ class FileAnalysis:
 def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalysis:
     """Classify every call of the fused op in ``module`` (and plan what needs work);
     ``source``: the text it was parsed from, where the caller has it (else generated again)."""
-    if source is None:
-        source = module.code
     m = FileModel.of(module, source)
     finder = find_calls(module, m.source_map, m.wrappers)
     classified = [classify(m, f) for f in finder.found]
@@ -62,8 +60,7 @@ def _stray_site(stmt: cst.CSTNode | None, source_map: SourceMap | None) -> Inser
     # the statement itself (not the comments above it; a block's header line)
     text = a.code(stmt.with_changes(leading_lines=[]))
     shown = " ".join((text if isinstance(stmt, cst.SimpleStatementLine) else text.splitlines()[0]).split())
-    if len(shown) > 100:
-        shown = shown[:97] + "..."
+    shown = shown if len(shown) <= 100 else shown[:97] + "..."
     reason = (
         f"the op is named without being called by that name (`{shown}`): calls through an "
         f"import alias, a local or getattr cannot be followed, so whether this file needs the bypass "
@@ -111,9 +108,6 @@ def rewrite(analysis: FileAnalysis) -> cst.Module:
         else:
             module = apply_revert(module, plan)
     return module
-
-
-revert = rewrite  # revert's analysis is the rewrite's, holding RevertPlans; the rewrite applies them
 
 
 def analyze_revert(module: cst.Module) -> FileAnalysis:

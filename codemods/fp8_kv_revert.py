@@ -1,17 +1,12 @@
 """Revert the fp8 KV-cache bypass: the structural inverse of ``fp8_kv_bypass``, found with the
 same finders (``sites.collect_pieces``), so that ``revert(run(x)) == x`` byte for byte on every
-before-state fixture:
-
-1. the cache arguments ``X if insert_via_fused else None`` become ``X`` again;
-2. the guard, the flag and the guarded post-call block go, with the comment lines that the
-   rewrite (or the seed write-up's diff) put above them;
-3. the slot-mapping ``_insert_kv`` goes back to the fork-era ``attn_metadata`` form
-   (``codegen.INSERT_KV_METADATA``) where the file imports the metadata classes that form
-   asserts on (the one ``run`` dropped as unused comes back beside its sibling), and is
-   removed where it does not: such a file never had that form.
-
-On a native call carrying a stale or half-applied bypass, the result is a clean native call.
-Anything it cannot prove is refused, with the reason.
+before-state fixture: the cache arguments ``X if insert_via_fused else None`` become ``X``; the
+guard, the flag and the guarded post-call block go, with the comment lines the rewrite (or the
+seed write-up's diff) put above them; the slot-mapping ``_insert_kv`` goes back to the fork-era
+``attn_metadata`` form (``codegen.INSERT_KV_METADATA``) where the file imports the metadata
+classes it asserts on (one ``run`` dropped as unused comes back beside its sibling), else it goes.
+On a native call with a stale or half-applied bypass the result is a clean native call; anything
+it cannot prove is refused, with the reason.
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ import libcst as cst
 
 from codemods import anchors as a
 from codemods import codegen, proofs, schema, sites
-from codemods.codegen import add_import_alias  # noqa: F401 - re-exported, where tests import it from
 from codemods.model import FileModel
 from codemods.schema import SLOTS_FORMS, Unsupported
 
@@ -146,7 +140,7 @@ def plan_site(
         slot.statement, unwrap, remove, pieces=pieces.present(), dead=dead, write_method=pieces.insert_method
     )
     if pieces.insert_kv in SLOTS_FORMS:
-        _plan_insert_kv(m, found, slot, post, plan, pieces.insert_method, native)
+        _plan_insert_kv(m, found, slot, post, plan, native)
     elif pieces.insert_kv == "other" and post is not None:
         raise Unsupported(
             f"`{pieces.insert_method}` is neither the attn_metadata form nor the slot-mapping one: cannot restore it"
@@ -171,8 +165,8 @@ def _post_call_block(m: FileModel, slot: a.StatementSlot, pieces: sites.FoundPie
     """The post-call block (``sites``: the ``if`` that runs where the fused op did not write,
     however its test is written): slices and asserts, then ``self.<write>(...)`` - on the
     compiled path maybe a custom op instead (``if torch.compiler.is_compiling(): ...``)."""
-    name, stmt, after = pieces.insert_method, pieces.post_block, slot.after()
-    if stmt is None:  # (``sites`` finds it, where there is one)
+    name, stmt = pieces.insert_method, pieces.post_block
+    if stmt is None:
         return None
     if not isinstance(stmt, cst.If) or stmt.orelse is not None:
         raise Unsupported(f"the post-call `self.{name}(...)` is not in an `if not <guard>:` block")
@@ -181,8 +175,7 @@ def _post_call_block(m: FileModel, slot: a.StatementSlot, pieces: sites.FoundPie
     assigned: set[str] = set()
     if _block_inserts(m, stmt.body, assigned, name) != 1:
         raise Unsupported(f"the post-call block does not hold exactly one `self.{name}(...)`")
-    index = next(i for i, s in enumerate(after) if s is stmt)
-    later = set().union(*(a.names_read(rest) for rest in after[index + 1 :]))
+    later = set().union(*(a.names_read(rest) for rest in slot.after()[1:]))  # (wired: it is the first)
     if assigned & later:
         raise Unsupported(f"names set in the post-call block are used after it: {', '.join(sorted(assigned & later))}")
     return stmt
@@ -221,8 +214,7 @@ def _is_compile_branch(m: FileModel, stmt: cst.BaseStatement) -> bool:
 
 
 def _check_nothing_left(
-    m: FileModel, cls: cst.ClassDef, method: cst.FunctionDef,
-    gone: list[cst.CSTNode], guards: set[str], flag: str,
+    m: FileModel, cls: cst.ClassDef, method: cst.FunctionDef, gone: list[cst.CSTNode], guards: set[str], flag: str
 ) -> None:
     """After the removal of ``gone`` no read of the flag (``self.<flag>``, or ``<x>.<flag>`` anywhere in the
     file: another class's read through the layer) or of a guard may remain."""
@@ -244,12 +236,11 @@ def _attribute_reads(m: FileModel, cls: cst.ClassDef, name: str) -> list[cst.CST
 
 
 def _plan_insert_kv(
-    m: FileModel, found: sites.FoundCall, slot: a.StatementSlot, post: cst.If | None, plan: RevertPlan,
-    name: str, native: bool,
+    m: FileModel, found: sites.FoundCall, slot: a.StatementSlot, post: cst.If | None, plan: RevertPlan, native: bool
 ) -> None:
     """Restore the attn_metadata ``_insert_kv``, or remove the one the rewrite added
     (on a native call always: the kernel writes the cache, upstream has no ``_insert_kv``)."""
-    cls, method, op, module = found.cls, found.method, found.op, m.module
+    cls, method, op, module, name = found.cls, found.method, found.op, m.module, plan.write_method
     assert cls is not None and method is not None
     fn = plan.old_insert_kv = a.find_method(cls, name)
     assert fn is not None
@@ -288,13 +279,10 @@ def _plan_insert_kv(
     plan.insert_kv = "restore"
     plan.also_remove = _exclusive_delegates(m, cls, fn)
     plan.insert_kv_code = codegen.render(
-        codegen.INSERT_KV_METADATA,
-        module,
-        m.depth(cls) + 1,
+        codegen.INSERT_KV_METADATA, module, m.depth(cls) + 1,
         main_key=_metadata_key(method, op, schema.SLOT_MAPPING, slot),
         index_key=_metadata_key(method, op, schema.INDEX_SLOT_MAPPING, slot),
-        main_slots="main_meta.slot_mapping",
-        main_metadata=MAIN_METADATA, index_metadata=INDEX_METADATA, **names,
+        main_slots="main_meta.slot_mapping", main_metadata=MAIN_METADATA, index_metadata=INDEX_METADATA, **names,
     )
 
 
@@ -316,8 +304,7 @@ def _metadata_key(method: cst.FunctionDef, op: a.OpCall, param: schema.OpParam, 
 def _exclusive_delegates(
     m: FileModel, cls: cst.ClassDef, fn: cst.FunctionDef, gone: list[cst.CSTNode] = ()
 ) -> list[cst.FunctionDef]:
-    """Methods ``fn`` hands its work to that nothing else names (they go with it);
-    ``gone``: code removed anyway."""
+    """Methods ``fn`` hands its work to that nothing else names (they go with it); ``gone``: code removed anyway."""
     inside = {id(n) for root in (fn, *gone) for n in a.nodes_in(root)}
     return [d for d in a.delegates(fn, cls, {}) if all(id(n) in inside for n in _uses(m, d.name.value, d))]
 

@@ -13,9 +13,9 @@ import pytest
 from conftest import FIXTURES, cli
 from test_codemod import AFTER, BEFORE, variant
 
-from codemods.analysis import analyze, analyze_revert, revert, rewrite
+from codemods.analysis import analyze, analyze_revert, rewrite
+from codemods.codegen import add_import_alias
 from codemods.schema import Action, SiteState
-from codemods.fp8_kv_revert import add_import_alias
 from rewriter import commands
 from rewriter.apply import FileStatus, plan_revert_file
 from rewriter.targets import Target
@@ -234,7 +234,7 @@ def test_revert_is_idempotent_on_every_fixture(name: str, tmp_path: Path) -> Non
 
 
 def reverted(source: str) -> str:
-    return revert(analyze_revert(cst.parse_module(source))).code
+    return rewrite(analyze_revert(cst.parse_module(source))).code
 
 
 def run(source: str) -> str:
