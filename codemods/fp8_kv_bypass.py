@@ -125,21 +125,17 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     if p.guard_other:
         raise Unsupported(f"the guard name is assigned something other than `not self.{p.flag_attr}`")
     if p.post_insert and not p.post_insert_wired:
-        raise Unsupported(
-            f"a post-call `self.{p.insert_method}(...)` exists but is not wired: {schema.WIRED}"
-        )
+        raise Unsupported(f"a post-call `self.{name}(...)` exists but is not wired: {schema.WIRED}")
     taken = a.bound_names(method)
     # the guard: the guarded arguments' name, else an existing guard assignment's, else a fresh name
     guard = p.guard_args[0] if p.guard_args else p.guard_assigned or _fresh(codegen.GUARD_NAME, taken)
-    init_attrs = a.self_assignments(init)
     names = write_names(op, method, slot, init, m.imports)
     caches = (op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE))
     wrap = [arg for arg in caches if arg is not None and guard_of(arg) is None]
     qkv, main_slots, index_slots = qkv_and_slots(op)
-    flag_slot = dtype_anchor(init, init_attrs)
+    flag_slot = dtype_anchor(init, a.self_assignments(init))
     assert flag_slot is not None  # write_names proved that __init__ sets the dtype
-    bare = names["reshape"] == schema.RESHAPE_OP
-    reshape_import = bare_import(a.module_imports(module)) if bare else None
+    reshape_import = bare_import(a.module_imports(module)) if names["reshape"] == schema.RESHAPE_OP else None
 
     # The upgrade: the raw index scatters of `_insert_kv` and of what it hands its work to.
     upgraded: list[cst.FunctionDef] = []
@@ -161,8 +157,8 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     flag_code = render(codegen.FLAG, module, dtype=names["dtype"], flag=p.flag_attr) if add_flag else ""
     flag_code += scale_code
     guard_code = render(
-        codegen.NATIVE_GUARD if native else codegen.GUARD,
-        module, guard=guard, flag=p.flag_attr, compiling=m.compile_test(),
+        codegen.NATIVE_GUARD if native else codegen.GUARD, module, guard=guard, flag=p.flag_attr,
+        compiling=m.compile_test(),
     )
     post_insert_code = render(
         codegen.POST_INSERT, module, guard=guard, qkv=qkv, insert_kv=name,
@@ -171,44 +167,30 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     )
     insert_kv_code = render(
         codegen.INSERT_KV_METHOD.replace("{replaced}", codegen.REPLACED if insert_kv == "replace" else ""),
-        module,
-        m.depth(cls) + 1,
-        name=name, **names, **codegen.METHOD_NAMES,
+        module, m.depth(cls) + 1, name=name, **names, **codegen.METHOD_NAMES,
     )
     return BypassPlan(
         method=method, call_slot=slot, guard=guard,
         guard_code=guard_code if p.guard_assigned is None and p.guard_inline is None else "",
-        wrap_args=wrap,
-        split_args=_split_args(m, slot.statement, wrap, guard),
-        post_insert_code="" if p.post_insert else post_insert_code,
-        flag_slot=flag_slot, flag_code=flag_code,
-        insert_kv=insert_kv, insert_kv_code=insert_kv_code,
-        old_insert_kv=old_insert_kv if insert_kv == "replace" else None,
-        reshape_import=reshape_import,
+        wrap_args=wrap, split_args=_split_args(m, slot.statement, wrap, guard),
+        post_insert_code="" if p.post_insert else post_insert_code, flag_slot=flag_slot, flag_code=flag_code,
+        insert_kv=insert_kv, insert_kv_code=insert_kv_code, reshape_import=reshape_import,
+        old_insert_kv=old_insert_kv if insert_kv == "replace" else None, edits=edits,
         scopes=(*found.outer, *m.lineage(cls), method, init, *upgraded),  # (a base class's __init__)
-        edits=edits,
     )
 
 
 # --- the upgrade of an older `_insert_kv` ------------------------------------------------
 
 
-_STORES = (cst.AssignTarget, cst.AnnAssign, cst.AugAssign)  # what stores to its ``target``
-
-
 def _flag_statement(m: FileModel, cls: cst.ClassDef, init: cst.FunctionDef, flag: str) -> a.StatementSlot | None:
     """The last top-level statement of ``__init__`` that sets ``self.<flag>``: one of the flag's
     defining statements (``FileModel.flag_definition``), or one that assigns it anywhere in it."""
     defining = {id(s) for s in m.flag_definition(cls, init, flag)}
-    if not isinstance(init.body, cst.IndentedBlock):
-        return None
-    setting = [
-        index
-        for index, stmt in enumerate(init.body.body)
-        if id(stmt) in defining
-        or any(isinstance(n, _STORES) and a.self_attr(n.target) == flag for n in a.walk_all(stmt))
-    ]
-    return a.StatementSlot(init.body, setting[-1]) if setting else None
+    body = init.body.body if isinstance(init.body, cst.IndentedBlock) else ()
+    stores = [{a.self_attr(t) for n in a.all_statements(stmt) for t in a.store_targets(n)} for stmt in body]
+    setting = [i for i, stmt in enumerate(body) if id(stmt) in defining or flag in stores[i]]
+    return a.StatementSlot(init.body, setting[-1]) if setting else None  # type: ignore[arg-type]
 
 
 def _scatter_edits(
@@ -242,15 +224,11 @@ def _scatter_edits(
     scale = a.code(scale_arg.value)
     taken = a.bound_names(fn)
     write = render(
-        codegen.INDEX_WRITE,
-        module,
-        idx_key=_fresh("idx_key", taken),
+        codegen.INDEX_WRITE, module, idx_key=_fresh("idx_key", taken),
         idx_cache=target.value.value if isinstance(target.value, cst.Name) else _fresh("idx_cache", taken),
-        idx_dtype=_fresh("idx_dtype", taken),
-        index_key=key.value,
-        index_cache=a.code(view.func.value),  # type: ignore[attr-defined]
+        idx_dtype=_fresh("idx_dtype", taken), index_key=key.value, index_slots=slots, scale=scale,
+        reshape=a.code(reshape.func), index_cache=a.code(view.func.value),  # type: ignore[attr-defined]
         idx_head_dim=a.code(view.args[1].value),  # type: ignore[attr-defined]
-        index_slots=slots, reshape=a.code(reshape.func), scale=scale,
     )
     edits = [(view_stmt, write), (scatter.statement, "")] if view_stmt is not None else [(scatter.statement, write)]
     # `<scale> = torch.ones(...)`: a fill kernel on every call, where the buffer needs none
@@ -290,22 +268,15 @@ def _single_assignment(
     assigned = _assignments(fn, name)
     if len(assigned) != 1 or assigned[0][0].block is not before.block or assigned[0][0].index > before.index:
         return None
-    reads = [
-        node
-        for x in a.statement_slots(fn)
-        if x.statement is not assigned[0][0].statement and x.statement is not before.statement
-        for node in a.nodes_in(x.statement)
-        if isinstance(node, cst.Name) and node.value == name
-    ]
-    return None if reads else assigned[0]
+    stmt = assigned[0][0].statement
+    others = (x.statement for x in a.statement_slots(fn) if x.statement not in (stmt, before.statement))
+    return None if any(name in a.names_read(other) for other in others) else assigned[0]
 
 
 def _assignments(fn: cst.FunctionDef, name: str) -> list[tuple[a.StatementSlot, cst.BaseExpression]]:
     """The ``<name> = <value>`` statements of ``fn``: (where, value)."""
     pairs = ((x, a.simple_assignment(x.statement)) for x in a.statement_slots(fn))
-    return [
-        (x, pair[1]) for x, pair in pairs if pair and isinstance(pair[0], cst.Name) and pair[0].value == name
-    ]
+    return [(x, pair[1]) for x, pair in pairs if pair and isinstance(pair[0], cst.Name) and pair[0].value == name]
 
 
 # --- the transformer --------------------------------------------------------------------
@@ -325,12 +296,9 @@ class Fp8KvBypass(codegen.Splice):
         self._enter = {id(n) for n in (*plan.scopes, *statements)}
 
     def on_visit(self, node: cst.CSTNode) -> bool:
-        # Enter only what holds a change: the other methods, classes and simple
-        # statements are kept as they are (visiting them costs, changes nothing).
+        # Enter only what holds a change: visiting other defs, classes and lines costs, changes nothing.
         skippable = isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.SimpleStatementLine))
-        if skippable and id(node) not in self._enter:
-            return False
-        return super().on_visit(node)
+        return (not skippable or id(node) in self._enter) and super().on_visit(node)
 
     def leave_Arg(self, original: cst.Arg, updated: cst.Arg) -> cst.Arg:
         if not any(original is w for w in self.plan.wrap_args):
@@ -412,9 +380,7 @@ def apply_plan(module: cst.Module, plan: BypassPlan, source_map: SourceMap | Non
     return new
 
 
-def _silent_statements(
-    module: cst.Module, source_map: SourceMap | None, names: set[str]
-) -> list[cst.CSTNode]:
+def _silent_statements(module: cst.Module, source_map: SourceMap | None, names: set[str]) -> list[cst.CSTNode]:
     """Statements of ``module`` whose text holds none of ``names``: nothing to count there (the
     rewrite keeps untouched statements as the same objects, so they are skipped in its result too)."""
     if source_map is None:
