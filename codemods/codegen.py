@@ -12,13 +12,11 @@ import libcst as cst
 from codemods import anchors as a
 
 
-# What the templates write must pass the fork's own pre-commit (vLLM's `ruff check`, line
-# length 88, and `ruff format`): each is spelled as ruff format spells it, each line within 88
-# columns at the indent it lands at (tests/test_lint_output.py). FLAG's and GUARD's comment
-# lines are how revert knows the bypass's own comments (BYPASS_COMMENTS), in files written by
-# every earlier version too: their text stays as it is.
-# The names `run` writes where the file has no piece of that role (a fork's own names are
-# kept): only here - the finders know each piece by what it does (tests/test_codegen_names.py).
+# The templates pass the fork's pre-commit (vLLM's `ruff check` and `ruff format`, line length 88)
+# at the indent they land at (tests/test_lint_output.py). FLAG's and GUARD's comment lines are how
+# revert knows the bypass's own comments (BYPASS_COMMENTS), in every earlier version's output too.
+# The names `run` writes where the file has no piece of that role live only here: the finders
+# know each piece by what it does (tests/test_codegen_names.py).
 FP8_FLAG = "_fp8_kv"
 FP8_SCALE = "_fp8_kv_scale"  # the identity scale the write method passes, made once in __init__
 INSERT_KV = "_insert_kv"
@@ -125,9 +123,8 @@ MAIN_WRITE = """\
 
 # The new write method: its scale and writes are SCALE_LOCAL, MAIN_WRITE and INDEX_WRITE with these
 # names of its own.
-METHOD_NAMES = {
-    "idx_key": "idx_key", "idx_cache": "idx_cache", "idx_dtype": "idx_dtype", "index_key": "index_key",
-    "main_slots": "main_slot_mapping", "index_slots": "index_slot_mapping", "scale": "scale",
+METHOD_NAMES = {n: n for n in ("idx_key", "idx_cache", "idx_dtype", "index_key", "scale")} | {
+    "main_slots": "main_slot_mapping", "index_slots": "index_slot_mapping"
 }
 INSERT_KV_METHOD = '''\
 def {name}(
@@ -234,9 +231,7 @@ class Splice(cst.CSTTransformer):
             updated = add_import_alias(updated, name)
         return updated
 
-    def leave_IndentedBlock(
-        self, original: cst.IndentedBlock, updated: cst.IndentedBlock
-    ) -> cst.IndentedBlock:
+    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
         if not any(id(s) in self.touched for s in original.body):
             return updated
         body: list[cst.BaseStatement] = []
@@ -284,9 +279,7 @@ def remove_unused_imports(
 ) -> cst.Module:
     """Remove from-import aliases among ``candidates`` that nothing reads any more (``silent``:
     statements known to mention none of them, not visited)."""
-    if not candidates:
-        return module
-    uses = a.name_uses(module, skip=silent)
+    uses = a.name_uses(module, skip=silent) if candidates else {}
     unused = {n for n in candidates if uses.get(n, 0) == 0}
     if not unused:
         return module
@@ -306,10 +299,8 @@ def remove_unused_imports(
             keep = [n for n in names if n.asname is not None or a.code(n.name) not in unused]
             if len(keep) == len(names):
                 return updated
-            if not keep:
-                if any(line.comment for line in updated.leading_lines):
-                    return updated  # keep it rather than lose its comment
-                return cst.RemoveFromParent()
+            if not keep:  # (kept rather than lose its comment)
+                return updated if any(line.comment for line in updated.leading_lines) else cst.RemoveFromParent()
             if names[-1] not in keep:  # the removed last alias hands its comma on
                 keep[-1] = keep[-1].with_changes(comma=names[-1].comma)
             return updated.with_changes(body=[imp.with_changes(names=keep)])

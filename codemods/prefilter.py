@@ -86,8 +86,7 @@ def _site(
         raise _Defer
     args = list(call.args)
     keywords = [(k.arg, k.value) for k in call.keywords if k.arg is not None]
-    kv = schema.bind_arg(schema.KV_CACHE, args, keywords)
-    index = schema.bind_arg(schema.INDEX_CACHE, args, keywords)
+    kv, index = (schema.bind_arg(p, args, keywords) for p in (schema.KV_CACHE, schema.INDEX_CACHE))
     if any(c is not None and not _self_chain(c) for c in (kv, index)):
         raise _Defer  # a cache argument under a condition (a bypass's guard, whatever it is called), or not self's
     dtype = schema.bind_arg(schema.KV_CACHE_DTYPE, args, keywords)

@@ -100,13 +100,12 @@ def qkv_and_slots(op: a.OpCall) -> tuple[str, str, str]:
 def widths(
     op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments, stale: set[str]
 ) -> dict[str, str]:
-    """Code for the widths of the fused buffer's parts, [q | k | v | index_q | index_k] (index_k is
-    one head: ``idx_head_dim`` wide), by the names the templates fill in. Each size by what it is
-    in the layout, never by the first product that fits: a head size is what that part's norms are
-    built with (the call passes their ``.weight``), else the one size that multiplies its head
-    counts in ``__init__``; a width is a ``self.W = <count> * <size>`` of ``__init__`` assigned
-    once, but a stale one (``anchors.stale_widths``: made before its count is divided per rank, it holds the
-    model's width), else that product itself."""
+    """Code for the widths of the fused buffer's parts, [q | k | v | index_q | index_k] (index_k is one
+    head: ``idx_head_dim`` wide), by the templates' names; each size by what it is in the layout, never
+    by the first product that fits: a head size is what that part's norms are built with (the call
+    passes their ``.weight``), else the one size that multiplies its head counts in ``__init__``; a width
+    is a ``self.W = <count> * <size>`` of ``__init__`` assigned once but a stale one
+    (``anchors.stale_widths``: it may hold the model's width), else that product itself."""
     counts: dict[str, cst.BaseExpression] = {}
     for param in (schema.NUM_HEADS, schema.NUM_KV_HEADS, schema.NUM_INDEX_HEADS):
         arg = op.arg(param)
@@ -147,12 +146,9 @@ def widths(
         return next(found, f"{a.code(count)} * {dim}")
 
     return {
-        "q_width": width(counts["num_heads"], head_dim),
-        "kv_width": width(counts["num_kv_heads"], head_dim),
-        "index_q_width": width(counts["num_index_heads"], idx_head_dim),
-        "head_dim": head_dim,
-        "idx_head_dim": idx_head_dim,
-        "num_kv_heads": a.code(counts["num_kv_heads"]),
+        "q_width": width(counts["num_heads"], head_dim), "kv_width": width(counts["num_kv_heads"], head_dim),
+        "index_q_width": width(counts["num_index_heads"], idx_head_dim), "head_dim": head_dim,
+        "idx_head_dim": idx_head_dim, "num_kv_heads": a.code(counts["num_kv_heads"]),
     }
 
 
@@ -193,12 +189,8 @@ def dtype_anchor(init: cst.FunctionDef, attrs: a.Assignments) -> a.StatementSlot
 
 def _is_dtype_conversion(node: cst.CSTNode) -> bool:
     """``kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, …)``."""
-    return (
-        isinstance(node, cst.Call)
-        and a.callee_name(node) == "kv_cache_dtype_str_to_dtype"
-        and bool(node.args)
-        and a.self_attr(node.args[0].value) == schema.DTYPE_ATTR
-    )
+    call = node if isinstance(node, cst.Call) and a.callee_name(node) == "kv_cache_dtype_str_to_dtype" else None
+    return call is not None and bool(call.args) and a.self_attr(call.args[0].value) == schema.DTYPE_ATTR
 
 
 def bare_import(imports: list[a.ImportedName]) -> tuple[cst.SimpleStatementLine, cst.ImportFrom] | None:
