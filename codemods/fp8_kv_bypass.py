@@ -144,10 +144,8 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
         upgraded = [old_insert_kv, *a.delegates(old_insert_kv, cls, m.functions)]
     edits: list[tuple[cst.BaseStatement, str]] = []
     for fn in upgraded:
-        for scatter in a.raw_scatters(fn):
-            edits += _scatter_edits(fn, scatter, module)
-        for check, write in a.bf16_index_writes(fn):
-            edits += _bf16_index_edits(fn, check, write, module)
+        edits += [e for x in a.raw_scatters(fn) for e in _scatter_edits(fn, x, module)]
+        edits += [e for x in a.bf16_index_writes(fn) for e in _bf16_index_edits(fn, *x, module)]
     upgrade_reads_scale = any(codegen.SCALE_READ in code for _, code in edits)
     reads_scale = insert_kv in ("add", "replace") or p.scale_read or upgrade_reads_scale
     scale_code = render(codegen.SCALE, module) if reads_scale and not p.scale_set else ""
@@ -276,7 +274,7 @@ def _single_assignment(
 def _assignments(fn: cst.FunctionDef, name: str) -> list[tuple[a.StatementSlot, cst.BaseExpression]]:
     """The ``<name> = <value>`` statements of ``fn``: (where, value)."""
     pairs = ((x, a.simple_assignment(x.statement)) for x in a.statement_slots(fn))
-    return [(x, pair[1]) for x, pair in pairs if pair and isinstance(pair[0], cst.Name) and pair[0].value == name]
+    return [(x, p[1]) for x, p in pairs if p and isinstance(p[0], cst.Name) and p[0].value == name]
 
 
 # --- the transformer --------------------------------------------------------------------
@@ -380,7 +378,9 @@ def apply_plan(module: cst.Module, plan: BypassPlan, source_map: SourceMap | Non
     return new
 
 
-def _silent_statements(module: cst.Module, source_map: SourceMap | None, names: set[str]) -> list[cst.CSTNode]:
+def _silent_statements(
+    module: cst.Module, source_map: SourceMap | None, names: set[str]
+) -> list[cst.CSTNode]:
     """Statements of ``module`` whose text holds none of ``names``: nothing to count there (the
     rewrite keeps untouched statements as the same objects, so they are skipped in its result too)."""
     if source_map is None:
