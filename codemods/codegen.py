@@ -231,7 +231,9 @@ class Splice(cst.CSTTransformer):
             updated = add_import_alias(updated, name)
         return updated
 
-    def leave_IndentedBlock(self, original: cst.IndentedBlock, updated: cst.IndentedBlock) -> cst.IndentedBlock:
+    def leave_IndentedBlock(
+        self, original: cst.IndentedBlock, updated: cst.IndentedBlock
+    ) -> cst.IndentedBlock:
         if not any(id(s) in self.touched for s in original.body):
             return updated
         body: list[cst.BaseStatement] = []
@@ -265,12 +267,10 @@ def add_import_alias(imp: cst.ImportFrom, name: str) -> cst.ImportFrom:
     index = bisect.bisect_right(keys, key(name)) if keys == sorted(keys) else len(names)
     commas = (n.comma for n in names[:-1] if isinstance(n.comma, cst.Comma))
     middle = next(commas, cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-    if index == len(names):
-        new = cst.ImportAlias(name=cst.Name(name), comma=names[-1].comma)
-        names[-1] = names[-1].with_changes(comma=middle)
-    else:
-        new = cst.ImportAlias(name=cst.Name(name), comma=middle)
-    names.insert(index, new)
+    comma = middle
+    if index == len(names):  # the new last alias takes the old last one's comma (none, or a trailing one)
+        comma, names[-1] = names[-1].comma, names[-1].with_changes(comma=middle)
+    names.insert(index, cst.ImportAlias(name=cst.Name(name), comma=comma))
     return imp.with_changes(names=names)
 
 
@@ -299,8 +299,9 @@ def remove_unused_imports(
             keep = [n for n in names if n.asname is not None or a.code(n.name) not in unused]
             if len(keep) == len(names):
                 return updated
-            if not keep:  # (kept rather than lose its comment)
-                return updated if any(line.comment for line in updated.leading_lines) else cst.RemoveFromParent()
+            commented = any(line.comment for line in updated.leading_lines)
+            if not keep:  # a commented line is kept rather than lose its comment
+                return updated if commented else cst.RemoveFromParent()
             if names[-1] not in keep:  # the removed last alias hands its comma on
                 keep[-1] = keep[-1].with_changes(comma=names[-1].comma)
             return updated.with_changes(body=[imp.with_changes(names=keep)])

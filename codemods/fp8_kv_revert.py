@@ -214,7 +214,8 @@ def _is_compile_branch(m: FileModel, stmt: cst.BaseStatement) -> bool:
 
 
 def _check_nothing_left(
-    m: FileModel, cls: cst.ClassDef, method: cst.FunctionDef, gone: list[cst.CSTNode], guards: set[str], flag: str
+    m: FileModel, cls: cst.ClassDef, method: cst.FunctionDef,
+    gone: list[cst.CSTNode], guards: set[str], flag: str,
 ) -> None:
     """After the removal of ``gone`` no read of the flag (``self.<flag>``, or ``<x>.<flag>`` anywhere in the
     file: another class's read through the layer) or of a guard may remain."""
@@ -236,7 +237,8 @@ def _attribute_reads(m: FileModel, cls: cst.ClassDef, name: str) -> list[cst.CST
 
 
 def _plan_insert_kv(
-    m: FileModel, found: sites.FoundCall, slot: a.StatementSlot, post: cst.If | None, plan: RevertPlan, native: bool
+    m: FileModel, found: sites.FoundCall, slot: a.StatementSlot, post: cst.If | None, plan: RevertPlan,
+    native: bool,
 ) -> None:
     """Restore the attn_metadata ``_insert_kv``, or remove the one the rewrite added
     (on a native call always: the kernel writes the cache, upstream has no ``_insert_kv``)."""
@@ -282,7 +284,8 @@ def _plan_insert_kv(
         codegen.INSERT_KV_METADATA, module, m.depth(cls) + 1,
         main_key=_metadata_key(method, op, schema.SLOT_MAPPING, slot),
         index_key=_metadata_key(method, op, schema.INDEX_SLOT_MAPPING, slot),
-        main_slots="main_meta.slot_mapping", main_metadata=MAIN_METADATA, index_metadata=INDEX_METADATA, **names,
+        main_slots="main_meta.slot_mapping", main_metadata=MAIN_METADATA, index_metadata=INDEX_METADATA,
+        **names,
     )
 
 
@@ -304,7 +307,8 @@ def _metadata_key(method: cst.FunctionDef, op: a.OpCall, param: schema.OpParam, 
 def _exclusive_delegates(
     m: FileModel, cls: cst.ClassDef, fn: cst.FunctionDef, gone: list[cst.CSTNode] = ()
 ) -> list[cst.FunctionDef]:
-    """Methods ``fn`` hands its work to that nothing else names (they go with it); ``gone``: code removed anyway."""
+    """Methods ``fn`` hands its work to that nothing else names (they go with it);
+    ``gone``: code removed anyway."""
     inside = {id(n) for root in (fn, *gone) for n in a.nodes_in(root)}
     return [d for d in a.delegates(fn, cls, {}) if all(id(n) in inside for n in _uses(m, d.name.value, d))]
 

@@ -189,8 +189,10 @@ def dtype_anchor(init: cst.FunctionDef, attrs: a.Assignments) -> a.StatementSlot
 
 def _is_dtype_conversion(node: cst.CSTNode) -> bool:
     """``kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, …)``."""
-    call = node if isinstance(node, cst.Call) and a.callee_name(node) == "kv_cache_dtype_str_to_dtype" else None
-    return call is not None and bool(call.args) and a.self_attr(call.args[0].value) == schema.DTYPE_ATTR
+    return (
+        isinstance(node, cst.Call) and a.callee_name(node) == "kv_cache_dtype_str_to_dtype"
+        and bool(node.args) and a.self_attr(node.args[0].value) == schema.DTYPE_ATTR
+    )
 
 
 def bare_import(imports: list[a.ImportedName]) -> tuple[cst.SimpleStatementLine, cst.ImportFrom] | None:
