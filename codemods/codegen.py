@@ -332,11 +332,10 @@ def comment_text(comment: str) -> str:
     return " ".join(comment.lstrip("#").split())
 
 
-def _template_comments(template: str) -> tuple[str, ...]:
-    return tuple(comment_text(line) for line in template.splitlines() if line.startswith("#"))
-
-
-BYPASS_COMMENTS = (_template_comments(FLAG), _template_comments(GUARD), *SEED_COMMENTS)
+BYPASS_COMMENTS = (  # FLAG's and GUARD's comment lines, then the seed write-up's
+    *(tuple(comment_text(line) for line in t.splitlines() if line.startswith("#")) for t in (FLAG, GUARD)),
+    *SEED_COMMENTS,
+)
 
 
 def strip_comments(

@@ -127,8 +127,8 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     if p.post_insert and not p.post_insert_wired:
         raise Unsupported(f"a post-call `self.{name}(...)` exists but is not wired: {schema.WIRED}")
     taken = a.bound_names(method)
-    # the guard: the guarded arguments' name, else an existing guard assignment's, else a fresh name
-    guard = p.guard_args[0] if p.guard_args else p.guard_assigned or _fresh(codegen.GUARD_NAME, taken)
+    # the guard: the guarded arguments' name (an assigned guard's among them), else a fresh name
+    guard = p.guard_args[0] if p.guard_args else _fresh(codegen.GUARD_NAME, taken)
     names = write_names(op, method, slot, init, m.imports)
     caches = (op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE))
     wrap = [arg for arg in caches if arg is not None and guard_of(arg) is None]

@@ -91,7 +91,7 @@ def plan_site(
             "native kernel writes fp8 itself, and `check` on this file says whether it is wired"
         )
 
-    guards = set(pieces.guard_args) | ({pieces.guard_assigned} if pieces.guard_assigned else set())
+    guards = set(pieces.guard_args)  # (an assigned guard is one of them: ``sites.collect_pieces``)
     if pieces.guard_other:
         raise Unsupported(f"the guard name is assigned something other than `not self.{pieces.flag_attr}`")
 
