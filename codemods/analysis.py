@@ -127,4 +127,6 @@ def analyze_revert(module: cst.Module) -> FileAnalysis:
         plans.append(plan)
     sites = schema.one_revert(sites)
     kept = [plan for plan, site in zip(plans, sites) if plan is not None and site.action is Action.REVERT]
-    return FileAnalysis(module, sites, kept)
+    # the op named where its calls cannot be followed: which bypass is whose cannot be told, as check says
+    strays = [_stray_site(stmt, m.source_map) for _, stmt in finder.strays()]
+    return FileAnalysis(module, sites + [replace(s, reason=f"cannot revert: {s.reason}") for s in strays], kept)

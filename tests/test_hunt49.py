@@ -144,3 +144,19 @@ def test_an_early_return_for_a_batch_with_tokens_is_no_write_of_the_bypass(tmp_p
     line = "        key_cache, value_cache = self.kv_cache.unbind(1)\n"
     path.write_text(_edited(PATCHED, [(line, f"        if {test}:\n            return\n" + line)]))
     assert _states(path)[-1] != "patched"
+
+
+def test_revert_refuses_what_check_cannot_tell(tmp_path: Path) -> None:
+    """The op named where its calls cannot be followed (hunt 49's c10, through ``functools.partial``): check
+    refuses the file, and revert, which once left it "unchanged" beside a whole bypass, refuses it for that reason."""
+    from conftest import cli
+
+    path = tmp_path / "model.py"
+    path.write_text(_edited(PATCHED, [("from vllm import _custom_ops as ops\n", "from vllm import _custom_ops as ops\n\n"
+                                       "_fused = functools.partial(ops.fused_minimax_m3_qknorm_rope_kv_insert)\n")]))
+    reasons = []
+    for command in (["check"], ["revert", "--dry-run"], ["revert", "--whole-bypass", "--dry-run"]):
+        proc = cli(*command, str(path))
+        assert proc.returncode == 2, (command, proc.stdout + proc.stderr)
+        reasons.append("the op is named without being called by that name" in proc.stdout + proc.stderr)
+    assert all(reasons)
