@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from codemods import schema
-from codemods.roles import COMPILING, NO_SCOPE, Scope, Unknown, callee, dotted, evaluate, expression, qualified, self_member
+from codemods.names import callee, dotted, expression, qualified, self_member
+from codemods.roles import COMPILING, NO_SCOPE, Scope, Unknown, evaluate
 
 
 def self_attrs(node: ast.expr) -> set[str]:

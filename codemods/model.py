@@ -1,6 +1,6 @@
 """The one model of a file, read once and asked by every command. As in ruff's semantic model,
 a recogniser asks what a name *is*, not how it is spelled: imports resolve names to qualified
-ones (``roles.import_table``), and a flag is known by the value ``__init__`` leaves in it."""
+ones (``names.import_table``), and a flag is known by the value ``__init__`` leaves in it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import roles, schema
+from codemods import names, roles, schema
 from codemods.sourcemap import SourceMap
 
 
@@ -51,7 +51,7 @@ class FileModel:
     def of(cls, module: cst.Module, source: str | bytes | None = None) -> FileModel:
         source_map = SourceMap.of(module, module.code if source is None else source)
         try:
-            imports = roles.import_table(source_map.tree if source_map is not None else ast.parse(module.code))
+            imports = names.import_table(source_map.tree if source_map is not None else ast.parse(module.code))
         except (SyntaxError, ValueError, RecursionError, MemoryError):  # newer Python than this one's
             imports = {i.bound: i.qualified for i in a.module_imports(module)}
         return cls(module, source_map, a.module_functions(module), pass_through_wrappers(module), imports)
@@ -99,16 +99,16 @@ class FileModel:
         return self._scopes[id(cls)]
 
     def lineage(self, cls: cst.ClassDef) -> list[cst.ClassDef]:
-        """The class, then its bases that this file defines (``roles.lineage``)."""
+        """The class, then its bases that this file defines (``names.lineage``)."""
         tree = self.ast_of(cls)
         if not isinstance(tree, ast.ClassDef):
             return [cls]
         classes = {id(self.ast_of(c)): c for c in self.module.body if isinstance(c, cst.ClassDef)}
         classes[id(tree)] = cls  # (a class nested in another, too)
-        return [classes[id(c)] for c in roles.lineage(tree, self.tree)]
+        return [classes[id(c)] for c in names.lineage(tree, self.tree)]
 
     def methods(self, cls: cst.ClassDef) -> dict[str, cst.FunctionDef]:
-        """What ``self.<name>(…)`` reaches (``roles.class_methods``): a mixin's methods too."""
+        """What ``self.<name>(…)`` reaches (``names.class_methods``): a mixin's methods too."""
         return {f.name.value: f for c in reversed(self.lineage(cls)) for f in a.methods(c)}
 
     def bases_outside(self, cls: cst.ClassDef) -> list[str]:
@@ -116,7 +116,7 @@ class FileModel:
         lineage = self.lineage(cls)
         bases = [a.code(b.value) for c in lineage for b in c.bases if b.keyword is None]
         module = ("torch.nn.Module", "torch.nn.modules.module.Module")
-        qualified = {b: roles.qualified(roles.expression(b), self.imports) for b in bases}  # type: ignore[arg-type]
+        qualified = {b: names.qualified(names.expression(b), self.imports) for b in bases}  # type: ignore[arg-type]
         return [b for b in bases if b not in {c.name.value for c in lineage} and qualified[b] not in module]
 
     def depth(self, node: cst.CSTNode) -> int:
@@ -168,24 +168,24 @@ class FileModel:
     def carries_dtype(self, cls: cst.ClassDef, expr: cst.BaseExpression | ast.expr | None, fp8: bool = False) -> bool:
         """``expr``, a native call's dtype argument, holds the cache dtype (``roles.carries_dtype``); ``fp8``: where
         the cache dtype is one of the fp8 dtypes alone (a write the fp8 flag runs)."""
-        tree = expr if isinstance(expr, ast.expr) or expr is None else roles.expression(a.code(expr))
+        tree = expr if isinstance(expr, ast.expr) or expr is None else names.expression(a.code(expr))
         values = {d: v for d, v in (self._values(cls) or {}).items() if d in roles.FP8_DTYPES or not fp8} or None
         return values is not None and tree is not None and roles.carries_dtype(tree, self.scope(cls), values)
 
     def is_compiling(self, expr: cst.BaseExpression) -> bool:
-        tree = roles.expression(a.code(expr))
-        return tree is not None and roles.is_compiling(tree, self.imports)
+        tree = names.expression(a.code(expr))
+        return tree is not None and names.is_compiling(tree, self.imports)
 
     def compile_test(self) -> str:
         """How this file calls ``torch.compiler.is_compiling()``: as it calls it already, else its own
         spelling where it imports it (``is_compiling()``, ``dynamo.is_compiling()``), else that one."""
-        calls = (ast.unparse(n) for n in ast.walk(self.tree) if roles.is_compiling(n, self.imports))  # type: ignore[arg-type]
+        calls = (ast.unparse(n) for n in ast.walk(self.tree) if names.is_compiling(n, self.imports))  # type: ignore[arg-type]
         if (called := next(calls, None)) is not None:
             return called
         for bound, name in sorted(self.imports.items()):
-            if name in roles.COMPILE_TESTS:
+            if name in names.COMPILE_TESTS:
                 return f"{bound}()"
-            if f"{name}.is_compiling" in roles.COMPILE_TESTS and bound != "torch":
+            if f"{name}.is_compiling" in names.COMPILE_TESTS and bound != "torch":
                 return f"{bound}.is_compiling()"
         return "torch.compiler.is_compiling()"
 
@@ -196,8 +196,8 @@ class FileModel:
             return self.is_compiling(node.test)
         if not isinstance(node, cst.Call):
             return False
-        tree = roles.expression(a.code(node.func))
-        return tree is not None and (roles.qualified(tree, self.imports) or "").startswith("torch.ops.")
+        tree = names.expression(a.code(node.func))
+        return tree is not None and (names.qualified(tree, self.imports) or "").startswith("torch.ops.")
 
     def flag_definition(self, cls: cst.ClassDef, init: cst.FunctionDef, flag: str) -> list[cst.BaseStatement]:
         """The statements of ``__init__`` that do nothing but decide ``self.<flag>``: its
@@ -209,7 +209,7 @@ class FileModel:
 
         def evaluated(expr: cst.BaseExpression) -> object | None:
             """What ``expr`` holds for an fp8 cache dtype, where that can be read (else None)."""
-            tree = roles.expression(a.code(expr))
+            tree = names.expression(a.code(expr))
             env = {**_locals, roles.DTYPE: "fp8"}
             try:
                 return roles.evaluate(tree, env, scope) if tree is not None else None

@@ -10,7 +10,7 @@ import functools
 import importlib.util
 from collections.abc import Callable
 
-from codemods import guards, roles, schema
+from codemods import guards, names, roles, schema
 
 _DEFS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
@@ -23,13 +23,13 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
     except (SyntaxError, ValueError, RecursionError, MemoryError, UnicodeDecodeError):
         return None
     lines = text.split("\n")
-    imports = roles.import_table(tree)
+    imports = names.import_table(tree)
     functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
     constants = roles.module_constants(tree, roles.Scope(functions, {}, imports))
 
     @functools.cache  # by class: __init__ read once, however many calls it holds
     def read(cls: ast.ClassDef) -> tuple[ast.FunctionDef | None, roles.Scope, dict[str, dict]]:
-        methods = roles.class_methods(cls, tree)
+        methods = names.class_methods(cls, tree)
         init, scope = methods.get("__init__"), roles.Scope(functions, methods, imports)
         attrs = roles.module_constants(tree, roles.NO_SCOPE, cls)  # class attributes, as ``self.NAME``
         return init, scope, roles.init_values(init, scope, constants | attrs) if init is not None else {}
@@ -43,7 +43,7 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
         named += sum(isinstance(v, str) and schema.FUSED_OP in v for _, v in ast.iter_fields(node))
         if isinstance(node, guards.STORES):
             stores.append(node)
-        if isinstance(node, ast.Call) and roles.callee(node) == schema.FUSED_OP:
+        if isinstance(node, ast.Call) and names.callee(node) == schema.FUSED_OP:
             sites.append(_site(node, stack, lines, read))
         inner = (*stack, node) if isinstance(node, _DEFS) else stack
         for child in ast.iter_child_nodes(node):
@@ -105,7 +105,7 @@ def _site(
             raise _Defer  # a flag, or a write of its own: the pieces of a bypass, whatever their names
     facts = schema.CallFacts(
         line=call.lineno, class_name=cls.name, method=method.name, module_function=None, nested_in=None,
-        star_args=False, has_cache=has_cache, dtype=roles.dotted(dtype) if has_cache else None,
+        star_args=False, has_cache=has_cache, dtype=names.dotted(dtype) if has_cache else None,
         dtype_is_auto=False, dtype_proven=True, in_block=False,  # in_block: not asked with a dtype
     )
     return schema.verdict(facts, schema.Pieces)
@@ -113,12 +113,12 @@ def _site(
 
 def _self_chain(node: ast.expr) -> bool:
     """``self.a.b`` (or None)."""
-    return (isinstance(node, ast.Constant) and node.value is None) or (roles.dotted(node) or "").startswith("self.")
+    return (isinstance(node, ast.Constant) and node.value is None) or (names.dotted(node) or "").startswith("self.")
 
 
 def _plain(node: ast.expr, lines: list[str]) -> bool:
     """``self.kv_cache_dtype``-like, written plainly between ``=``/``,`` and ``,``/``)``."""
-    if roles.dotted(node) is None or node.end_lineno != node.lineno:
+    if names.dotted(node) is None or node.end_lineno != node.lineno:
         return False
     line = lines[node.lineno - 1].encode()
     start, end = node.col_offset, node.end_col_offset or 0
@@ -126,7 +126,7 @@ def _plain(node: ast.expr, lines: list[str]) -> bool:
     above = (text.encode().rstrip() for text in reversed(lines[: node.lineno - 1]))
     before = line[:start].rstrip() or next((text for text in above if text), b"")
     return (
-        line[start:end].decode() == roles.dotted(node)
+        line[start:end].decode() == names.dotted(node)
         and before[-1:] in (b"=", b",")
         and line[end:].lstrip()[:1] in (b",", b")", b"")
     )

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import libcst as cst
 
 from codemods import anchors as a
-from codemods import roles, schema
+from codemods import names, schema
 from codemods.anchors import products, stale_widths
 from codemods.schema import Unsupported
 from codemods.sites import guard_of, unguarded
@@ -22,8 +22,8 @@ def op_namespace(op: a.OpCall, imports: Mapping[str, str]) -> str | None:
     other namespace is not known to hold it: the name the module binds ``vllm._custom_ops`` to."""
     func = op.call.func
     if op.wrapper is None and isinstance(func, cst.Attribute):  # (by what it is bound to: `from torch.ops import _C`)
-        tree = roles.expression(a.code(func.value))
-        if tree is not None and roles.qualified(tree, imports) == "torch.ops._C":
+        tree = names.expression(a.code(func.value))
+        if tree is not None and names.qualified(tree, imports) == "torch.ops._C":
             return "torch.ops._C_cache_ops"
     elif op.wrapper is None and isinstance(func, cst.Name):
         return None

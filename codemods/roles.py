@@ -9,12 +9,12 @@ truth tables over ``evaluate`` (``codemods.guards``). All on Python's own ``ast`
 from __future__ import annotations
 
 import ast
-import collections
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from codemods import schema
+from codemods.names import callee, dotted, is_compiling, lineage, literal, qualified, self_member
 
 FP8_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 # The dtypes a flag is false for: vLLM's other KV-cache dtype for MiniMax-M3 ("bfloat16") and "auto".
@@ -33,95 +33,8 @@ _SOURCES = "<dtype sources>"  # env's key for the names that are the cache dtype
 _NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
 
-# --- Python's own tree: names and expressions (parser-free) --------------------------------
-
-
-def dotted(node: ast.expr) -> str | None:
-    """``a.b.c``; ``getattr(a, "b", <constant>)`` is ``a.b`` (its default stands only where the
-    attribute is unset, where the reading knows no value)."""
-    parts = []
-    while (attr := _attribute(node)) is not None:
-        parts.append(attr)
-        node = node.value if isinstance(node, ast.Attribute) else node.args[0]  # type: ignore[attr-defined]
-    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
-
-
-def _attribute(node: ast.AST) -> str | None:
-    """``b`` of ``a.b``, ``getattr(a, "b")`` and ``getattr(a, "b", <constant>)``."""
-    if isinstance(node, ast.Attribute):
-        return node.attr
-    getattr_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-    args = node.args if getattr_call and not node.keywords and len(node.args) in (2, 3) else []  # type: ignore[attr-defined]
-    name = _literal(args[1]) if args and isinstance(args[-1], ast.Constant) else None
-    return name if name is not None and name.isidentifier() else None
-
-
-def self_member(node: ast.AST) -> str | None:
-    """``x`` of ``self.x`` (not of ``self.x.y``)."""
-    name = dotted(node)  # type: ignore[arg-type]
-    return name[5:] if name is not None and name.startswith("self.") and name.count(".") == 1 else None
-
-
-def callee(call: ast.Call) -> str | None:
-    """``f`` of ``f(…)`` and of ``x.f(…)``."""
-    func = call.func
-    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
-
-
-def expression(code: str) -> ast.expr | None:
-    """One expression's source as Python's own tree (None: not an expression)."""
-    try:
-        return ast.parse(f"({code})", mode="eval").body
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
-
-
 class Unknown(Exception):
     """The expression holds something the reading cannot evaluate."""
-
-
-# What `torch.compiler.is_compiling()` is, under any of its public names (dynamo's own test too: vLLM compiles with it).
-COMPILE_TESTS = frozenset(
-    f"torch.{name}" for name in "compiler.is_compiling compiler.is_dynamo_compiling _dynamo.is_compiling "
-    "_dynamo.external_utils.is_compiling _utils.is_compiling".split()
-)
-
-
-def import_table(tree: ast.Module) -> dict[str, str]:
-    """Each name an import binds (anywhere in the file), or a module-level alias of one (``_tc =
-    torch.compiler``), to the qualified name it is bound to; a name bound to two things, or also
-    bound otherwise (a ``def``, an assignment, a parameter), is none: what it holds is not known."""
-    pairs: list[tuple[str, str]] = []
-    others: collections.Counter[str] = collections.Counter()  # bindings otherwise than by an import
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):  # `import a.b` binds `a`, and says that `a.b` is loaded
-            pairs += [p for x in node.names for p in ([(x.asname, x.name)] if x.asname else [(x.name.split(".")[0],) * 2, (x.name,) * 2])]
-        elif isinstance(node, ast.ImportFrom):
-            base = "." * node.level + (node.module or "")
-            pairs += [(x.asname or x.name, f"{base}.{x.name}" if base else x.name) for x in node.names if x.name != "*"]
-        stored = [node.id] if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) else []
-        others.update([node.name] if isinstance(node, (*_NESTED[:2], ast.ClassDef)) else [node.arg] if isinstance(node, ast.arg) else stored)
-    table: dict[str, str] = {}
-    for name, target in pairs:
-        table[name] = target if table.get(name, target) == target else ""
-    table = {k: v for k, v in table.items() if v and k not in others}
-    for stmt in tree.body:  # `NAME = <an imported dotted name>`, bound once
-        target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
-        if isinstance(target, ast.Name) and others[target.id] == 1 and (dotted(stmt.value) or ".").split(".")[0] in table:
-            table[target.id] = qualified(stmt.value, table)  # type: ignore[assignment]
-    return table
-
-
-def qualified(node: ast.expr, imports: Mapping[str, str]) -> str | None:
-    """The dotted name ``node`` is, its first part resolved through the imports."""
-    root, dot, rest = (dotted(node) or "").partition(".")
-    return imports.get(root, root) + dot + rest if root else None
-
-
-def is_compiling(node: ast.expr, imports: Mapping[str, str]) -> bool:
-    """A call of ``torch.compiler.is_compiling()``, however the file imported or spelled it."""
-    bare = isinstance(node, ast.Call) and not node.args and not node.keywords
-    return bare and qualified(node.func, imports) in COMPILE_TESTS  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -139,22 +52,6 @@ class Scope:
 
 
 NO_SCOPE = Scope({}, {})
-
-
-def lineage(cls: ast.ClassDef, module: ast.Module) -> list[ast.ClassDef]:
-    """The class, then its bases where the module defines them (a mixin), left to right, depth first."""
-    classes = {c.name: c for c in module.body if isinstance(c, ast.ClassDef)}
-    order, todo = [], [cls]
-    while todo:
-        if (c := todo.pop(0)) not in order:
-            order.append(c)
-            todo[:0] = [classes[b.id] for b in c.bases if isinstance(b, ast.Name) and b.id in classes]
-    return order
-
-
-def class_methods(cls: ast.ClassDef, module: ast.Module) -> dict[str, ast.FunctionDef]:
-    """What ``self.<name>(…)`` reaches: the last def of that name in the first class of the lineage."""
-    return {f.name: f for c in reversed(lineage(cls, module)) for f in c.body if isinstance(f, ast.FunctionDef)}
 
 
 def evaluate(node: ast.expr, env: Mapping[str, object], scope: Scope = NO_SCOPE, depth: int = 0) -> object:
@@ -496,22 +393,18 @@ def set_by_name(node: ast.AST, imports: Mapping[str, str]) -> set[str] | None:
             on_self = isinstance(func, ast.Attribute) and (dotted(func.value) == "self" or isinstance(func.value, ast.Call))
             at = next((i + 1 for i, arg in enumerate(sub.args) if dotted(arg) == "self"), 0 if on_self else None)
             if setter and at is not None:  # (else another object's attribute)
-                attr = _literal(sub.args[at]) if at < len(sub.args) else None
+                attr = literal(sub.args[at]) if at < len(sub.args) else None
                 if attr is None:
                     return None
                 found.add(f"self.{attr}")
             trusted = setter or isinstance(func, ast.Attribute) or name in imports or name in _READERS
             if name == "getattr":
-                attr = _literal(sub.args[1]) if len(sub.args) > 1 else None
+                attr = literal(sub.args[1]) if len(sub.args) > 1 else None
                 trusted = attr is not None and not attr.startswith("__")
             if trusted:
                 handed.update(id(arg) for arg in (*sub.args, *(k.value for k in sub.keywords)))
     loads = (sub for sub in ast.walk(node) if dotted(sub) == "self" and isinstance(sub.ctx, ast.Load))  # type: ignore[attr-defined]
     return None if any(id(sub) not in handed for sub in loads) else found
-
-
-def _literal(node: ast.AST) -> str | None:
-    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 
 def _either(stmt: ast.If, env: dict[str, object], scope: Scope, depth: int) -> None:

@@ -13,7 +13,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import codegen, guards, roles, schema
+from codemods import codegen, guards, names, roles, schema
 from codemods.model import FileModel
 from codemods.sourcemap import SourceMap
 
@@ -139,8 +139,8 @@ def find_calls(
     return finder
 
 
-def _ast_calls(tree: ast.Module, op_lines: list[int], names: set[str]) -> list[ast.Call]:
-    """ast calls of ``names`` (the op, its wrappers), in source order; statements naming none skipped."""
+def _ast_calls(tree: ast.Module, op_lines: list[int], wanted: set[str]) -> list[ast.Call]:
+    """ast calls of ``wanted`` (the op, its wrappers), in source order; statements naming none skipped."""
     found: list[ast.Call] = []
 
     def visit(node: ast.AST) -> None:
@@ -148,7 +148,7 @@ def _ast_calls(tree: ast.Module, op_lines: list[int], names: set[str]) -> list[a
             first = min((d.lineno for d in getattr(node, "decorator_list", ())), default=node.lineno)
             if not _holds(first, node.end_lineno or node.lineno, op_lines):
                 return
-        if isinstance(node, ast.Call) and roles.callee(node) in names:
+        if isinstance(node, ast.Call) and names.callee(node) in wanted:
             found.append(node)
         for child in ast.iter_child_nodes(node):
             visit(child)
@@ -239,7 +239,7 @@ def unguarded(arg: cst.Arg) -> cst.BaseExpression:
 
 def guard_local(condition: str) -> str | None:
     """The local a condition reads, where it is ``G`` or ``not G``."""
-    tree = roles.expression(condition)
+    tree = names.expression(condition)
     while isinstance(tree, ast.UnaryOp) and isinstance(tree.op, ast.Not):
         tree = tree.operand
     return tree.id if isinstance(tree, ast.Name) else None
@@ -271,7 +271,7 @@ def collect_pieces(
     if guarded and len(set(guarded)) == 1:
         condition = guarded[0]
         local = guard_local(condition)
-        fused_when = roles.expression(condition)
+        fused_when = names.expression(condition)
         chain = a.slot_chain(method, slot) if local is not None and slot is not None else []
         statements, value = _guard_binding(chain, local) if chain else ([], None)  # type: ignore[arg-type]
         if value is not None and not _bound_only_in(bound[local], slot.block, statements):  # type: ignore[union-attr]
@@ -301,7 +301,7 @@ def collect_pieces(
         free = m.dtype_free(cls) if native and guarded else set()
 
         def dtype_free(c: str) -> bool:  # (a native call honours a condition no cache dtype decides)
-            tree, local = roles.expression(c), guard_local(c)
+            tree, local = names.expression(c), guard_local(c)
             if tree is None or any(isinstance(n, ast.Call) for n in ast.walk(tree)):
                 return False
             param = local is None or [type(b) for b in bound.get(local, [])] == [cst.Param]
@@ -324,7 +324,7 @@ def collect_pieces(
         p.flag_attr = guard_flag or proven[0]
     p.flag_set = flags.get(p.flag_attr) is True
     if not p.flag_set and p.flag_unproven is None and not native:  # (run writes one reading the dtype)
-        p.dtype_unread = not m.carries_dtype(cls, roles.expression(roles.DTYPE))
+        p.dtype_unread = not m.carries_dtype(cls, names.expression(roles.DTYPE))
     if guard_flag and p.flag_attr in init_attrs and not p.flag_set:
         p.flag_unproven = "`, then `".join(a.code(v) for _, v in init_attrs[p.flag_attr])  # set to what?
     attrs = {a.self_attr(node) for node in a.nodes_in(cls.body)}
@@ -352,7 +352,7 @@ def collect_pieces(
         p.post_insert, p.post_insert_call, p.post_block = True, node, stmt
         p.insert_method = a.self_attr(node.func) or codegen.INSERT_KV
         p.insert_from_file = _passes_slots(node, main, index)
-        test = roles.expression(a.code(stmt.test)) if isinstance(stmt, cst.If) else None
+        test = names.expression(a.code(stmt.test)) if isinstance(stmt, cst.If) else None
         lost = sorted(guards.self_attrs(test) - set(init_attrs) - set(flags)) if test is not None else []
         if guard is None and not p.flag_set and len(lost) == 1:  # the block tests a flag nothing sets
             p.flag_attr, p.flag_read, p.flag_from_file = lost[0], True, True
@@ -395,7 +395,7 @@ def collect_pieces(
     p.scale_set = p.scale_attr in init_attrs or registered_buffer(init, p.scale_attr) is not None
     p.scale_read = p.scale_attr in attrs
     _taken_names(m, cls, scope, init_attrs, p)
-    slots = [roles.expression(a.code(s.value)) for s in (main, index) if s is not None]
+    slots = [names.expression(a.code(s.value)) for s in (main, index) if s is not None]
     writes = guards.own_writes(method_tree, scope, init_tree, [s for s in slots if s]) if native and method_tree else []
     if writes:  # in words: the callee, or the subscripted cache
         w = writes[0]
@@ -404,8 +404,7 @@ def collect_pieces(
     pieces = {method.name.value, p.insert_method, "__init__", *setters}  # (``attrs`` is every self.<x> read)
     p.subclassed = _redefined_below(m, cls, pieces, {p.flag_attr, p.scale_attr, schema.DTYPE_ATTR})
     own = [p.flag_attr] if p.flag_from_file or p.flag_set else []
-    names = [*own, p.scale_attr, schema.DTYPE_ATTR]
-    outside = guards.set_through_another(ast.walk(m.tree), names)
+    outside = guards.set_through_another(ast.walk(m.tree), [*own, p.scale_attr, schema.DTYPE_ATTR])
     p.role_problems += [
         f"`{ast.unparse(node)}` at line {node.lineno} sets `{name}` through another object than `self` (the bypass "
         "relies on it being what the layer's __init__ sets)" for node, name in outside
@@ -438,7 +437,7 @@ def _passes_slots(node: cst.CSTNode, main: cst.Arg | None, index: cst.Arg | None
     (``guards.passes_slots``, prefilter's rule)."""
     if not (isinstance(node, cst.Call) and a.self_attr(node.func) is not None) or main is None or index is None:
         return False
-    trees = [roles.expression(a.code(n)) for n in (node, main.value, index.value)]
+    trees = [names.expression(a.code(n)) for n in (node, main.value, index.value)]
     return None not in trees and guards.passes_slots(trees[0], trees[1:])  # type: ignore[arg-type]
 
 
@@ -467,7 +466,7 @@ def _guard_binding(chain: list[a.StatementSlot], local: str) -> tuple[list[cst.B
         return f"({body}) if ({a.code(stmt.test)}) else ({orelse})" if body and orelse else None
 
     found = [(stmt, code) for level in chain for stmt in level.before() if (code := value(stmt)) is not None]
-    return [stmt for stmt, _ in found], roles.expression(found[-1][1]) if found else None
+    return [stmt for stmt, _ in found], names.expression(found[-1][1]) if found else None
 
 
 def _bound_only_in(nodes: list[cst.CSTNode], block: cst.IndentedBlock | cst.Module, also: list[cst.CSTNode]) -> bool:
@@ -541,8 +540,8 @@ _CLASS_ATTR = (cst.AssignTarget, cst.AnnAssign)
 
 def is_scale_value(node: cst.BaseExpression) -> bool:
     """``torch.ones(…)``: the identity scale as the bypass makes it."""
-    tree = roles.expression(a.code(node))
-    return isinstance(tree, ast.Call) and roles.dotted(tree.func) == "torch.ones"
+    tree = names.expression(a.code(node))
+    return isinstance(tree, ast.Call) and names.dotted(tree.func) == "torch.ones"
 
 
 def _first_value(init_attrs: a.Assignments, init: cst.FunctionDef | None, name: str) -> cst.BaseExpression | None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from codemods import roles, schema
+from codemods import names, roles, schema
 from codemods.schema import FUSED_OP, KV_CACHE
 from rewriter.apply import read_source
 
@@ -263,7 +263,7 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
     imported, ops = _imports(tree)
     methods: dict[str, types.CodeType] = {}
     decorators: dict[str, list[str]] = {}
-    defs = roles.class_methods(cls, tree)  # a mixin's defined in the file too, __init__ included
+    defs = names.class_methods(cls, tree)  # a mixin's defined in the file too, __init__ included
     for fn in defs.values():
         if fn.name.startswith("__"):
             continue
@@ -297,9 +297,9 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
         for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
         if isinstance(t, ast.Name)
     }
-    imports = roles.import_table(tree)
+    imports = names.import_table(tree)
     compile_aware = any(
-        roles.is_compiling(n, imports)
+        names.is_compiling(n, imports)
         for node in [cls, *(f for f in tree.body if isinstance(f, ast.FunctionDef))]
         for n in ast.walk(node)
     )
@@ -322,17 +322,17 @@ def _settable(
     scope = roles.Scope({}, defs, imports)
     if init is not None and any(roles.set_by_name(fn, imports) is None for fn in roles.init_methods(init, scope)):
         return None
-    names: set[str] = set()
-    for c in roles.lineage(cls, tree):
+    found: set[str] = set()
+    for c in names.lineage(cls, tree):
         for node in ast.walk(c):
-            if isinstance(getattr(node, "ctx", None), ast.Store) and (attr := roles.self_member(node)):
-                names.add(attr)
+            if isinstance(getattr(node, "ctx", None), ast.Store) and (attr := names.self_member(node)):
+                found.add(attr)
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                names.add(node.value)
-        names |= {n.name for n in c.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-        names |= {t.id for n in c.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                found.add(node.value)
+        found |= {n.name for n in c.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        found |= {t.id for n in c.body if isinstance(n, (ast.Assign, ast.AnnAssign))
                   for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
-    return frozenset(names)
+    return frozenset(found)
 
 
 def _custom_ops(tree: ast.Module) -> dict[str, str]:
@@ -340,7 +340,7 @@ def _custom_ops(tree: ast.Module) -> dict[str, str]:
     found = {}
     for node in tree.body:
         call = node.value if isinstance(node, ast.Expr) else None
-        if not (isinstance(call, ast.Call) and (roles.callee(call) or "").endswith("register_custom_op")):
+        if not (isinstance(call, ast.Call) and (names.callee(call) or "").endswith("register_custom_op")):
             continue
         kw = {k.arg: k.value for k in call.keywords}
         name, func = kw.get("op_name", call.args[0] if call.args else None), kw.get("op_func")

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from codemods.roles import COMPILE_TESTS
+from codemods.names import COMPILE_TESTS
 from codemods.schema import DTYPE_ATTR, FUSED_OP, RESHAPE_OP
 
 from . import refops
@@ -264,7 +264,7 @@ def _ops_namespace(backend: Backend) -> types.SimpleNamespace:
 
 class _Compiler(types.ModuleType):
     """A module on the way to a compile test (``torch.compiler``, ``torch._dynamo.external_utils``):
-    every spelling the codemod reads as ``is_compiling()`` (``roles.COMPILE_TESTS``) answers the run's path."""
+    every spelling the codemod reads as ``is_compiling()`` (``names.COMPILE_TESTS``) answers the run's path."""
 
     def __init__(self, real: Callable[[], Any], compiling: bool, dotted: str) -> None:
         super().__init__(dotted)
