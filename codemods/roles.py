@@ -23,10 +23,10 @@ DTYPE = f"self.{schema.DTYPE_ATTR}"
 COMPILING = "<compiling>"  # the truth tables' name for torch.compiler.is_compiling()
 # vLLM's helper (wherever a release keeps it): true for every quantized cache dtype (0.24.0's test).
 VLLM_HELPERS = {"is_quantized_kv_cache": lambda dtype: dtype.startswith("fp8") or dtype.endswith("per_token_head")}
-_STR_METHODS = {"startswith", "endswith", "lower", "upper", "strip", "casefold", "replace"}
+_METHODS = {str: {"startswith", "endswith", "lower", "upper", "strip", "casefold", "replace", "partition"}, dict: {"get"}}
 _BUILTINS = {"bool": bool, "str": str, "any": any, "all": all, "frozenset": tuple, "set": tuple, "tuple": tuple}
 DEPTH = 3  # how deep the reading follows helpers calling helpers (or methods __init__ calls)
-_ERRORS = (TypeError, ValueError, RecursionError, AttributeError)  # besides Unknown, from evaluating
+_ERRORS = (TypeError, ValueError, RecursionError, AttributeError, LookupError)  # besides Unknown, from evaluating
 _MISSING = object()
 _STEPPED_OVER = (ast.Pass, ast.Assert, ast.Import, ast.ImportFrom, ast.Expr, ast.Global, ast.Nonlocal)  # bind nothing read
 _SOURCES = "<dtype sources>"  # env's key for the names that are the cache dtype (to that dtype)
@@ -107,6 +107,13 @@ def evaluate(node: ast.expr, env: Mapping[str, object], scope: Scope = NO_SCOPE,
                 return False
             left = right
         return True
+    if isinstance(node, ast.Dict) and None not in node.keys:  # a table (`{"fp8": True, …}`)
+        return dict(zip(map(ev, node.keys), map(ev, node.values)))  # type: ignore[arg-type]
+    if isinstance(node, ast.Subscript):  # of a tuple, string or table the reading holds (a missing key: unknown)
+        value, key = ev(node.value), ev(node.slice)
+        if not isinstance(value, (tuple, str, dict)):
+            raise Unknown("subscript")
+        return value[key]  # type: ignore[index]
     if isinstance(node, ast.Call):
         return _call(node, env, scope, depth)
     raise Unknown(type(node).__name__)
@@ -114,7 +121,7 @@ def evaluate(node: ast.expr, env: Mapping[str, object], scope: Scope = NO_SCOPE,
 
 def _compare(op: ast.cmpop, left: object, right: object) -> bool:
     if isinstance(op, (ast.In, ast.NotIn)):
-        if not isinstance(right, (str, tuple)) or (isinstance(right, str) and not isinstance(left, str)):
+        if not isinstance(right, (str, tuple, dict)) or (isinstance(right, str) and not isinstance(left, str)):
             raise Unknown("in")
         return (left in right) is isinstance(op, ast.In)
     if isinstance(op, (ast.Eq, ast.NotEq)):
@@ -131,9 +138,9 @@ def _call(node: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -
         raise Unknown("is_compiling")
     func = node.func
     args, kwargs = _arguments(node, env, scope, depth)
-    if isinstance(func, ast.Attribute) and func.attr in _STR_METHODS and dotted(func.value) != "self":
-        owner = evaluate(func.value, env, scope, depth)
-        if isinstance(owner, str) and not kwargs and all(isinstance(a, (str, tuple)) for a in args):
+    if isinstance(func, ast.Attribute) and func.attr in _METHODS[str] | _METHODS[dict] and dotted(func.value) != "self":
+        owner = evaluate(func.value, env, scope, depth)  # a string's method, or a table's `get`
+        if func.attr in _METHODS.get(type(owner), ()) and not kwargs and all(isinstance(a, (str, tuple, bool)) for a in args):
             return getattr(owner, func.attr)(*args)
         raise Unknown(func.attr)
     name = dotted(func)

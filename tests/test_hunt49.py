@@ -80,6 +80,16 @@ def test_int32_slots_handed_the_kernel_fail_the_proof(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     refused_but_not_its_base(tmp_path / "model.py", PATCHED, _in_write("main_slot_mapping = main_slot_mapping.to(torch.int32)"))
 
+FLAG = 'self._fp8_kv = "fp8" in self.kv_cache_dtype'
+TABLE = '{"auto": False, "bfloat16": False, "fp8": True, "fp8_e4m3": True, "fp8_e5m2": True}'
+
+
+def _table(flag: str, table: str = TABLE) -> list[tuple[str, str]]:
+    """A module table ``_KV_IS_FP8`` of the cache dtypes, and the flag ``flag`` reading it."""
+    imports = "from vllm import _custom_ops as ops\n"
+    return [(imports, f"{imports}\n_KV_IS_FP8 = {table}\n"), (FLAG, f"self._fp8_kv = {flag}")]
+
+
 # name -> (base, edits, the state `check` gives): the same program as the base, so the base's state
 SAME = {
     # vLLM's kernels take "fp8" as "fp8_e4m3": the native kernel is told the cache dtype (hunt 48's g09)
@@ -107,7 +117,28 @@ SAME = {
           "        if key.numel() == 0:\n            return\n        key_cache, value_cache = self.kv_cache.unbind(1)\n")],
         "patched",
     ),
+    # the flag read from a table of the cache dtypes, or a part of the dtype's string (hunt 49's d01, d02, d07, d18)
+    "a flag looked up in a module table": (PATCHED, _table("_KV_IS_FP8[self.kv_cache_dtype]"), "patched"),
+    "a flag got from a module table": (PATCHED, _table("_KV_IS_FP8.get(self.kv_cache_dtype, False)"), "patched"),
+    "a flag got from a class table": (
+        PATCHED,
+        [("    def _insert_kv(\n", '    _FP8 = {"fp8": True, "fp8_e4m3": True, "fp8_e5m2": True}\n\n    def _insert_kv(\n'),
+         (FLAG, "self._fp8_kv = self._FP8.get(self.kv_cache_dtype, False)")],
+        "patched",
+    ),
+    "a flag from the dtype's first part": (PATCHED, [(FLAG, 'self._fp8_kv = self.kv_cache_dtype.partition("_")[0] == "fp8"')], "patched"),
 }
+
+
+@pytest.mark.parametrize(
+    "table",
+    ['{"auto": False, "bfloat16": True, "fp8": True, "fp8_e4m3": True, "fp8_e5m2": True}',  # true for bf16
+     '{"auto": False, "bfloat16": False, "fp8": True, "fp8_e4m3": True}'],  # no fp8_e5m2: a KeyError there
+)
+def test_a_table_that_is_no_fp8_test_is_no_flag(tmp_path: Path, table: str) -> None:
+    path = tmp_path / "model.py"
+    path.write_text(_edited(PATCHED, _table("_KV_IS_FP8[self.kv_cache_dtype]", table)))
+    assert _states(path)[-1] == "unsupported"
 
 
 @pytest.mark.parametrize("case", sorted(SAME))
