@@ -48,12 +48,22 @@ class OpCall:
         default = self.wrapper.dtype_default if self.wrapper is not None and param == schema.KV_CACHE_DTYPE else None
         return cst.Arg(default) if found is None and default is not None else found
 
+    @property
+    def native(self) -> bool:
+        """The call passes a kv-cache dtype: a native build's call (the kernel writes fp8 itself)."""
+        return self.arg(schema.KV_CACHE_DTYPE) is not None
+
 
 def get_arg(call: cst.Call, param: schema.OpParam) -> cst.Arg | None:
     """The argument bound to ``param``, positional or keyword."""
     positional = [a for a in call.args if a.keyword is None and not a.star]
     keywords = [(a.keyword.value, a) for a in call.args if a.keyword is not None]
     return schema.bind_arg(param, positional, keywords)
+
+
+def shown(node: cst.CSTNode) -> str:
+    """A node's source on one line, its white space folded (for a message)."""
+    return " ".join(code(node).split())
 
 
 def is_none(node: cst.BaseExpression | None) -> bool:
@@ -404,7 +414,7 @@ def unproven_cache(op: OpCall, method: cst.FunctionDef | None, slot: StatementSl
             continue
         held = resolve_self_expr(method, arg.value, slot) if slot is not None else arg.value
         if not (isinstance(held, cst.Attribute) and is_self_rooted(held)):
-            return " ".join(code(arg.value).split())
+            return shown(arg.value)
     return None
 
 

@@ -103,13 +103,13 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
         call = next((n for n in m.named(name) if isinstance(n, cst.Attribute) and a.self_attr(n) is None), None)
     if call is not None:
         raise Unsupported(
-            f"`{' '.join(a.code(call).split())}` is called elsewhere than right after the insert call: "
+            f"`{a.shown(call)}` is called elsewhere than right after the insert call: "
             f"a caller the new `{name}` signature would break, or a stale bypass piece"
         )
 
     # On a native call (a torch.compile-aware bypass, ``schema``) the kernel writes fp8 in eager:
     # the guard only keeps the cache arguments from it while compiling, and needs no flag.
-    native = op.arg(schema.KV_CACHE_DTYPE) is not None
+    native = op.native
     if native and p.flag_read and not p.flag_set:
         raise Unsupported(
             f"`self.{p.flag_attr}` is read but never set: set it in __init__ "
@@ -196,7 +196,7 @@ def _scatter_edits(
 ) -> list[tuple[cst.BaseStatement, str]]:
     """``idx = <cache>.view(-1, D)`` + ``idx[slots] = key[.to(...)]`` -> the padding-safe write,
     proven to write the same rows; ``Unsupported`` when any part is not that shape."""
-    shown = " ".join(a.code(scatter.statement).split())
+    shown = a.shown(scatter.statement)
     pair = a.simple_assignment(scatter.statement)
     assert pair is not None and isinstance(pair[0], cst.Subscript)
     target, value = pair

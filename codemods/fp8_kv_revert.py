@@ -79,7 +79,7 @@ def plan_site(
             raise Unsupported("the call is not directly in a method: its bypass cannot be delimited")
         return None
     pieces = pieces or sites.collect_pieces(m, cls, method, op, slot)
-    native = op.arg(schema.KV_CACHE_DTYPE) is not None
+    native = op.native
     if not pieces.any_bypass(native=native):
         return None
     if slot is None:
@@ -200,7 +200,7 @@ def _block_inserts(m: FileModel, suite: cst.BaseSuite, assigned: set[str], name:
         else:
             raise Unsupported(
                 f"the post-call block holds more than slices, asserts and `self.{name}(...)`: "
-                f"`{' '.join(a.code(inner).split())[:80]}` - it cannot be removed as a whole"
+                f"`{a.shown(inner)[:80]}` - it cannot be removed as a whole"
             )
     return inserts
 
@@ -220,7 +220,7 @@ def _check_nothing_left(
     """After the removal of ``gone`` no read of the flag (``self.<flag>``, or ``<x>.<flag>`` anywhere in the
     file: another class's read through the layer) or of a guard may remain."""
     removed_nodes = {id(n) for root in gone for n in a.walk_all(root)}
-    flags = [(n, f"`{' '.join(a.code(n).split())}`") for n in _attribute_reads(m, cls, flag)]
+    flags = [(n, f"`{a.shown(n)}`") for n in _attribute_reads(m, cls, flag)]
     guard_reads = [n for n in a.walk_scope(method.body) if isinstance(n, cst.Name) and n.value in guards]
     for node, what in flags + [(n, f"the guard `{n.value}`") for n in guard_reads]:
         if id(node) not in removed_nodes:
@@ -253,7 +253,7 @@ def _plan_insert_kv(
     other = next((n for n in _attribute_reads(m, cls, name) if id(n) not in allowed), None)
     if other is not None:
         line = m.positions[other].start.line if other in m.positions else "?"
-        raise Unsupported(f"`{' '.join(a.code(other).split())}` at line {line} also names `{name}`, outside the bypass")
+        raise Unsupported(f"`{a.shown(other)}` at line {line} also names `{name}`, outside the bypass")
     imports = a.module_imports(module)
     metadata = [  # plain from-imports of the metadata classes
         i.importer for i in imports if i.bound in (MAIN_METADATA, INDEX_METADATA) and i.alias.asname is None

@@ -259,7 +259,7 @@ def collect_pieces(
 ) -> FoundPieces:
     """Each piece by its role (``roles``), whatever the file calls it, asked of the file's model ``m``."""
     p = FoundPieces()
-    native = op.arg(schema.KV_CACHE_DTYPE) is not None
+    native = op.native
     init = m.init(cls)
     init_attrs = a.self_assignments(init) if init is not None else {}
 
@@ -526,9 +526,8 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, scope: roles.Scope, init_attrs
                 note(p.insert_method, f"`self.{p.insert_method}` is assigned in {method.name.value}, hiding the method")
             for name in sorted(stored & pieces):
                 if id(getattr(node, "value", None)) not in own:
-                    shown = " ".join(a.code(node).split())
                     once = f"the bypass relies on `self.{name}` being set once, in __init__"
-                    note(name, f"`{shown}` in {method.name.value} ({once})")
+                    note(name, f"`{a.shown(node)}` in {method.name.value} ({once})")
         tree = scope.methods.get(method.name.value)
         named = roles.set_by_name(tree, m.imports) if tree is not None else set()
         for name in sorted(pieces if named is None else {n.removeprefix("self.") for n in named} & pieces):
