@@ -152,17 +152,20 @@ _REDUCTIONS = {"any", "all", "min", "max", "sum", "amax", "amin", "count_nonzero
 # What the host knows of a tensor without waiting for the device; and what hands the host a value.
 _HOST = {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "size", "numel", "dim", "stride", "element_size", "nbytes"}
 _TO_HOST = {"int", "float", "bool", "complex", "str", "repr", "format", "print"}
+_KNOWN = {"len", "isinstance", "hasattr", "type", "id", "callable"}  # of a tensor: what the host knows
 
 
 def _on_device(node: ast.AST, device: set[str]) -> bool:
     """``node``'s value is read from the device: it reads a name (or ``self.<name>``) of ``device``, not only
-    through what the host knows (``x.shape``, ``x.numel()``, ``len(x)``: ``_HOST``)."""
+    through what the host knows (``x.shape``, ``x.numel()``, ``len(x)``, ``x is None``: ``_HOST``, ``_KNOWN``)."""
     if isinstance(node, ast.Name):
         return node.id in device
     if isinstance(node, ast.Attribute):
         return f"self.{self_member(node)}" in device or node.attr not in _HOST and _on_device(node.value, device)
-    if isinstance(node, ast.Call) and (dotted(node.func) == "len" or callee(node) in _HOST and isinstance(node.func, ast.Attribute)):
+    if isinstance(node, ast.Call) and (dotted(node.func) in _KNOWN or callee(node) in _HOST and isinstance(node.func, ast.Attribute)):
         return False
+    if isinstance(node, ast.Compare) and all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+        return False  # which object it is (`x is None`), not what it holds
     return any(_on_device(c, device) for c in ast.iter_child_nodes(node))
 
 

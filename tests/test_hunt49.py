@@ -45,7 +45,8 @@ def test_what_the_host_knows_of_a_tensor_is_no_sync(tmp_path: Path) -> None:
     """Its shape, size and dtype are the host's: reading them waits for nothing."""
     path = tmp_path / "model.py"
     lines = ['text = f"{key.shape} {key.dtype}"', "rows = index_key[: key.shape[0]]", "n = int(key.numel()) + len(key)",
-             "twice = key.repeat_interleave(2, dim=0)", "if key.size(0) > 0 and key.dim() == 3:", "    pass"]
+             "twice = key.repeat_interleave(2, dim=0)", "if key.size(0) > 0 and key.dim() == 3:", "    pass",
+             "if key is not None and isinstance(key, torch.Tensor) and scale is not None:", "    pass"]
     path.write_text(_edited(PATCHED, _in_write(*lines)))
     assert _states(path)[-1] == "patched"
 
