@@ -218,14 +218,17 @@ def host_syncs(code: Iterable[ast.AST], tensors: Iterable[str] = ()) -> list[ast
     ``SYNCS`` (``torch.where`` with one argument too); a value from the device handed the host (``_host_reads``),
     from the device meaning read from a parameter (not annotated as other than a tensor) or a ``self.<x>`` of
     ``tensors``, or made from one; a tensor reduction tested as a bool; indexing by a boolean mask (``x[slots >= 0]``,
-    or through locals). Not: what the host knows of a tensor (its ``shape``, ``numel()``: ``_HOST``)."""
+    or through locals). Not: what the host knows of a tensor (its ``shape``, ``numel()``: ``_HOST``), nor what runs
+    only as the write fails (a ``raise``, an ``assert``'s message)."""
     found: list[ast.AST] = []
     for fn in code:
         args = fn.args if isinstance(fn, (ast.FunctionDef, ast.Lambda)) else None
         params = [*args.posonlyargs, *args.args, *args.kwonlyargs] if args is not None else []
         seeds = {a.arg for a in params if a.arg != "self" and "Tensor" in ast.unparse(a.annotation or ast.Name("Tensor"))}
         device, masks = _spread(fn, seeds | {f"self.{t}" for t in tensors}, _on_device), _spread(fn, set(), _mask)
-        for n in ast.walk(fn):
+        failing = [x.msg if isinstance(x, ast.Assert) else x for x in ast.walk(fn) if isinstance(x, (ast.Raise, ast.Assert))]
+        skipped = {id(x) for f in failing if f is not None for x in ast.walk(f)}  # what runs only as it fails
+        for n in (n for n in ast.walk(fn) if id(n) not in skipped):
             where = isinstance(n, ast.Call) and callee(n) == "where" and len(n.args) + len(n.keywords) == 1
             read = [n if isinstance(n, ast.Call) else x for x in _host_reads(n) if _on_device(x, device)][:1]
             synced = isinstance(n, ast.Call) and (callee(n) in SYNCS or where) or isinstance(n, ast.Subscript) and _mask(n.slice, masks)

@@ -46,7 +46,9 @@ def test_what_the_host_knows_of_a_tensor_is_no_sync(tmp_path: Path) -> None:
     path = tmp_path / "model.py"
     lines = ['text = f"{key.shape} {key.dtype}"', "rows = index_key[: key.shape[0]]", "n = int(key.numel()) + len(key)",
              "twice = key.repeat_interleave(2, dim=0)", "if key.size(0) > 0 and key.dim() == 3:", "    pass",
-             "if key is not None and isinstance(key, torch.Tensor) and scale is not None:", "    pass"]
+             "if key is None or not isinstance(key, torch.Tensor) or scale is None:",
+             '    raise ValueError(f"slots {main_slot_mapping.tolist()}")',
+             'assert key.dim() >= 1, f"key {key}"']
     path.write_text(_edited(PATCHED, _in_write(*lines)))
     assert _states(path)[-1] == "patched"
 
