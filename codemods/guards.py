@@ -5,12 +5,13 @@ the fused op did not write (``post_block``) - however either is written."""
 from __future__ import annotations
 
 import ast
+import collections
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from codemods import schema
-from codemods.names import callee, dotted, expression, qualified, self_member
+from codemods.names import callee, dotted, expression, is_compiling, qualified, self_member
 from codemods.roles import COMPILING, NO_SCOPE, Scope, Unknown, evaluate
 
 
@@ -90,6 +91,13 @@ def no_token(test: str, params: list[str]) -> bool:
     count = tree.left if zero else tree.operand if isinstance(tree, ast.UnaryOp) and isinstance(tree.op, ast.Not) else None  # type: ignore[union-attr]
     counts = {c for p in params for c in (f"{p}.numel()", f"{p}.shape[0]", f"{p}.size(0)", f"len({p})")}
     return count is not None and ast.unparse(count) in counts
+
+
+def compile_locals(fn: ast.FunctionDef | None, imports: Mapping[str, str]) -> set[str]:
+    """The locals of ``fn`` bound once, to ``torch.compiler.is_compiling()`` however imported (``compiling = …``)."""
+    stores = collections.Counter(n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)) if fn else {}
+    assigns = [n for n in ast.walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1] if fn else []
+    return {t.id for n in assigns if isinstance(t := n.targets[0], ast.Name) and stores[t.id] == 1 and is_compiling(n.value, imports)}
 
 
 def writes_cache(method: str | None, scope: Scope) -> bool:

@@ -40,11 +40,13 @@ class Unknown(Exception):
 @dataclass(frozen=True)
 class Scope:
     """What an expression's calls can reach: the module's functions, the class's methods
-    (``ast`` defs by name) and what the file's imports bind (``import_table``)."""
+    (``ast`` defs by name) and what the file's imports bind (``import_table``); ``compiling``: the locals
+    that hold ``torch.compiler.is_compiling()`` (``compiling = torch.compiler.is_compiling()``, bound once)."""
 
     functions: Mapping[str, ast.FunctionDef]
     methods: Mapping[str, ast.FunctionDef]
     imports: Mapping[str, str] = field(default_factory=dict)
+    compiling: frozenset[str] = frozenset()
 
     def properties(self) -> list[str]:
         """The class's ``@property`` defs: a flag may be one (``return "fp8" in self.kv_cache_dtype``)."""
@@ -64,8 +66,8 @@ def evaluate(node: ast.expr, env: Mapping[str, object], scope: Scope = NO_SCOPE,
     if isinstance(node, ast.Constant):
         return node.value
     if (name := dotted(node)) is not None:  # a name, or an attribute of one
-        if name in env:
-            return env[name]
+        if name in env or name in scope.compiling and COMPILING in env:
+            return env[name if name in env else COMPILING]
         raise Unknown(name)
     if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
         return tuple(ev(e) for e in node.elts)

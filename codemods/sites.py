@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -268,6 +269,9 @@ def collect_pieces(
     guarded = [c for _, c in conditions if c]
     bound = a.bindings(method)
     guard = guard_flag = None
+    method_tree = m.scope(cls).methods.get(method.name.value)
+    # what the guard and the post-call test read: the file's functions and imports, and the method's compile-test locals
+    tests = dataclasses.replace(m.module_scope, compiling=frozenset(guards.compile_locals(method_tree, m.imports)))
     if guarded and len(set(guarded)) == 1:
         condition = guarded[0]
         local = guard_local(condition)
@@ -280,7 +284,7 @@ def collect_pieces(
         lost = local is not None and local not in bound and not hasattr(builtins, local)
         lost = lost and local not in a.scope_bindings(m.module)
         if fused_when is not None and (local is None or value is not None or lost):
-            guard = guards.Guard(fused_when, local, value, m.module_scope)
+            guard = guards.Guard(fused_when, local, value, tests)
             guard_flag = guards.guard_flag(guard, native)
             if guard_flag is None and (local is None or value is not None):
                 # the local the cache arguments test holds something else; or, with no local,
@@ -358,7 +362,7 @@ def collect_pieces(
             p.flag_attr, p.flag_read, p.flag_from_file = lost[0], True, True
         block_guard = guard
         if block_guard is None and p.flag_set and not guarded:
-            block_guard = guards.Guard(ast.parse(f"not self.{p.flag_attr}", mode="eval").body, scope=m.module_scope)
+            block_guard = guards.Guard(ast.parse(f"not self.{p.flag_attr}", mode="eval").body, scope=tests)
         post = guards.post_block(test, block_guard, guard_flag or p.flag_attr) if test and block_guard else None
         # wired: right after the call (before anything, attention say, reads the caches), and
         # nothing in the block leaves it before the write
@@ -379,7 +383,7 @@ def collect_pieces(
         break
     p.insert_kv = a.insert_kv_form(a.find_method(cls, p.insert_method), cls, m.functions)
     init_tree, write_tree = scope.methods.get("__init__"), scope.methods.get(p.insert_method)
-    method_tree, block = scope.methods.get(method.name.value), m.ast_of(p.post_block) if p.post_block else None
+    block = m.ast_of(p.post_block) if p.post_block else None
     if (p.compiled_write or p.compiled_branch) and block is not None and method_tree is not None:
         p.role_problems += guards.dropped_write_problems(block, method_tree, m.tree, m.imports)
     if p.insert_kv in schema.SLOTS_FORMS and write_tree is not None:  # (kept by run, all but its index write)

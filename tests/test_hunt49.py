@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_hunt47 import NATIVE, PATCHED, _edited, _states, refused_but_not_its_base
+from test_hunt47 import COMPILED, NATIVE, PATCHED, _edited, _states, refused_but_not_its_base
 
 POST_CALL = "            self._insert_kv(k, v, index_k, main_slot_mapping, index_slot_mapping)\n"
 SCALE_LINE = "        scale = self._fp8_kv_scale  # identity: stores x / 1\n"
@@ -93,6 +93,12 @@ def _table(flag: str, table: str = TABLE) -> list[tuple[str, str]]:
     return [(imports, f"{imports}\n_KV_IS_FP8 = {table}\n"), (FLAG, f"self._fp8_kv = {flag}")]
 
 
+def _compiling_local(value: str) -> list[tuple[str, str]]:
+    """``compiling = <value>`` first in the compile-aware forward, read wherever it asked ``torch.compiler.is_compiling()``."""
+    first = "        qkv, _ = self.qkv_proj(hidden_states)\n"
+    return [("torch.compiler.is_compiling()", "compiling"), (first, f"        compiling = {value}\n{first}")]
+
+
 # name -> (base, edits, the state `check` gives): the same program as the base, so the base's state
 SAME = {
     # vLLM's kernels take "fp8" as "fp8_e4m3": the native kernel is told the cache dtype (hunt 48's g09)
@@ -130,7 +136,19 @@ SAME = {
         "patched",
     ),
     "a flag from the dtype's first part": (PATCHED, [(FLAG, 'self._fp8_kv = self.kv_cache_dtype.partition("_")[0] == "fp8"')], "patched"),
+    # the compile test held in a local of the forward, bound once (hunt 49's e03)
+    "the compile test held in a local": (COMPILED, _compiling_local("torch.compiler.is_compiling()"), "patched"),
 }
+
+
+@pytest.mark.parametrize("value", ["False", "is_compiling()"])
+def test_a_local_that_is_not_the_compile_test_is_no_guard(tmp_path: Path, value: str) -> None:
+    """A local bound to something else (a constant; a function of this file named ``is_compiling``) is not read as
+    the compile test: the guard is not the bypass's."""
+    path = tmp_path / "model.py"
+    source = _edited(COMPILED, _compiling_local(value))
+    path.write_text(source.replace("\nclass ", "\ndef is_compiling():\n    return False\n\n\nclass ", 1))
+    assert _states(path)[-1] != "patched"
 
 
 @pytest.mark.parametrize(
