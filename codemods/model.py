@@ -15,7 +15,7 @@ import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import names, roles, schema
+from codemods import guards, names, roles, schema
 from codemods.sourcemap import SourceMap
 
 
@@ -60,6 +60,11 @@ class FileModel:
     def tree(self) -> ast.Module:
         """Python's own tree of the file (empty where its parser reads other statements than LibCST's)."""
         return self.source_map.tree if self.source_map is not None else ast.Module([], [])
+
+    @functools.cached_property
+    def stores(self) -> list[ast.AST]:
+        """The file's assignments and calls (``guards.STORES``): where ``guards.set_through_another`` looks."""
+        return [n for n in ast.walk(self.tree) if isinstance(n, guards.STORES)]
 
     def ast_of(self, node: cst.CSTNode) -> ast.stmt | None:
         """The compound statement (a def, a class, an ``if``) of Python's own tree that ``node`` is."""

@@ -408,14 +408,14 @@ def collect_pieces(
     pieces = {method.name.value, p.insert_method, "__init__", *setters}  # (``attrs`` is every self.<x> read)
     p.subclassed = _redefined_below(m, cls, pieces, {p.flag_attr, p.scale_attr, schema.DTYPE_ATTR})
     own = [p.flag_attr] if p.flag_from_file or p.flag_set else []
-    outside = guards.set_through_another(ast.walk(m.tree), [*own, p.scale_attr, schema.DTYPE_ATTR])
+    outside = guards.set_through_another(m.stores, [*own, p.scale_attr, schema.DTYPE_ATTR])
     p.role_problems += [
         f"`{ast.unparse(node)}` at line {node.lineno} sets `{name}` through another object than `self` (the bypass "
         "relies on it being what the layer's __init__ sets)" for node, name in outside
     ] + [
         f"line {node.lineno} rebinds `{cls.name.value}.{name}` outside the class body: the bypass is proven for "
         "the class's own `def`, not for what runs" for node, name in
-        guards.set_through_another(ast.walk(m.tree), sorted(pieces), cls.name.value)[:1]
+        guards.set_through_another(m.stores, sorted(pieces), cls.name.value)[:1]
     ]
     return p
 
