@@ -24,7 +24,7 @@ COMPILING = "<compiling>"  # the truth tables' name for torch.compiler.is_compil
 # vLLM's helper (wherever a release keeps it): true for every quantized cache dtype (0.24.0's test).
 VLLM_HELPERS = {"is_quantized_kv_cache": lambda dtype: dtype.startswith("fp8") or dtype.endswith("per_token_head")}
 _METHODS = {str: {"startswith", "endswith", "lower", "upper", "strip", "casefold", "replace", "partition"}, dict: {"get"}}
-_BUILTINS = {"bool": bool, "str": str, "any": any, "all": all, "frozenset": tuple, "set": tuple, "tuple": tuple}
+_BUILTINS = {"bool": bool, "str": str, "any": any, "all": all, "frozenset": frozenset, "set": frozenset, "tuple": tuple}
 DEPTH = 3  # how deep the reading follows helpers calling helpers (or methods __init__ calls)
 _ERRORS = (TypeError, ValueError, RecursionError, AttributeError, LookupError)  # besides Unknown, from evaluating
 _MISSING = object()
@@ -70,7 +70,8 @@ def evaluate(node: ast.expr, env: Mapping[str, object], scope: Scope = NO_SCOPE,
             return env[name if name in env else COMPILING]
         raise Unknown(name)
     if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return tuple(ev(e) for e in node.elts)
+        items = tuple(ev(e) for e in node.elts)
+        return frozenset(items) if isinstance(node, ast.Set) else items
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
         return not ev(node.operand)
     if isinstance(node, ast.BoolOp):
@@ -89,14 +90,14 @@ def evaluate(node: ast.expr, env: Mapping[str, object], scope: Scope = NO_SCOPE,
         return ev(node.body) if ev(node.test) else ev(node.orelse)
     if isinstance(node, (ast.GeneratorExp, ast.ListComp, ast.SetComp)) and len(node.generators) == 1:
         loop, items = node.generators[0], ev(node.generators[0].iter)  # (every item read: a tuple)
-        if not isinstance(items, (tuple, str)) or loop.is_async:
+        if not isinstance(items, (tuple, str, frozenset)) or loop.is_async:
             raise Unknown("comprehension")
         out = []
-        for item in items:
+        for item in _in_order(items):
             _store(loop.target, item, inner := dict(env))  # type: ignore[arg-type]
             if all(evaluate(test, inner, scope, depth) for test in loop.ifs):
                 out.append(evaluate(node.elt, inner, scope, depth))
-        return tuple(out)
+        return frozenset(out) if isinstance(node, ast.SetComp) else tuple(out)
     if isinstance(node, ast.NamedExpr) and isinstance(env, dict):  # `(q := …)` binds q, as Python does
         value = ev(node.value)
         _store(node.target, value, env)
@@ -121,9 +122,14 @@ def evaluate(node: ast.expr, env: Mapping[str, object], scope: Scope = NO_SCOPE,
     raise Unknown(type(node).__name__)
 
 
+def _in_order(items: object) -> list:
+    """A set's items in one order on every run (Python's own depends on string hashing); else as they are."""
+    return sorted(items, key=repr) if isinstance(items, frozenset) else list(items)  # type: ignore[call-overload]
+
+
 def _compare(op: ast.cmpop, left: object, right: object) -> bool:
     if isinstance(op, (ast.In, ast.NotIn)):
-        if not isinstance(right, (str, tuple, dict)) or (isinstance(right, str) and not isinstance(left, str)):
+        if not isinstance(right, (str, tuple, dict, frozenset)) or (isinstance(right, str) and not isinstance(left, str)):
             raise Unknown("in")
         return (left in right) is isinstance(op, ast.In)
     if isinstance(op, (ast.Eq, ast.NotEq)):
@@ -146,8 +152,8 @@ def _call(node: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -
             return getattr(owner, func.attr)(*args)
         raise Unknown(func.attr)
     name = dotted(func)
-    if name in _BUILTINS and len(args) == 1 and not kwargs and (name in ("bool", "str") or isinstance(args[0], tuple)):
-        return _BUILTINS[name](args[0])  # (any, all: of a comprehension the reading evaluated; a set: as a tuple)
+    if name in _BUILTINS and len(args) == 1 and not kwargs and (name in ("bool", "str") or isinstance(args[0], (tuple, frozenset))):
+        return _BUILTINS[name](args[0])  # (any, all: of a comprehension the reading evaluated)
     if name is not None:
         method = self_member(func)  # a method of the class, else a module function
         defs, key = (scope.methods, method) if method is not None else (scope.functions, name)
@@ -348,9 +354,9 @@ def _unrolled(stmt: ast.For | ast.While | ast.Match, env: dict[str, object], sco
             return
         jumps = any(isinstance(n, (ast.Break, ast.Continue)) for n in ast.walk(stmt))
         items = evaluate(stmt.iter, env, scope) if isinstance(stmt, ast.For) else range(16)
-        if jumps or not isinstance(items, (tuple, str, range)):
+        if jumps or not isinstance(items, (tuple, str, range, frozenset)):
             raise Unknown("loop")
-        for item in items:
+        for item in _in_order(items):
             if isinstance(stmt, ast.For):
                 _store(stmt.target, item, env)
             elif not evaluate(stmt.test, env, scope):

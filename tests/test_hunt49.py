@@ -136,6 +136,10 @@ SAME = {
         "patched",
     ),
     "a flag from the dtype's first part": (PATCHED, [(FLAG, 'self._fp8_kv = self.kv_cache_dtype.partition("_")[0] == "fp8"')], "patched"),
+    # sets are equal whatever order their items are written in
+    "a flag compared as a set": (
+        PATCHED, [(FLAG, 'self._fp8_kv = {self.kv_cache_dtype.partition("_")[0], "x"} == {"x", "fp8"}')], "patched"
+    ),
     # the compile test held in a local of the forward, bound once (hunt 49's e03)
     "the compile test held in a local": (COMPILED, _compiling_local("torch.compiler.is_compiling()"), "patched"),
 }
