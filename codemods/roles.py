@@ -33,6 +33,16 @@ _SOURCES = "<dtype sources>"  # env's key for the names that are the cache dtype
 _NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
 
+class _Present:
+    """An object the reading knows is there (not None), and nothing else of: ``cache_config`` where the dtype is read."""
+
+    def __repr__(self) -> str:
+        return "<present>"
+
+
+PRESENT = _Present()
+
+
 class Unknown(Exception):
     """The expression holds something the reading cannot evaluate."""
 
@@ -128,14 +138,18 @@ def _in_order(items: object) -> list:
 
 
 def _compare(op: ast.cmpop, left: object, right: object) -> bool:
+    if isinstance(op, (ast.Is, ast.IsNot)) and all(v is None or isinstance(v, bool) or v is PRESENT for v in (left, right)):
+        if left is right is PRESENT:
+            raise Unknown("is")  # (two objects known to be there: the same one or not)
+        return (left is right) is isinstance(op, ast.Is)  # `G is False`: only on bools and None, where it is ==
+    if any(v is PRESENT for v in (left, right)):
+        raise Unknown("present")  # (``x is None`` alone is known of it)
     if isinstance(op, (ast.In, ast.NotIn)):
         if not isinstance(right, (str, tuple, dict, frozenset)) or (isinstance(right, str) and not isinstance(left, str)):
             raise Unknown("in")
         return (left in right) is isinstance(op, ast.In)
     if isinstance(op, (ast.Eq, ast.NotEq)):
         return (left == right) is isinstance(op, ast.Eq)
-    if isinstance(op, (ast.Is, ast.IsNot)) and all(v is None or isinstance(v, bool) for v in (left, right)):
-        return (left is right) is isinstance(op, ast.Is)  # `G is False`: only on bools and None, where it is ==
     raise Unknown(type(op).__name__)
 
 
@@ -145,6 +159,8 @@ def _call(node: ast.Call, env: Mapping[str, object], scope: Scope, depth: int) -
             return env[COMPILING]
         raise Unknown("is_compiling")
     func = node.func
+    if dotted(func) == "getattr" and len(node.args) in (2, 3) and not node.keywords and (attr := literal(node.args[1])):
+        return evaluate(ast.Attribute(node.args[0], attr, ast.Load()), env, scope, depth)  # (the default: unknown)
     args, kwargs = _arguments(node, env, scope, depth)
     if isinstance(func, ast.Attribute) and func.attr in _METHODS[str] | _METHODS[dict] and dotted(func.value) != "self":
         owner = evaluate(func.value, env, scope, depth)  # a string's method, or a table's `get`
@@ -220,18 +236,40 @@ class _Stop(Exception):
     """A ``return`` or ``raise``: this path does not reach the end of the method."""
 
 
-def _dtype_sources(init: ast.FunctionDef, scope: Scope) -> tuple[set[str], bool]:
+def _dtype_sources(init: ast.FunctionDef, scope: Scope) -> tuple[set[str], bool, set[str]]:
     """``self.kv_cache_dtype`` and the chain of names it is assigned from (``d = cache_config.cache_dtype``;
     ``self.kv_cache_dtype = d``), each set by one statement of __init__ or a method it calls (two, ``= "auto"``
-    then the real one: which is the dtype's is not known); and whether __init__ sets it (the dtype from there)."""
+    then the real one: which is the dtype's is not known); whether __init__ sets it (the dtype from there); and
+    the objects the chain reads that are there on the dtype's path (``_source``)."""
     body = [*init.body, *(s for fn in init_methods(init, scope)[1:] for s in fn.body)]
     assigns = [n for n in ast.walk(init) if isinstance(n, ast.Assign) and len(n.targets) == 1]
     values = {name: n.value for n in reversed(assigns) if (name := dotted(n.targets[0]))}  # (the first)
-    sources, name = set(), DTYPE
+    sources, present, name = set(), set(), DTYPE
     while name is not None and name not in sources and _stores_on_a_path(body, name) <= 1:
         sources.add(name)
-        name = dotted(values[name]) if name in values else None
-    return sources, _stores_on_a_path(body, DTYPE) > 0
+        name, root = _source(values[name]) if name in values else (None, None)
+        if root is not None and _stores_on_a_path(body, root):
+            name = None  # the object rebound: what it holds is another question
+        present |= {root} - {None}
+    return sources, _stores_on_a_path(body, DTYPE) > 0, present  # type: ignore[return-value]
+
+
+def _source(value: ast.expr) -> tuple[str | None, str | None]:
+    """What a dtype is assigned from: ``d`` of ``= d``; ``X.a`` of ``= X.a if X is not None else "auto"`` (``X``, ``not
+    X``, ``X is None`` too, either way round), with ``X``: there wherever the dtype is read from it."""
+    if not isinstance(value, ast.IfExp):
+        return dotted(value), None
+    test, there = value.test, True
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        test, there = test.operand, False
+    if isinstance(test, ast.Compare) and [type(o) for o in test.ops] in ([ast.Is], [ast.IsNot]):
+        nothing = isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None
+        test, there = (test.left, there == isinstance(test.ops[0], ast.IsNot)) if nothing else (test, there)
+    read, default = (value.body, value.orelse) if there else (value.orelse, value.body)
+    name, root = dotted(read), dotted(test)
+    if name is None or root is None or "." in root or not name.startswith(root + ".") or literal(default) is None:
+        return None, None
+    return name, root
 
 
 def _stores_on_a_path(body: list[ast.stmt], name: str) -> int:
@@ -460,11 +498,11 @@ def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object])
     # what a def nested in __init__ (or in a method it calls) stores through ``self``: whenever it is called
     nested = [d for fn in init_methods(init, scope) for d in ast.walk(fn) if d is not fn and isinstance(d, _NESTED)]
     late = {f"self.{attr}" for d in nested for attr in _stored(d)}
-    sources, set_here = _dtype_sources(init, scope)
+    sources, set_here, present = _dtype_sources(init, scope)
     pinned, values = sources - {DTYPE} if set_here else sources, {}  # (the attribute: where __init__ sets it)
     props = {name: ast.Call(ast.parse(f"self.{name}", mode="eval").body, [], []) for name in scope.properties()}
     for dtype in (*FP8_DTYPES, *NOT_FP8):
-        env = {**base, _SOURCES: dict.fromkeys(sources, dtype), **dict.fromkeys(pinned, dtype)}
+        env = {**base, _SOURCES: dict.fromkeys(sources, dtype), **dict.fromkeys(pinned, dtype), **dict.fromkeys(present, PRESENT)}
         with contextlib.suppress(_Stop):
             _block(init.body, env, scope, 0)
         for name, call in props.items():  # what a property gives once __init__ has run

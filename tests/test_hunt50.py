@@ -1,0 +1,48 @@
+"""Stop 50: programs that are the same as a supported form, refused before (each with its base), and what must
+still be refused beside them, as small edits of the fixtures through the whole command (``check --json``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_hunt47 import PATCHED, _edited, _states, refused_but_not_its_base
+
+FLAG = 'self._fp8_kv = "fp8" in self.kv_cache_dtype'
+DTYPE = '            cache_config.cache_dtype if cache_config is not None else "auto"\n'
+
+# The flag read from what ``self.kv_cache_dtype`` is read from, ``cache_config.cache_dtype`` (there wherever the
+# dtype is read from it): the same flag as the fixture's.
+ATTRIBUTE = 'cache_config.cache_dtype.startswith("fp8")'
+FROM_CACHE_CONFIG = {
+    "the dtype's attribute": ATTRIBUTE,
+    "getattr of it": '"fp8" in getattr(cache_config, "cache_dtype", "auto")',
+    "tested for None first": 'cache_config is not None and cache_config.cache_dtype.startswith("fp8")',
+    "a conditional of it": '"fp8" in (cache_config.cache_dtype if cache_config else "auto")',
+}
+
+
+@pytest.mark.parametrize("case", sorted(FROM_CACHE_CONFIG))
+def test_a_flag_read_from_the_cache_config_is_the_flag(tmp_path: Path, case: str) -> None:
+    path = tmp_path / "model.py"
+    path.write_text(_edited(PATCHED, [(FLAG, f"self._fp8_kv = {FROM_CACHE_CONFIG[case]}")]))
+    assert _states(path)[-1] == "patched"
+
+
+# The dtype read otherwise: ``cache_config.cache_dtype`` is not what ``self.kv_cache_dtype`` holds.
+NOT_THE_DTYPE = {
+    # the cache dtype taken from it under a test of something else: where that fails, the two differ
+    "under another test": [(DTYPE, '            cache_config.cache_dtype if quant_config is None else "auto"\n')],
+    # the object rebound after the dtype is read from it, before the flag is
+    "the object rebound": [
+        (DTYPE + "        )\n", DTYPE + '        )\n        cache_config = dataclasses.replace(cache_config, cache_dtype="fp8")\n')
+    ],
+    # the dtype from elsewhere
+    "another source": [(DTYPE, '            "auto"\n')],
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_THE_DTYPE))
+def test_a_flag_read_from_the_cache_config_of_another_dtype_is_refused(tmp_path: Path, case: str) -> None:
+    base = _edited(PATCHED, [(FLAG, f"self._fp8_kv = {ATTRIBUTE}")])
+    refused_but_not_its_base(tmp_path / "model.py", base, NOT_THE_DTYPE[case])
