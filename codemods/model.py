@@ -62,6 +62,13 @@ class FileModel:
         return self.source_map.tree if self.source_map is not None else ast.Module([], [])
 
     @functools.cached_property
+    def top_imports(self) -> dict[str, str]:
+        """``imports`` bound by a statement of the module's own (no function's, no ``if``'s or ``try``'s): what code
+        written into a method may name."""
+        top = {i.bound for i in a.module_imports(self.module)}
+        return {k: v for k, v in self.imports.items() if k in top}
+
+    @functools.cached_property
     def stores(self) -> list[ast.AST]:
         """The file's assignments and calls (``guards.STORES``): where ``guards.set_through_another`` looks."""
         return [n for n in ast.walk(self.tree) if isinstance(n, guards.STORES)]

@@ -46,3 +46,23 @@ NOT_THE_DTYPE = {
 def test_a_flag_read_from_the_cache_config_of_another_dtype_is_refused(tmp_path: Path, case: str) -> None:
     base = _edited(PATCHED, [(FLAG, f"self._fp8_kv = {ATTRIBUTE}")])
     refused_but_not_its_base(tmp_path / "model.py", base, NOT_THE_DTYPE[case])
+
+
+FORK_ERA = (Path(__file__).parent.parent / "fixtures" / "fork_era" / "model.py").read_text()
+PROJECTION = "        qkv, _ = self.qkv_proj(hidden_states)\n        num_tokens = qkv.shape[0]\n"
+
+
+def test_an_import_in_a_function_is_no_name_for_the_write(tmp_path: Path) -> None:
+    """``vllm._custom_ops`` imported in the forward alone (hunt 50's G3): a write method ``run`` wrote with ``ops.`` would
+    raise NameError, so the site is refused, saying where the import must be."""
+    path = tmp_path / "model.py"
+    path.write_text(FORK_ERA)
+    assert _states(path)[-1] == "needs-bypass"  # the control
+    local = "        from vllm import _custom_ops as ops\n"
+    edited = _edited(FORK_ERA, [("from vllm import _custom_ops as ops\n", ""), (PROJECTION, local + PROJECTION)])
+    path.write_text(edited)
+    from conftest import cli
+
+    proc = cli("run", str(path))
+    assert proc.returncode == 2 and "no statement of the module's own imports `vllm._custom_ops`" in proc.stderr
+    assert path.read_text() == edited
