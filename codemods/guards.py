@@ -111,7 +111,7 @@ def writes_cache(method: str | None, scope: Scope) -> bool:
         return scope.methods.get(name) if name is not None else scope.functions.get(dotted(call.func) or "")
 
     fn = scope.methods.get(method) if method is not None else None
-    return any(callee(c) == schema.RESHAPE_OP for f in [fn, *map(defined, calls(fn))] for c in calls(f))
+    return any(is_reshape(c, scope.imports) for f in [fn, *map(defined, calls(fn))] for c in calls(f))
 
 
 def own_writes(
@@ -126,7 +126,7 @@ def own_writes(
 
     return [
         n for fn in reached(method, scope, init) for n in ast.walk(fn)
-        if (isinstance(n, ast.Call) and callee(n) == schema.RESHAPE_OP) or (isinstance(n, ast.Subscript) and indexed(n))
+        if is_reshape(n, scope.imports) or (isinstance(n, ast.Subscript) and indexed(n))
     ]
 
 
@@ -250,28 +250,34 @@ def host_syncs(code: Iterable[ast.AST], tensors: Iterable[str] = ()) -> list[ast
 RESHAPE_HOMES = {f"vllm._custom_ops.{schema.RESHAPE_OP}", f"torch.ops._C_cache_ops.{schema.RESHAPE_OP}"}
 
 
-def reshape_calls(code: Iterable[ast.AST]) -> list[ast.Call]:
+def is_reshape(node: ast.AST, imports: Mapping[str, str]) -> bool:
+    """A call of the reshape op, by its name or by what the name is bound to (``import … as write``)."""
+    bound = (qualified(node.func, imports) or "").rpartition(".")[2] if isinstance(node, ast.Call) else None
+    return isinstance(node, ast.Call) and schema.RESHAPE_OP in (callee(node), bound)
+
+
+def reshape_calls(code: Iterable[ast.AST], imports: Mapping[str, str]) -> list[ast.Call]:
     """The calls of the reshape op in ``code``."""
-    return [n for fn in code for n in ast.walk(fn) if isinstance(n, ast.Call) and callee(n) == schema.RESHAPE_OP]
+    return [n for fn in code for n in ast.walk(fn) if is_reshape(n, imports)]
 
 
 def foreign_reshapes(code: Iterable[ast.AST], imports: Mapping[str, str]) -> list[ast.Call]:
     """Calls of the reshape op in ``code`` through what is not one of ``RESHAPE_HOMES`` however the file
     imports it (``torch.ops._C.reshape_and_cache_flash``: no such op, an AttributeError on the first write)."""
-    return [c for c in reshape_calls(code) if qualified(c.func, imports) not in RESHAPE_HOMES]
+    return [c for c in reshape_calls(code, imports) if qualified(c.func, imports) not in RESHAPE_HOMES]
 
 
 # The reshape op's key, value and kv-cache dtype parameters.
 _KEY, _VALUE, _DTYPE = schema.OpParam(0, "key"), schema.OpParam(1, "value"), schema.OpParam(5, "kv_cache_dtype")
 
 
-def foreign_dtypes(code: Iterable[ast.AST], carries: Callable[[ast.expr], bool]) -> list[ast.Call]:
+def foreign_dtypes(code: Iterable[ast.AST], carries: Callable[[ast.expr], bool], imports: Mapping[str, str]) -> list[ast.Call]:
     """The main writes in ``code`` (a key and a value, not the index key twice) whose kv-cache dtype ``carries``
     does not prove to be the layer's for every fp8 dtype: the kernel quantizes by it ("fp8" into an e5m2 cache: e4m3)."""
     def arg(call: ast.Call, param: schema.OpParam) -> ast.expr | None:
         return schema.bind_arg(param, call.args, [(k.arg, k.value) for k in call.keywords])  # type: ignore[misc]
 
-    mains = [c for c in reshape_calls(code) if ast.dump(arg(c, _KEY) or c) != ast.dump(arg(c, _VALUE) or c)]
+    mains = [c for c in reshape_calls(code, imports) if ast.dump(arg(c, _KEY) or c) != ast.dump(arg(c, _VALUE) or c)]
     return [c for c in mains if (dtype := arg(c, _DTYPE)) is None or not carries(dtype)]
 
 
@@ -282,7 +288,9 @@ def _one(node: ast.expr) -> bool:
 _FLOAT32 = {"torch.float32", "torch.float"}
 
 
-def unproven_scales(code: Iterable[ast.AST], init: ast.FunctionDef | None, upgraded: bool) -> list[ast.expr]:
+def unproven_scales(
+    code: Iterable[ast.AST], init: ast.FunctionDef | None, upgraded: bool, imports: Mapping[str, str]
+) -> list[ast.expr]:
     """The scales the reshape op's calls in ``code`` hand the kernel (``k_scale``, ``v_scale``: a float32 on the
     device, to it) not proven so. Proven: ``torch.ones(…, device=…)`` (or ``torch.full(…, 1.0, device=…)``) made at
     run time (float32 by default); a ``self.<x>`` that ``__init__`` makes (or registers) as ``torch.ones(…,
@@ -313,7 +321,7 @@ def unproven_scales(code: Iterable[ast.AST], init: ast.FunctionDef | None, upgra
         for n in ast.walk(fn):
             if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
                 bound[n.targets[0].id] = [n.value] * len(bound[n.targets[0].id])
-        calls = reshape_calls([fn])
+        calls = reshape_calls([fn], imports)
         scales = (x for c in calls for x in [*c.args[6:8], *(k.value for k in c.keywords if k.arg in ("k_scale", "v_scale"))])
         for scale in scales:
             local = isinstance(scale, ast.Name) and len(bound.get(scale.id, [])) == 1
@@ -345,7 +353,7 @@ def kept_write_problems(
     the first host sync (``host_syncs``), unproven scale (``unproven_scales``), reshape op vLLM does not define
     (``foreign_reshapes``), kv-cache dtype not the layer's (``foreign_dtypes``), and an ``except`` that swallows
     a failed write."""
-    syncs, scales = host_syncs(runs, made_tensors(init))[:1], unproven_scales(runs, init, upgraded)[:1]
+    syncs, scales = host_syncs(runs, made_tensors(init))[:1], unproven_scales(runs, init, upgraded, imports)[:1]
     handlers = (h for fn in runs for h in ast.walk(fn) if isinstance(h, ast.ExceptHandler))
     swallowed = [h for h in handlers if not any(isinstance(n, ast.Raise) for n in ast.walk(h))][:1]
     return [
@@ -361,7 +369,7 @@ def kept_write_problems(
           "`vllm._custom_ops` and `torch.ops._C_cache_ops` alone" for n in foreign_reshapes(runs, imports)[:1]),
         *(f"the write at line {n.lineno} hands `{schema.RESHAPE_OP}` a kv-cache dtype not proven to be the layer's "
           '`self.kv_cache_dtype` for "fp8", "fp8_e4m3" and "fp8_e5m2": the kernel quantizes by it, so an fp8_e5m2 '
-          "cache would be written in another format" for n in foreign_dtypes(runs, carries)[:1]),
+          "cache would be written in another format" for n in foreign_dtypes(runs, carries, imports)[:1]),
     ]
 
 

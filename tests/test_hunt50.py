@@ -66,3 +66,22 @@ def test_an_import_in_a_function_is_no_name_for_the_write(tmp_path: Path) -> Non
     proc = cli("run", str(path))
     assert proc.returncode == 2 and "no statement of the module's own imports `vllm._custom_ops`" in proc.stderr
     assert path.read_text() == edited
+
+
+MAIN_WRITE = "        ops.reshape_and_cache_flash(\n            key.view(-1, self.num_kv_heads, self.head_dim),\n"
+ALIAS = [
+    ("from vllm import _custom_ops as ops\n",
+     "from vllm import _custom_ops as ops\nfrom vllm._custom_ops import reshape_and_cache_flash as write_kv_cache\n"),
+    (MAIN_WRITE, MAIN_WRITE.replace("ops.reshape_and_cache_flash", "write_kv_cache")),
+]
+
+
+def test_a_write_through_an_alias_of_the_op_is_the_write(tmp_path: Path) -> None:
+    """The main write through an import alias of the reshape op (hunt 50's G4) is read as the write: the same
+    program is patched, and a kv-cache dtype the kernel would read as another is refused as without the alias."""
+    path = tmp_path / "model.py"
+    path.write_text(_edited(PATCHED, ALIAS))
+    assert _states(path)[-1] == "patched"
+    literal = ("            main_slot_mapping,\n            self.kv_cache_dtype,\n", '            main_slot_mapping,\n            "fp8",\n')
+    path.write_text(_edited(PATCHED, [*ALIAS, literal]))
+    assert _states(path)[-1] == "unsupported"
