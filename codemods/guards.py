@@ -345,18 +345,32 @@ def made_tensors(init: ast.FunctionDef | None) -> set[str]:
     return made
 
 
+def captured_caches(init: ast.FunctionDef | None, caches: Iterable[str]) -> dict[str, ast.Assign]:
+    """The ``self.<y>`` that ``__init__`` binds to a value made from a cache the call passes (``self.kv_cache``), by
+    name: vLLM binds the layer's real caches after building it, so ``y`` keeps the placeholder."""
+    wanted = set(caches)
+    assigns = [n for n in ast.walk(init) if isinstance(n, ast.Assign)] if init is not None else []
+    made = [n for n in assigns if any(dotted(v) in wanted for v in ast.walk(n.value))]  # type: ignore[arg-type]
+    return {y: n for n in made for t in n.targets for x in ast.walk(t) if (y := self_member(x)) is not None}
+
+
 def kept_write_problems(
     runs: list[ast.AST], init: ast.FunctionDef | None, imports: Mapping[str, str], upgraded: bool, name: str,
-    carries: Callable[[ast.expr], bool],
+    carries: Callable[[ast.expr], bool], caches: list[str],
 ) -> list[str]:
     """What the write a bypass keeps must not do, in words (``runs``: what it and the post-call block run):
     the first host sync (``host_syncs``), unproven scale (``unproven_scales``), reshape op vLLM does not define
-    (``foreign_reshapes``), kv-cache dtype not the layer's (``foreign_dtypes``), and an ``except`` that swallows
-    a failed write."""
+    (``foreign_reshapes``), kv-cache dtype not the layer's (``foreign_dtypes``), cache held since ``__init__``
+    (``captured_caches``: ``caches`` are the call's), and an ``except`` that swallows a failed write."""
     syncs, scales = host_syncs(runs, made_tensors(init))[:1], unproven_scales(runs, init, upgraded, imports)[:1]
+    held = captured_caches(init, caches)
+    stale = [n for fn in runs for n in ast.walk(fn) if isinstance(n, ast.Attribute) and self_member(n) in held][:1]
     handlers = (h for fn in runs for h in ast.walk(fn) if isinstance(h, ast.ExceptHandler))
     swallowed = [h for h in handlers if not any(isinstance(n, ast.Raise) for n in ast.walk(h))][:1]
     return [
+        *(f"the write reads `{ast.unparse(n)}` at line {n.lineno}, which __init__ binds to a cache the call passes (line "
+          f"{held[n.attr].lineno}): vLLM binds the layer's real caches after building it, so it holds the placeholder "
+          "and the fp8 write misses the cache. Read the cache attribute itself in the write" for n in stale),
         *(f"an `except` at line {h.lineno} around the write goes on without raising: a write that fails leaves the "
           "cache as it was, and attention reads it as if written" for h in swallowed),
         *(f"the post-call write (`self.{name}(…)`) makes the host wait for the device at line {n.lineno} "

@@ -390,7 +390,10 @@ def collect_pieces(
         runs = guards.reached(write_tree, scope, init_tree) + ([block] if block is not None else [])
         upgraded = p.insert_kv in schema.OLDER_FORMS
         carries = functools.partial(m.carries_dtype, cls, fp8=True)
-        p.role_problems += guards.kept_write_problems(runs, init_tree, m.imports, upgraded, p.insert_method, carries)
+        args = [op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE)]
+        caches = [names.dotted(t) for x in args if x and (t := names.expression(a.code(unguarded(x))))]
+        problems = guards.kept_write_problems(runs, init_tree, m.imports, upgraded, p.insert_method, carries, caches)
+        p.role_problems += problems
     write = m.methods(cls).get(p.insert_method)
     # The scale: the identity scale (``torch.ones``) __init__ makes that the write method reads.
     read = {a.self_attr(n) for n in a.nodes_in(write.body)} - {None} if write is not None else set()

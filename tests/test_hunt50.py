@@ -85,3 +85,39 @@ def test_a_write_through_an_alias_of_the_op_is_the_write(tmp_path: Path) -> None
     literal = ("            main_slot_mapping,\n            self.kv_cache_dtype,\n", '            main_slot_mapping,\n            "fp8",\n')
     path.write_text(_edited(PATCHED, [*ALIAS, literal]))
     assert _states(path)[-1] == "unsupported"
+
+
+PLACEHOLDER = "        self.kv_cache = torch.tensor([])  # replaced by bind_kv_cache\n"
+UNBIND = "        key_cache, value_cache = self.kv_cache.unbind(1)\n"
+CAPTURED = {
+    "the main cache": [(PLACEHOLDER, PLACEHOLDER + "        self._main_cache = self.kv_cache\n"),
+                       (UNBIND, UNBIND.replace("self.kv_cache", "self._main_cache"))],
+    "both caches in a tuple": [
+        (PLACEHOLDER, PLACEHOLDER + "        self._caches = (self.kv_cache, self.indexer.index_cache.kv_cache)\n"),
+        (UNBIND, UNBIND.replace("self.kv_cache", "self._caches[0]")),
+    ],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CAPTURED))
+def test_a_cache_held_since_init_is_refused_and_fails_the_semantic_level(tmp_path: Path, case: str) -> None:
+    """The write reads a cache that ``__init__`` held in another attribute (hunt 50's G1): vLLM binds the real
+    caches after building the layer, so it holds the placeholder. Refused, and the semantic level, which binds
+    the stand-in's caches after ``__init__`` as vLLM does, fails it."""
+    pytest.importorskip("torch")
+    from test_fp8_index import semantic
+
+    from rewriter.verify import Status
+
+    path = tmp_path / "model.py"
+    refused_but_not_its_base(path, PATCHED, CAPTURED[case])
+    assert "which __init__ binds to a cache the call passes" in cli_check(path)
+    level = semantic(path)
+    assert level.status is Status.FAILED and "fp8 run failed" in level.reason
+
+
+def cli_check(path: Path) -> str:
+    from conftest import cli
+
+    proc = cli("check", str(path))
+    return proc.stdout + proc.stderr

@@ -411,6 +411,15 @@ def _config(s: Shape) -> types.SimpleNamespace:
     )
 
 
+def _parts(layer: Any, depth: int = 3) -> list[Any]:
+    """The layer and the stand-in's objects it holds (``indexer.index_cache``), ``depth`` levels down."""
+    found, level = [layer], [layer]
+    for _ in range(depth):
+        level = [v for o in level for v in vars(o).values() if isinstance(v, (types.SimpleNamespace, _Indexer))]
+        found += [v for v in level if all(v is not f for f in found)]
+    return found
+
+
 def _pinned_setattr(self: Any, name: str, value: Any) -> None:
     if name not in type(self).pinned:
         object.__setattr__(self, name, value)
@@ -544,6 +553,10 @@ def _standin(
         values.setdefault(chain[0], None)
     # __init__ itself, statement by statement, on the stand-in's sizes as this rank sees them;
     # what the stand-in set above stays, and a statement that raises is skipped.
+    # vLLM binds the layer's caches after building it (bind_kv_cache): __init__ sees placeholders
+    spots = [(o, k, v) for o in _parts(layer) for k, v in list(vars(o).items()) if v is kv_cache or v is index_cache]
+    for owner, key, cache in spots:
+        object.__setattr__(owner, key, torch.empty(0, dtype=cache.dtype, device=dev))
     cls.pinned = frozenset(values) - {DTYPE_ATTR}  # (what the file's own __init__ leaves in it counts)
     # one dict for the module's names and __init__'s locals: a comprehension in __init__ sees both
     local = namespace | code.init.params | {
@@ -564,6 +577,8 @@ def _standin(
         except Exception:  # builds something the stand-in does not model
             continue
     cls.pinned = frozenset()
+    for owner, key, cache in spots:
+        object.__setattr__(owner, key, cache)
     if not isinstance(getattr(layer, "qkv_proj", None), _Projection):
         layer.qkv_proj = full  # one fused projection: the whole buffer
     for name, value in vars(layer).items():
