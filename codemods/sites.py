@@ -391,7 +391,7 @@ def collect_pieces(
         upgraded = p.insert_kv in schema.OLDER_FORMS
         carries = functools.partial(m.carries_dtype, cls, fp8=True)
         args = [op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE)]
-        caches = [names.dotted(t) for x in args if x and (t := names.expression(a.code(unguarded(x))))]
+        caches = [d for x in args if x and (t := names.expression(a.code(unguarded(x)))) and (d := names.dotted(t))]
         problems = guards.kept_write_problems(runs, init_tree, m.imports, upgraded, p.insert_method, carries, caches)
         p.role_problems += problems
     write = m.methods(cls).get(p.insert_method)
