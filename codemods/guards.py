@@ -205,12 +205,18 @@ def _mask(n: ast.AST, names: set[str]) -> bool:
     return invert or isinstance(n, ast.Compare) or isinstance(n, ast.Call) and callee(n) in _MASKS
 
 
+def _tests(n: ast.AST) -> list[ast.expr]:
+    """What ``n`` tests: an ``if``'s, a loop's, an ``assert``'s or a conditional's test, ``and``/``or``'s operands but
+    the last, a comprehension's ``if``s, a ``match``'s subject."""
+    tested = [n.test] if isinstance(n, (ast.If, ast.While, ast.Assert, ast.IfExp)) else [n.subject] if isinstance(n, ast.Match) else []
+    return tested + (n.ifs if isinstance(n, ast.comprehension) else n.values[:-1] if isinstance(n, ast.BoolOp) else [])
+
+
 def _host_reads(n: ast.AST) -> list[ast.AST]:
     """What ``n`` hands the host: a test (of an ``if``, a loop, an ``assert``, ``and``/``or``), the arguments of a
     conversion (``int(…)``, ``print(…)``), an f-string's value, a slice's bounds, ``repeat_interleave``'s repeats
     (with no ``output_size``: the size of its result)."""
-    tested = [n.test] if isinstance(n, (ast.If, ast.While, ast.Assert, ast.IfExp)) else []
-    tested += n.ifs if isinstance(n, ast.comprehension) else n.values[:-1] if isinstance(n, ast.BoolOp) else []
+    tested = _tests(n)
     if isinstance(n, ast.Call):
         kws = {k.arg: k.value for k in n.keywords}
         tested += n.args if dotted(n.func) in _TO_HOST else []
@@ -271,14 +277,37 @@ def foreign_reshapes(code: Iterable[ast.AST], imports: Mapping[str, str]) -> lis
 _KEY, _VALUE, _DTYPE = schema.OpParam(0, "key"), schema.OpParam(1, "value"), schema.OpParam(5, "kv_cache_dtype")
 
 
+def _arg(call: ast.Call, param: schema.OpParam) -> ast.expr | None:
+    return schema.bind_arg(param, call.args, [(k.arg, k.value) for k in call.keywords])  # type: ignore[misc]
+
+
+def _index_write(call: ast.Call) -> bool:
+    """A write of the index key: the same tensor as key and value."""
+    return ast.dump(_arg(call, _KEY) or call) == ast.dump(_arg(call, _VALUE) or ast.Pass())
+
+
 def foreign_dtypes(code: Iterable[ast.AST], carries: Callable[[ast.expr], bool], imports: Mapping[str, str]) -> list[ast.Call]:
     """The main writes in ``code`` (a key and a value, not the index key twice) whose kv-cache dtype ``carries``
     does not prove to be the layer's for every fp8 dtype: the kernel quantizes by it ("fp8" into an e5m2 cache: e4m3)."""
-    def arg(call: ast.Call, param: schema.OpParam) -> ast.expr | None:
-        return schema.bind_arg(param, call.args, [(k.arg, k.value) for k in call.keywords])  # type: ignore[misc]
+    mains = [c for c in reshape_calls(code, imports) if not _index_write(c)]
+    return [c for c in mains if (dtype := _arg(c, _DTYPE)) is None or not carries(dtype)]
 
-    mains = [c for c in reshape_calls(code, imports) if ast.dump(arg(c, _KEY) or c) != ast.dump(arg(c, _VALUE) or c)]
-    return [c for c in mains if (dtype := arg(c, _DTYPE)) is None or not carries(dtype)]
+
+def spelled_writes(
+    code: Iterable[ast.AST], dtyped: set[str], alike: Callable[[ast.expr], bool], imports: Mapping[str, str]
+) -> list[ast.expr]:
+    """Where what ``code`` writes depends on which fp8 dtype the cache is ("fp8", "fp8_e4m3", "fp8_e5m2": the flag is
+    true for each): a test (``_tests``), or the index write's kv-cache dtype (the index cache has a dtype of its own),
+    that reads a value made from ``dtyped`` (``self.<x>`` names) and that ``alike`` does not prove one for each."""
+    def reads(node: ast.AST, made: set[str]) -> bool:
+        return any(isinstance(x, ast.Name) and x.id in made or f"self.{self_member(x)}" in made for x in ast.walk(node))
+
+    found: list[ast.expr] = []
+    for fn in code:
+        made = _spread(fn, dtyped, reads) - {"self"}  # (a store to ``self.<x>`` is no local)
+        index = [d for c in reshape_calls([fn], imports) if _index_write(c) and (d := _arg(c, _DTYPE)) is not None]
+        found += [x for x in [*(t for n in ast.walk(fn) for t in _tests(n)), *index] if reads(x, made) and not alike(x)]
+    return sorted(found, key=lambda n: (n.lineno, n.col_offset))
 
 
 def _one(node: ast.expr) -> bool:
@@ -356,12 +385,13 @@ def captured_caches(init: ast.FunctionDef | None, caches: Iterable[str]) -> dict
 
 def kept_write_problems(
     runs: list[ast.AST], init: ast.FunctionDef | None, imports: Mapping[str, str], upgraded: bool, name: str,
-    carries: Callable[[ast.expr], bool], caches: list[str],
+    carries: Callable[[ast.expr], bool], caches: list[str], dtyped: set[str], alike: Callable[[ast.expr], bool],
 ) -> list[str]:
     """What the write a bypass keeps must not do, in words (``runs``: what it and the post-call block run):
     the first host sync (``host_syncs``), unproven scale (``unproven_scales``), reshape op vLLM does not define
     (``foreign_reshapes``), kv-cache dtype not the layer's (``foreign_dtypes``), cache held since ``__init__``
-    (``captured_caches``: ``caches`` are the call's), and an ``except`` that swallows a failed write."""
+    (``captured_caches``: ``caches`` are the call's), what depends on which fp8 dtype (``spelled_writes``), and an
+    ``except`` that swallows a failed write."""
     syncs, scales = host_syncs(runs, made_tensors(init))[:1], unproven_scales(runs, init, upgraded, imports)[:1]
     held = captured_caches(init, caches)
     stale = [n for fn in runs for n in ast.walk(fn) if isinstance(n, ast.Attribute) and self_member(n) in held][:1]
@@ -371,6 +401,9 @@ def kept_write_problems(
         *(f"the write reads `{ast.unparse(n)}` at line {n.lineno}, which __init__ binds to a cache the call passes (line "
           f"{held[n.attr].lineno}): vLLM binds the layer's real caches after building it, so it holds the placeholder "
           "and the fp8 write misses the cache. Read the cache attribute itself in the write" for n in stale),
+        *(f"the write at line {n.lineno} depends on which fp8 dtype the cache is (`{ast.unparse(n)}`): the flag is true "
+          'for "fp8", "fp8_e4m3" and "fp8_e5m2" alike, and the write is proven for one; write each the same way (the '
+          "kernel takes the dtype), and the index cache by its own dtype" for n in spelled_writes(runs, dtyped, alike, imports)[:1]),
         *(f"an `except` at line {h.lineno} around the write goes on without raising: a write that fails leaves the "
           "cache as it was, and attention reads it as if written" for h in swallowed),
         *(f"the post-call write (`self.{name}(…)`) makes the host wait for the device at line {n.lineno} "

@@ -184,6 +184,25 @@ class FileModel:
         values = {d: v for d, v in (self._values(cls) or {}).items() if d in roles.FP8_DTYPES or not fp8} or None
         return values is not None and tree is not None and roles.carries_dtype(tree, self.scope(cls), values)
 
+    def fp8_dtyped(self, cls: cst.ClassDef) -> set[str]:
+        """The cache dtype, and the ``self.`` attributes ``__init__`` leaves another value in for another fp8 dtype,
+        or reads the dtype into where what it leaves is not known: what tells the fp8 dtypes apart."""
+        runs = [(self._values(cls) or {}).get(d, {}) for d in roles.FP8_DTYPES]
+        init = self.scope(cls).methods.get("__init__")
+        assigns = [n for n in ast.walk(init) if isinstance(n, ast.Assign)] if init is not None else []
+        reading = [n for n in assigns if roles.DTYPE in map(names.dotted, ast.walk(n.value))]  # type: ignore[arg-type]
+        unknown = {f"self.{y}" for n in reading for t in n.targets if (y := names.self_member(t))} - set.intersection(*map(set, runs))
+        return {roles.DTYPE, *unknown, *(k for k in set().union(*runs) if len({repr(r.get(k, ...)) for r in runs}) > 1)}
+
+    def fp8_alike(self, cls: cst.ClassDef, expr: ast.expr) -> bool:
+        """``expr`` holds one value for every fp8 dtype once ``__init__`` has run (``roles.evaluate``)."""
+        values = self._values(cls) or {}
+        try:
+            held = {repr(roles.evaluate(expr, dict(values[d]), self.scope(cls))) for d in roles.FP8_DTYPES}
+        except (roles.Unknown, TypeError, ValueError, RecursionError, AttributeError, LookupError, KeyError):
+            return False
+        return len(held) == 1
+
     def is_compiling(self, expr: cst.BaseExpression) -> bool:
         tree = names.expression(a.code(expr))
         return tree is not None and names.is_compiling(tree, self.imports)

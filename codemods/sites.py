@@ -392,7 +392,10 @@ def collect_pieces(
         carries = functools.partial(m.carries_dtype, cls, fp8=True)
         args = [op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE)]
         caches = [d for x in args if x and (t := names.expression(a.code(unguarded(x)))) and (d := names.dotted(t))]
-        problems = guards.kept_write_problems(runs, init_tree, m.imports, upgraded, p.insert_method, carries, caches)
+        alike = functools.partial(m.fp8_alike, cls)
+        problems = guards.kept_write_problems(
+            runs, init_tree, m.imports, upgraded, p.insert_method, carries, caches, m.fp8_dtyped(cls), alike
+        )
         p.role_problems += problems
     write = m.methods(cls).get(p.insert_method)
     # The scale: the identity scale (``torch.ones``) __init__ makes that the write method reads.

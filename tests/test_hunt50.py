@@ -121,3 +121,33 @@ def cli_check(path: Path) -> str:
 
     proc = cli("check", str(path))
     return proc.stdout + proc.stderr
+
+
+IDX_FP8 = '            idx_dtype = "fp8_e4m3"  # an fp8 index cache: x / 1, saturating\n'
+# What the write does depends on which fp8 dtype the cache is (hunt 50's G2): the flag is true for each, and the
+# proof runs one spelling. Each is refused.
+SPELLED = {
+    "the main write for one spelling": [],  # (made below: the call one level deeper)
+    "e5m2 refused by an assert": [(MAIN_WRITE, '        assert not self.kv_cache_dtype.endswith("e5m2")\n' + MAIN_WRITE)],
+    "the index dtype following the main one": [(IDX_FP8, "            idx_dtype = self.kv_cache_dtype\n")],
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPELLED))
+def test_a_write_that_tells_the_fp8_dtypes_apart_is_refused(tmp_path: Path, case: str) -> None:
+    path = tmp_path / "model.py"
+    edits = SPELLED[case]
+    if case == "the main write for one spelling":  # the call's lines one level deeper
+        call = PATCHED.split(MAIN_WRITE)[1].split("        )\n")[0] + "        )\n"
+        edits = [(MAIN_WRITE + call, '        if self.kv_cache_dtype == "fp8":\n' + "".join(
+            "    " + line for line in (MAIN_WRITE + call).splitlines(keepends=True)))]
+    refused_but_not_its_base(path, PATCHED, edits)
+    assert "depends on which fp8 dtype the cache is" in cli_check(path)
+
+
+# The same for every fp8 dtype: a test that reads the dtype but holds one value for each is no spelling.
+@pytest.mark.parametrize("test", ['"fp8" in self.kv_cache_dtype', "self._fp8_kv"])
+def test_a_test_alike_for_every_fp8_dtype_is_no_spelling(tmp_path: Path, test: str) -> None:
+    path = tmp_path / "model.py"
+    path.write_text(_edited(PATCHED, [(MAIN_WRITE, f"        assert {test}\n" + MAIN_WRITE)]))
+    assert _states(path)[-1] == "patched"
