@@ -212,6 +212,36 @@ def _tests(n: ast.AST) -> list[ast.expr]:
     return tested + (n.ifs if isinstance(n, ast.comprehension) else n.values[:-1] if isinstance(n, ast.BoolOp) else [])
 
 
+def _named(node: ast.AST, names: set[str]) -> bool:
+    return any(isinstance(x, ast.Name) and x.id in names for x in ast.walk(node))
+
+
+def _counts(node: ast.AST, tensors: set[str]) -> bool:
+    """``node`` reads how many items a tensor of ``tensors`` holds: ``x.shape``, ``x.size()``, ``x.numel()``, ``len(x)``."""
+    for x in ast.walk(node):
+        method = x.func.value if isinstance(x, ast.Call) and callee(x) in ("size", "numel") else None  # type: ignore[attr-defined]
+        owner = x.value if isinstance(x, ast.Attribute) and x.attr == "shape" else method
+        owner = x.args[0] if isinstance(x, ast.Call) and dotted(x.func) == "len" and x.args else owner
+        if owner is not None and _named(owner, tensors):
+            return True
+    return False
+
+
+def batch_branches(code: Iterable[ast.AST]) -> list[ast.expr]:
+    """Tests in ``code`` (not an ``assert``'s, which fails loudly) of how many tokens a tensor it is handed holds
+    (``_counts``), or of a value made from that, but the test for no token (``no_token``): the write takes another
+    path for some batch sizes, and the proof runs one."""
+    found: list[ast.expr] = []
+    for fn in code:
+        args = fn.args if isinstance(fn, (ast.FunctionDef, ast.Lambda)) else None
+        params = [a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]] if args is not None else []
+        tensors = _spread(fn, set(params) - {"self"}, _named)
+        sizes = _spread(fn, set(), lambda v, made: _counts(v, tensors) or _named(v, made))
+        tests = (t for n in ast.walk(fn) if not isinstance(n, ast.Assert) for t in _tests(n))
+        found += [t for t in tests if (_counts(t, tensors) or _named(t, sizes)) and not no_token(ast.unparse(t), params)]
+    return found
+
+
 def _host_reads(n: ast.AST) -> list[ast.AST]:
     """What ``n`` hands the host: a test (of an ``if``, a loop, an ``assert``, ``and``/``or``), the arguments of a
     conversion (``int(…)``, ``print(…)``), an f-string's value, a slice's bounds, ``repeat_interleave``'s repeats
@@ -390,8 +420,8 @@ def kept_write_problems(
     """What the write a bypass keeps must not do, in words (``runs``: what it and the post-call block run):
     the first host sync (``host_syncs``), unproven scale (``unproven_scales``), reshape op vLLM does not define
     (``foreign_reshapes``), kv-cache dtype not the layer's (``foreign_dtypes``), cache held since ``__init__``
-    (``captured_caches``: ``caches`` are the call's), what depends on which fp8 dtype (``spelled_writes``), and an
-    ``except`` that swallows a failed write."""
+    (``captured_caches``: ``caches`` are the call's), what depends on which fp8 dtype (``spelled_writes``) or on
+    the batch size (``batch_branches``), and an ``except`` that swallows a failed write."""
     syncs, scales = host_syncs(runs, made_tensors(init))[:1], unproven_scales(runs, init, upgraded, imports)[:1]
     held = captured_caches(init, caches)
     stale = [n for fn in runs for n in ast.walk(fn) if isinstance(n, ast.Attribute) and self_member(n) in held][:1]
@@ -404,6 +434,8 @@ def kept_write_problems(
         *(f"the write at line {n.lineno} depends on which fp8 dtype the cache is (`{ast.unparse(n)}`): the flag is true "
           'for "fp8", "fp8_e4m3" and "fp8_e5m2" alike, and the write is proven for one; write each the same way (the '
           "kernel takes the dtype), and the index cache by its own dtype" for n in spelled_writes(runs, dtyped, alike, imports)[:1]),
+        *(f"the write at line {n.lineno} takes another path for some batch sizes (`{ast.unparse(n)}`), and the proof "
+          "runs one batch: write every batch the same way" for n in batch_branches(runs)[:1]),
         *(f"an `except` at line {h.lineno} around the write goes on without raising: a write that fails leaves the "
           "cache as it was, and attention reads it as if written" for h in swallowed),
         *(f"the post-call write (`self.{name}(…)`) makes the host wait for the device at line {n.lineno} "

@@ -151,3 +151,14 @@ def test_a_test_alike_for_every_fp8_dtype_is_no_spelling(tmp_path: Path, test: s
     path = tmp_path / "model.py"
     path.write_text(_edited(PATCHED, [(MAIN_WRITE, f"        assert {test}\n" + MAIN_WRITE)]))
     assert _states(path)[-1] == "patched"
+
+
+def test_a_write_that_branches_on_the_batch_size_is_refused(tmp_path: Path) -> None:
+    """A path the write takes for large batches alone (hunt 50's G5): the proof runs one batch, so it is refused;
+    an ``assert`` on the sizes fails loudly, and is no other path."""
+    path = tmp_path / "model.py"
+    big = "        n = key.shape[0]\n        if n > 2048:\n            pass\n"
+    refused_but_not_its_base(path, PATCHED, [(MAIN_WRITE, big + MAIN_WRITE)])
+    assert "takes another path for some batch sizes" in cli_check(path)
+    path.write_text(_edited(PATCHED, [(MAIN_WRITE, "        assert key.shape[0] == main_slot_mapping.shape[0]\n" + MAIN_WRITE)]))
+    assert _states(path)[-1] == "patched"
