@@ -227,18 +227,30 @@ def _counts(node: ast.AST, tensors: set[str]) -> bool:
     return False
 
 
+def _zero_split(test: ast.Compare) -> bool:
+    """``n == 0``, ``n != 0``, ``n > 0``, ``n <= 0``, ``n >= 1``, ``n < 1``: some tokens or none, and no other split."""
+    ops, right = test.ops, test.comparators[0]
+    value = right.value if isinstance(right, ast.Constant) and len(ops) == 1 else None
+    return (value == 0 and isinstance(ops[0], (ast.Eq, ast.NotEq, ast.Gt, ast.LtE))) or (
+        value == 1 and isinstance(ops[0], (ast.GtE, ast.Lt))
+    )
+
+
 def batch_branches(code: Iterable[ast.AST]) -> list[ast.expr]:
-    """Tests in ``code`` (not an ``assert``'s, which fails loudly) of how many tokens a tensor it is handed holds
-    (``_counts``), or of a value made from that, but the test for no token (``no_token``): the write takes another
-    path for some batch sizes, and the proof runs one."""
+    """Tests in ``code`` (not an ``assert``'s, which fails loudly) that compare how many tokens a tensor it is handed
+    holds (``_counts``), or a value made from that, otherwise than with none (``_zero_split``: a batch of no token
+    has nothing to write): the write takes another path for some batch sizes, and the proof runs one."""
     found: list[ast.expr] = []
     for fn in code:
         args = fn.args if isinstance(fn, (ast.FunctionDef, ast.Lambda)) else None
-        params = [a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]] if args is not None else []
-        tensors = _spread(fn, set(params) - {"self"}, _named)
+        params = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]} if args is not None else set()
+        tensors = _spread(fn, params - {"self"}, _named)
         sizes = _spread(fn, set(), lambda v, made: _counts(v, tensors) or _named(v, made))
         tests = (t for n in ast.walk(fn) if not isinstance(n, ast.Assert) for t in _tests(n))
-        found += [t for t in tests if (_counts(t, tensors) or _named(t, sizes)) and not no_token(ast.unparse(t), params)]
+        found += [
+            t for t in tests if any(isinstance(c, ast.Compare) and (_counts(c, tensors) or _named(c, sizes))
+                                    and not _zero_split(c) for c in ast.walk(t))
+        ]
     return found
 
 
