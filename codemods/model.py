@@ -63,9 +63,10 @@ class FileModel:
 
     @functools.cached_property
     def top_imports(self) -> dict[str, str]:
-        """``imports`` bound by a statement of the module's own (no function's, no ``if``'s or ``try``'s): what code
-        written into a method may name."""
-        top = {i.bound for i in a.module_imports(self.module)}
+        """``imports`` bound by a statement of the module's own (no function's, no ``if``'s or ``try``'s), an import or
+        an alias: what code written into a method may name."""
+        top = {i.bound for i in a.module_imports(self.module)}  # and a module-level alias (``ops = torch.ops._C``)
+        top |= {t.id for n in self.tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
         return {k: v for k, v in self.imports.items() if k in top}
 
     @functools.cached_property

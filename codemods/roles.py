@@ -122,6 +122,8 @@ def evaluate(node: ast.expr, env: Mapping[str, object], scope: Scope = NO_SCOPE,
         return True
     if isinstance(node, ast.Dict) and None not in node.keys:  # a table (`{"fp8": True, …}`)
         return dict(zip(map(ev, node.keys), map(ev, node.values)))  # type: ignore[arg-type]
+    if isinstance(node, ast.Slice):  # a subscript's
+        return slice(*(ev(x) if x is not None else None for x in (node.lower, node.upper, node.step)))
     if isinstance(node, ast.Subscript):  # of a tuple, string or table the reading holds (a missing key: unknown)
         value, key = ev(node.value), ev(node.slice)
         if not isinstance(value, (tuple, str, dict)):

@@ -19,6 +19,7 @@ FROM_CACHE_CONFIG = {
     "getattr of it": '"fp8" in getattr(cache_config, "cache_dtype", "auto")',
     "tested for None first": 'cache_config is not None and cache_config.cache_dtype.startswith("fp8")',
     "a conditional of it": '"fp8" in (cache_config.cache_dtype if cache_config else "auto")',
+    "a slice of it": 'cache_config.cache_dtype[:3] == "fp8"',  # (hunt 50's h57, of self.kv_cache_dtype)
 }
 
 
@@ -162,3 +163,14 @@ def test_a_write_that_branches_on_the_batch_size_is_refused(tmp_path: Path) -> N
     assert "takes another path for some batch sizes" in cli_check(path)
     path.write_text(_edited(PATCHED, [(MAIN_WRITE, "        assert key.shape[0] == main_slot_mapping.shape[0]\n" + MAIN_WRITE)]))
     assert _states(path)[-1] == "patched"
+
+
+def test_a_module_alias_of_the_op_namespace_names_the_write(tmp_path: Path) -> None:
+    """``ops = torch.ops._C`` at module level binds ``ops`` for every method: the write goes to its cache ops."""
+    from conftest import cli
+
+    path = tmp_path / "model.py"
+    alias = "import vllm._C  # noqa: F401\n\nops = torch.ops._C\n"
+    path.write_text(_edited(FORK_ERA, [("from vllm import _custom_ops as ops\n", alias)]))
+    assert cli("run", "--no-prove", str(path)).returncode == 0
+    assert "torch.ops._C_cache_ops.reshape_and_cache_flash(" in path.read_text().split("def _insert_kv(")[1]
