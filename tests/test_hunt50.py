@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_hunt47 import PATCHED, _edited, _states, refused_but_not_its_base
+from test_hunt47 import NATIVE, PATCHED, _edited, _states, refused_but_not_its_base
 
 FLAG = 'self._fp8_kv = "fp8" in self.kv_cache_dtype'
 DTYPE = '            cache_config.cache_dtype if cache_config is not None else "auto"\n'
@@ -174,3 +174,21 @@ def test_a_module_alias_of_the_op_namespace_names_the_write(tmp_path: Path) -> N
     path.write_text(_edited(FORK_ERA, [("from vllm import _custom_ops as ops\n", alias)]))
     assert cli("run", "--no-prove", str(path)).returncode == 0
     assert "torch.ops._C_cache_ops.reshape_and_cache_flash(" in path.read_text().split("def _insert_kv(")[1]
+
+
+def test_a_cache_read_in_a_layout_of_its_own_is_the_stand_ins_limit(tmp_path: Path) -> None:
+    """A native file whose common path reads the cache in a platform's layout (a real AMD fork's AITER path: four
+    dims): the reference (bf16) run fails on the stand-in's NVIDIA-layout cache, which is the stand-in's limit, not
+    the file's failure: skipped, never failed; the same line reading another tensor still fails it."""
+    pytest.importorskip("torch")
+    from test_fp8_index import semantic
+
+    from rewriter.verify import Status
+
+    path = tmp_path / "model.py"
+    first = "        qkv, _ = self.qkv_proj(hidden_states)\n"
+    path.write_text(NATIVE.replace(first, first + "        blocks, _, size, _ = self.kv_cache.shape\n"))
+    level = semantic(path)
+    assert level.status is Status.SKIPPED and "in a layout of its own" in level.reason
+    path.write_text(NATIVE.replace(first, first + "        blocks, _, size, _ = qkv.shape\n"))
+    assert semantic(path).status is Status.FAILED

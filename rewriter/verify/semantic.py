@@ -14,6 +14,7 @@ nor failed. :func:`check_plan` does all of it as each rank of a tensor-parallel 
 from __future__ import annotations
 
 import inspect
+import re
 import traceback
 import types
 from dataclasses import dataclass, field, replace
@@ -60,6 +61,16 @@ def _last_file_frame(exc: BaseException, path: str) -> types.FrameType | None:
     return found
 
 
+def _reads_cache(frame: types.FrameType, state: dict) -> bool:
+    """The failing line names the stand-in's own cache (a local or ``self.`` attribute holding it): on the reference
+    (bf16) run, where no bypass writes, a layout the stand-in does not model, not the file's failure."""
+    line = (inspect.getframeinfo(frame).code_context or [""])[0]
+    owner = frame.f_locals.get("self")
+    held = [frame.f_locals.get(n) for n in re.findall(r"\b(\w+)\b", line)]
+    held += [vars(owner).get(n) for n in re.findall(r"\bself\.(\w+)", line) if hasattr(owner, "__dict__")]
+    return any(v is state["kv_cache"] or v is state["index_cache"] for v in held)
+
+
 def run_layer(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> RunResult:
     """Run the layer's ``forward`` once with a ``mode`` cache ("bf16" or "fp8", eager; with
     `` fp8-index`` a float8_e4m3fn index cache; with `` compiled`` the path it takes under
@@ -76,6 +87,9 @@ def run_layer(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> R
     except Exception as exc:  # the layer's own failure is the finding
         frame = _last_file_frame(exc, code.path)
         gap = _gap(exc, layer, frame, code)
+        reference = mode.removesuffix(COMPILED).removesuffix(FP8_INDEX) == "bf16"
+        if gap is None and reference and frame is not None and _reads_cache(frame, state):
+            gap = "it reads the stand-in's cache, which has vLLM's NVIDIA layout, in a layout of its own (a platform's)"
         result.traceback = _traceback_tail(exc, code.path)
         where = ""
         if frame is not None:
