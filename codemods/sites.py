@@ -381,6 +381,13 @@ def collect_pieces(
         p.compiled_write = p.post_insert_wired and post is not None and post.while_compiling and p.slots_none
         p.compiled_branch = a.first_in(stmt, m.compiled_path_write) is not None and p.slots_none
         break
+    handed = (a.first_in(x, lambda n: _passes_slots(n, main, index, False)) for x in (slot.after() if slot else ()))
+    other = next((n for n in handed if n is not None), None) if not p.post_insert else None
+    if isinstance(other, cst.Call):  # (a registered op that finds the layer, say)
+        p.role_problems.append(
+            f"after the call, `{a.shown(other.func)}(…)` is handed the call's slot mappings: a cache write of the file's "
+            "own that is no method of the layer, which `run` would write a second beside"
+        )
     p.insert_kv = a.insert_kv_form(a.find_method(cls, p.insert_method), cls, m.functions)
     init_tree, write_tree = scope.methods.get("__init__"), scope.methods.get(p.insert_method)
     block = m.ast_of(p.post_block) if p.post_block else None
@@ -442,10 +449,10 @@ _EXITS = (cst.Return, cst.Raise, cst.Break, cst.Continue)
 _HANDLERS = (cst.ExceptHandler, cst.ExceptStarHandler)
 
 
-def _passes_slots(node: cst.CSTNode, main: cst.Arg | None, index: cst.Arg | None) -> bool:
+def _passes_slots(node: cst.CSTNode, main: cst.Arg | None, index: cst.Arg | None, method: bool = True) -> bool:
     """``self.<m>(…, <the call's slot mappings>)``: a method handed what the fused op would write by
-    (``guards.passes_slots``, prefilter's rule)."""
-    if not (isinstance(node, cst.Call) and a.self_attr(node.func) is not None) or main is None or index is None:
+    (``guards.passes_slots``, prefilter's rule); ``method=False``: any call."""
+    if not (isinstance(node, cst.Call) and (a.self_attr(node.func) is not None or not method)) or main is None or index is None:
         return False
     trees = [names.expression(a.code(n)) for n in (node, main.value, index.value)]
     return None not in trees and guards.passes_slots(trees[0], trees[1:])  # type: ignore[arg-type]

@@ -192,3 +192,13 @@ def test_a_cache_read_in_a_layout_of_its_own_is_the_stand_ins_limit(tmp_path: Pa
     assert level.status is Status.SKIPPED and "in a layout of its own" in level.reason
     path.write_text(NATIVE.replace(first, first + "        blocks, _, size, _ = qkv.shape\n"))
     assert semantic(path).status is Status.FAILED
+
+
+def test_a_write_of_the_files_own_after_the_call_is_refused(tmp_path: Path) -> None:
+    """The post-call handed to a registered op that finds the layer (hunt 50's h31): no method of the layer's, so
+    not the bypass's post-call; ``run`` once added its own beside it (two writes). Refused, naming it."""
+    path = tmp_path / "model.py"
+    post = "            self._insert_kv(k, v, index_k, main_slot_mapping, index_slot_mapping)\n"
+    op = "            torch.ops.vllm.mm3_fp8_kv_insert(k, v, index_k, main_slot_mapping, index_slot_mapping, self.layer_name)\n"
+    refused_but_not_its_base(path, PATCHED, [(post, op)])
+    assert "`torch.ops.vllm.mm3_fp8_kv_insert(…)` is handed the call's slot mappings" in cli_check(path)
