@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from codemods import schema
-from codemods.names import callee, dotted, expression, is_compiling, qualified, self_member
+from codemods.names import callee, dotted, expression, is_compiling, literal, qualified, self_member
 from codemods.roles import COMPILING, NO_SCOPE, Scope, Unknown, evaluate
 
 
@@ -375,7 +375,9 @@ def unproven_scales(
         given = {k.arg: dotted(k.value) for k in value.keywords}  # type: ignore[union-attr]
         int_fill = full and not isinstance(fill.value, float)  # type: ignore[union-attr]
         default = None if at_init or int_fill else "torch.float32"
-        return given.get("dtype", default) in _FLOAT32 and (at_init or "device" in given)
+        device = next((k.value for k in value.keywords if k.arg == "device"), None)  # type: ignore[union-attr]
+        on_host = device is not None and "cpu" in map(literal, [device, *getattr(device, "args", [])])
+        return given.get("dtype", default) in _FLOAT32 and (at_init or "device" in given) and not on_host
 
     made: dict[str | None, list[ast.AST]] = {}
     for n in ast.walk(init) if init is not None else ():

@@ -202,3 +202,14 @@ def test_a_write_of_the_files_own_after_the_call_is_refused(tmp_path: Path) -> N
     op = "            torch.ops.vllm.mm3_fp8_kv_insert(k, v, index_k, main_slot_mapping, index_slot_mapping, self.layer_name)\n"
     refused_but_not_its_base(path, PATCHED, [(post, op)])
     assert "`torch.ops.vllm.mm3_fp8_kv_insert(…)` is handed the call's slot mappings" in cli_check(path)
+
+
+@pytest.mark.parametrize("device", ['"cpu"', 'torch.device("cpu")'])
+def test_a_scale_made_on_the_host_is_refused(tmp_path: Path, device: str) -> None:
+    """A scale made at run time on the host (hunt 50's h75): the kernel reads it through a device pointer."""
+    scale = "        scale = self._fp8_kv_scale  # identity: stores x / 1\n"
+    made = f"        scale = torch.ones((), dtype=torch.float32, device={device})\n"
+    refused_but_not_its_base(tmp_path / "model.py", PATCHED, [(scale, made)])
+    path = tmp_path / "model.py"
+    path.write_text(_edited(PATCHED, [(scale, made.replace(device, "key.device"))]))
+    assert _states(path)[-1] == "patched"

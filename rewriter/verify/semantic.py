@@ -88,7 +88,8 @@ def run_layer(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> R
         frame = _last_file_frame(exc, code.path)
         gap = _gap(exc, layer, frame, code)
         reference = mode.removesuffix(COMPILED).removesuffix(FP8_INDEX) == "bf16"
-        if gap is None and reference and frame is not None and _reads_cache(frame, state):
+        shaped = isinstance(exc, (ValueError, IndexError, RuntimeError))  # (a name the file lacks is its own)
+        if gap is None and reference and shaped and frame is not None and _reads_cache(frame, state):
             gap = "it reads the stand-in's cache, which has vLLM's NVIDIA layout, in a layout of its own (a platform's)"
         result.traceback = _traceback_tail(exc, code.path)
         where = ""
