@@ -213,3 +213,13 @@ def test_a_scale_made_on_the_host_is_refused(tmp_path: Path, device: str) -> Non
     path = tmp_path / "model.py"
     path.write_text(_edited(PATCHED, [(scale, made.replace(device, "key.device"))]))
     assert _states(path)[-1] == "patched"
+
+
+def test_a_compiled_write_that_fails_on_the_stand_ins_cache_still_fails(tmp_path: Path) -> None:
+    """The compiled path runs the bypass's write with a bf16 cache too: a failure there reading the stand-in's cache
+    (the caches swapped, hunt 50's h40) is the file's, not a layout the stand-in lacks. Refused."""
+    from test_hunt47 import COMPILED
+
+    caches = "            layer.kv_cache,\n            layer.indexer.index_cache.kv_cache,\n"
+    swapped = "            layer.indexer.index_cache.kv_cache,\n            layer.kv_cache,\n"
+    refused_but_not_its_base(tmp_path / "model.py", COMPILED, [(caches, swapped)])
