@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 
 from rewriter.verify import Status, tp, verify  # noqa: E402
 from rewriter.verify.layercode import DISTINCT  # noqa: E402
-from rewriter.verify.standin import _linear_width  # noqa: E402
+from rewriter.verify.vllm_parts import linear_width as _linear_width  # noqa: E402
 
 CONFIG = "vllm/transformers_utils/configs/minimax_m3.py"
 # What vLLM 0.24.0's MiniMaxM3TextConfig defaults to (its wheel, read in the test below).

@@ -7,7 +7,9 @@ on any device, CPU included:
   ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` then NeoX rotary on the first
   ``rotary_dim`` dims of every q, k, index_q and index_k head. k and index_k
   are rewritten in place in ``qkv``, q and index_q go to ``q_out`` /
-  ``index_q_out`` (in place without them). With a cache it also scatters k/v
+  ``index_q_out`` (in place without them); newer builds' ``q_fp8_out`` also
+  gets q as saturating e4m3 of ``q / q_fp8_scale`` (their NVFP4 cache scales are
+  not modelled). With a cache it also scatters k/v
   into ``[num_blocks, 2, block_size, kv_heads, head_dim]`` and index_k by its
   own slots, and - like the fork kernel - it accepts bf16 main caches only. The
   index cache is of the qkv dtype (copied) or float8_e4m3fn (``indexer_kv_dtype``
@@ -108,9 +110,15 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
     q_out: torch.Tensor | None = None,
     index_q_out: torch.Tensor | None = None,
     kv_cache_dtype: str = "auto",
+    q_fp8_out: torch.Tensor | None = None,
+    q_fp8_scale: torch.Tensor | float = 1.0,
+    kv_k_scale: torch.Tensor | None = None,
+    kv_v_scale: torch.Tensor | None = None,
 ) -> None:
     if kv_cache_dtype != "auto" and kv_cache_dtype not in FP8_DTYPES:
         raise NotImplementedError(f"reference op: kv_cache_dtype={kv_cache_dtype!r}")
+    if kv_k_scale is not None or kv_v_scale is not None:  # (an NVFP4 cache's)
+        raise NotImplementedError("reference op: NVFP4 cache scales")
     head_dim = q_norm_weight.numel()
     q_end = num_heads * head_dim
     k_end = q_end + num_kv_heads * head_dim
@@ -120,6 +128,8 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
     q = _norm_rope(qkv[:, :q_end], num_heads, q_norm_weight, eps, cos_sin, rotary_dim)
     k = _norm_rope(qkv[:, q_end:k_end], num_kv_heads, k_norm_weight, eps, cos_sin, rotary_dim)
     (q_out if q_out is not None else qkv[:, :q_end]).copy_(q)
+    if q_fp8_out is not None:  # newer builds: q for an fp8-query attention too
+        _bytes(q_fp8_out).copy_(to_e4m3_bits(q, q_fp8_scale).reshape(q_fp8_out.shape))
     qkv[:, q_end:k_end] = k
 
     index_k = None

@@ -35,10 +35,7 @@ from codemods.schema import DTYPE_ATTR, FUSED_OP, RESHAPE_OP
 
 from . import refops
 from .layercode import SIZES, LayerCode, Returned, Shape
-
-
-class StandInGap(Exception):
-    """What the file needs here is something the stand-in does not model: not the file's fault."""
+from .vllm_parts import TP, VLLM_HELPERS, StandInGap, linear_width
 
 
 @dataclass
@@ -79,7 +76,7 @@ class _Recorder:
             try:
                 bound = FUSED_SIGNATURE.bind(*args, **kwargs).arguments
             except TypeError as exc:
-                raise StandInGap(f"the call passes what the fork's 20-argument op does not take ({exc})") from exc
+                raise StandInGap(f"the call passes what the op the stand-in models does not take ({exc})") from exc
             qkv = bound.get("qkv")
             if isinstance(qkv, torch.Tensor) and qkv.shape[-1] != self.width:
                 raise StandInGap(
@@ -110,8 +107,16 @@ class _Indexer:
 
 
 class _Impl:
+    """vLLM's attention impl as the stand-in models it: it reads a bf16 query (no fp8-query decode)
+    and returns no LSE."""
+
+    use_cutlass_decode = need_to_return_lse_for_decode = False
+
     def __init__(self, rec: _Recorder) -> None:
         self._rec = rec
+
+    def should_use_msa_decode(self, *args: Any) -> bool:
+        return False
 
     def forward(self, layer: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         self._rec.query = query.clone()
@@ -174,39 +179,6 @@ class _Projection:
     seed = 0  # the stand-in seeds each by the attribute that holds it
 
 
-def _divide(numerator: int, denominator: int) -> int:
-    """vLLM's ``divide`` (vllm.distributed.utils): exact division, asserted."""
-    assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
-    return numerator // denominator
-
-
-def _linear_width(name: str, args: tuple, kwargs: dict, tp: int = 1) -> int | None:
-    """The output width vLLM's linear layers give one rank of ``tp``, from their arguments
-    (``disable_tp=True``: the whole width): a QKV layer this rank's q heads and its KV heads
-    (one where ``tp`` exceeds them, replicated), a column-parallel one its ``1/tp`` of the
-    columns, a row-parallel or replicated one all of them."""
-
-    def arg(i: int, key: str, default: Any = None) -> Any:
-        return args[i] if len(args) > i else kwargs.get(key, default)
-
-    tp = 1 if kwargs.get("disable_tp") else tp
-    try:
-        if name == "QKVParallelLinear":
-            head, heads = int(arg(1, "head_size")), int(arg(2, "total_num_heads"))
-            kv = int(arg(3, "total_num_kv_heads") or heads)
-            heads, kv = _divide(heads, tp), (1 if tp >= kv else _divide(kv, tp))
-            return (heads + kv) * head + kv * int(kwargs.get("v_head_size") or head)
-        if name in ("ReplicatedLinear", "RowParallelLinear"):
-            return int(arg(1, "output_size"))
-        if name == "ColumnParallelLinear":
-            return _divide(int(arg(1, "output_size")), tp)
-        if name == "MergedColumnParallelLinear":
-            return sum(_divide(int(x), tp) for x in arg(1, "output_sizes"))
-    except (TypeError, ValueError, AssertionError):
-        return None
-    return None
-
-
 class _LinearClass:
     """An imported ``…Linear…`` class: building one gives a ``_Projection`` of this rank's width."""
 
@@ -215,33 +187,7 @@ class _LinearClass:
         self._tp = tp
 
     def __call__(self, *args: Any, **kwargs: Any) -> _Projection:
-        return _Projection(_linear_width(self._name, args, kwargs, self._tp))
-
-
-# What vLLM's tensor-parallel queries answer, by the name vLLM gives them: the run's rank.
-_TP = {
-    "get_tensor_model_parallel_world_size": lambda parallel: parallel.size,
-    "get_tensor_model_parallel_rank": lambda parallel: parallel.rank,
-}
-
-
-def _is_quantized_kv_cache(kv_cache_dtype: Any) -> bool:
-    """vLLM's ``is_quantized_kv_cache``: ``kv_cache_dtype != "auto"`` (vllm/attention/backends);
-    later versions map the dtype to a quantization mode, which agrees on every dtype the
-    stand-in runs ("auto", the fp8 ones). Another one is not modelled."""
-    if kv_cache_dtype == "auto":
-        return False
-    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
-        return True
-    raise StandInGap(f"is_quantized_kv_cache({kv_cache_dtype!r}) is not modelled by the stand-in")
-
-
-# vLLM helpers the stand-in runs as vLLM defines them, by the name vLLM gives them (a file may
-# import one under another name); any other imported name is a made-up `_Imported`.
-VLLM_HELPERS: dict[str, Callable[..., Any]] = {
-    "is_quantized_kv_cache": _is_quantized_kv_cache,
-    "divide": _divide,
-}
+        return _Projection(linear_width(self._name, args, kwargs, self._tp))
 
 
 def _vllm_config(index_dtype_name: str) -> _Imported:
@@ -473,7 +419,7 @@ def _standin(
             namespace[name] = VLLM_HELPERS[origin.rsplit(".", 1)[1]]
         elif name.endswith("Metadata"):
             namespace[name] = meta  # the isinstance() asserts of attn_metadata readers
-        elif (tp_query := _TP.get(origin.rsplit(".", 1)[-1])) is not None:
+        elif (tp_query := TP.get(origin.rsplit(".", 1)[-1])) is not None:
             namespace[name] = (lambda value: lambda *a, **k: value)(tp_query(s.parallel))
         elif "Linear" in name:
             namespace[name] = _LinearClass(name, s.parallel.size)
@@ -568,12 +514,15 @@ def _standin(
         "vllm_config": vllm_config,
         Returned.__name__: Returned,
     }
+    failed: NameError | None = None
     for statement in code.init.statements:
         try:
             with torch.device(dev):  # vLLM builds its layers on the target device
                 exec(statement, local)
         except Returned:
             break
+        except NameError as exc:  # a name the file binds nowhere: vLLM raises it too, building the layer
+            failed = failed or (exc if code.binds is not None and exc.name not in code.binds else None)
         except Exception:  # builds something the stand-in does not model
             continue
     cls.pinned = frozenset()
@@ -587,7 +536,7 @@ def _standin(
     for name in code.called_attrs - set(code.methods):
         if not hasattr(layer, name):
             setattr(layer, name, rec.sink)
-    state = {"kv_cache": kv_cache, "index_cache": index_cache, "unheld": dict(cls.unheld)}
+    state = {"kv_cache": kv_cache, "index_cache": index_cache, "unheld": dict(cls.unheld), "init_failed": failed}
     return layer, rec, state
 
 
