@@ -70,6 +70,11 @@ class FileModel:
         return {k: v for k, v in self.imports.items() if k in top}
 
     @functools.cached_property
+    def binds(self) -> frozenset[str] | None:
+        """Every name the file binds (``names.binds``)."""
+        return names.binds(self.tree)
+
+    @functools.cached_property
     def stores(self) -> list[ast.AST]:
         """The file's assignments and calls (``guards.STORES``): where ``guards.set_through_another`` looks."""
         return [n for n in ast.walk(self.tree) if isinstance(n, guards.STORES)]

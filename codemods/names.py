@@ -5,8 +5,10 @@ what a name *is bound to* (``import_table``, ``qualified``), never how it is spe
 from __future__ import annotations
 
 import ast
+import builtins
 import collections
-from collections.abc import Mapping
+import types
+from collections.abc import Iterable, Mapping
 
 
 
@@ -113,3 +115,38 @@ def class_methods(cls: ast.ClassDef, module: ast.Module) -> dict[str, ast.Functi
 def literal(node: ast.AST) -> str | None:
     """A string constant's value."""
     return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def binds(tree: ast.Module) -> frozenset[str] | None:
+    """Every name the file binds anywhere (stored, imported, defined, a parameter, caught), and what Python
+    gives every module (its builtins, ``__name__``); None where a star import may bind anything."""
+    found = set(dir(builtins)) | set(vars(types.ModuleType("m"))) | {"__file__", "__builtins__", "__path__"}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names):
+            return None
+        if isinstance(n, (ast.Import, ast.ImportFrom)):
+            found |= {(a.asname or a.name).partition(".")[0] for a in n.names}
+        elif isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
+            found.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(n.name)
+        elif isinstance(n, ast.arg):
+            found.add(n.arg)
+        elif isinstance(n, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and n.name:
+            found.add(n.name)
+        elif isinstance(n, ast.MatchMapping) and n.rest:
+            found.add(n.rest)
+    return frozenset(found)
+
+
+def unbound(code: Iterable[ast.AST], bound: frozenset[str] | None) -> str | None:
+    """The first name ``code`` reads (not in an annotation) that the file binds nowhere (``binds``), in words:
+    running it raises NameError, whatever the cache dtype."""
+    code = [fn for fn in code if fn is not None]
+    notes = [x for fn in code for n in ast.walk(fn) for x in (
+        [n.annotation] if isinstance(n, (ast.arg, ast.AnnAssign)) and n.annotation else [n.returns] if isinstance(n, ast.FunctionDef) and n.returns else [])]
+    skip = {id(x) for note in notes for x in ast.walk(note)}
+    read = [n for fn in code for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in skip]
+    lost = sorted((n for n in read if bound is not None and n.id not in bound), key=lambda n: (n.lineno, n.col_offset))
+    return f"line {lost[0].lineno} reads `{lost[0].id}`, which the file never binds (no import, no definition)" if lost else None
+

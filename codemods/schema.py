@@ -129,6 +129,7 @@ class CallFacts:
     in_wrapper: bool = False  # outside a class: in a pass-through wrapper (the layer's call of it is the site)
     # a cache argument of a native call that is no `self.` attribute (nor a local proven to hold one)
     cache_unproven: str | None = None
+    unbound: str | None = None  # a name ``__init__`` reads that the file never binds (``names.unbound``)
 
 
 @dataclass
@@ -278,6 +279,8 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
             f"the call is in `async def {f.method}`: vLLM calls a layer's forward synchronously, "
             "and the bypass is proven only in a plain `def`"
         )
+    if f.unbound is not None:
+        return refuse(f"{f.unbound}: building the layer raises NameError with any cache dtype. Import it, then run again")
     p = pieces()
     present = p.present()
     if p.role_problems or p.flag_unproven is not None:

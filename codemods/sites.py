@@ -191,6 +191,7 @@ def call_facts(found: FoundCall, m: FileModel) -> tuple[schema.CallFacts, a.Stat
         is_async=found.method is not None and found.method.asynchronous is not None,
         in_wrapper=found.module_function in m.wrappers,
         cache_unproven=a.unproven_cache(found.op, method, slot) if dtype_value is not None and found.cls else None,
+        unbound=names.unbound([m.scope(found.cls).methods.get("__init__")], m.binds) if found.cls else None,
     )
     return facts, slot
 

@@ -185,6 +185,7 @@ class LayerCode:
     constants: dict[str, object] = field(default_factory=dict)  # module-level literals (roles.module_constants)
     class_constants: dict[str, object] = field(default_factory=dict)  # its (and its bases') literal class attributes
     settable: frozenset[str] | None = None  # what the file may set on the layer (_settable); None: anything
+    binds: frozenset[str] | None = None  # every name the file binds, in any scope (names.binds); None: anything
 
     def fit(self, shape: Shape) -> Shape:
         """``shape`` with the sizes that one attribute of the file holds made equal: the
@@ -307,8 +308,9 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
         path, class_name, methods, decorators, init, ops, imported, bindings, called, functions, native,
         others - set(functions), _custom_ops(tree), compile_aware, roles.module_constants(tree, roles.NO_SCOPE),
         {k.removeprefix("self."): v for k, v in roles.module_constants(tree, roles.NO_SCOPE, cls).items()},
-        _settable(cls, tree, defs, imports),
+        _settable(cls, tree, defs, imports), names.binds(tree),
     )
+
 
 
 def _settable(

@@ -81,6 +81,8 @@ def run_layer(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> R
     )
     result = RunResult(mode, unheld=state["unheld"])
     try:
+        if state["init_failed"] is not None:  # (__init__ itself failed: the file's fault)
+            raise state["init_failed"]
         layer.forward(inputs.positions.clone(), hidden)
         if inputs.device != "cpu":
             torch.cuda.synchronize()
@@ -96,7 +98,8 @@ def run_layer(code: LayerCode, backend: Backend, inputs: Inputs, mode: str) -> R
         if frame is not None:
             info = inspect.getframeinfo(frame)
             text = " ".join((info.code_context or [""])[0].split())
-            where = f" (at {Path(code.path).name}:{info.lineno} in {info.function})"
+            function = "__init__" if info.function == "<module>" else info.function  # (its statements run one by one)
+            where = f" (at {Path(code.path).name}:{info.lineno} in {function})"
             if gap is not None:
                 gap = f"the stand-in cannot run {Path(code.path).name}:{info.lineno} `{text}`: {gap}"
         result.gap = gap
