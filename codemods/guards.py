@@ -360,13 +360,13 @@ _FLOAT32 = {"torch.float32", "torch.float"}
 
 
 def unproven_scales(
-    code: Iterable[ast.AST], init: ast.FunctionDef | None, upgraded: bool, imports: Mapping[str, str]
+    code: Iterable[ast.AST], made: dict[str, list[ast.expr]], upgraded: bool, imports: Mapping[str, str]
 ) -> list[ast.expr]:
     """The scales the reshape op's calls in ``code`` hand the kernel (``k_scale``, ``v_scale``: a float32 on the
     device, to it) not proven so. Proven: ``torch.ones(…, device=…)`` (or ``torch.full(…, 1.0, device=…)``) made at
     run time (float32 by default); a ``self.<x>`` that ``__init__`` makes (or registers) as ``torch.ones(…,
     dtype=torch.float32)`` (vLLM builds a model on the device but in its own dtype, bf16); a local bound once to
-    either, or (``upgraded``: ``run`` replaces it) to any ``torch.ones(…)``."""
+    either, or (``upgraded``: ``run`` replaces it) to any ``torch.ones(…)``. ``made``: ``init_stores``."""
     def ones(value: ast.AST | None, at_init: bool) -> bool:  # (``torch.full(shape, 1.0, …)`` too: 1 is int64)
         fill = value.args[1] if isinstance(value, ast.Call) and len(value.args) == 2 else None
         full = isinstance(value, ast.Call) and dotted(value.func) == "torch.full" and _one(fill)
@@ -379,12 +379,6 @@ def unproven_scales(
         on_host = device is not None and "cpu" in map(literal, [device, *getattr(device, "args", [])])
         return given.get("dtype", default) in _FLOAT32 and (at_init or "device" in given) and not on_host
 
-    made: dict[str | None, list[ast.AST]] = {}
-    for n in ast.walk(init) if init is not None else ():
-        if isinstance(n, ast.Assign) and len(n.targets) == 1:
-            made.setdefault(self_member(n.targets[0]), []).append(n.value)
-        elif isinstance(n, ast.Call) and self_member(n.func) == "register_buffer" and len(n.args) >= 2:
-            made.setdefault(getattr(n.args[0], "value", None), []).append(n.args[1])
     found: list[ast.expr] = []
     for fn in code:
         bound: dict[str, list[ast.AST]] = {}  # a local's bindings: the value of a lone `x = …`, else the node
@@ -400,31 +394,37 @@ def unproven_scales(
             local = isinstance(scale, ast.Name) and len(bound.get(scale.id, [])) == 1
             value = bound[scale.id][0] if local else scale  # type: ignore[union-attr]
             attr = self_member(value)  # type: ignore[arg-type]
-            held = made.get(attr, [None]) if attr is not None else [None]
+            held: list[ast.expr | None] = made.get(attr, [None]) if attr is not None else [None]  # type: ignore[assignment]
             replaced = upgraded and local and isinstance(value, ast.Call) and dotted(value.func) == "torch.ones"
             if not (replaced or ones(value, False) or len(held) == 1 and ones(held[0], True)):
                 found.append(scale)
     return found
 
 
-def made_tensors(init: ast.FunctionDef | None) -> set[str]:
-    """The ``self.<x>`` that ``__init__`` makes tensors: assigned a ``torch.<f>(…)`` (not ``torch.nn``'s), or registered."""
-    made = set()
+def init_stores(init: ast.FunctionDef | None) -> dict[str, list[ast.expr]]:
+    """What ``__init__`` stores in each ``self.<x>``, in order: assigned (each target of ``self.x = self.y = v``, each
+    name of a tuple target, the whole value) or registered (``self.register_buffer("x", v)``)."""
+    found: dict[str, list[ast.expr]] = {}
     for n in ast.walk(init) if init is not None else ():
-        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and (dotted(n.value.func) or "").startswith("torch."):
-            made |= {x for t in n.targets if (x := self_member(t)) and not dotted(n.value.func).startswith("torch.nn.")}  # type: ignore[union-attr]
-        elif isinstance(n, ast.Call) and self_member(n.func) == "register_buffer" and n.args:
-            made |= {n.args[0].value} if isinstance(n.args[0], ast.Constant) else set()  # type: ignore[arg-type]
-    return made
+        if isinstance(n, ast.Assign):
+            for x in (x for t in n.targets for x in ast.walk(t) if self_member(x) is not None):
+                found.setdefault(self_member(x), []).append(n.value)  # type: ignore[arg-type]
+        elif isinstance(n, ast.Call) and self_member(n.func) == "register_buffer" and len(n.args) >= 2:
+            found.setdefault(literal(n.args[0]) or "", []).append(n.args[1])
+    return found
 
 
-def captured_caches(init: ast.FunctionDef | None, caches: Iterable[str]) -> dict[str, ast.Assign]:
+def _made_tensors(stores: dict[str, list[ast.expr]]) -> set[str]:
+    """The ``self.<x>`` that ``__init__`` makes tensors (``init_stores``): a ``torch.<f>(…)`` (not ``torch.nn``'s)."""
+    calls = ((x, dotted(v.func) or "") for x, vs in stores.items() for v in vs if isinstance(v, ast.Call))
+    return {x for x, f in calls if f.startswith("torch.") and not f.startswith("torch.nn.")}
+
+
+def _captured(stores: dict[str, list[ast.expr]], caches: Iterable[str]) -> dict[str, ast.expr]:
     """The ``self.<y>`` that ``__init__`` binds to a value made from a cache the call passes (``self.kv_cache``), by
     name: vLLM binds the layer's real caches after building it, so ``y`` keeps the placeholder."""
     wanted = set(caches)
-    assigns = [n for n in ast.walk(init) if isinstance(n, ast.Assign)] if init is not None else []
-    made = [n for n in assigns if any(dotted(v) in wanted for v in ast.walk(n.value))]  # type: ignore[arg-type]
-    return {y: n for n in made for t in n.targets for x in ast.walk(t) if (y := self_member(x)) is not None}
+    return {y: v for y, vs in stores.items() for v in vs if any(dotted(x) in wanted for x in ast.walk(v))}  # type: ignore[arg-type]
 
 
 def kept_write_problems(
@@ -434,10 +434,11 @@ def kept_write_problems(
     """What the write a bypass keeps must not do, in words (``runs``: what it and the post-call block run):
     the first host sync (``host_syncs``), unproven scale (``unproven_scales``), reshape op vLLM does not define
     (``foreign_reshapes``), kv-cache dtype not the layer's (``foreign_dtypes``), cache held since ``__init__``
-    (``captured_caches``: ``caches`` are the call's), what depends on which fp8 dtype (``spelled_writes``) or on
+    (``_captured``: ``caches`` are the call's), what depends on which fp8 dtype (``spelled_writes``) or on
     the batch size (``batch_branches``), and an ``except`` that swallows a failed write."""
-    syncs, scales = host_syncs(runs, made_tensors(init))[:1], unproven_scales(runs, init, upgraded, imports)[:1]
-    held = captured_caches(init, caches)
+    stores = init_stores(init)
+    syncs, scales = host_syncs(runs, _made_tensors(stores))[:1], unproven_scales(runs, stores, upgraded, imports)[:1]
+    held = _captured(stores, caches)
     stale = [n for fn in runs for n in ast.walk(fn) if isinstance(n, ast.Attribute) and self_member(n) in held][:1]
     handlers = (h for fn in runs for h in ast.walk(fn) if isinstance(h, ast.ExceptHandler))
     swallowed = [h for h in handlers if not any(isinstance(n, ast.Raise) for n in ast.walk(h))][:1]

@@ -71,8 +71,8 @@ class FileModel:
 
     @functools.cached_property
     def binds(self) -> frozenset[str] | None:
-        """Every name the file binds (``names.binds``)."""
-        return names.binds(self.tree)
+        """Every name the file binds (``names.binds``); None where Python's parser cannot read it."""
+        return names.binds(self.tree) if self.source_map is not None else None
 
     @functools.cached_property
     def stores(self) -> list[ast.AST]:

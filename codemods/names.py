@@ -120,7 +120,7 @@ def literal(node: ast.AST) -> str | None:
 def binds(tree: ast.Module) -> frozenset[str] | None:
     """Every name the file binds anywhere (stored, imported, defined, a parameter, caught), and what Python
     gives every module (its builtins, ``__name__``); None where a star import may bind anything."""
-    found = set(dir(builtins)) | set(vars(types.ModuleType("m"))) | {"__file__", "__builtins__", "__path__"}
+    found = set(dir(builtins)) | set(vars(types.ModuleType("m"))) | {"__file__", "__builtins__", "__path__", "__class__"}
     for n in ast.walk(tree):
         if isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names):
             return None

@@ -134,7 +134,9 @@ def test_a_file_the_stand_in_cannot_run_is_not_verified_and_names_the_engine_lev
     run): not the file's failure, and not a pass either."""
     source = (FIXTURES / "native" / "model.py").read_text()
     dtype = "        self.kv_cache_dtype = cache_config.cache_dtype\n"
-    source = source.replace(dtype, dtype + "        self.use_nvfp4_kv = vllm_kv_quant_mode(cache_config).nvfp4\n")
+    source = source.replace(dtype, dtype + '        self.use_nvfp4_kv = "nvfp4" in list(kv_quant_modes(cache_config))\n')
+    imports = "from vllm.forward_context import get_forward_context\n"  # (a name the file never binds fails in vLLM too)
+    source = source.replace(imports, imports + "from vllm.config import kv_quant_modes\n")
     path = tmp_path / "model.py"
     path.write_text(
         source.replace(
