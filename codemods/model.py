@@ -15,7 +15,7 @@ import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import guards, names, roles, schema
+from codemods import guards, names, roles, runtime, schema
 from codemods.sourcemap import SourceMap
 
 
@@ -70,9 +70,9 @@ class FileModel:
         return {k: v for k, v in self.imports.items() if k in top}
 
     @functools.cached_property
-    def binds(self) -> frozenset[str] | None:
-        """Every name the file binds (``names.binds``); None where Python's parser cannot read it."""
-        return names.binds(self.tree) if self.source_map is not None else None
+    def runtime(self) -> runtime.Module:
+        """What the module binds at run time (``runtime.Module``); nothing known where Python's parser cannot read it."""
+        return runtime.Module.of(self.tree) if self.source_map is not None else runtime.Module(None, {}, {}, frozenset())
 
     @functools.cached_property
     def stores(self) -> list[ast.AST]:
@@ -161,7 +161,7 @@ class FileModel:
         """The module's literal constants (``roles.module_constants``), read once for every class."""
         return roles.module_constants(self.tree, self.module_scope)
 
-    def _values(self, cls: cst.ClassDef) -> dict[str, dict[str, object]] | None:
+    def init_values(self, cls: cst.ClassDef) -> dict[str, dict[str, object]] | None:
         """What ``__init__`` leaves in each attribute, per cache dtype (``roles.init_values``), read
         once a class; None where Python's parser reads no plain ``def __init__``."""
         if id(cls) not in self._init_values:
@@ -174,12 +174,12 @@ class FileModel:
     def flags(self, cls: cst.ClassDef) -> dict[str, bool]:
         """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``roles.flags``).
         Not kept: read from the kept values, it costs under a millisecond a class."""
-        values, scope = self._values(cls), self.scope(cls)  # values: None where no plain def __init__
+        values, scope = self.init_values(cls), self.scope(cls)  # values: None where no plain def __init__
         return roles.flags(scope.methods["__init__"], scope, values) if values is not None else {}
 
     def dtype_free(self, cls: cst.ClassDef) -> set[str]:
         """The attributes ``__init__`` leaves holding the same value whatever the cache dtype."""
-        first, *rest = list((self._values(cls) or {}).values()) or [{}]
+        first, *rest = list((self.init_values(cls) or {}).values()) or [{}]
         same = [k for k, v in first.items() if all(k in r and repr(r[k]) == repr(v) for r in rest)]
         return {k.removeprefix("self.") for k in same}
 
@@ -187,13 +187,13 @@ class FileModel:
         """``expr``, a native call's dtype argument, holds the cache dtype (``roles.carries_dtype``); ``fp8``: where
         the cache dtype is one of the fp8 dtypes alone (a write the fp8 flag runs)."""
         tree = expr if isinstance(expr, ast.expr) or expr is None else names.expression(a.code(expr))
-        values = {d: v for d, v in (self._values(cls) or {}).items() if d in roles.FP8_DTYPES or not fp8} or None
+        values = {d: v for d, v in (self.init_values(cls) or {}).items() if d in roles.FP8_DTYPES or not fp8} or None
         return values is not None and tree is not None and roles.carries_dtype(tree, self.scope(cls), values)
 
     def fp8_dtyped(self, cls: cst.ClassDef) -> set[str]:
         """The cache dtype, and the ``self.`` attributes ``__init__`` leaves another value in for another fp8 dtype,
         or reads the dtype into where what it leaves is not known: what tells the fp8 dtypes apart."""
-        runs = [(self._values(cls) or {}).get(d, {}) for d in roles.FP8_DTYPES]
+        runs = [(self.init_values(cls) or {}).get(d, {}) for d in roles.FP8_DTYPES]
         init = self.scope(cls).methods.get("__init__")
         assigns = [n for n in ast.walk(init) if isinstance(n, ast.Assign)] if init is not None else []
         reading = [n for n in assigns if roles.DTYPE in map(names.dotted, ast.walk(n.value))]  # type: ignore[arg-type]
@@ -202,7 +202,7 @@ class FileModel:
 
     def fp8_alike(self, cls: cst.ClassDef, expr: ast.expr) -> bool:
         """``expr`` holds one value for every fp8 dtype once ``__init__`` has run (``roles.evaluate``)."""
-        values = self._values(cls) or {}
+        values = self.init_values(cls) or {}
         try:
             held = {repr(roles.evaluate(expr, dict(values[d]), self.scope(cls))) for d in roles.FP8_DTYPES}
         except (roles.Unknown, TypeError, ValueError, RecursionError, AttributeError, LookupError, KeyError):

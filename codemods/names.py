@@ -117,11 +117,21 @@ def literal(node: ast.AST) -> str | None:
     return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 
+def _type_checking(stmt: ast.stmt) -> list[ast.stmt]:
+    """The body of ``if TYPE_CHECKING:`` (``typing.TYPE_CHECKING``): what a type checker reads and Python never runs."""
+    test = stmt.test if isinstance(stmt, ast.If) else None
+    return stmt.body if test is not None and (dotted(test) or "").rpartition(".")[2] == "TYPE_CHECKING" else []  # type: ignore[attr-defined]
+
+
 def binds(tree: ast.Module) -> frozenset[str] | None:
-    """Every name the file binds anywhere (stored, imported, defined, a parameter, caught), and what Python
-    gives every module (its builtins, ``__name__``); None where a star import may bind anything."""
+    """Every name the file binds anywhere at run time (stored, imported, defined, a parameter, caught; not under
+    ``if TYPE_CHECKING:``), and what Python gives every module (its builtins, ``__name__``); None where a star
+    import may bind anything."""
     found = set(dir(builtins)) | set(vars(types.ModuleType("m"))) | {"__file__", "__builtins__", "__path__", "__class__"}
+    hidden = {id(x) for n in ast.walk(tree) for s in _type_checking(n) for x in ast.walk(s)}  # type: ignore[arg-type]
     for n in ast.walk(tree):
+        if id(n) in hidden:
+            continue
         if isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names):
             return None
         if isinstance(n, (ast.Import, ast.ImportFrom)):
@@ -139,14 +149,17 @@ def binds(tree: ast.Module) -> frozenset[str] | None:
     return frozenset(found)
 
 
-def unbound(code: Iterable[ast.AST], bound: frozenset[str] | None) -> str | None:
-    """The first name ``code`` reads (not in an annotation) that the file binds nowhere (``binds``), in words:
-    running it raises NameError, whatever the cache dtype."""
-    code = [fn for fn in code if fn is not None]
-    notes = [x for fn in code for n in ast.walk(fn) for x in (
-        [n.annotation] if isinstance(n, (ast.arg, ast.AnnAssign)) and n.annotation else [n.returns] if isinstance(n, ast.FunctionDef) and n.returns else [])]
-    skip = {id(x) for note in notes for x in ast.walk(note)}
-    read = [n for fn in code for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in skip]
-    lost = sorted((n for n in read if bound is not None and n.id not in bound), key=lambda n: (n.lineno, n.col_offset))
-    return f"line {lost[0].lineno} reads `{lost[0].id}`, which the file never binds (no import, no definition)" if lost else None
-
+def rebound(tree: ast.Module) -> dict[str, ast.stmt]:
+    """The names a statement of the module's own binds as an import, a def or a class, and a later one of its
+    own binds again or deletes (``ops = None``, ``del ops``): by name, that statement."""
+    defined: set[str] = set()
+    found: dict[str, ast.stmt] = {}
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            defined |= {(a.asname or a.name).partition(".")[0] for a in stmt.names}
+        elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(stmt.name)
+        else:
+            stored = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+            found |= {x: stmt for x in stored & defined if x not in found}
+    return found

@@ -10,7 +10,7 @@ import functools
 import importlib.util
 from collections.abc import Callable
 
-from codemods import guards, names, roles, schema
+from codemods import guards, names, roles, runtime, schema
 
 _DEFS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
@@ -25,7 +25,7 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
     lines = text.split("\n")
     imports = names.import_table(tree)
     functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
-    bound = names.binds(tree)
+    module = runtime.Module.of(tree)
     constants = roles.module_constants(tree, roles.Scope(functions, {}, imports))
 
     @functools.cache  # by class: __init__ read once, however many calls it holds
@@ -45,7 +45,7 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
         if isinstance(node, guards.STORES):
             stores.append(node)
         if isinstance(node, ast.Call) and names.callee(node) == schema.FUSED_OP:
-            sites.append(_site(node, stack, lines, read, bound))
+            sites.append(_site(node, stack, lines, read, module))
         inner = (*stack, node) if isinstance(node, _DEFS) else stack
         for child in ast.iter_child_nodes(node):
             visit(child, inner)
@@ -78,7 +78,7 @@ def _after(call: ast.Call, body: list[ast.stmt]) -> list[ast.stmt]:
 
 def _site(
     call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str],
-    read: Callable[[ast.ClassDef], tuple[ast.FunctionDef | None, roles.Scope, dict[str, dict]]], bound: frozenset[str] | None,
+    read: Callable[[ast.ClassDef], tuple[ast.FunctionDef | None, roles.Scope, dict[str, dict]]], module: runtime.Module,
 ) -> schema.InsertSite:
     cls, method = stack[-2:] if len(stack) >= 2 else (None, None)
     if not (isinstance(cls, ast.ClassDef) and isinstance(method, ast.FunctionDef)):
@@ -108,7 +108,7 @@ def _site(
         line=call.lineno, class_name=cls.name, method=method.name, module_function=None, nested_in=None,
         star_args=False, has_cache=has_cache, dtype=names.dotted(dtype) if has_cache else None,
         dtype_is_auto=False, dtype_proven=True, in_block=False,  # in_block: not asked with a dtype
-        unbound=names.unbound([init], bound),
+        broken=runtime.broken(module, init, method, guards.reached(method, scope, init), call, values, scope, set()),
     )
     return schema.verdict(facts, schema.Pieces)
 

@@ -34,6 +34,7 @@ SLOT_MAPPING = OpParam(12, "slot_mapping")
 INDEX_SLOT_MAPPING = OpParam(13, "index_slot_mapping")
 KV_CACHE = OpParam(14, "kv_cache")
 INDEX_CACHE = OpParam(15, "index_cache")
+CACHE_ARGS = (KV_CACHE, INDEX_CACHE)
 KV_CACHE_DTYPE = OpParam(19, "kv_cache_dtype")
 # Every parameter, in order: a pass-through wrapper may hand any of them on.
 OP_PARAMS = tuple(
@@ -129,7 +130,7 @@ class CallFacts:
     in_wrapper: bool = False  # outside a class: in a pass-through wrapper (the layer's call of it is the site)
     # a cache argument of a native call that is no `self.` attribute (nor a local proven to hold one)
     cache_unproven: str | None = None
-    unbound: str | None = None  # a name ``__init__`` reads that the file never binds (``names.unbound``)
+    broken: str | None = None  # why the layer as vLLM runs it does not run the call with an fp8 cache (``runtime.broken``)
 
 
 @dataclass
@@ -279,8 +280,8 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
             f"the call is in `async def {f.method}`: vLLM calls a layer's forward synchronously, "
             "and the bypass is proven only in a plain `def`"
         )
-    if f.unbound is not None:
-        return refuse(f"{f.unbound}: building the layer raises NameError with any cache dtype. Import it, then run again")
+    if f.broken is not None:
+        return refuse(f.broken)
     p = pieces()
     present = p.present()
     if p.role_problems or p.flag_unproven is not None:

@@ -14,7 +14,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from codemods import anchors as a
-from codemods import codegen, guards, names, roles, schema
+from codemods import codegen, guards, names, roles, runtime, schema
 from codemods.model import FileModel
 from codemods.sourcemap import SourceMap
 
@@ -191,9 +191,23 @@ def call_facts(found: FoundCall, m: FileModel) -> tuple[schema.CallFacts, a.Stat
         is_async=found.method is not None and found.method.asynchronous is not None,
         in_wrapper=found.module_function in m.wrappers,
         cache_unproven=a.unproven_cache(found.op, method, slot) if dtype_value is not None and found.cls else None,
-        unbound=names.unbound([m.scope(found.cls).methods.get("__init__")], m.binds) if found.cls else None,
+        broken=_broken(found, m),
     )
     return facts, slot
+
+
+def _broken(found: FoundCall, m: FileModel) -> str | None:
+    """Why the layer as vLLM runs it does not run the call with an fp8 cache (``runtime.broken``); the names a cache
+    argument's condition reads are a lost guard's, which has a role of its own."""
+    if found.cls is None or found.method is None:
+        return None
+    scope = m.scope(found.cls)
+    init, fn = scope.methods.get("__init__"), scope.methods.get(found.method.name.value)
+    tests = [names.expression(c) for x in schema.CACHE_ARGS if (c := guard_of(found.op.arg(x)))]
+    known = {n.id for t in tests if t for n in ast.walk(t) if isinstance(n, ast.Name)}
+    calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and n.lineno == found.line] if fn else []
+    reached = guards.reached(fn, scope, init) if fn else []
+    return runtime.broken(m.runtime, init, fn, reached, calls[0] if calls else None, m.init_values(found.cls), scope, known)
 
 
 def _carries_dtype(found: FoundCall, held: cst.BaseExpression | None, m: FileModel) -> bool:

@@ -1,0 +1,129 @@
+"""What runs when vLLM runs the layer, whatever the cache dtype: the names ``__init__`` and the call's method read
+as they are bound at run time, the method as its decorators leave it, and whether the call runs at all with an
+fp8 cache. ``check`` answers only for a layer that runs; ``verify``'s stand-in runs neither the module's own
+statements nor a decorator, so these are read here, once, for ``sites`` and ``prefilter`` alike."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from codemods import names, roles
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.DictComp)
+_EXITS = (ast.Return, ast.Raise)
+
+
+@dataclass(frozen=True)
+class Module:
+    """What the module binds at run time (``names.binds``, ``names.rebound``) and its functions."""
+
+    binds: frozenset[str] | None
+    rebound: dict[str, ast.stmt]
+    functions: Mapping[str, ast.FunctionDef]
+    top: frozenset[str]  # bound by the module's own code (an import, a def, an assignment)
+
+    @classmethod
+    def of(cls, tree: ast.Module) -> Module:
+        functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+        own = _own(tree)
+        top = {n.id for n in own if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+        top |= {(a.asname or a.name).partition(".")[0] for n in own if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+        top |= {n.name for n in own if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        return cls(names.binds(tree), names.rebound(tree), functions, frozenset(top))
+
+
+def _own(fn: ast.AST) -> list[ast.AST]:
+    """The nodes of ``fn``'s own scope (not a nested def's, lambda's, class's or comprehension's)."""
+    found, todo = [], list(ast.iter_child_nodes(fn))
+    while todo:
+        n = todo.pop()
+        found.append(n)
+        todo += [] if isinstance(n, _SCOPES) else list(ast.iter_child_nodes(n))
+    return found
+
+
+def _read(code: list[ast.AST]) -> list[ast.Name]:
+    """The names ``code`` reads, in order, but in annotations (which Python does not run here)."""
+    notes = [x for fn in code for n in ast.walk(fn) for x in (
+        [n.annotation] if isinstance(n, (ast.arg, ast.AnnAssign)) and n.annotation else
+        [n.returns] if isinstance(n, ast.FunctionDef) and n.returns else [])]
+    skip = {id(x) for note in notes for x in ast.walk(note)}
+    read = (n for fn in code for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load))
+    return sorted((n for n in read if id(n) not in skip), key=lambda n: (n.lineno, n.col_offset))
+
+
+def _names(code: list[ast.AST], module: Module, known: set[str]) -> str | None:
+    """A name read that the file never binds, or binds again at module level after its import, or that a function
+    reads before it binds a name of the module's itself (a local shadowing a global: UnboundLocalError); ``known``: another
+    rule's (a lost guard)."""
+    for n in (n for n in _read(code) if n.id not in known):
+        if module.binds is not None and n.id not in module.binds:
+            return f"line {n.lineno} reads `{n.id}`, which the file never binds at run time (no import, no definition)"
+        if n.id in module.rebound:
+            at = module.rebound[n.id]
+            return f"line {n.lineno} reads `{n.id}`, which line {at.lineno} binds again at module level (`{ast.unparse(at)[:60]}`)"
+    for fn in (fn for fn in code if isinstance(fn, (ast.FunctionDef, ast.Lambda))):
+        own = _own(fn)
+        declared = {x for n in own if isinstance(n, (ast.Global, ast.Nonlocal)) for x in n.names}
+        stores = [n for n in own if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load) and n.id not in declared]
+        params = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
+        shadowing = (n for n in own if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in module.top - params)
+        for n in sorted(shadowing, key=lambda n: (n.lineno, n.col_offset)):
+            later = [s for s in stores if s.id == n.id]
+            if later and all((s.lineno, s.col_offset) > (n.lineno, n.col_offset) for s in later):
+                return f"line {n.lineno} reads `{n.id}` before line {later[0].lineno} binds it in the function (UnboundLocalError)"
+    return None
+
+
+def _decorated(method: ast.FunctionDef, module: Module) -> str | None:
+    """A decorator of the method that the file defines: what vLLM runs by the method's name is not proven to be it."""
+    for d in method.decorator_list:
+        name = names.dotted(d.func if isinstance(d, ast.Call) else d)
+        if name in module.functions:
+            return f"`{method.name}` is wrapped by `{name}` (line {d.lineno}), which the file defines: what runs is not proven to be the method"
+    return None
+
+
+def _unreached(body: list[ast.stmt], call: ast.AST, runs: Iterable[dict[str, object]], scope: roles.Scope) -> str | None:
+    """A test that keeps ``call`` from running with some fp8 cache dtype (``runs``: what ``__init__`` leaves for each): an
+    ``if`` holding it whose branch the test does not take, or an ``if`` before it that leaves the method."""
+    def holds(test: ast.expr) -> list[bool]:
+        try:
+            return [bool(roles.evaluate(test, dict(env), scope)) for env in runs]
+        except (roles.Unknown, TypeError, ValueError, RecursionError, AttributeError, LookupError):
+            return []
+
+    for i, stmt in enumerate(body):
+        if not any(n is call for n in ast.walk(stmt)):
+            continue
+        for before in body[:i]:
+            leaves = isinstance(before, ast.If) and not before.orelse and isinstance(before.body[-1], _EXITS)
+            if leaves and any(holds(before.test)):  # type: ignore[attr-defined]
+                return f"`{ast.unparse(before.test)}` (line {before.lineno}) leaves the method first"  # type: ignore[attr-defined]
+        if isinstance(stmt, ast.If):
+            inside = any(n is call for s in stmt.body for n in ast.walk(s))
+            if not all(t == inside for t in holds(stmt.test)):
+                return f"`{ast.unparse(stmt.test)}` (line {stmt.lineno}) takes the other branch"
+        blocks = [b for f in ("body", "orelse", "finalbody", "handlers") for b in [getattr(stmt, f, None)] if isinstance(b, list)]
+        inner = next((b for b in blocks if any(n is call for s in b for n in ast.walk(s))), None)
+        return _unreached(inner, call, runs, scope) if inner is not None and inner is not body else None
+    return None
+
+
+def broken(
+    module: Module, init: ast.FunctionDef | None, method: ast.FunctionDef | None, reached: list[ast.AST],
+    call: ast.AST, values: Mapping[str, Mapping[str, object]] | None, scope: roles.Scope, known: set[str],
+) -> str | None:
+    """Why the layer, as vLLM runs it, does not run the call with an fp8 cache, whatever the bypass (in words), or
+    None: a name (``_names``) ``__init__`` or what the method reaches reads, a decorator of the method
+    (``_decorated``), a test that keeps the call from running (``_unreached``)."""
+    code = [c for c in (init, *reached) if c is not None]
+    if (lost := _names(code, module, known)) is not None:
+        return f"{lost}: vLLM fails building or running the layer, with any cache dtype. Bind it once, at module level, then run again"
+    if method is not None and (wrapped := _decorated(method, module)) is not None:
+        return f"{wrapped}. Take the decorator off (or write the fp8 path by hand), then run again"
+    runs = [values[d] for d in roles.FP8_DTYPES if d in values] if values and method is not None else []
+    unreached = _unreached(method.body, call, runs, scope) if runs else None  # type: ignore[union-attr]
+    return f"the call does not run with an fp8 cache: {unreached}, so nothing writes the fp8 cache there" if unreached else None
