@@ -143,6 +143,17 @@ class FileModel:
         column = tree.col_offset if isinstance(tree, ast.stmt) else self.positions[node].start.column
         return column // max(len(self.module.default_indent), 1)
 
+    def redefined_below(self, cls: cst.ClassDef, methods: set[str], attrs: set[str]) -> str | None:
+        """A class of the file that derives from ``cls`` and defines one of ``methods`` or a method storing
+        ``self.<attr>`` of ``attrs``: the layer it builds runs what the bypass was not proven with. In words."""
+        for sub in (c for c in self.module.body if isinstance(c, cst.ClassDef) and c is not cls and cls in self.lineage(c)):
+            bound = a.scope_bindings(sub.body)
+            stored = {a.self_attr(t) for f in a.methods(sub) for n in a.all_statements(f.body) for t in a.store_targets(n)}
+            found = sorted(methods & set(bound) | attrs & stored)
+            if found:
+                return f"class `{sub.name.value}` derives from `{cls.name.value}` and redefines `{found[0]}`"
+        return None
+
     def init(self, cls: cst.ClassDef) -> cst.FunctionDef | None:
         """The ``__init__`` that builds the class: its own, else a base class's of this file."""
         return self.methods(cls).get("__init__")

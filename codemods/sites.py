@@ -434,7 +434,7 @@ def collect_pieces(
         p.own_write = f"{ast.unparse(w.func)}(…)" if isinstance(w, ast.Call) else f"{ast.unparse(w.value)}[…] = …"  # type: ignore[attr-defined]
     setters = {f.name for f in roles.init_methods(init_tree, scope)} if init_tree is not None else set()
     pieces = {method.name.value, p.insert_method, "__init__", *setters}  # (``attrs`` is every self.<x> read)
-    p.subclassed = _redefined_below(m, cls, pieces, {p.flag_attr, p.scale_attr, schema.DTYPE_ATTR})
+    p.subclassed = m.redefined_below(cls, pieces, {p.flag_attr, p.scale_attr, schema.DTYPE_ATTR})
     own = [p.flag_attr] if p.flag_from_file or p.flag_set else []
     outside = guards.set_through_another(m.stores, [*own, p.scale_attr, schema.DTYPE_ATTR])
     p.role_problems += [
@@ -446,18 +446,6 @@ def collect_pieces(
         guards.set_through_another(m.stores, sorted(pieces), cls.name.value)[:1]
     ]
     return p
-
-
-def _redefined_below(m: FileModel, cls: cst.ClassDef, methods: set[str], attrs: set[str]) -> str | None:
-    """A class of the file that derives from ``cls`` and defines one of ``methods`` or a method storing
-    ``self.<attr>`` of ``attrs``: the layer it builds runs what the bypass was not proven with. In words."""
-    for sub in (c for c in m.module.body if isinstance(c, cst.ClassDef) and c is not cls and cls in m.lineage(c)):
-        bound = a.scope_bindings(sub.body)
-        stored = {a.self_attr(t) for f in a.methods(sub) for n in a.all_statements(f.body) for t in a.store_targets(n)}
-        found = sorted(methods & set(bound) | attrs & stored)
-        if found:
-            return f"class `{sub.name.value}` derives from `{cls.name.value}` and redefines `{found[0]}`"
-    return None
 
 
 _EXITS = (cst.Return, cst.Raise, cst.Break, cst.Continue)

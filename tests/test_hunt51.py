@@ -6,6 +6,7 @@ each control, the same edit made harmless, is not."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,14 @@ def test_the_stand_in_fails_a_name_bound_for_a_type_checker_alone(tmp_path: Path
     path.write_text(_edited(PATCHED, [(DTYPE_HELPER, TYPE_CHECKING + DTYPE_HELPER)]))
     level = semantic(path)
     assert level.status is Status.FAILED and "kv_cache_dtype_str_to_dtype" in level.reason
+
+
+def test_an_import_in_a_try_is_the_import_the_stand_in_runs(tmp_path: Path) -> None:
+    """Hunt 51's k21: ``ops`` imported in a ``try:`` (vLLM installed, it succeeds) had been refused as failing when run:
+    the stand-in bound top-level imports alone, so the fork's own write raised NameError on it."""
+    pytest.importorskip("torch")
+    path = tmp_path / "model.py"
+    imports = "from vllm import _custom_ops as ops\n"
+    fork = re.sub(r"_fp8_kv\b", "_fp8_cache", PATCHED)  # (a fork's own names: check runs its bypass)
+    path.write_text(_edited(fork, [(imports, "try:\n    " + imports + "except ImportError:\n    pass\n")]))
+    assert _states(path)[-1] == "patched"

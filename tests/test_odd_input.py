@@ -62,7 +62,7 @@ def test_waiting_message_names_a_bracketed_path(tmp_path: Path) -> None:
     assert target.read_bytes() == FORK_ERA
 
 
-@pytest.mark.parametrize("argument", ["self.kv_caches[layer_idx]", 'self.kv_caches["[/x]"]'])
+@pytest.mark.parametrize("argument", ["self.kv_caches[self.layer_idx]", 'self.kv_caches["[/x]"]'])
 def test_reasons_that_quote_source_keep_their_brackets(tmp_path: Path, argument: str) -> None:
     source = FORK_ERA.replace(b"            self.kv_cache,\n", f"            {argument},\n".encode(), 1)
     target = put(tmp_path / "model.py", source)

@@ -206,9 +206,11 @@ class LayerCode:
 
 
 def _imports(tree: ast.Module) -> tuple[dict[str, str], set[str]]:
-    """Top-level imported names -> dotted origin; names bound to ``vllm._custom_ops``."""
+    """Top-level imported names -> dotted origin (a ``try:``'s too: vLLM installed, the import succeeds); names
+    bound to ``vllm._custom_ops``."""
     imported: dict[str, str] = {}
-    for node in tree.body:
+    top = [x for n in tree.body for x in (n.body if isinstance(n, ast.Try) else [n])]
+    for node in top:
         if isinstance(node, ast.ImportFrom) and node.module:
             for alias in node.names:
                 imported[alias.asname or alias.name] = f"{node.module}.{alias.name}"
@@ -218,7 +220,7 @@ def _imports(tree: ast.Module) -> tuple[dict[str, str], set[str]]:
                     alias.name if alias.asname else alias.name.split(".")[0]
                 )
     ops = {name for name, origin in imported.items() if origin.endswith("_custom_ops")}
-    dotted = (a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names if a.asname is None)
+    dotted = (a.name for n in top if isinstance(n, ast.Import) for a in n.names if a.asname is None)
     return imported, ops | {name for name in dotted if name.endswith("._custom_ops")}  # `import vllm._custom_ops`
 
 
