@@ -117,7 +117,11 @@ def literal(node: ast.AST) -> str | None:
     return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 
-def _type_checking(stmt: ast.stmt) -> list[ast.stmt]:
+# What Python binds in every module: its builtins, ``__name__`` and the like, and a method's ``__class__``.
+PYTHON_NAMES = frozenset(dir(builtins)) | frozenset(vars(types.ModuleType("m"))) | {"__file__", "__builtins__", "__path__", "__class__"}
+
+
+def type_checking(stmt: ast.AST) -> list[ast.stmt]:
     """The body of ``if TYPE_CHECKING:`` (``typing.TYPE_CHECKING``): what a type checker reads and Python never runs."""
     test = stmt.test if isinstance(stmt, ast.If) else None
     return stmt.body if test is not None and (dotted(test) or "").rpartition(".")[2] == "TYPE_CHECKING" else []  # type: ignore[attr-defined]
@@ -127,8 +131,8 @@ def binds(tree: ast.Module) -> frozenset[str] | None:
     """Every name the file binds anywhere at run time (stored, imported, defined, a parameter, caught; not under
     ``if TYPE_CHECKING:``), and what Python gives every module (its builtins, ``__name__``); None where a star
     import may bind anything."""
-    found = set(dir(builtins)) | set(vars(types.ModuleType("m"))) | {"__file__", "__builtins__", "__path__", "__class__"}
-    hidden = {id(x) for n in ast.walk(tree) for s in _type_checking(n) for x in ast.walk(s)}  # type: ignore[arg-type]
+    found = set(PYTHON_NAMES)
+    hidden = {id(x) for n in ast.walk(tree) for s in type_checking(n) for x in ast.walk(s)}
     for n in ast.walk(tree):
         if id(n) in hidden:
             continue

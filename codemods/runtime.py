@@ -17,21 +17,28 @@ _EXITS = (ast.Return, ast.Raise)
 
 @dataclass(frozen=True)
 class Module:
-    """What the module binds at run time (``names.binds``, ``names.rebound``) and its functions."""
+    """What the module's own code binds at run time (``bound``; None where a star import may bind anything), what it
+    binds again after importing it (``names.rebound``), and its functions."""
 
-    binds: frozenset[str] | None
+    bound: frozenset[str] | None
     rebound: dict[str, ast.stmt]
     functions: Mapping[str, ast.FunctionDef]
-    top: frozenset[str]  # bound by the module's own code (an import, a def, an assignment)
 
     @classmethod
     def of(cls, tree: ast.Module) -> Module:
         functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
-        own = _own(tree)
-        top = {n.id for n in own if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
-        top |= {(a.asname or a.name).partition(".")[0] for n in own if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
-        top |= {n.name for n in own if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-        return cls(names.binds(tree), names.rebound(tree), functions, frozenset(top))
+        hidden = {id(x) for n in ast.walk(tree) for s in names.type_checking(n) for x in ast.walk(s)}
+        own = [n for n in _own(tree) if id(n) not in hidden]
+        star = any(isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names) for n in own)
+        return cls(None if star else names.PYTHON_NAMES | _bound(own), names.rebound(tree), functions)
+
+
+def _bound(nodes: Iterable[ast.AST]) -> frozenset[str]:
+    """The names ``nodes`` bind: stored, imported, defined, a parameter, caught."""
+    found = {n.id for n in nodes if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    found |= {(a.asname or a.name).partition(".")[0] for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    found |= {n.name for n in nodes if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.ExceptHandler)) and n.name}
+    return frozenset(found | {n.arg for n in nodes if isinstance(n, ast.arg)})
 
 
 def _own(fn: ast.AST) -> list[ast.AST]:
@@ -55,22 +62,24 @@ def _read(code: list[ast.AST]) -> list[ast.Name]:
 
 
 def _names(code: list[ast.AST], module: Module, known: set[str]) -> str | None:
-    """A name read that the file never binds, or binds again at module level after its import, or that a function
-    reads before it binds a name of the module's itself (a local shadowing a global: UnboundLocalError); ``known``: another
-    rule's (a lost guard)."""
-    for n in (n for n in _read(code) if n.id not in known):
-        if module.binds is not None and n.id not in module.binds:
-            return f"line {n.lineno} reads `{n.id}`, which the file never binds at run time (no import, no definition)"
-        if n.id in module.rebound:
-            at = module.rebound[n.id]
-            return f"line {n.lineno} reads `{n.id}`, which line {at.lineno} binds again at module level (`{ast.unparse(at)[:60]}`)"
+    """A name a function reads that neither it nor the module binds at run time, or that the module binds again after
+    its import, or that the function reads before binding a local of that module name (UnboundLocalError);
+    ``known``: another rule's (a lost guard)."""
+    for fn in code:
+        inner = _bound(list(ast.walk(fn)))  # (its locals, and its comprehensions' and lambdas')
+        for n in (n for n in _read([fn]) if n.id not in known and n.id not in inner):
+            if module.bound is not None and n.id not in module.bound:
+                return f"line {n.lineno} reads `{n.id}`, which neither the function nor the module binds at run time"
+            if n.id in module.rebound:
+                at = module.rebound[n.id]
+                return f"line {n.lineno} reads `{n.id}`, which line {at.lineno} binds again at module level (`{ast.unparse(at)[:60]}`)"
     for fn in (fn for fn in code if isinstance(fn, (ast.FunctionDef, ast.Lambda))):
         own = _own(fn)
         declared = {x for n in own if isinstance(n, (ast.Global, ast.Nonlocal)) for x in n.names}
         stores = [n for n in own if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load) and n.id not in declared]
         params = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
-        shadowing = (n for n in own if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in module.top - params)
-        for n in sorted(shadowing, key=lambda n: (n.lineno, n.col_offset)):
+        top = (module.bound or frozenset()) - names.PYTHON_NAMES - params
+        for n in sorted((n for n in own if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in top), key=lambda n: (n.lineno, n.col_offset)):
             later = [s for s in stores if s.id == n.id]
             if later and all((s.lineno, s.col_offset) > (n.lineno, n.col_offset) for s in later):
                 return f"line {n.lineno} reads `{n.id}` before line {later[0].lineno} binds it in the function (UnboundLocalError)"

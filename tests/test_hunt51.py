@@ -24,9 +24,14 @@ SKIP = "\n\ndef _disabled(fn):\n    def wrapper(*args, **kwargs):\n        retur
 # name -> (base, edits, what the refusal says)
 CASES = {
     # a name __init__ reads, imported for a type checker alone: NameError building the layer
-    "a TYPE_CHECKING import __init__ reads": (PATCHED, [(DTYPE_HELPER, TYPE_CHECKING + DTYPE_HELPER)], "never binds at run time"),
+    "a TYPE_CHECKING import __init__ reads": (PATCHED, [(DTYPE_HELPER, TYPE_CHECKING + DTYPE_HELPER)], "nor the module binds at run time"),
     # one forward reads: NameError on every forward
-    "a TYPE_CHECKING import forward reads": (NATIVE, [(CONTEXT, TYPE_CHECKING + CONTEXT)], "never binds at run time"),
+    "a TYPE_CHECKING import forward reads": (NATIVE, [(CONTEXT, TYPE_CHECKING + CONTEXT)], "nor the module binds at run time"),
+    # the op's namespace imported in __init__ alone, where forward cannot see it
+    "an import in __init__ alone": (
+        NATIVE, [("from vllm import _custom_ops as ops\n", ""), ("        super().__init__()\n", "        super().__init__()\n        from vllm import _custom_ops as ops\n")],
+        "nor the module binds at run time",
+    ),
     # the module binds the op's namespace again after importing it
     "ops = None at module end": (NATIVE, [("\nclass MiniMaxM3Attention", "\nops = None\n\n\nclass MiniMaxM3Attention")], "binds again at module level"),
     "del at module end": (PATCHED, [(CONTEXT, CONTEXT + "del get_forward_context\n")], "binds again at module level"),

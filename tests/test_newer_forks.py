@@ -89,7 +89,7 @@ def test_a_name_init_reads_and_the_file_never_binds_is_refused_and_fails(tmp_pat
     assert _states(path)[-1] == "native"  # the control: imported
     path.write_text(_edited(NATIVE, UNBOUND))
     proc = cli("check", str(path))
-    assert proc.returncode == 2 and "reads `get_tensor_model_parallel_rank`, which the file never binds" in proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "reads `get_tensor_model_parallel_rank`, which neither the function nor the module binds" in proc.stdout + proc.stderr
     level = semantic(path)  # (the stand-in had skipped the statement and called the missing attribute its gap)
     assert level.status is Status.FAILED and "NameError" in level.reason and "in __init__" in level.reason
 
