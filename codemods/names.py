@@ -127,32 +127,6 @@ def type_checking(stmt: ast.AST) -> list[ast.stmt]:
     return stmt.body if test is not None and (dotted(test) or "").rpartition(".")[2] == "TYPE_CHECKING" else []  # type: ignore[attr-defined]
 
 
-def binds(tree: ast.Module) -> frozenset[str] | None:
-    """Every name the file binds anywhere at run time (stored, imported, defined, a parameter, caught; not under
-    ``if TYPE_CHECKING:``), and what Python gives every module (its builtins, ``__name__``); None where a star
-    import may bind anything."""
-    found = set(PYTHON_NAMES)
-    hidden = {id(x) for n in ast.walk(tree) for s in type_checking(n) for x in ast.walk(s)}
-    for n in ast.walk(tree):
-        if id(n) in hidden:
-            continue
-        if isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names):
-            return None
-        if isinstance(n, (ast.Import, ast.ImportFrom)):
-            found |= {(a.asname or a.name).partition(".")[0] for a in n.names}
-        elif isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
-            found.add(n.id)
-        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            found.add(n.name)
-        elif isinstance(n, ast.arg):
-            found.add(n.arg)
-        elif isinstance(n, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and n.name:
-            found.add(n.name)
-        elif isinstance(n, ast.MatchMapping) and n.rest:
-            found.add(n.rest)
-    return frozenset(found)
-
-
 def rebound(tree: ast.Module) -> dict[str, ast.stmt]:
     """The names a statement of the module's own binds as an import, a def or a class, and a later one of its
     own binds again or deletes (``ops = None``, ``del ops``): by name, that statement."""

@@ -30,10 +30,10 @@ class Module:
         hidden = {id(x) for n in ast.walk(tree) for s in names.type_checking(n) for x in ast.walk(s)}
         own = [n for n in _own(tree) if id(n) not in hidden]
         star = any(isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names) for n in own)
-        return cls(None if star else names.PYTHON_NAMES | _bound(own), names.rebound(tree), functions)
+        return cls(None if star else names.PYTHON_NAMES | bound_by(own), names.rebound(tree), functions)
 
 
-def _bound(nodes: Iterable[ast.AST]) -> frozenset[str]:
+def bound_by(nodes: Iterable[ast.AST]) -> frozenset[str]:
     """The names ``nodes`` bind: stored, imported, defined, a parameter, caught."""
     found = {n.id for n in nodes if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
     found |= {(a.asname or a.name).partition(".")[0] for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
@@ -66,7 +66,7 @@ def _names(code: list[ast.AST], module: Module, known: set[str]) -> str | None:
     its import, or that the function reads before binding a local of that module name (UnboundLocalError);
     ``known``: another rule's (a lost guard)."""
     for fn in code:
-        inner = _bound(list(ast.walk(fn)))  # (its locals, and its comprehensions' and lambdas')
+        inner = bound_by(list(ast.walk(fn)))  # (its locals, and its comprehensions' and lambdas')
         for n in (n for n in _read([fn]) if n.id not in known and n.id not in inner):
             if module.bound is not None and n.id not in module.bound:
                 return f"line {n.lineno} reads `{n.id}`, which neither the function nor the module binds at run time"

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from codemods import names, roles, schema
+from codemods import names, roles, runtime, schema
 from codemods.schema import FUSED_OP, KV_CACHE
 from rewriter.apply import read_source
 
@@ -185,7 +185,7 @@ class LayerCode:
     constants: dict[str, object] = field(default_factory=dict)  # module-level literals (roles.module_constants)
     class_constants: dict[str, object] = field(default_factory=dict)  # its (and its bases') literal class attributes
     settable: frozenset[str] | None = None  # what the file may set on the layer (_settable); None: anything
-    binds: frozenset[str] | None = None  # every name the file binds, in any scope (names.binds); None: anything
+    binds: frozenset[str] | None = None  # what the module and __init__ bind at run time (runtime.bound_by); None: anything
 
     def fit(self, shape: Shape) -> Shape:
         """``shape`` with the sizes that one attribute of the file holds made equal: the
@@ -310,9 +310,16 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
         path, class_name, methods, decorators, init, ops, imported, bindings, called, functions, native,
         others - set(functions), _custom_ops(tree), compile_aware, roles.module_constants(tree, roles.NO_SCOPE),
         {k.removeprefix("self."): v for k, v in roles.module_constants(tree, roles.NO_SCOPE, cls).items()},
-        _settable(cls, tree, defs, imports), names.binds(tree),
+        _settable(cls, tree, defs, imports), _binds(tree, defs.get("__init__")),
     )
 
+
+
+def _binds(tree: ast.Module, init: ast.FunctionDef | None) -> frozenset[str] | None:
+    """What a statement of ``__init__`` may read without NameError: what the module binds at run time
+    (``runtime.Module``), and ``__init__``'s own names (one a statement the stand-in skipped binds is its gap)."""
+    bound = runtime.Module.of(tree).bound
+    return None if bound is None else bound | runtime.bound_by(list(ast.walk(init)) if init else [])
 
 
 def _settable(
