@@ -278,14 +278,13 @@ def test_flag_read_but_never_set_is_half_applied() -> None:
             "`kv_cache` argument",
         ),
         (
-            ("self.kv_cache, self.index_cache, 128", "self.kv_cache if on else x, self.index_cache, 128"),
+            ("self.kv_cache, self.index_cache, 128", "self.kv_cache if self.on else self.x, self.index_cache, 128"),
             "cannot be guarded",
         ),
         (("slots, index_slots, self.kv_cache", "slots.long(), index_slots, self.kv_cache"), "`slot_mapping`"),
         (("        self.q_size = self.num_heads * self.head_dim\n", ""), "head size"),
         (("        self.index_q_size = self.num_idx_heads * self.idx_head_dim\n", ""), "index head size"),
         (("        self.kv_cache_dtype = cfg.cache_dtype\n", ""), "kv-cache dtype"),
-        (("import torch\n", ""), "import torch"),
         (("        ops.fused", "        _ = ops.fused"), "not a statement of its own"),
         (
             (
@@ -303,7 +302,6 @@ def test_flag_read_but_never_set_is_half_applied() -> None:
         "no-head-size",
         "no-index-head-size",
         "no-dtype",
-        "no-torch",
         "assigned-call",
         "nested-function",
     ],
@@ -314,6 +312,13 @@ def test_refusals(edit: tuple[str, str], reason: str) -> None:
     site = only_site(source)
     assert (site.state, site.action) == (SiteState.UNSUPPORTED, Action.REFUSE), site.reason
     assert reason in site.reason
+
+
+def test_a_module_without_torch_is_refused_naming_the_import() -> None:
+    """(The layer itself reads no torch: one that did would be refused as reading a name nothing binds.)"""
+    edits = [("import torch\n", ""), ("        self.kv_cache = torch.tensor([])\n", "        self.kv_cache = cfg.cache\n")]
+    site = only_site(variant(BEFORE, *edits))
+    assert (site.state, site.action) == (SiteState.UNSUPPORTED, Action.REFUSE) and "import torch" in site.reason
 
 
 def test_insert_kv_of_unknown_shape_is_refused() -> None:

@@ -1134,7 +1134,7 @@ def test_an_async_forward_is_refused_by_run_and_noted_by_verify_alike(tmp_path: 
     "line, named",
     [
         ("        from aiter import reshape_and_cache  # a ROCm fork's path\n", "imports `aiter`"),
-        ("        assert not self.impl.should_use_msa_decode(self.layer_name)\n", "has no `should_use_msa_decode`"),
+        ("        assert not self.impl.use_split_kv_decode(self.layer_name)\n", "has no `use_split_kv_decode`"),
     ],
     ids=["platform-package", "unmodelled-impl"],
 )
