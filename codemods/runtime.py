@@ -86,13 +86,16 @@ def _names(code: list[ast.AST], module: Module, known: set[str]) -> str | None:
     return None
 
 
-def _decorated(method: ast.FunctionDef, module: Module) -> str | None:
-    """A decorator of the method that the file defines: what vLLM runs by the method's name is not proven to be it."""
+def _decorated(method: ast.FunctionDef, init: ast.FunctionDef | None, module: Module) -> str | None:
+    """What vLLM runs by the method's name that is not proven to be it: the method under a decorator the file defines,
+    or ``staticmethod``/``classmethod`` (no ``self``), or an attribute ``__init__`` binds by its name."""
     for d in method.decorator_list:
         name = names.dotted(d.func if isinstance(d, ast.Call) else d)
-        if name in module.functions:
-            return f"`{method.name}` is wrapped by `{name}` (line {d.lineno}), which the file defines: what runs is not proven to be the method"
-    return None
+        if name in module.functions or name in ("staticmethod", "classmethod"):
+            return f"`{method.name}` is wrapped by `{name}` (line {d.lineno}): what runs is not proven to be the method"
+    stores = (t for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets) if init is not None else ()
+    at = next((t for t in stores if names.self_member(t) == method.name), None)
+    return f"line {at.lineno} binds `self.{method.name}` in __init__: what runs is not the method" if at is not None else None
 
 
 def _unreached(body: list[ast.stmt], call: ast.AST, runs: Iterable[dict[str, object]], scope: roles.Scope) -> str | None:
@@ -131,8 +134,8 @@ def broken(
     code = [c for c in (init, *reached) if c is not None]
     if (lost := _names(code, module, known)) is not None:
         return f"{lost}: vLLM fails building or running the layer, with any cache dtype. Bind it once, at module level, then run again"
-    if method is not None and (wrapped := _decorated(method, module)) is not None:
-        return f"{wrapped}. Take the decorator off (or write the fp8 path by hand), then run again"
+    if method is not None and (wrapped := _decorated(method, init, module)) is not None:
+        return f"{wrapped}. Call the method as it is defined (or write the fp8 path by hand), then run again"
     runs = [values[d] for d in roles.FP8_DTYPES if d in values] if values and method is not None else []
     unreached = _unreached(method.body, call, runs, scope) if runs else None  # type: ignore[union-attr]
     return f"the call does not run with an fp8 cache: {unreached}, so nothing writes the fp8 cache there" if unreached else None

@@ -39,6 +39,13 @@ CASES = {
     "a local shadowing ops": (NATIVE, [(NATIVE_RETURN, "        ops = None\n" + NATIVE_RETURN)], "UnboundLocalError"),
     # the file's own decorator returns what runs in the method's place
     "a decorator the file defines": (NATIVE, [(CONTEXT, CONTEXT + SKIP), (NATIVE_FORWARD, "    @_disabled\n" + NATIVE_FORWARD)], "is wrapped by `_disabled`"),
+    # forward with no self, or replaced in __init__ by another callable
+    "forward a staticmethod": (NATIVE, [(NATIVE_FORWARD, "    @staticmethod\n" + NATIVE_FORWARD)], "is wrapped by `staticmethod`"),
+    "forward bound in __init__": (
+        NATIVE, [("        self.kv_cache_dtype = cache_config.cache_dtype\n", "        self.kv_cache_dtype = cache_config.cache_dtype\n"
+                  "        self.forward = lambda positions, hidden_states: hidden_states\n")],
+        "binds `self.forward` in __init__",
+    ),
     # the native call runs only for "auto", or forward leaves first for fp8
     "the call only for auto": (
         NATIVE,
