@@ -5,10 +5,8 @@ what a name *is bound to* (``import_table``, ``qualified``), never how it is spe
 from __future__ import annotations
 
 import ast
-import builtins
 import collections
-import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 
 
@@ -115,29 +113,3 @@ def class_methods(cls: ast.ClassDef, module: ast.Module) -> dict[str, ast.Functi
 def literal(node: ast.AST) -> str | None:
     """A string constant's value."""
     return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
-
-
-# What Python binds in every module: its builtins, ``__name__`` and the like, and a method's ``__class__``.
-PYTHON_NAMES = frozenset(dir(builtins)) | frozenset(vars(types.ModuleType("m"))) | {"__file__", "__builtins__", "__path__", "__class__"}
-
-
-def type_checking(stmt: ast.AST) -> list[ast.stmt]:
-    """The body of ``if TYPE_CHECKING:`` (``typing.TYPE_CHECKING``): what a type checker reads and Python never runs."""
-    test = stmt.test if isinstance(stmt, ast.If) else None
-    return stmt.body if test is not None and (dotted(test) or "").rpartition(".")[2] == "TYPE_CHECKING" else []  # type: ignore[attr-defined]
-
-
-def rebound(tree: ast.Module) -> dict[str, ast.stmt]:
-    """The names a statement of the module's own binds as an import, a def or a class, and a later one of its
-    own binds again or deletes (``ops = None``, ``del ops``): by name, that statement."""
-    defined: set[str] = set()
-    found: dict[str, ast.stmt] = {}
-    for stmt in tree.body:
-        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
-            defined |= {(a.asname or a.name).partition(".")[0] for a in stmt.names}
-        elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            defined.add(stmt.name)
-        else:
-            stored = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
-            found |= {x: stmt for x in stored & defined if x not in found}
-    return found

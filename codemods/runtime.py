@@ -6,19 +6,47 @@ statements nor a decorator, so these are read here, once, for ``sites`` and ``pr
 from __future__ import annotations
 
 import ast
+import builtins
+import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from codemods import names, roles
+from codemods import guards, names, roles
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.DictComp)
 _EXITS = (ast.Return, ast.Raise)
 
 
+# What Python binds in every module: its builtins, ``__name__`` and the like, and a method's ``__class__``.
+PYTHON_NAMES = frozenset(dir(builtins)) | frozenset(vars(types.ModuleType("m"))) | {"__file__", "__builtins__", "__path__", "__class__"}
+
+
+def _type_checking(stmt: ast.AST) -> list[ast.stmt]:
+    """The body of ``if TYPE_CHECKING:`` (``typing.TYPE_CHECKING``): what a type checker reads and Python never runs."""
+    test = stmt.test if isinstance(stmt, ast.If) else None
+    return stmt.body if test is not None and (names.dotted(test) or "").rpartition(".")[2] == "TYPE_CHECKING" else []  # type: ignore[attr-defined]
+
+
+def _rebound(tree: ast.Module) -> dict[str, ast.stmt]:
+    """The names a statement of the module's own binds as an import, a def or a class, and a later one of its
+    own binds again or deletes (``ops = None``, ``del ops``): by name, that statement."""
+    defined: set[str] = set()
+    found: dict[str, ast.stmt] = {}
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            defined |= {(a.asname or a.name).partition(".")[0] for a in stmt.names}
+        elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(stmt.name)
+        else:
+            stored = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+            found |= {x: stmt for x in stored & defined if x not in found}
+    return found
+
+
 @dataclass(frozen=True)
 class Module:
     """What the module's own code binds at run time (``bound``; None where a star import may bind anything), what it
-    binds again after importing it (``names.rebound``), and its functions."""
+    binds again after importing it (``_rebound``), and its functions."""
 
     bound: frozenset[str] | None
     rebound: dict[str, ast.stmt]
@@ -27,10 +55,11 @@ class Module:
     @classmethod
     def of(cls, tree: ast.Module) -> Module:
         functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
-        hidden = {id(x) for n in ast.walk(tree) for s in names.type_checking(n) for x in ast.walk(s)}
-        own = [n for n in _own(tree) if id(n) not in hidden]
+        scope = _own(tree)  # (an ``if TYPE_CHECKING:`` that binds at module level is one of its nodes)
+        hidden = {id(x) for n in scope for s in _type_checking(n) for x in ast.walk(s)}
+        own = [n for n in scope if id(n) not in hidden]
         star = any(isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names) for n in own)
-        return cls(None if star else names.PYTHON_NAMES | bound_by(own), names.rebound(tree), functions)
+        return cls(None if star else PYTHON_NAMES | bound_by(own), _rebound(tree), functions)
 
 
 def bound_by(nodes: Iterable[ast.AST]) -> frozenset[str]:
@@ -78,7 +107,7 @@ def _names(code: list[ast.AST], module: Module, known: set[str]) -> str | None:
         declared = {x for n in own if isinstance(n, (ast.Global, ast.Nonlocal)) for x in n.names}
         stores = [n for n in own if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load) and n.id not in declared]
         params = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
-        top = (module.bound or frozenset()) - names.PYTHON_NAMES - params
+        top = (module.bound or frozenset()) - PYTHON_NAMES - params
         for n in sorted((n for n in own if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in top), key=lambda n: (n.lineno, n.col_offset)):
             later = [s for s in stores if s.id == n.id]
             if later and all((s.lineno, s.col_offset) > (n.lineno, n.col_offset) for s in later):
@@ -93,9 +122,8 @@ def _decorated(method: ast.FunctionDef, init: ast.FunctionDef | None, module: Mo
         name = names.dotted(d.func if isinstance(d, ast.Call) else d)
         if name in module.functions or name in ("staticmethod", "classmethod"):
             return f"`{method.name}` is wrapped by `{name}` (line {d.lineno}): what runs is not proven to be the method"
-    stores = (t for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets) if init is not None else ()
-    at = next((t for t in stores if names.self_member(t) == method.name), None)
-    return f"line {at.lineno} binds `self.{method.name}` in __init__: what runs is not the method" if at is not None else None
+    at = guards.init_stores(init).get(method.name)
+    return f"line {at[0].lineno} binds `self.{method.name}` in __init__: what runs is not the method" if at else None
 
 
 def _unreached(body: list[ast.stmt], call: ast.AST, runs: Iterable[dict[str, object]], scope: roles.Scope) -> str | None:
