@@ -25,8 +25,11 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
     lines = text.split("\n")
     imports = names.import_table(tree)
     functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
-    module = runtime.Module.of(tree)
     constants = roles.module_constants(tree, roles.Scope(functions, {}, imports))
+
+    @functools.cache  # what the module binds at run time: read once, and only where the op is called
+    def module() -> runtime.Module:
+        return runtime.Module.of(tree)
 
     @functools.cache  # by class: __init__ read once, however many calls it holds
     def read(cls: ast.ClassDef) -> tuple[ast.FunctionDef | None, roles.Scope, dict[str, dict]]:
@@ -78,7 +81,7 @@ def _after(call: ast.Call, body: list[ast.stmt]) -> list[ast.stmt]:
 
 def _site(
     call: ast.Call, stack: tuple[ast.AST, ...], lines: list[str],
-    read: Callable[[ast.ClassDef], tuple[ast.FunctionDef | None, roles.Scope, dict[str, dict]]], module: runtime.Module,
+    read: Callable[[ast.ClassDef], tuple[ast.FunctionDef | None, roles.Scope, dict[str, dict]]], module: Callable[[], runtime.Module],
 ) -> schema.InsertSite:
     cls, method = stack[-2:] if len(stack) >= 2 else (None, None)
     if not (isinstance(cls, ast.ClassDef) and isinstance(method, ast.FunctionDef)):
@@ -87,7 +90,7 @@ def _site(
         raise _Defer
     args = list(call.args)
     keywords = [(k.arg, k.value) for k in call.keywords if k.arg is not None]
-    kv, index = (schema.bind_arg(p, args, keywords) for p in (schema.KV_CACHE, schema.INDEX_CACHE))
+    kv, index = (schema.bind_arg(p, args, keywords) for p in schema.CACHE_ARGS)
     if any(c is not None and not _self_chain(c) for c in (kv, index)):
         raise _Defer  # a cache argument under a condition (a bypass's guard, whatever it is called), or not self's
     dtype = schema.bind_arg(schema.KV_CACHE_DTYPE, args, keywords)
@@ -108,7 +111,7 @@ def _site(
         line=call.lineno, class_name=cls.name, method=method.name, module_function=None, nested_in=None,
         star_args=False, has_cache=has_cache, dtype=names.dotted(dtype) if has_cache else None,
         dtype_is_auto=False, dtype_proven=True, in_block=False,  # in_block: not asked with a dtype
-        broken=runtime.broken(module, init, method, guards.reached(method, scope, init), call, values, scope, set()),
+        broken=runtime.broken(module(), init, method, guards.reached(method, scope, init), call, values, scope, set()),
     )
     return schema.verdict(facts, schema.Pieces)
 
