@@ -408,7 +408,7 @@ def resolve_self_expr(
 def unproven_cache(op: OpCall, method: cst.FunctionDef | None, slot: StatementSlot | None) -> str | None:
     """A cache argument of a call in a layer's method (not under a condition: a guard's or the caller's,
     read as such) that is no ``self.`` attribute, nor a local proven to hold one at the call."""
-    for param in (schema.KV_CACHE, schema.INDEX_CACHE):
+    for param in schema.CACHE_ARGS:
         arg = op.arg(param)
         if method is None or arg is None or is_none(arg.value) or isinstance(arg.value, cst.IfExp):
             continue

@@ -130,7 +130,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     # the guard: the guarded arguments' name (an assigned guard's among them), else a fresh name
     guard = p.guard_args[0] if p.guard_args else _fresh(codegen.GUARD_NAME, taken)
     names = write_names(op, method, slot, init, m.top_imports)
-    caches = (op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE))
+    caches = tuple(map(op.arg, schema.CACHE_ARGS))
     wrap = [arg for arg in caches if arg is not None and guard_of(arg) is None]
     qkv, main_slots, index_slots = qkv_and_slots(op)
     flag_slot = dtype_anchor(init, a.self_assignments(init))

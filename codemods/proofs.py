@@ -62,7 +62,7 @@ def cache_args(op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot) -> 
     """The cache expressions `_insert_kv` can reach (an argument under a condition: a guard's), by
     the parameters' keywords (``kv_cache``, ``index_cache``: the templates' names for them)."""
     caches: dict[str, str] = {}
-    for param in (schema.KV_CACHE, schema.INDEX_CACHE):
+    for param in schema.CACHE_ARGS:
         arg = op.arg(param)
         if arg is None or a.is_none(arg.value):
             raise Unsupported(f"the call passes no `{param.keyword}` argument to guard")

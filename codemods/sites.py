@@ -280,7 +280,7 @@ def collect_pieces(
     init_attrs = a.self_assignments(init) if init is not None else {}
 
     # The guard: what the cache arguments are conditioned on.
-    conditions = [(arg, guard_of(arg)) for arg in (op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE))]
+    conditions = [(arg, guard_of(arg)) for arg in map(op.arg, schema.CACHE_ARGS)]
     guarded = [c for _, c in conditions if c]
     bound = a.bindings(method)
     guard = guard_flag = None
@@ -412,7 +412,7 @@ def collect_pieces(
         runs = guards.reached(write_tree, scope, init_tree) + ([block] if block is not None else [])
         upgraded = p.insert_kv in schema.OLDER_FORMS
         carries = functools.partial(m.carries_dtype, cls, fp8=True)
-        args = [op.arg(schema.KV_CACHE), op.arg(schema.INDEX_CACHE)]
+        args = [op.arg(x) for x in schema.CACHE_ARGS]
         caches = [d for x in args if x and (t := names.expression(a.code(unguarded(x)))) and (d := names.dotted(t))]
         alike = functools.partial(m.fp8_alike, cls)
         problems = guards.kept_write_problems(
