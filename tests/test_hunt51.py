@@ -42,8 +42,8 @@ CASES = {
     # forward with no self, or replaced in __init__ by another callable
     "forward a staticmethod": (NATIVE, [(NATIVE_FORWARD, "    @staticmethod\n" + NATIVE_FORWARD)], "is wrapped by `staticmethod`"),
     "forward bound in __init__": (
-        NATIVE, [("        self.kv_cache_dtype = cache_config.cache_dtype\n", "        self.kv_cache_dtype = cache_config.cache_dtype\n"
-                  "        self.forward = lambda positions, hidden_states: hidden_states\n")],
+        NATIVE, [("        self.kv_cache_dtype = cache_config.cache_dtype\n", ("        self.kv_cache_dtype = cache_config.cache_dtype\n"
+                  "        self.forward = lambda positions, hidden_states: hidden_states\n"))],
         "binds `self.forward` in __init__",
     ),
     # the native call runs only for "auto", or forward leaves first for fp8

@@ -11,9 +11,11 @@ from test_hunt47 import NATIVE, _edited, _states
 
 torch = pytest.importorskip("torch")
 
-from rewriter.verify import Status  # noqa: E402
-from rewriter.verify import refops  # noqa: E402
-from rewriter.verify.vllm_parts import KVQuantMode, StandInGap, get_kv_quant_mode  # noqa: E402
+from rewriter.verify import (
+    Status,
+    refops,
+)
+from rewriter.verify.vllm_parts import KVQuantMode, StandInGap, get_kv_quant_mode
 
 CALL_END = "            self.kv_cache_dtype,\n        )\n        return self.attend(q, index_q)\n"
 DTYPE = "        self.kv_cache_dtype = cache_config.cache_dtype\n"
@@ -25,14 +27,14 @@ NEWER = [
     (IMPORTS, IMPORTS + "from vllm.v1.kv_cache_interface import KVQuantMode, get_kv_quant_mode\n"),
     (DTYPE, DTYPE + "        self.use_nvfp4_kv = get_kv_quant_mode(self.kv_cache_dtype) == KVQuantMode.NVFP4\n"),
     ("        index_q = qkv.new_empty((num_tokens, self.index_q_size))\n",
-     "        index_q = qkv.new_empty((num_tokens, self.index_q_size))\n"
+     ("        index_q = qkv.new_empty((num_tokens, self.index_q_size))\n"
      "        use_fp8_query = self.impl.should_use_msa_decode(self.layer_name) or getattr(self.impl, 'use_cutlass_decode', False)\n"
-     "        query_fp8 = torch.empty((num_tokens, self.q_size), dtype=torch.float8_e4m3fn) if use_fp8_query else None\n"),
+     "        query_fp8 = torch.empty((num_tokens, self.q_size), dtype=torch.float8_e4m3fn) if use_fp8_query else None\n")),
     (CALL_END,
-     "            self.kv_cache_dtype,\n            q_fp8_out=query_fp8,\n            q_fp8_scale=self._q_scale_float,\n"
+     ("            self.kv_cache_dtype,\n            q_fp8_out=query_fp8,\n            q_fp8_scale=self._q_scale_float,\n"
      "            kv_k_scale=self._k_scale if self.use_nvfp4_kv else None,\n"
      "            kv_v_scale=self._v_scale if self.use_nvfp4_kv else None,\n"
-     "        )\n        return self.attend(q, index_q)\n"),
+     "        )\n        return self.attend(q, index_q)\n")),
 ]
 
 

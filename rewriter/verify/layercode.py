@@ -314,7 +314,6 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
     )
 
 
-
 def _binds(tree: ast.Module, init: ast.FunctionDef | None) -> frozenset[str] | None:
     """What a statement of ``__init__`` may read without NameError: what the module binds at run time
     (``runtime.Module``), and ``__init__``'s own names (one a statement the stand-in skipped binds is its gap)."""
