@@ -512,17 +512,18 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, scope: roles.Scope, init_attrs
     for c in m.lineage(cls):  # the class, and its bases in this file
         bound = at_class if c is cls else a.scope_bindings(c.body)
         where = "the class body" if c is cls else f"the body of {c.name.value}, a base class of this one"
-        names = (p.flag_attr, p.scale_attr) + ((p.insert_method,) if c is not cls else ())  # (own: below)
-        for name in [n for n in names if n in bound]:
+        attrs = (p.flag_attr, p.scale_attr) + ((p.insert_method,) if c is not cls else ())  # (own: below)
+        for name in [n for n in attrs if n in bound]:
             # (not a proven flag's class attribute, what it holds until __init__ sets it, or its property)
             flag = name == p.flag_attr and p.flag_set
             if not (flag and all(isinstance(b, _CLASS_ATTR) or b is flag_def for b in bound[name])):
                 note(name, f"`{name}` is defined in {where} (a property, method or class attribute)")
-    if "__slots__" in at_class:
-        p.taken.append(f"the class declares `__slots__`, which leaves no room for `self.{p.flag_attr}`")
-    insert_kv = at_class.get(p.insert_method, [])
-    if len(insert_kv) > 1 or any(not isinstance(n, cst.FunctionDef) or n.decorators for n in insert_kv):
-        note(p.insert_method, f"`{p.insert_method}` is bound in the class body other than by one plain `def`")
+    insert_kv = at_class.get(p.insert_method, [])  # (``__slots__``: no clash, nn.Module keeps a ``__dict__``)
+    grad = ("torch.no_grad", "torch.inference_mode")  # (what vLLM runs the write under anyway)
+    decorators = [d for n in insert_kv for d in getattr(m.ast_of(n), "decorator_list", ())]
+    decorators = [names.qualified(getattr(d, "func", d), m.imports) for d in decorators]
+    if len(insert_kv) > 1 or set(decorators) - set(grad) or not all(isinstance(n, cst.FunctionDef) for n in insert_kv):
+        note(p.insert_method, f"`{p.insert_method}` is bound in the class body other than by one `def` with no decorator")
     # Not a clash: __init__'s first scale assignment where it is the bypass's, and a proven
     # flag's assignments in __init__ and the methods it calls (``roles.flags``: all of it); a
     # property flag's: what it reads (and the methods it calls read), set there - stored elsewhere,

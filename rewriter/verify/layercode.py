@@ -309,7 +309,10 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
     return LayerCode(
         path, class_name, methods, decorators, init, ops, imported, bindings, called, functions, native,
         others - set(functions), _custom_ops(tree), compile_aware, roles.module_constants(tree, roles.NO_SCOPE),
-        {k.removeprefix("self."): v for k, v in roles.module_constants(tree, roles.NO_SCOPE, cls).items()},
+        {  # (not ``__slots__``: the stand-in is no nn.Module, which keeps a ``__dict__`` whatever they say)
+            k.removeprefix("self."): v
+            for k, v in roles.module_constants(tree, roles.NO_SCOPE, cls).items() if k != "self.__slots__"
+        },
         _settable(cls, tree, defs, imports), _binds(tree, defs.get("__init__")),
     )
 
