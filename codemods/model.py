@@ -72,7 +72,7 @@ class FileModel:
     @functools.cached_property
     def runtime(self) -> runtime.Module:
         """What the module binds at run time (``runtime.Module``); nothing known where Python's parser cannot read it."""
-        return runtime.Module.of(self.tree) if self.source_map is not None else runtime.Module(None, {}, {})
+        return runtime.Module.of(self.tree) if self.source_map is not None else runtime.Module(None, {}, {}, ast.Module([], []))
 
     @functools.cached_property
     def stores(self) -> list[ast.AST]:
@@ -142,17 +142,6 @@ class FileModel:
         tree = self.ast_of(node)
         column = tree.col_offset if isinstance(tree, ast.stmt) else self.positions[node].start.column
         return column // max(len(self.module.default_indent), 1)
-
-    def redefined_below(self, cls: cst.ClassDef, methods: set[str], attrs: set[str]) -> str | None:
-        """A class of the file that derives from ``cls`` and defines one of ``methods`` or a method storing
-        ``self.<attr>`` of ``attrs``: the layer it builds runs what the bypass was not proven with. In words."""
-        for sub in (c for c in self.module.body if isinstance(c, cst.ClassDef) and c is not cls and cls in self.lineage(c)):
-            bound = a.scope_bindings(sub.body)
-            stored = {a.self_attr(t) for f in a.methods(sub) for n in a.all_statements(f.body) for t in a.store_targets(n)}
-            found = sorted(methods & set(bound) | attrs & stored)
-            if found:
-                return f"class `{sub.name.value}` derives from `{cls.name.value}` and redefines `{found[0]}`"
-        return None
 
     def init(self, cls: cst.ClassDef) -> cst.FunctionDef | None:
         """The ``__init__`` that builds the class: its own, else a base class's of this file."""

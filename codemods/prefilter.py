@@ -111,7 +111,7 @@ def _site(
         line=call.lineno, class_name=cls.name, method=method.name, module_function=None, nested_in=None,
         star_args=False, has_cache=has_cache, dtype=names.dotted(dtype) if has_cache else None,
         dtype_is_auto=False, dtype_proven=True, in_block=False,  # in_block: not asked with a dtype
-        broken=runtime.broken(module(), init, method, guards.reached(method, scope, init), call, values, scope, set()),
+        broken=runtime.broken(module(), cls, init, method, call, values, scope, set()),
     )
     return schema.verdict(facts, schema.Pieces)
 

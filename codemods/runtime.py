@@ -11,7 +11,7 @@ import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from codemods import guards, names, roles
+from codemods import guards, names, roles, schema
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.DictComp)
 _EXITS = (ast.Return, ast.Raise)
@@ -51,6 +51,7 @@ class Module:
     bound: frozenset[str] | None
     rebound: dict[str, ast.stmt]
     functions: Mapping[str, ast.FunctionDef]
+    tree: ast.Module
 
     @classmethod
     def of(cls, tree: ast.Module) -> Module:
@@ -59,7 +60,19 @@ class Module:
         hidden = {id(x) for n in scope for s in _type_checking(n) for x in ast.walk(s)}
         own = [n for n in scope if id(n) not in hidden]
         star = any(isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names) for n in own)
-        return cls(None if star else PYTHON_NAMES | bound_by(own), _rebound(tree), functions)
+        return cls(None if star else PYTHON_NAMES | bound_by(own), _rebound(tree), functions, tree)
+
+    def redefined_below(self, cls: ast.ClassDef, methods: set[str], attrs: set[str]) -> str | None:
+        """A class of the file that derives from ``cls`` and defines one of ``methods`` or a method storing
+        ``self.<attr>`` of ``attrs``: the layer it builds runs what ``cls`` was not proven with. In words."""
+        for sub in (c for c in ast.walk(self.tree) if isinstance(c, ast.ClassDef) and c is not cls):
+            if cls in names.lineage(sub, self.tree):
+                bound = bound_by(_own(sub))
+                stored = {names.self_member(t) for f in sub.body if isinstance(f, ast.FunctionDef) for t in ast.walk(f)
+                          if isinstance(getattr(t, "ctx", None), ast.Store)}
+                if found := sorted(methods & bound | attrs & stored):
+                    return f"class `{sub.name}` derives from `{cls.name}` and redefines `{found[0]}`"
+        return None
 
 
 def bound_by(nodes: Iterable[ast.AST]) -> frozenset[str]:
@@ -152,18 +165,45 @@ def _unreached(body: list[ast.stmt], call: ast.AST, runs: Iterable[dict[str, obj
     return None
 
 
+def _again(body: list[ast.stmt], call: ast.Call) -> str | None:
+    """Where the call may run other than once a forward: a loop holding it, or a statement beside it that calls the
+    op too. The op norms and ropes the fused buffer in place: run twice, it ropes the keys it writes twice."""
+    for i, stmt in enumerate(body):
+        if not any(n is call for n in ast.walk(stmt)):
+            continue
+        beside = [s.value for s in body if s is not stmt and isinstance(getattr(s, "value", None), ast.Call)]  # type: ignore[attr-defined]
+        if again := [c for c in beside if names.dotted(c.func) == names.dotted(call.func)]:
+            return f"line {again[0].lineno} calls the op again, on the same path"
+        if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)) and any(n is call for s in stmt.body for n in ast.walk(s)):
+            return f"it stands in the loop at line {stmt.lineno}"
+        blocks = [b for f in ("body", "orelse", "finalbody", "handlers") for b in [getattr(stmt, f, None)] if isinstance(b, list)]
+        inner = next((b for b in blocks if any(n is call for s in b for n in ast.walk(s))), None)
+        return _again(inner, call) if inner is not None and inner is not body else None
+    return None
+
+
 def broken(
-    module: Module, init: ast.FunctionDef | None, method: ast.FunctionDef | None, reached: list[ast.AST],
+    module: Module, cls: ast.ClassDef | None, init: ast.FunctionDef | None, method: ast.FunctionDef | None,
     call: ast.AST, values: Mapping[str, Mapping[str, object]] | None, scope: roles.Scope, known: set[str],
 ) -> str | None:
     """Why the layer, as vLLM runs it, does not run the call with an fp8 cache, whatever the bypass (in words), or
-    None: a name (``_names``) ``__init__`` or what the method reaches reads, a decorator of the method
-    (``_decorated``), a test that keeps the call from running (``_unreached``)."""
-    code = [c for c in (init, *reached) if c is not None]
+    None: a name (``_names``) ``__init__`` or what the method reaches (``guards.reached``) reads, a decorator of the method
+    (``_decorated``), the call run other than once (``_again``), a subclass that redefines the method or the cache
+    dtype, the cache dtype set by a method ``__init__`` does not run, a test that keeps the call from running
+    (``_unreached``)."""
+    code = [c for c in (init, *(guards.reached(method, scope, init) if method else ())) if c is not None]
     if (lost := _names(code, module, known)) is not None:
         return f"{lost}: vLLM fails building or running the layer, with any cache dtype. Bind it once, at module level, then run again"
     if method is not None and (wrapped := _decorated(method, init, module)) is not None:
         return f"{wrapped}. Call the method as it is defined (or write the fp8 path by hand), then run again"
+    if method is not None and isinstance(call, ast.Call) and (again := _again(method.body, call)) is not None:
+        return f"the op may run other than once a forward: {again}; it norms and ropes q and k in place. Call it once"
+    if cls is not None and method is not None and (sub := module.redefined_below(cls, {method.name}, {schema.DTYPE_ATTR})):
+        return f"{sub}: what the call relies on is proven for this class alone. Nothing was changed"
+    setters = [f for f in scope.methods.values() if schema.DTYPE_ATTR in guards.init_stores(f)]
+    if init is not None and setters and not set(setters) & set(roles.init_methods(init, scope)):
+        at = setters[0]
+        return f"`self.{schema.DTYPE_ATTR}` is set by `{at.name}` (line {at.lineno}), which __init__ does not run: vLLM fails building the layer"
     runs = [values[d] for d in roles.FP8_DTYPES if d in values] if values and method is not None else []
     unreached = _unreached(method.body, call, runs, scope) if runs else None  # type: ignore[union-attr]
     return f"the call does not run with an fp8 cache: {unreached}, so nothing writes the fp8 cache there" if unreached else None

@@ -206,8 +206,8 @@ def _broken(found: FoundCall, m: FileModel) -> str | None:
     tests = [names.expression(c) for x in schema.CACHE_ARGS if (c := guard_of(found.op.arg(x)))]
     known = {n.id for t in tests if t for n in ast.walk(t) if isinstance(n, ast.Name)}
     calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and n.lineno == found.line] if fn else []
-    reached = guards.reached(fn, scope, init) if fn else []
-    return runtime.broken(m.runtime, init, fn, reached, calls[0] if calls else None, m.init_values(found.cls), scope, known)
+    cls, call, values = m.ast_of(found.cls), calls[0] if calls else None, m.init_values(found.cls)
+    return runtime.broken(m.runtime, cls, init, fn, call, values, scope, known)  # type: ignore[arg-type]
 
 
 def _carries_dtype(found: FoundCall, held: cst.BaseExpression | None, m: FileModel) -> bool:
@@ -434,7 +434,7 @@ def collect_pieces(
         p.own_write = f"{ast.unparse(w.func)}(…)" if isinstance(w, ast.Call) else f"{ast.unparse(w.value)}[…] = …"  # type: ignore[attr-defined]
     setters = {f.name for f in roles.init_methods(init_tree, scope)} if init_tree is not None else set()
     pieces = {method.name.value, p.insert_method, "__init__", *setters}  # (``attrs`` is every self.<x> read)
-    p.subclassed = m.redefined_below(cls, pieces, {p.flag_attr, p.scale_attr, schema.DTYPE_ATTR})
+    p.subclassed = m.runtime.redefined_below(m.ast_of(cls), pieces, {p.flag_attr, p.scale_attr, schema.DTYPE_ATTR})  # type: ignore[arg-type]
     own = [p.flag_attr] if p.flag_from_file or p.flag_set else []
     outside = guards.set_through_another(m.stores, [*own, p.scale_attr, schema.DTYPE_ATTR])
     p.role_problems += [

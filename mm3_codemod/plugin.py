@@ -161,11 +161,11 @@ class ModelHook(importlib.abc.MetaPathFinder):
         result = None
         if verdict is None:
             from rewriter.apply import classify_file, plan_file
-            from rewriter.commands import judge_patched  # a bypass not run's own is run, as check does
+            from rewriter.commands import judge  # a bypass not run's own is run, as check does
 
             planned = plan_file(path, raw=raw) if self.how == "apply" else classify_file(path, raw=raw)
             with plain_torch():  # a bypass that is not run's own is run here, off vLLM's device
-                result = judge_patched(planned)
+                result = judge(planned)
             verdict = Verdict.of(result)
         took = f"{time.perf_counter() - started:.2f} s"
         if verdict.fine:

@@ -74,51 +74,57 @@ def under_pre_commit() -> bool:
 def analyze_targets(command: str, targets: list[Target]) -> Report:
     """Plan every target; nothing is written (``check``, ``preview``) but the verdict on a
     patched file, for the plugin (``rewriter.verdicts``)."""
-    files = [judge_patched(honour_off(plan_file(t.path, name=t.diff_name))) for t in targets]
+    files = [judge(honour_off(plan_file(t.path, name=t.diff_name))) for t in targets]
     for result in files:
         remember(result)
     return Report(command, targets, files)
 
 
-def judge_patched(result: FileResult) -> FileResult:
-    """A patched site is proven by what ``run`` is proven by only where it is ``run``'s own
-    bypass: ``revert`` takes it back out to the file ``run`` started from. Any other (a fork's
-    own, a hand edit) says why ``revert`` refuses it, in ``revert``'s words, and is run:
-    ``verify``'s semantic level on the file as it is. Running it fails: refused (the fp8 path
-    of a wired bypass may still write the wrong rows, or none); not run here: it says so."""
-    others = [s for s in result.sites if s.state is SiteState.PATCHED]
+def judge(result: FileResult) -> FileResult:
+    """What no rewrite proves is run: ``verify``'s semantic level on the file as it is, bf16 cache against fp8 cache.
+    That is a native call (its cache arguments, slots and dtype are the file's own), and a patched site whose bypass
+    is not ``run``'s own (a fork's, a hand edit: ``revert`` does not take it back out to the file ``run`` started
+    from; it says why, in ``revert``'s words). ``run``'s own is proven by what ``run`` is proven by. Running it fails:
+    refused (a native call may write the wrong rows, or none; so may the fp8 path of a wired bypass); not run here: it
+    says so."""
+    patched = [s for s in result.sites if s.state is SiteState.PATCHED]
+    if patched:  # the bytes check judged, not a new read; a round trip compared byte for byte, never written
+        reverted = plan_revert_file(result.path, raw=result.original, second_pass=False)
+        if reverted.new is not None:  # `run` writes this file again into what `revert` leaves: its own
+            patched = []
+        refused = {s.line: s.reason for s in reverted.sites if s.action is Action.REFUSE}
+        for site in patched:
+            why = refused.get(site.line, reverted.error or "it finds no bypass to take out")
+            why = why.removeprefix("cannot revert: ")
+            if why not in site.reason:
+                site.reason += f"; `revert` refuses it: {why}"
+    others = patched + [s for s in result.sites if s.state is SiteState.NATIVE]
     if not others:
         return result
-    # the bytes check judged, not a new read; a round trip compared byte for byte, never written
-    reverted = plan_revert_file(result.path, raw=result.original, second_pass=False)
-    if reverted.new is not None:  # `run` writes this file again into what `revert` leaves: its own
-        return result
-    refused = {s.line: s.reason for s in reverted.sites if s.action is Action.REFUSE}
-    for site in others:
-        why = refused.get(site.line, reverted.error or "it finds no bypass to take out")
-        why = why.removeprefix("cannot revert: ")
-        if why not in site.reason:
-            site.reason += f"; `revert` refuses it: {why}"
     from rewriter import proof
 
     result.proof = proof.prove_apart(result.path, result.original, others)
     shown = shlex.quote(shown_path(result.path))
-    if result.proof.status == proof.FAILED:
-        for site in others:
+    proven = result.proof.proven
+    for site in others:
+        mine = site.state is SiteState.PATCHED
+        if result.proof.status == proof.FAILED:
+            what = "an fp8 bypass is wired here, but it is not the one `run` writes" if mine else "the call is native"
+            mend = f"take it out and let `run` write its own: `mm3-codemod revert --whole-bypass {shown}`, then " \
+                f"`mm3-codemod run {shown}`" if mine else "upstream vLLM's call is the model"
             site.state, site.action = SiteState.UNSUPPORTED, Action.REFUSE
             site.reason = (
-                f"an fp8 bypass is wired here, but it is not the one `run` writes and running it fails "
-                f"(the {proof.LEVEL} level, bf16 cache against fp8 cache): {result.proof.reason}. "
-                "Mend it by hand, or take it out and let `run` write its own: "
-                f"`mm3-codemod revert --whole-bypass {shown}`, then `mm3-codemod run {shown}`"
+                f"{what} and running it fails (the {proof.LEVEL} level, bf16 cache against fp8 cache): "
+                f"{result.proof.reason}. Mend it by hand, or {mend}"
             )
+        else:
+            ran = "it was run: " if proven else "it was not run here: "
+            whose = ("it is not the bypass `run` writes, " + ("so " if proven else "and ")) if mine else ""
+            verify = "" if proven else f"; `mm3-codemod verify {shown}` runs it"
+            site.reason += f"; {whose}{ran}{result.proof.reason}{verify}"
+    if result.proof.status == proof.FAILED:
         result.status = FileStatus.REFUSED
-        result.error = f"refused at line {others[0].line} (its fp8 bypass fails when run)"
-    else:
-        ran = "so it was run: " if result.proof.proven else "and it was not run here: "
-        verify = "" if result.proof.proven else f"; `mm3-codemod verify {shown}` runs it"
-        for site in others:
-            site.reason += f"; it is not the bypass `run` writes, {ran}{result.proof.reason}{verify}"
+        result.error = f"refused at line {others[0].line} (it fails when run)"
     return result
 
 
@@ -207,7 +213,7 @@ def write_targets(
 
     def plan() -> Report:
         if command == "run":
-            files = [judge_patched(honour_off(plan_file(t.path, name=t.diff_name))) for t in targets]
+            files = [judge(honour_off(plan_file(t.path, name=t.diff_name))) for t in targets]
         else:
             files = [plan_revert_file(t.path, t.diff_name, whole_bypass) for t in targets]
             if under_pre_commit():  # the revert hook: it stays reverted

@@ -2,7 +2,7 @@
 new source of each file to write, bf16 cache against fp8 cache on the stand-in. A failed proof
 writes nothing; a file the stand-in cannot run, or a machine without torch, is written and said to
 be unproven, with the command that proves it. torch is imported here only: for a file to write, or
-for a patched bypass that is not ``run``'s own (``commands.judge_patched``)."""
+for a patched bypass that is not ``run``'s own (``commands.judge``)."""
 
 from __future__ import annotations
 

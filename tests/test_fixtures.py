@@ -43,7 +43,7 @@ VARIANTS = {
     "tp_total_widths": ([SiteState.PATCHED], 2),
 }
 # Patched by the analysis, but not the bypass `run` writes, and its fp8 path fails when run
-# (``commands.judge_patched``): the commands refuse it.
+# (``commands.judge``): the commands refuse it.
 FAILS_WHEN_RUN = {"tp_total_widths"}
 
 

@@ -46,3 +46,136 @@ def test_any_other_decorator_on_the_write_is_still_refused(tmp_path: Path) -> No
     path = tmp_path / "model.py"
     path.write_text(_edited(FORK_NAMES, [(WRITE_DEF, f"    @torch.compiler.disable\n{WRITE_DEF}")]))
     assert _states(path)[-1] == "unsupported"
+
+
+# --- hunt 52: a native call is run, as a fork's own bypass is; what running cannot see is read ---------------------
+
+NATIVE = (Path(__file__).parent.parent / "fixtures" / "native" / "model.py").read_text()
+CALL = "        ops.fused_minimax_m3_qknorm_rope_kv_insert(\n"
+CALL_END = "            self.kv_cache_dtype,\n        )\n"
+DTYPE = "        self.kv_cache_dtype = cache_config.cache_dtype\n"
+CALLED = NATIVE[NATIVE.index(CALL, NATIVE.index("class MiniMaxM3SparseAttention")) :].split(CALL_END)[0] + CALL_END
+
+
+def _indented(code: str) -> str:
+    return "".join("    " + line for line in code.splitlines(True))
+
+
+# name -> edits of the native file that break it with an fp8 cache (or any), which only running it shows
+RUN_FAILS = {
+    "caches swapped": [("            self.kv_cache,\n            self.indexer.index_cache.kv_cache,\n",
+                        "            self.indexer.index_cache.kv_cache,\n            self.kv_cache,\n")],
+    "slot mappings swapped": [("            main_slot_mapping,\n            index_slot_mapping,\n",
+                              "            index_slot_mapping,\n            main_slot_mapping,\n")],
+    "the dtype upper-cased": [(DTYPE, DTYPE.replace("cache_dtype\n", "cache_dtype.upper()\n"))],
+    "the dtype reset in forward": [("        qkv, _ = self.qkv_proj(hidden_states)\n",
+                                   '        qkv, _ = self.qkv_proj(hidden_states)\n        self.kv_cache_dtype = "auto"\n')],
+}
+
+
+@pytest.mark.parametrize("case", sorted(RUN_FAILS))
+def test_a_native_call_that_fails_when_run_is_refused(tmp_path: Path, case: str) -> None:
+    """``native`` had been said of the call's shape alone (``kv_cache_dtype=self.kv_cache_dtype``, the caches ``self.``
+    attributes): ``check`` now runs it as ``verify``'s semantic level does, as it runs a fork's own bypass."""
+    pytest.importorskip("torch")
+    from conftest import cli
+
+    path = tmp_path / "model.py"
+    path.write_text(NATIVE)
+    proc = cli("check", str(path))
+    assert proc.returncode == 0 and "native" in proc.stderr and "; it was run: " in proc.stderr, proc.stderr
+    path.write_text(_edited(NATIVE, RUN_FAILS[case]))
+    proc = cli("check", str(path))
+    assert proc.returncode == 2 and "the call is native and running it fails" in proc.stderr, proc.stderr
+
+
+def test_a_native_call_is_not_called_proven_without_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from rewriter import commands
+    from rewriter.targets import Target
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    path = tmp_path / "model.py"
+    path.write_text(NATIVE)
+    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
+    (site,) = [s for s in result.sites if s.class_name == "MiniMaxM3SparseAttention"]
+    assert site.state.value == "native" and "; it was not run here: torch is not installed; `mm3-codemod verify " in site.reason
+
+
+SUBCLASS = "\n\nclass Fp8Attention(MiniMaxM3SparseAttention):\n"
+PATCHED_DTYPE = '        self.kv_cache_dtype = (\n            cache_config.cache_dtype if cache_config is not None else "auto"\n        )\n'
+HELPER = "    def _set_dtype(self, cache_config) -> None:\n" + PATCHED_DTYPE + "\n" + WRITE_DEF
+# name -> (base, edits, what the refusal says): what the semantic level does not run (it runs the class, once)
+STATIC = {
+    "the call in a loop": (NATIVE, [(CALLED, "        for _ in range(2):\n" + _indented(CALLED))], "stands in the loop at line"),
+    "a loop that never runs": (NATIVE, [(CALLED, "        while False:\n" + _indented(CALLED))], "stands in the loop at line"),
+    "the call twice": (NATIVE, [(CALLED, CALLED + CALLED)], "calls the op again, on the same path"),
+    "a patched site in a loop": (
+        PATCHED, [("        insert_via_fused = not self._fp8_kv\n", "        insert_via_fused = not self._fp8_kv\n        for _ in range(2):\n    ")],
+        "stands in the loop at line",
+    ),
+    "a subclass that redefines forward": (
+        NATIVE, [(CALL_END + "        return self.attend(q, index_q)\n", CALL_END + "        return self.attend(q, index_q)\n" + SUBCLASS
+                  + "    def forward(self, positions, hidden_states):\n        return hidden_states\n")],
+        "class `Fp8Attention` derives from `MiniMaxM3SparseAttention` and redefines `forward`",
+    ),
+    "a subclass that sets the cache dtype": (
+        NATIVE, [(CALL_END + "        return self.attend(q, index_q)\n", CALL_END + "        return self.attend(q, index_q)\n" + SUBCLASS
+                  + '    def __init__(self, *args, **kwargs):\n        super().__init__(*args, **kwargs)\n        self.kv_cache_dtype = "auto"\n')],
+        "redefines `kv_cache_dtype`",
+    ),
+    "the cache dtype set by a method __init__ does not run": (
+        PATCHED, [(PATCHED_DTYPE, ""), (WRITE_DEF, HELPER)], "is set by `_set_dtype` (line",
+    ),
+}
+# The same edits made harmless: the loop's twin in exclusive branches, the helper called from __init__.
+HARMLESS = {
+    "a call in each branch": (NATIVE, [(CALLED, "        if num_tokens:\n" + _indented(CALLED) + "        else:\n" + _indented(CALLED))]),
+    "the cache dtype set by a method __init__ runs": (
+        PATCHED, [(PATCHED_DTYPE, "        self._set_dtype(cache_config)\n"), (WRITE_DEF, HELPER)],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STATIC))
+def test_what_running_the_class_once_cannot_see_is_refused(tmp_path: Path, case: str) -> None:
+    """Run twice, the op ropes the keys it writes twice, and bf16 and fp8 runs agree all the same; the stand-in runs
+    the class it is handed, not a subclass the model builds, and sets the cache dtype itself. Hunt 52's C, B, D."""
+    from test_hunt47 import refused_but_not_its_base
+
+    from rewriter.apply import plan_file
+
+    base, edits, words = STATIC[case]
+    path = tmp_path / "model.py"
+    refused_but_not_its_base(path, base, edits)
+    assert any(words in s.reason for s in plan_file(path).sites if s.state.value == "unsupported")
+
+
+@pytest.mark.parametrize("case", sorted(HARMLESS))
+def test_the_same_edits_made_harmless_are_not_refused(tmp_path: Path, case: str) -> None:
+    base, edits = HARMLESS[case]
+    path = tmp_path / "model.py"
+    path.write_text(_edited(base, edits))
+    assert _states(path)[-1] == _states_of(tmp_path, base)[-1]
+
+
+def _states_of(tmp_path: Path, source: str) -> list[str]:
+    path = tmp_path / "base.py"
+    path.write_text(source)
+    return _states(path)
+
+
+def test_run_writes_no_bypass_around_a_call_in_a_loop(tmp_path: Path) -> None:
+    """Hunt 52's l26: ``run`` wrote its bypass around a fork-era call in a loop, and ``check`` called the output patched."""
+    from conftest import cli
+
+    sparse = FORK_ERA.index("class MiniMaxM3SparseAttention")
+    fork_call = FORK_ERA[FORK_ERA.index(CALL, sparse) :].split("        )\n", 1)[0] + "        )\n"
+    edited = _edited(FORK_ERA, [(fork_call, "        for _ in range(2):\n" + _indented(fork_call))])
+    path = tmp_path / "model.py"
+    path.write_text(edited)
+    proc = cli("run", str(path))
+    assert proc.returncode == 2 and "stands in the loop at line" in proc.stdout + proc.stderr
+    assert path.read_text() == edited

@@ -503,7 +503,7 @@ def test_real_wheels_amd_files_are_native_or_not_a_site(amd_site: tuple[str, Pat
 
 def test_survey_judges_a_patched_bypass_as_check_does(tmp_path: Path) -> None:
     """A wired bypass that is not run's own and fails when run: check refuses it, and so does
-    the survey's row (one judgement, ``commands.judge_patched``)."""
+    the survey's row (one judgement, ``commands.judge``)."""
     from rewriter.survey import survey_file
 
     source = (FIXTURES / "fork_era" / "expected.py").read_text()
