@@ -136,8 +136,8 @@ class ModelHook(importlib.abc.MetaPathFinder):
     def judge(self, path: Path) -> Stop | Path | None:
         """None: import the file as it is; a ``Stop``: as it is, with the stop armed; a path:
         the proven rewrite to import instead (apply). ``check`` reads a file the pre-filter
-        cannot answer (no LibCST) only when a layer of it is built for an fp8 cache: a bf16
-        start never pays for the analysis."""
+        cannot answer (no LibCST), or a native call (it is run, as ``check`` runs it), only when a layer of it is
+        built for an fp8 cache: a bf16 start never pays for the analysis."""
         started = time.perf_counter()
         try:
             raw = path.read_bytes()
@@ -148,7 +148,7 @@ class ModelHook(importlib.abc.MetaPathFinder):
             from rewriter.apply import FileResult, FileStatus, quick_sites
 
             sites = quick_sites(raw)
-            if sites is None:  # judged at the first fp8 layer (``Stop.settled``)
+            if sites is None or any(s.state.value == "native" for s in sites):  # at the first fp8 layer (``Stop.settled``)
                 now = lambda p: self.decided(p, raw, started=time.perf_counter())  # noqa: E731
                 return Stop(str(path), "", (), later=lambda: self.judged(path, now))
             status = FileStatus.UNCHANGED if sites else FileStatus.NO_SITES

@@ -1,7 +1,7 @@
 """What the analysis said of one model file's bytes, kept in the user's cache: the vLLM plugin
 (``mm3_codemod.plugin``) reads it instead of analysing the same bytes again, in every process
 of a start and in every later start; ``run`` and ``check`` leave one for each file ``run``
-writes or either finds patched, so that the first fp8 start after them does not pay for the
+writes or either finds native or patched, so that the first fp8 start after them does not pay for the
 analysis.
 Standard library only: the plugin imports it in every vLLM process."""
 
@@ -94,10 +94,10 @@ class Verdict:
 
 def remember(result: FileResult) -> None:
     """The word of ``run`` on a file it wrote (its new bytes, proven and checked by a second
-    pass), or of ``run`` and ``check`` on a file they found patched, for the plugin to read."""
+    pass), or of ``run`` and ``check`` on a file they found native or patched, for the plugin to read."""
     from rewriter.apply import FileStatus
 
     if result.status is FileStatus.REWRITTEN and result.new is not None:
         Verdict.of(result, result.new)
-    elif result.status is FileStatus.UNCHANGED and any(s.state.value == "patched" for s in result.sites):
+    elif result.status is FileStatus.UNCHANGED and any(s.state.value in FINE for s in result.sites):
         Verdict.of(result)

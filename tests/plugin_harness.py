@@ -31,7 +31,12 @@ facts["hooks"] = [type(f).__name__ for f in sys.meta_path if type(f).__module__ 
 
 def stand_in(name: str) -> types.ModuleType:
     module = types.ModuleType(name)
-    module.__getattr__ = lambda attr: (lambda *a, **k: None)  # any name it imports: a no-op
+    def name(attr: str):  # any name it imports: a no-op; not a module's own dunder (``inspect`` reads ``__file__``)
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return lambda *a, **k: None
+
+    module.__getattr__ = name
     module.__path__ = []
     return module
 

@@ -141,7 +141,20 @@ def test_check_passes_native_and_patched_with_one_log_line(
     assert facts["file"] == str(model_of(tree))
     assert "Fp8KvCacheStop" not in facts.get("error", "")
     assert f"{model_of(tree)}: {state}: fp8 KV cache supported" in logged[-1]
-    assert len(logged) == 1  # native: the pre-filter's, at import; patched: at its first fp8 layer
+    assert len(logged) == 1  # each at its first fp8 layer, where it is run (native) or judged (patched)
+
+
+def test_check_stops_an_fp8_start_on_a_native_call_that_fails_when_run(vllm_python: Path, tmp_path: Path) -> None:
+    """The call's shape is native, its caches swapped: run as ``check`` runs it, the fp8 start stops (it had passed on
+    the pre-filter's answer, at import)."""
+    caches = "            self.kv_cache,\n            self.indexer.index_cache.kv_cache,\n"
+    swapped = tmp_path / "swapped.py"
+    swapped.write_text(NATIVE.read_text().replace(caches, "".join(reversed(caches.splitlines(True)))))
+    assert swapped.read_text() != NATIVE.read_text()
+    tree = install(vllm_python, tmp_path, swapped)
+    facts, logged = start(tree, "fp8_e4m3", "MiniMaxM3SparseAttention")
+    line = stopped(facts)
+    assert "unsupported at line" in line and "the call is native and running it fails" in line, line
 
 
 def test_a_bf16_start_is_never_stopped(vllm_python: Path, tmp_path: Path) -> None:
