@@ -133,6 +133,8 @@ STATIC = {
 # The same edits made harmless: the loop's twin in exclusive branches, the helper called from __init__.
 HARMLESS = {
     "a call in each branch": (NATIVE, [(CALLED, "        if num_tokens:\n" + _indented(CALLED) + "        else:\n" + _indented(CALLED))]),
+    # vLLM's loader hands the engine ``model.eval()``: the stand-in had no ``training`` and failed the file for it
+    "a call for inference only": (NATIVE, [(CALLED, "        if not self.training:\n" + _indented(CALLED))]),
     "the cache dtype set by a method __init__ runs": (
         PATCHED, [(PATCHED_DTYPE, "        self._set_dtype(cache_config)\n"), (WRITE_DEF, HELPER)],
     ),

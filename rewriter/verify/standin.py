@@ -436,6 +436,7 @@ def _standin(
     attrs: dict[str, Any] = {
         "pinned": frozenset(),
         "unheld": {},
+        "training": False,  # nn.Module's: vLLM's loader hands the engine ``model.eval()``
         "__setattr__": _pinned_setattr,
         # nn.Module's: a buffer is an attribute of the layer (the stand-in has no device to move to)
         "register_buffer": lambda self, name, tensor, persistent=True: setattr(self, name, tensor),
