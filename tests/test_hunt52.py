@@ -181,3 +181,16 @@ def test_run_writes_no_bypass_around_a_call_in_a_loop(tmp_path: Path) -> None:
     proc = cli("run", str(path))
     assert proc.returncode == 2 and "stands in the loop at line" in proc.stdout + proc.stderr
     assert path.read_text() == edited
+
+
+def test_the_cache_dtype_read_from_vllms_config_is_the_runs(tmp_path: Path) -> None:
+    """Hunt 52's l83: ``get_current_vllm_config().cache_config.cache_dtype`` is the cache dtype, as ``cache_config``'s;
+    the stand-in's config had no cache config, so the fork's fp8 run used the bf16 path and failed, and ``check``
+    refused a file that runs."""
+    pytest.importorskip("torch")
+    from conftest import cli
+
+    path = tmp_path / "model.py"
+    path.write_text(_edited(FORK_NAMES, [(PATCHED_DTYPE, "        self.kv_cache_dtype = vllm_config.cache_config.cache_dtype\n")]))
+    proc = cli("check", str(path))
+    assert proc.returncode == 0 and "patched" in proc.stderr and "so it was run: " in proc.stderr, proc.stderr

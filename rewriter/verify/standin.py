@@ -190,9 +190,10 @@ class _LinearClass:
         return _Projection(linear_width(self._name, args, kwargs, self._tp))
 
 
-def _vllm_config(index_dtype_name: str) -> _Imported:
+def _vllm_config(index_dtype_name: str, cache_config: types.SimpleNamespace) -> _Imported:
     """What ``get_current_vllm_config()`` gives: its attention config says the run's indexer
-    dtype (``indexer_kv_dtype``, "auto" unless the run has an fp8 index cache); the rest is made up."""
+    dtype (``indexer_kv_dtype``, "auto" unless the run has an fp8 index cache), its cache config the run's cache
+    dtype and block size (the layer's own ``cache_config``); the rest is made up."""
 
     def resolve_indexer_kv_dtype(default: Any) -> Any:  # "auto" is the caller's default
         return default if index_dtype_name == "auto" else index_dtype_name
@@ -201,7 +202,7 @@ def _vllm_config(index_dtype_name: str) -> _Imported:
         "vllm_config.attention_config",
         {"indexer_kv_dtype": index_dtype_name, "resolve_indexer_kv_dtype": resolve_indexer_kv_dtype},
     )
-    return _Imported("vllm_config", {"attention_config": attention})
+    return _Imported("vllm_config", {"attention_config": attention, "cache_config": cache_config})
 
 
 def _ops_namespace(backend: Backend) -> types.SimpleNamespace:
@@ -381,7 +382,8 @@ def _standin(
     fp8_index = mode.removesuffix(COMPILED).endswith(FP8_INDEX)
     cache_dtype_name, cache_dtype = MODES[mode.removesuffix(COMPILED).removesuffix(FP8_INDEX)]
     index_dtype_name, index_dtype = ("fp8", torch.float8_e4m3fn) if fp8_index else ("auto", torch.bfloat16)
-    vllm_config = _vllm_config(index_dtype_name)
+    cache_config = types.SimpleNamespace(cache_dtype=cache_dtype_name, block_size=inputs.shape.block_size)
+    vllm_config = _vllm_config(index_dtype_name, cache_config)
     rec = _Recorder(s.width)
     qkv = inputs.qkv.clone()
     kv_cache = torch.zeros(
@@ -511,7 +513,7 @@ def _standin(
         "config": _config(s),
         "prefix": LAYER_NAME.removesuffix(".attn"),
         "quant_config": None,
-        "cache_config": types.SimpleNamespace(cache_dtype=cache_dtype_name, block_size=s.block_size),
+        "cache_config": cache_config,
         "vllm_config": vllm_config,
         Returned.__name__: Returned,
     }
