@@ -129,11 +129,12 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     taken = a.bound_names(method)
     # the guard: the guarded arguments' name (an assigned guard's among them), else a fresh name
     guard = p.guard_args[0] if p.guard_args else _fresh(codegen.GUARD_NAME, taken)
-    names = write_names(op, method, slot, init, m.top_imports)
+    stored = m.init_stores(cls)
+    names = write_names(op, method, slot, init, m.top_imports, stored)
     caches = tuple(map(op.arg, schema.CACHE_ARGS))
     wrap = [arg for arg in caches if arg is not None and guard_of(arg) is None]
     qkv, main_slots, index_slots = qkv_and_slots(op)
-    flag_slot = dtype_anchor(init, a.self_assignments(init))
+    flag_slot = dtype_anchor(init, a.self_assignments(init), stored.get(schema.DTYPE_ATTR, []))
     assert flag_slot is not None  # write_names proved that __init__ sets the dtype
     reshape_import = bare_import(a.module_imports(module)) if names["reshape"] == schema.RESHAPE_OP else None
 

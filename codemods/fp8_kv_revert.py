@@ -273,7 +273,7 @@ def _plan_insert_kv(
     init = m.init(cls)
     if init is None:
         raise Unsupported(f"class {cls.name.value} has no __init__")
-    names = proofs.write_names(op, method, slot, init, m.top_imports)
+    names = proofs.write_names(op, method, slot, init, m.top_imports, m.init_stores(cls))
     if names["reshape"] == schema.RESHAPE_OP and not any(i.bound == schema.RESHAPE_OP for i in imports):
         raise Unsupported(f"`{schema.RESHAPE_OP}` is not imported: cannot restore the attn_metadata {name}")
 

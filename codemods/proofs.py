@@ -5,7 +5,7 @@ code that names what it proved or raises ``Unsupported`` saying what was missing
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import libcst as cst
 
@@ -40,17 +40,19 @@ def op_namespace(op: a.OpCall, imports: Mapping[str, str]) -> str | None:
 
 
 def write_names(
-    op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init: cst.FunctionDef, imports: Mapping[str, str]
+    op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init: cst.FunctionDef, imports: Mapping[str, str],
+    stored: Mapping[str, list[str]],
 ) -> dict[str, str]:
     """What a write method and the post-call block are filled in with, the bypass's
     (``codegen.INSERT_KV_METHOD``, ``POST_INSERT``) and the fork-era one ``revert`` restores
     (``INSERT_KV_METADATA``) alike: the caches the call passes (``cache_args``), the widths of the
     fused buffer's parts (``widths``), the cache dtype, and ``reshape_and_cache_flash`` where the
-    module reaches it (``op_namespace``; bare: the op's own name)."""
+    module reaches it (``op_namespace``; bare: the op's own name). ``stored``: what ``__init__`` and the methods it
+    calls store (``FileModel.init_stores``), the cache dtype among them."""
     init_attrs = a.self_assignments(init)
     names = cache_args(op, method, slot) | widths(op, method, slot, init_attrs, stale_widths(init, init_attrs))
-    if schema.DTYPE_ATTR not in init_attrs:
-        raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) in __init__")
+    if schema.DTYPE_ATTR not in stored:
+        raise Unsupported("cannot find the kv-cache dtype attribute (`self.kv_cache_dtype`) set by __init__")
     namespace = op_namespace(op, imports)
     return names | {
         "dtype": f"self.{schema.DTYPE_ATTR}",
@@ -174,14 +176,17 @@ def _norm_sizes(
     return sizes
 
 
-def dtype_anchor(init: cst.FunctionDef, attrs: a.Assignments) -> a.StatementSlot | None:
+def dtype_anchor(init: cst.FunctionDef, attrs: a.Assignments, setters: Sequence[str] = ()) -> a.StatementSlot | None:
     """The statement after which the flag goes: the top-level statement of __init__ holding the
-    last assignment of ``self.kv_cache_dtype`` (the main cache's, what vLLM's backends read), or
-    the torch dtype made from it if one follows; None where __init__ does not set it."""
+    last assignment of ``self.kv_cache_dtype`` (the main cache's, what vLLM's backends read), else its last call of a
+    method of ``setters`` (that set it), or the torch dtype made from it if one follows; None where __init__ sets none."""
     defs = attrs.get(schema.DTYPE_ATTR)
-    if not defs:
+    body = init.body.body if isinstance(init.body, cst.IndentedBlock) else ()
+    calls = [i for i, stmt in enumerate(body) for n in a.nodes_in(stmt, scope_only=True)
+             if isinstance(n, cst.Call) and a.self_attr(n.func) in setters]
+    if not defs and not calls:
         return None
-    top = a.slot_chain(init, defs[-1][0])[0]
+    top = a.slot_chain(init, defs[-1][0])[0] if defs else a.StatementSlot(init.body, calls[-1])  # type: ignore[arg-type]
     for i in range(top.index + 1, len(top.block.body)):
         if any(_is_dtype_conversion(n) for n in a.nodes_in(top.block.body[i], scope_only=True)):
             return a.StatementSlot(top.block, i)

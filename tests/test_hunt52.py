@@ -194,3 +194,21 @@ def test_the_cache_dtype_read_from_vllms_config_is_the_runs(tmp_path: Path) -> N
     path.write_text(_edited(FORK_NAMES, [(PATCHED_DTYPE, "        self.kv_cache_dtype = vllm_config.cache_config.cache_dtype\n")]))
     proc = cli("check", str(path))
     assert proc.returncode == 0 and "patched" in proc.stderr and "so it was run: " in proc.stderr, proc.stderr
+
+
+def test_the_cache_dtype_set_by_a_method_init_calls_is_found(tmp_path: Path) -> None:
+    """Hunt 52's l86: a fork-era file whose ``__init__`` sets the cache dtype through a method of its own had been
+    refused (the dtype looked for among ``__init__``'s own statements); the flag goes after that call, and ``revert``
+    gives the file back."""
+    fork_dtype = '        self.kv_cache_dtype = (\n            cache_config.cache_dtype if cache_config is not None else "auto"\n        )\n'
+    helper = "    def _set_dtype(self, cache_config) -> None:\n" + fork_dtype + "\n" + WRITE_DEF
+    source = _edited(FORK_ERA, [(fork_dtype, "        self._set_dtype(cache_config)\n"), (WRITE_DEF, helper)])
+    from conftest import cli
+
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    assert cli("run", str(path)).returncode == 0
+    after = path.read_text()
+    assert "        self._set_dtype(cache_config)\n" in after.split('        self._fp8_kv = "fp8" in self.kv_cache_dtype\n')[0]
+    assert _states(path)[-1] == "patched"
+    assert cli("revert", str(path)).returncode == 0 and path.read_text() == source
