@@ -107,19 +107,21 @@ def judge(result: FileResult) -> FileResult:
     shown = shlex.quote(shown_path(result.path))
     proven = result.proof.proven
     for site in others:
-        mine = site.state is SiteState.PATCHED
+        bypass = site.state is SiteState.PATCHED
         if result.proof.status == proof.FAILED:
-            what = "an fp8 bypass is wired here, but it is not the one `run` writes" if mine else "the call is native"
-            mend = f"take it out and let `run` write its own: `mm3-codemod revert --whole-bypass {shown}`, then " \
-                f"`mm3-codemod run {shown}`" if mine else "upstream vLLM's call is the model"
+            what = "an fp8 bypass is wired here, but it is not the one `run` writes" if bypass else "the call is native"
+            mend = "Mend it by hand (upstream vLLM's call is the model)" if not bypass else (
+                f"Mend it by hand, or take it out and let `run` write its own: `mm3-codemod revert --whole-bypass {shown}`,"
+                f" then `mm3-codemod run {shown}`"
+            )
             site.state, site.action = SiteState.UNSUPPORTED, Action.REFUSE
             site.reason = (
                 f"{what} and running it fails (the {proof.LEVEL} level, bf16 cache against fp8 cache): "
-                f"{result.proof.reason}. Mend it by hand, or {mend}"
+                f"{result.proof.reason}. {mend}"
             )
         else:
             ran = "it was run: " if proven else "it was not run here: "
-            whose = ("it is not the bypass `run` writes, " + ("so " if proven else "and ")) if mine else ""
+            whose = ("it is not the bypass `run` writes, " + ("so " if proven else "and ")) if bypass else ""
             verify = "" if proven else f"; `mm3-codemod verify {shown}` runs it"
             site.reason += f"; {whose}{ran}{result.proof.reason}{verify}"
     if result.proof.status == proof.FAILED:

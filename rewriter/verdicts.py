@@ -99,5 +99,7 @@ def remember(result: FileResult) -> None:
 
     if result.status is FileStatus.REWRITTEN and result.new is not None:
         Verdict.of(result, result.new)
-    elif result.status is FileStatus.UNCHANGED and any(s.state.value in FINE for s in result.sites):
+    elif result.status is FileStatus.UNCHANGED and any(s.state.value in FINE for s in result.sites) and (
+        result.proof is None or result.proof.proven  # (not run here: the plugin runs it, where torch is)
+    ):
         Verdict.of(result)
