@@ -40,13 +40,26 @@ def test_run_leaves_the_verdict_on_the_bytes_it_wrote(tmp_path: Path, cache: Pat
     assert Verdict.load(target, (FIXTURES / "fork_era" / "model.py").read_bytes()) is None
 
 
-def test_check_leaves_one_on_a_patched_file_only(tmp_path: Path, cache: Path) -> None:
+def test_check_leaves_one_on_a_patched_or_native_file_only(tmp_path: Path, cache: Path) -> None:
+    pytest.importorskip("torch")  # (a native call is run; not run here, its verdict is not kept)
     for name in ("patched", "fork_era", "native"):
         target = tmp_path / f"{name}.py"
         shutil.copyfile(FIXTURES / name / "model.py", target)
         commands.analyze_targets("check", [Target(target, "test")])
     kept = {p.name.split("-")[0] for p in cache.glob("*.json")}
-    assert kept == {"patched"}  # native needs none (the pre-filter answers); fork_era needs work
+    assert kept == {"patched", "native"}  # fork_era needs work
+
+
+def test_check_keeps_no_verdict_it_did_not_run(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without torch a native call is not run: the plugin, inside vLLM, runs it rather than read ``native``."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    target = tmp_path / "native.py"
+    shutil.copyfile(FIXTURES / "native" / "model.py", target)
+    commands.analyze_targets("check", [Target(target, "test")])
+    assert not cache.exists() or not list(cache.glob("*.json"))
 
 
 LAZY = """
@@ -90,9 +103,15 @@ def test_a_failing_judgement_never_stops_vllm(
     assert stop.settled() is None  # judged once
 
 
-def test_a_native_file_is_answered_at_import_and_needs_no_verdict(cache: Path) -> None:
+def test_a_native_file_is_run_at_its_first_fp8_layer_and_its_verdict_kept(cache: Path) -> None:
+    """A native call is run as check runs it, when a layer is built for fp8 (it had been answered at import, by its
+    shape); the next start reads the verdict."""
+    pytest.importorskip("torch")
+    stop = plugin.ModelHook("check").judge(FIXTURES / "native" / "model.py")
+    assert isinstance(stop, plugin.Stop) and stop.later is not None
+    assert stop.settled() is None
     assert plugin.ModelHook("check").judge(FIXTURES / "native" / "model.py") is None
-    assert not cache.exists() or not list(cache.glob("*.json"))
+    assert len(list(cache.glob("*.json"))) == 1
 
 
 def test_an_fp8_start_stops_on_a_wired_bypass_whose_write_fails_when_run(tmp_path: Path, cache: Path) -> None:
