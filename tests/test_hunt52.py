@@ -212,3 +212,18 @@ def test_the_cache_dtype_set_by_a_method_init_calls_is_found(tmp_path: Path) -> 
     assert "        self._set_dtype(cache_config)\n" in after.split('        self._fp8_kv = "fp8" in self.kv_cache_dtype\n')[0]
     assert _states(path)[-1] == "patched"
     assert cli("revert", str(path)).returncode == 0 and path.read_text() == source
+
+
+def test_no_kv_head_at_a_rank_fails_the_run(tmp_path: Path) -> None:
+    """Hunt 52's E: ``total // tp`` heads without ``max(1, …)`` leaves a rank of a TP size the count is less than
+    with no kv head; the stand-in ran vLLM's own per-rank count there and noted the file's, so check passed it."""
+    pytest.importorskip("torch")
+    from conftest import cli
+
+    sparse = "        self.num_kv_heads = max(1, config.num_key_value_heads // tp_size)\n"
+    assert FORK_NAMES.count(sparse) == 2  # the dense layer's, then the sparse layer's
+    head, tail = FORK_NAMES.rsplit(sparse, 1)
+    path = tmp_path / "model.py"
+    path.write_text(head + "        self.num_kv_heads = config.num_key_value_heads // tp_size\n" + tail)
+    proc = cli("check", str(path))
+    assert proc.returncode == 2 and "__init__ computes self.num_kv_heads = 0, no head at this rank" in proc.stderr, proc.stderr
