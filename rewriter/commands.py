@@ -22,6 +22,7 @@ from rewriter.apply import (
     FileError,
     FileResult,
     FileStatus,
+    Proof,
     StagedWrite,
     commit_write,
     discard,
@@ -33,7 +34,7 @@ from rewriter.apply import (
 )
 from rewriter.locking import DEFAULT_TIMEOUT, LockTimeout, locked
 from rewriter.targets import Target, example_path, shown_path
-from rewriter.verdicts import remember
+from rewriter.verdicts import Verdict, remember
 
 NOT_WRITTEN = "nothing written: a target could not be written"
 
@@ -103,7 +104,11 @@ def judge(result: FileResult) -> FileResult:
         return result
     from rewriter import proof
 
-    result.proof = proof.prove_apart(result.path, result.original, others)
+    kept = Verdict.load(result.path, result.original)  # these bytes, run before by this version: not again
+    if kept is not None and kept.fine and kept.proven:
+        result.proof = Proof(proof.PASSED, f"{kept.proven} (kept: these bytes were run before)")
+    else:
+        result.proof = proof.prove_apart(result.path, result.original, others)
     shown = shlex.quote(shown_path(result.path))
     proven = result.proof.proven
     for site in others:

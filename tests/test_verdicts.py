@@ -168,3 +168,21 @@ def test_a_right_bypass_that_is_not_runs_own_starts_under_vllms_defaults(
     assert [p.status for p in proofs] == ["passed"], proofs
     verdict = Verdict.load(target, target.read_bytes())
     assert verdict is not None and verdict.fine
+
+
+def test_check_runs_the_same_bytes_once(tmp_path: Path, cache: Path) -> None:
+    """What the semantic level passed is kept with the verdict of those bytes (and this version): ``check`` reads it
+    instead of running them again, and says so; other bytes, or a failure, are run."""
+    pytest.importorskip("torch")
+    target = tmp_path / "native.py"
+    shutil.copyfile(FIXTURES / "native" / "model.py", target)
+
+    def proof() -> str:
+        (result,) = commands.analyze_targets("check", [Target(target, "test")]).files
+        assert result.proof is not None and result.proof.proven, result.proof
+        return result.proof.reason
+
+    first = proof()
+    assert "kept" not in first and proof() == f"{first} (kept: these bytes were run before)"
+    target.write_text(target.read_text() + "# another byte\n")
+    assert "kept" not in proof()
