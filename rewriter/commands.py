@@ -106,7 +106,7 @@ def judge(result: FileResult) -> FileResult:
 
     kept = Verdict.load(result.path, result.original)  # these bytes, run before by this version: not again
     if kept is not None and kept.fine and kept.proven:
-        result.proof = Proof(proof.PASSED, f"{kept.proven} (kept: these bytes were run before)")
+        result.proof = Proof(proof.PASSED, kept.proven[0], tuple(kept.proven[1]))
     else:
         result.proof = proof.prove_apart(result.path, result.original, others)
     shown = shlex.quote(shown_path(result.path))

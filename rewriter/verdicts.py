@@ -43,7 +43,7 @@ class Verdict:
         self.states: str = facts["states"]
         self.classes: tuple[str, ...] = tuple(facts["classes"])
         self.refusal: str | None = facts["refusal"]
-        self.proven: str | None = facts.get("proven")  # what the semantic level said of these bytes, where it passed
+        self.proven: list | None = facts.get("proven")  # the semantic level's reason and details, where these bytes passed
 
     @staticmethod
     def key_of(raw: bytes) -> str:
@@ -81,7 +81,7 @@ class Verdict:
             # the layer classes to arm; none where a site is outside a class (then: all)
             "classes": sorted({s.class_name for s in work}) if all(s.class_name for s in work) else [],
             "refusal": None if fine or not refused else (work[0].reason if work else result.error),
-            "proven": result.proof.reason if raw is None and result.proof is not None and result.proof.proven else None,
+            "proven": [result.proof.reason, list(result.proof.details)] if raw is None and result.proof and result.proof.proven else None,
         }
         verdict = cls(result.path, cls.key_of(result.original if raw is None else raw), facts)
         if keep:

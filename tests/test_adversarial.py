@@ -569,6 +569,7 @@ def test_a_bypass_not_runs_own_is_not_called_proven_without_torch(tmp_path: Path
     import importlib.util
 
     real = importlib.util.find_spec
+    monkeypatch.setenv("MM3_CODEMOD_SERVE_CACHE", str(tmp_path / "served"))  # (no run kept by another test)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
     path = tmp_path / "model.py"
     path.write_text(edit(PATCHED_RUN, KV_SWAP))

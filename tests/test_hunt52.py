@@ -96,6 +96,7 @@ def test_a_native_call_is_not_called_proven_without_torch(tmp_path: Path, monkey
     from rewriter.targets import Target
 
     real = importlib.util.find_spec
+    monkeypatch.setenv("MM3_CODEMOD_SERVE_CACHE", str(tmp_path / "served"))  # (no run kept by another test)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
     path = tmp_path / "model.py"
     path.write_text(NATIVE)

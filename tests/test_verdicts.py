@@ -170,19 +170,24 @@ def test_a_right_bypass_that_is_not_runs_own_starts_under_vllms_defaults(
     assert verdict is not None and verdict.fine
 
 
-def test_check_runs_the_same_bytes_once(tmp_path: Path, cache: Path) -> None:
-    """What the semantic level passed is kept with the verdict of those bytes (and this version): ``check`` reads it
-    instead of running them again, and says so; other bytes, or a failure, are run."""
+def test_check_runs_the_same_bytes_once(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the semantic level passed is kept with the verdict of those bytes (and this version): ``check`` reads it,
+    word for word, instead of running them again; other bytes are run."""
     pytest.importorskip("torch")
+    from rewriter import proof as proofs
+
     target = tmp_path / "native.py"
     shutil.copyfile(FIXTURES / "native" / "model.py", target)
 
-    def proof() -> str:
+    def proof() -> tuple[str, tuple[str, ...]]:
         (result,) = commands.analyze_targets("check", [Target(target, "test")]).files
         assert result.proof is not None and result.proof.proven, result.proof
-        return result.proof.reason
+        return result.proof.reason, result.proof.details
 
     first = proof()
-    assert "kept" not in first and proof() == f"{first} (kept: these bytes were run before)"
+    prove = proofs.prove_apart
+    monkeypatch.setattr(proofs, "prove_apart", lambda *a: pytest.fail("the same bytes were run again"))
+    assert proof() == first and first[1]
     target.write_text(target.read_text() + "# another byte\n")
-    assert "kept" not in proof()
+    monkeypatch.setattr(proofs, "prove_apart", prove)
+    assert proof() == first  # (run again: the same answer)
