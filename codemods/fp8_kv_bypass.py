@@ -134,7 +134,7 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     caches = tuple(map(op.arg, schema.CACHE_ARGS))
     wrap = [arg for arg in caches if arg is not None and guard_of(arg) is None]
     qkv, main_slots, index_slots = qkv_and_slots(op)
-    flag_slot = dtype_anchor(init, a.self_assignments(init), stored.get(schema.DTYPE_ATTR, []))
+    flag_slot = dtype_anchor(init, a.self_assignments(init), [f.name for f in stored.get(schema.DTYPE_ATTR, [])])
     assert flag_slot is not None  # write_names proved that __init__ sets the dtype
     reshape_import = bare_import(a.module_imports(module)) if names["reshape"] == schema.RESHAPE_OP else None
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from codemods import schema
 from codemods.names import callee, dotted, expression, is_compiling, literal, qualified, self_member
-from codemods.roles import COMPILING, NO_SCOPE, Scope, Unknown, evaluate
+from codemods.roles import COMPILING, NO_SCOPE, Scope, Unknown, evaluate, init_methods
 
 
 def self_attrs(node: ast.expr) -> set[str]:
@@ -411,6 +411,16 @@ def init_stores(init: ast.FunctionDef | None) -> dict[str, list[ast.expr]]:
                 found.setdefault(self_member(x), []).append(n.value)  # type: ignore[arg-type]
         elif isinstance(n, ast.Call) and self_member(n.func) == "register_buffer" and len(n.args) >= 2:
             found.setdefault(literal(n.args[0]) or "", []).append(n.args[1])
+    return found
+
+
+def reach_stores(init: ast.FunctionDef | None, scope: Scope) -> dict[str, list[ast.FunctionDef]]:
+    """What ``__init__`` and the methods it calls (``roles.init_methods``) store (``init_stores``): by attribute, the
+    functions that store it."""
+    found: dict[str, list[ast.FunctionDef]] = {}
+    for f in init_methods(init, scope) if init is not None else ():
+        for x in init_stores(f):
+            found.setdefault(x, []).append(f)
     return found
 
 

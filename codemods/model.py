@@ -116,14 +116,10 @@ class FileModel:
             self._scopes[id(cls)] = roles.Scope(self.module_scope.functions, methods, self.imports)
         return self._scopes[id(cls)]
 
-    def init_stores(self, cls: cst.ClassDef) -> dict[str, list[str]]:
-        """The ``self.`` attributes ``__init__`` and the methods it calls (``roles.init_methods``) store: by attribute,
-        the functions that store it."""
-        init, scope, found = self.scope(cls).methods.get("__init__"), self.scope(cls), {}
-        for f in roles.init_methods(init, scope) if init else ():
-            for x in guards.init_stores(f):
-                found.setdefault(x, []).append(f.name)
-        return found
+    def init_stores(self, cls: cst.ClassDef) -> dict[str, list[ast.FunctionDef]]:
+        """What ``__init__`` and the methods it calls store (``guards.reach_stores``), by attribute."""
+        scope = self.scope(cls)
+        return guards.reach_stores(scope.methods.get("__init__"), scope)
 
     def lineage(self, cls: cst.ClassDef) -> list[cst.ClassDef]:
         """The class, then its bases that this file defines (``names.lineage``)."""

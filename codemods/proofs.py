@@ -41,7 +41,7 @@ def op_namespace(op: a.OpCall, imports: Mapping[str, str]) -> str | None:
 
 def write_names(
     op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init: cst.FunctionDef, imports: Mapping[str, str],
-    stored: Mapping[str, list[str]],
+    stored: Mapping[str, object],
 ) -> dict[str, str]:
     """What a write method and the post-call block are filled in with, the bypass's
     (``codegen.INSERT_KV_METHOD``, ``POST_INSERT``) and the fork-era one ``revert`` restores

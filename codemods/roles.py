@@ -499,7 +499,7 @@ def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object])
     and "auto" as ``self.kv_cache_dtype``, where every path the reading cannot decide agrees. Read once a class."""
     # what a def nested in __init__ (or in a method it calls) stores through ``self``: whenever it is called
     nested = [d for fn in init_methods(init, scope) for d in ast.walk(fn) if d is not fn and isinstance(d, _NESTED)]
-    late = {f"self.{attr}" for d in nested for attr in _stored(d)}
+    late = {f"self.{attr}" for d in nested for attr in stored(d)}
     sources, set_here, present = _dtype_sources(init, scope)
     pinned, values = sources - {DTYPE} if set_here else sources, {}  # (the attribute: where __init__ sets it)
     props = {name: ast.Call(ast.parse(f"self.{name}", mode="eval").body, [], []) for name in scope.properties()}
@@ -517,7 +517,7 @@ def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object])
 def flags(init: ast.FunctionDef, scope: Scope, values: Mapping[str, Mapping[str, object]]) -> dict[str, bool]:
     """Each attribute ``__init__`` assigns (or property): whether it is a flag - true for every fp8 dtype
     and false for "bfloat16" and "auto" once ``__init__`` has run (``values``: ``init_values``), however decided."""
-    assigned = set().union(*map(_stored, init_methods(init, scope)), scope.properties()) - {schema.DTYPE_ATTR}
+    assigned = set().union(*map(stored, init_methods(init, scope)), scope.properties()) - {schema.DTYPE_ATTR}
     held = {attr: {d: run.get(f"self.{attr}", _MISSING) for d, run in values.items()} for attr in assigned}
     return {
         attr: _MISSING not in runs.values() and all(runs[d] for d in FP8_DTYPES) and not any(runs[d] for d in NOT_FP8)
@@ -542,7 +542,7 @@ def init_methods(init: ast.FunctionDef, scope: Scope) -> list[ast.FunctionDef]:
     return [init, *{scope.methods[m]: 0 for call in calls if (m := self_member(call.func)) in scope.methods}]
 
 
-def _stored(node: ast.AST) -> set[str]:
+def stored(node: ast.AST) -> set[str]:
     """The ``self.`` attributes ``node``'s code binds, whatever binds them (``x`` of ``self.x``)."""
     stores = (n for n in ast.walk(node) if isinstance(getattr(n, "ctx", None), ast.Store))
     return {attr for n in stores if (attr := self_member(n)) is not None}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -65,14 +66,16 @@ class Module:
     def redefined_below(self, cls: ast.ClassDef, methods: set[str], attrs: set[str]) -> str | None:
         """A class of the file that derives from ``cls`` and defines one of ``methods`` or a method storing
         ``self.<attr>`` of ``attrs``: the layer it builds runs what ``cls`` was not proven with. In words."""
-        for sub in (c for c in ast.walk(self.tree) if isinstance(c, ast.ClassDef) and c is not cls):
-            if cls in names.lineage(sub, self.tree):
-                bound = bound_by(_own(sub))
-                stored = {names.self_member(t) for f in sub.body if isinstance(f, ast.FunctionDef) for t in ast.walk(f)
-                          if isinstance(getattr(t, "ctx", None), ast.Store)}
-                if found := sorted(methods & bound | attrs & stored):
-                    return f"class `{sub.name}` derives from `{cls.name}` and redefines `{found[0]}`"
+        for sub in (c for c in self.classes if c is not cls and cls in names.lineage(c, self.tree)):
+            stored = set().union(*(roles.stored(f) for f in sub.body if isinstance(f, ast.FunctionDef)))
+            if found := sorted(methods & bound_by(_own(sub)) | attrs & stored):
+                return f"class `{sub.name}` derives from `{cls.name}` and redefines `{found[0]}`"
         return None
+
+    @functools.cached_property
+    def classes(self) -> list[ast.ClassDef]:
+        """Every class of the file, nested ones too: read once, however many calls ask."""
+        return [c for c in ast.walk(self.tree) if isinstance(c, ast.ClassDef)]
 
 
 def bound_by(nodes: Iterable[ast.AST]) -> frozenset[str]:
@@ -139,6 +142,12 @@ def _decorated(method: ast.FunctionDef, init: ast.FunctionDef | None, module: Mo
     return f"line {at[0].lineno} binds `self.{method.name}` in __init__: what runs is not the method" if at else None
 
 
+def _inner(stmt: ast.AST, call: ast.AST) -> list[ast.stmt] | None:
+    """The block of ``stmt`` (its body, else branch, ``finally``, handlers) that holds ``call``."""
+    blocks = [b for f in ("body", "orelse", "finalbody", "handlers") for b in [getattr(stmt, f, None)] if isinstance(b, list)]
+    return next((b for b in blocks if any(n is call for s in b for n in ast.walk(s))), None)
+
+
 def _unreached(body: list[ast.stmt], call: ast.AST, runs: Iterable[dict[str, object]], scope: roles.Scope) -> str | None:
     """A test that keeps ``call`` from running with some fp8 cache dtype (``runs``: what ``__init__`` leaves for each): an
     ``if`` holding it whose branch the test does not take, or an ``if`` before it that leaves the method."""
@@ -159,9 +168,8 @@ def _unreached(body: list[ast.stmt], call: ast.AST, runs: Iterable[dict[str, obj
             inside = any(n is call for s in stmt.body for n in ast.walk(s))
             if not all(t == inside for t in holds(stmt.test)):
                 return f"`{ast.unparse(stmt.test)}` (line {stmt.lineno}) takes the other branch"
-        blocks = [b for f in ("body", "orelse", "finalbody", "handlers") for b in [getattr(stmt, f, None)] if isinstance(b, list)]
-        inner = next((b for b in blocks if any(n is call for s in b for n in ast.walk(s))), None)
-        return _unreached(inner, call, runs, scope) if inner is not None and inner is not body else None
+        inner = _inner(stmt, call)
+        return _unreached(inner, call, runs, scope) if inner is not None else None
     return None
 
 
@@ -176,9 +184,8 @@ def _again(body: list[ast.stmt], call: ast.Call) -> str | None:
             return f"line {again[0].lineno} calls the op again, on the same path"
         if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)) and any(n is call for s in stmt.body for n in ast.walk(s)):
             return f"it stands in the loop at line {stmt.lineno}"
-        blocks = [b for f in ("body", "orelse", "finalbody", "handlers") for b in [getattr(stmt, f, None)] if isinstance(b, list)]
-        inner = next((b for b in blocks if any(n is call for s in b for n in ast.walk(s))), None)
-        return _again(inner, call) if inner is not None and inner is not body else None
+        inner = _inner(stmt, call)
+        return _again(inner, call) if inner is not None else None
     return None
 
 
@@ -200,10 +207,10 @@ def broken(
         return f"the op may run other than once a forward: {again}; it norms and ropes q and k in place. Call it once"
     if cls is not None and method is not None and (sub := module.redefined_below(cls, {method.name}, {schema.DTYPE_ATTR})):
         return f"{sub}: what the call relies on is proven for this class alone. Nothing was changed"
-    setters = [f for f in scope.methods.values() if schema.DTYPE_ATTR in guards.init_stores(f)]
-    if init is not None and setters and not set(setters) & set(roles.init_methods(init, scope)):
-        at = setters[0]
-        return f"`self.{schema.DTYPE_ATTR}` is set by `{at.name}` (line {at.lineno}), which __init__ does not run: vLLM fails building the layer"
+    if init is not None and schema.DTYPE_ATTR not in guards.reach_stores(init, scope):  # (then: who else sets it)
+        at = next((f for f in scope.methods.values() if schema.DTYPE_ATTR in guards.init_stores(f)), None)
+        if at is not None:
+            return f"`self.{schema.DTYPE_ATTR}` is set by `{at.name}` (line {at.lineno}), which __init__ does not run: vLLM fails building the layer"
     runs = [values[d] for d in roles.FP8_DTYPES if d in values] if values and method is not None else []
     unreached = _unreached(method.body, call, runs, scope) if runs else None  # type: ignore[union-attr]
     return f"the call does not run with an fp8 cache: {unreached}, so nothing writes the fp8 cache there" if unreached else None

@@ -82,12 +82,13 @@ def analyze_targets(command: str, targets: list[Target]) -> Report:
 
 
 def judge(result: FileResult) -> FileResult:
-    """What no rewrite proves is run: ``verify``'s semantic level on the file as it is, bf16 cache against fp8 cache.
-    That is a native call (its cache arguments, slots and dtype are the file's own), and a patched site whose bypass
-    is not ``run``'s own (a fork's, a hand edit: ``revert`` does not take it back out to the file ``run`` started
-    from; it says why, in ``revert``'s words). ``run``'s own is proven by what ``run`` is proven by. Running it fails:
-    refused (a native call may write the wrong rows, or none; so may the fp8 path of a wired bypass); not run here: it
-    says so."""
+    """What no rewrite proves is run: ``verify``'s semantic level on the file as it is, bf16 cache
+    against fp8 cache. That is a native call (its cache arguments, slots and dtype are the file's own),
+    and a patched site whose bypass is not ``run``'s own (a fork's, a hand edit: ``revert`` does not
+    take it back out to the file ``run`` started from; it says why, in ``revert``'s words). ``run``'s
+    own is proven by what ``run`` is proven by. Running it fails: refused (a native call may write the
+    wrong rows, or none; so may the fp8 path of a wired bypass); not run here: it says so. A run kept
+    with the verdict of the same bytes (``rewriter.verdicts``) is read, not run again."""
     patched = [s for s in result.sites if s.state is SiteState.PATCHED]
     if patched:  # the bytes check judged, not a new read; a round trip compared byte for byte, never written
         reverted = plan_revert_file(result.path, raw=result.original, second_pass=False)
@@ -114,11 +115,12 @@ def judge(result: FileResult) -> FileResult:
     for site in others:
         bypass = site.state is SiteState.PATCHED
         if result.proof.status == proof.FAILED:
-            what = "an fp8 bypass is wired here, but it is not the one `run` writes" if bypass else "the call is native"
-            mend = "Mend it by hand (upstream vLLM's call is the model)" if not bypass else (
-                f"Mend it by hand, or take it out and let `run` write its own: `mm3-codemod revert --whole-bypass {shown}`,"
-                f" then `mm3-codemod run {shown}`"
-            )
+            wired = "an fp8 bypass is wired here, but it is not the one `run` writes"
+            what = wired if bypass else "the call is native"
+            mend = (
+                "Mend it by hand, or take it out and let `run` write its own: "
+                f"`mm3-codemod revert --whole-bypass {shown}`, then `mm3-codemod run {shown}`"
+            ) if bypass else "Mend it by hand (upstream vLLM's call is the model)"
             site.state, site.action = SiteState.UNSUPPORTED, Action.REFUSE
             site.reason = (
                 f"{what} and running it fails (the {proof.LEVEL} level, bf16 cache against fp8 cache): "

@@ -43,7 +43,7 @@ class Verdict:
         self.states: str = facts["states"]
         self.classes: tuple[str, ...] = tuple(facts["classes"])
         self.refusal: str | None = facts["refusal"]
-        self.proven: list | None = facts.get("proven")  # the semantic level's reason and details, where these bytes passed
+        self.proven: list | None = facts.get("proven")  # the semantic level's reason, details: where it passed
 
     @staticmethod
     def key_of(raw: bytes) -> str:
@@ -74,6 +74,7 @@ class Verdict:
         else:
             states = ", ".join(f"{s.state.value} at line {s.line}" for s in work) or "unreadable"
         refused = result.status is not FileStatus.NEEDS_REWRITE
+        proof = result.proof if raw is None and result.proof is not None and result.proof.proven else None
         facts = {
             "installed": str(result.path),
             "fine": fine,
@@ -81,7 +82,7 @@ class Verdict:
             # the layer classes to arm; none where a site is outside a class (then: all)
             "classes": sorted({s.class_name for s in work}) if all(s.class_name for s in work) else [],
             "refusal": None if fine or not refused else (work[0].reason if work else result.error),
-            "proven": [result.proof.reason, list(result.proof.details)] if raw is None and result.proof and result.proof.proven else None,
+            "proven": [proof.reason, list(proof.details)] if proof is not None else None,
         }
         verdict = cls(result.path, cls.key_of(result.original if raw is None else raw), facts)
         if keep:

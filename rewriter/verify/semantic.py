@@ -323,8 +323,10 @@ def check_plan(
             return replace(result, reason=f"{where}: {result.reason}", checks=checks), every, shapes
         none = [(n, v) for n, v in (runs[0].unheld.items() if runs else ()) if n in _COUNTS and v < 1]
         if none:  # (a count the TP size exceeds is replicated: vLLM's layers divide as max(1, total // tp))
-            (name, value), given = none[0], getattr(fitted, none[0][0])
-            why = f"{where}: __init__ computes self.{name} = {value}, no head at this rank (vLLM's layers give it {given})"
+            name, value = none[0]
+            given = getattr(fitted, name)
+            why = f"{where}: __init__ computes self.{name} = {value}, no head at this rank"
+            why += f" (vLLM's layers give it {given})"
             return Comparison(False, why, checks), every, shapes
         unheld = _unheld(runs[0], fitted) if runs else ""
         if unheld and unheld not in notes:

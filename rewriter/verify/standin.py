@@ -382,7 +382,7 @@ def _standin(
     fp8_index = mode.removesuffix(COMPILED).endswith(FP8_INDEX)
     cache_dtype_name, cache_dtype = MODES[mode.removesuffix(COMPILED).removesuffix(FP8_INDEX)]
     index_dtype_name, index_dtype = ("fp8", torch.float8_e4m3fn) if fp8_index else ("auto", torch.bfloat16)
-    cache_config = types.SimpleNamespace(cache_dtype=cache_dtype_name, block_size=inputs.shape.block_size)
+    cache_config = types.SimpleNamespace(cache_dtype=cache_dtype_name, block_size=s.block_size)
     vllm_config = _vllm_config(index_dtype_name, cache_config)
     rec = _Recorder(s.width)
     qkv = inputs.qkv.clone()
