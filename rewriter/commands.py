@@ -75,10 +75,29 @@ def under_pre_commit() -> bool:
 def analyze_targets(command: str, targets: list[Target]) -> Report:
     """Plan every target; nothing is written (``check``, ``preview``) but the verdict on a
     patched file, for the plugin (``rewriter.verdicts``)."""
-    files = [judge(honour_off(plan_file(t.path, name=t.diff_name))) for t in targets]
+    files = [check_plan(t.path, t.diff_name) for t in targets]
     for result in files:
         remember(result)
     return Report(command, targets, files)
+
+
+def check_plan(path: Path, name: str | None = None) -> FileResult:
+    """What ``check`` (and ``survey``) say ``run`` does with a file: its plan, judged. A plan that
+    leaves a native call promises that call runs ("run with --kv-cache-dtype fp8 directly"): what it
+    writes is run first, as ``judge`` runs a native call and as ``run`` will before writing it."""
+    result = judge(honour_off(plan_file(path, name=name)))
+    if result.status is not FileStatus.NEEDS_REWRITE or result.new is None:
+        return result
+    if not any(s.state is SiteState.NATIVE for s in result.new_sites):
+        return result
+    from rewriter import proof
+
+    result.proof = proof.prove_apart(result.path, result.new, result.new_sites)
+    if not failed_proof(result):
+        ran = "was run" if result.proof.proven else "was not run here"
+        for site in (s for s in result.sites if s.action in CHANGING):
+            site.reason += f"; what `run` leaves {ran}: {result.proof.reason}"
+    return result
 
 
 def judge(result: FileResult) -> FileResult:
@@ -267,9 +286,18 @@ def _prove_all(report: Report, prove: bool) -> None:
 
     for result in to_write:
         result.proof = proof.prove(result) if prove else proof.NO_PROVE
-        if result.proof.status == proof.FAILED:
-            why = f"the rewrite failed its proof ({proof.LEVEL} level): {result.proof.reason}"
-            result.status, result.error = FileStatus.ERROR, f"{why}; nothing written"
+        failed_proof(result)
+
+
+def failed_proof(result: FileResult) -> bool:
+    """A rewrite whose proof failed is an error: nothing is written (``run``), or would be (``check``)."""
+    from rewriter import proof
+
+    if result.proof is None or result.proof.status != proof.FAILED:
+        return False
+    why = f"the rewrite failed its proof ({proof.LEVEL} level): {result.proof.reason}"
+    result.status, result.error = FileStatus.ERROR, f"{why}; nothing written"
+    return True
 
 
 def _write_all(report: Report, backup: bool) -> None:

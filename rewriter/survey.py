@@ -13,8 +13,8 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from rewriter.apply import FileResult, FileStatus, plan_file
-from rewriter.commands import Report, honour_off, judge
+from rewriter.apply import FileResult, FileStatus
+from rewriter.commands import Report, check_plan
 from rewriter.targets import Target
 
 # Chunks per worker: enough to balance uneven files, few enough to keep per-task overhead small.
@@ -23,7 +23,7 @@ CHUNKS_PER_JOB = 4
 
 def survey_file(path: Path) -> FileResult:
     """``check``'s plan of one file, stripped to what the report shows."""
-    result = judge(honour_off(plan_file(path)))  # `off`: left as `run` leaves it
+    result = check_plan(path)
     return dataclasses.replace(result, diff="", original=b"", new=None)
 
 
