@@ -72,7 +72,7 @@ class FileModel:
     @functools.cached_property
     def runtime(self) -> runtime.Module:
         """What the module binds at run time (``runtime.Module``); nothing known where Python's parser cannot read it."""
-        return runtime.Module.of(self.tree) if self.source_map is not None else runtime.Module(None, {}, {}, ast.Module([], []))
+        return runtime.Module.of(self.tree, self.imports) if self.source_map is not None else runtime.Module(None, {}, {}, ast.Module([], []), {})
 
     @functools.cached_property
     def stores(self) -> list[ast.AST]:

@@ -29,7 +29,7 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
 
     @functools.cache  # what the module binds at run time: read once, and only where the op is called
     def module() -> runtime.Module:
-        return runtime.Module.of(tree)
+        return runtime.Module.of(tree, imports)
 
     @functools.cache  # by class: __init__ read once, however many calls it holds
     def read(cls: ast.ClassDef) -> tuple[ast.FunctionDef | None, roles.Scope, dict[str, dict]]:

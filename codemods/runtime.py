@@ -53,15 +53,16 @@ class Module:
     rebound: dict[str, ast.stmt]
     functions: Mapping[str, ast.FunctionDef]
     tree: ast.Module
+    imports: Mapping[str, str]  # (``names.import_table``)
 
     @classmethod
-    def of(cls, tree: ast.Module) -> Module:
+    def of(cls, tree: ast.Module, imports: Mapping[str, str]) -> Module:
         functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
         scope = _own(tree)  # (an ``if TYPE_CHECKING:`` that binds at module level is one of its nodes)
         hidden = {id(x) for n in scope for s in _type_checking(n) for x in ast.walk(s)}
         own = [n for n in scope if id(n) not in hidden]
         star = any(isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names) for n in own)
-        return cls(None if star else PYTHON_NAMES | bound_by(own), _rebound(tree), functions, tree)
+        return cls(None if star else PYTHON_NAMES | bound_by(own), _rebound(tree), functions, tree, imports)
 
     def redefined_below(self, cls: ast.ClassDef, methods: set[str], attrs: set[str]) -> str | None:
         """A class of the file that derives from ``cls`` and defines one of ``methods`` or a method storing
@@ -72,10 +73,63 @@ class Module:
                 return f"class `{sub.name}` derives from `{cls.name}` and redefines `{found[0]}`"
         return None
 
+    def remade(self, cls: ast.ClassDef) -> str | None:
+        """What runs when ``cls`` is made and may leave another class than its own ``def``s: a class decorator, a
+        metaclass (the class's and its bases' of this file) or a base's ``__init_subclass__`` that changes what it is
+        handed (``_changes``), or one the file does not define but vLLM's own and ``abc``'s. In words."""
+        lineage = names.lineage(cls, self.tree)
+        metaclasses = [k.value for c in lineage for k in c.keywords if k.arg == "metaclass"]
+        hooks = [*(d for c in lineage for d in c.decorator_list), *metaclasses]
+        hooks += [f for c in lineage[1:] for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "__init_subclass__"]
+        defined = {c.name: c for c in self.tree.body if isinstance(c, ast.ClassDef)} | dict(self.functions)
+        for hook in hooks:
+            if isinstance(hook, ast.FunctionDef):
+                code, shown = hook, f"`{hook.name}` of a base class"
+            else:
+                target = hook.func if isinstance(hook, ast.Call) else hook
+                code, shown = defined.get(names.dotted(target) or ""), f"`{ast.unparse(hook)}`"
+                if code is None and not (names.qualified(target, self.imports) or "").startswith(_KNOWN):
+                    return (f"{shown} (line {hook.lineno}) makes the class `{cls.name}`, and this file does not define it: "
+                            "what vLLM builds is not proven to be the class's own `def`s")
+            if code is not None and (change := _changes(code)) is not None:
+                what = ast.unparse(change).splitlines()[0][:60]
+                return (f"{shown} (line {hook.lineno}) runs when `{cls.name}` is made and changes it (line {change.lineno}: "
+                        f"`{what}`): what vLLM builds is not the class's own `def`s, which are all that is proven")
+        return None
+
     @functools.cached_property
     def classes(self) -> list[ast.ClassDef]:
         """Every class of the file, nested ones too: read once, however many calls ask."""
         return [c for c in ast.walk(self.tree) if isinstance(c, ast.ClassDef)]
+
+
+_KNOWN = ("vllm.", "abc.", "typing.")  # what makes a class: vLLM's registries and compile wrappers, ABCMeta
+_MUTATING = {"update", "pop", "popitem", "setdefault", "clear", "__setitem__", "__delitem__"}
+
+
+def _changes(code: ast.AST) -> ast.AST | None:
+    """Where code that makes a class changes it: it sets or deletes an attribute (``cls._insert_kv = …``,
+    ``setattr``), stores into or mutates a parameter (a metaclass's namespace), makes a class, or returns
+    other than a name or ``super()``'s answer (a wrapper)."""
+    params = {n.arg for n in ast.walk(code) if isinstance(n, ast.arg)}
+    tops = [code] if isinstance(code, ast.FunctionDef) else [f for f in code.body if isinstance(f, ast.FunctionDef)]  # type: ignore[attr-defined]
+    returns = {id(n) for f in tops for n in _own(f) if isinstance(n, ast.Return)}  # (the hook's own, not a wrapper's)
+    for n in (n for n in ast.walk(code) if n is not code):
+        stored = isinstance(getattr(n, "ctx", None), (ast.Store, ast.Del))
+        if isinstance(n, ast.Attribute) and stored or isinstance(n, ast.ClassDef):
+            return n
+        if isinstance(n, ast.Subscript) and stored and isinstance(n.value, ast.Name) and n.value.id in params:
+            return n
+        func = n.func if isinstance(n, ast.Call) else None
+        if isinstance(func, ast.Name) and func.id in ("setattr", "delattr") or isinstance(func, ast.Name) and func.id == "type" and len(n.args) == 3:  # type: ignore[union-attr]
+            return n
+        if isinstance(func, ast.Attribute) and func.attr in _MUTATING and isinstance(func.value, ast.Name) and func.value.id in params:
+            return n
+        if id(n) in returns and n.value is not None and not isinstance(n.value, ast.Name):  # type: ignore[attr-defined]
+            inner = n.value.func.value if isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Attribute) else None
+            if not (isinstance(inner, ast.Call) and names.dotted(inner.func) == "super" or names.dotted(getattr(n.value, "func", n.value)) == "type.__new__"):
+                return n
+    return None
 
 
 def bound_by(nodes: Iterable[ast.AST]) -> frozenset[str]:
@@ -207,6 +261,8 @@ def broken(
         return f"the op may run other than once a forward: {again}; it norms and ropes q and k in place. Call it once"
     if cls is not None and method is not None and (sub := module.redefined_below(cls, {method.name}, {schema.DTYPE_ATTR})):
         return f"{sub}: what the call relies on is proven for this class alone. Nothing was changed"
+    if cls is not None and (remade := module.remade(cls)) is not None:
+        return f"{remade}. Nothing was changed"
     if init is not None and schema.DTYPE_ATTR not in guards.reach_stores(init, scope):  # (then: who else sets it)
         at = next((f for f in scope.methods.values() if schema.DTYPE_ATTR in guards.init_stores(f)), None)
         if at is not None:

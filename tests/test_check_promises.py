@@ -17,7 +17,9 @@ def test_a_strip_that_run_would_refuse_is_refused_by_check_too(tmp_path: Path) -
     path = tmp_path / "model.py"
     path.write_text(STALE)
     proc = cli("check", str(path))
-    assert proc.returncode == 1 and "-> strip" in proc.stderr and "what `run` leaves was run: " in proc.stderr, proc.stderr
+    assert (
+        proc.returncode == 1 and "-> strip" in proc.stderr and "what `run` leaves was run: " in proc.stderr
+    ), proc.stderr
     assert STALE.count(RETURN) == 1
     broken = STALE.replace(RETURN, "        q = q.view(-1, 7, 5)\n" + RETURN)  # (fails with any cache)
     path.write_text(broken)
@@ -36,7 +38,9 @@ def test_a_strip_is_not_called_run_without_torch(tmp_path: Path, monkeypatch: py
     from rewriter.targets import Target
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
+    )
     path = tmp_path / "model.py"
     path.write_text(STALE)
     (result,) = commands.analyze_targets("check", [Target(path, "t")]).files

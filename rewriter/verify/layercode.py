@@ -313,14 +313,14 @@ def load_layer(path: Path | str, class_name: str, source: str | None = None) -> 
             k.removeprefix("self."): v
             for k, v in roles.module_constants(tree, roles.NO_SCOPE, cls).items() if k != "self.__slots__"
         },
-        _settable(cls, tree, defs, imports), _binds(tree, defs.get("__init__")),
+        _settable(cls, tree, defs, imports), _binds(tree, defs.get("__init__"), imports),
     )
 
 
-def _binds(tree: ast.Module, init: ast.FunctionDef | None) -> frozenset[str] | None:
+def _binds(tree: ast.Module, init: ast.FunctionDef | None, imports: dict[str, str]) -> frozenset[str] | None:
     """What a statement of ``__init__`` may read without NameError: what the module binds at run time
     (``runtime.Module``), and ``__init__``'s own names (one a statement the stand-in skipped binds is its gap)."""
-    bound = runtime.Module.of(tree).bound
+    bound = runtime.Module.of(tree, imports).bound
     return None if bound is None else bound | runtime.bound_by(list(ast.walk(init)) if init else [])
 
 
