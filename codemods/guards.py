@@ -463,8 +463,8 @@ def kept_write_problems(
           "runs one batch: write every batch the same way" for n in batch_branches(runs)[:1]),
         *(f"an `except` at line {h.lineno} around the write goes on without raising: a write that fails leaves the "
           "cache as it was, and attention reads it as if written" for h in swallowed),
-        *(f"the post-call write (`self.{name}(…)`) makes the host wait for the device at line {n.lineno} "
-          f"(`{ast.unparse(n)}`): a CUDA graph cannot capture it, nor torch.compile without a graph break"
+        *(f"the post-call write (`self.{name}(…)`) makes the host wait for the device, or switches streams, at line "
+          f"{n.lineno} (`{ast.unparse(n)}`): a CUDA graph cannot capture it, nor torch.compile without a graph break"
           for n in syncs),
         *(f"the scale `{ast.unparse(n)}` that the write hands `{schema.RESHAPE_OP}` at line {n.lineno} is not proven "
           "the identity scale the kernel reads: a float32 tensor of ones on the device (made in __init__ as "

@@ -63,9 +63,11 @@ class FileModel:
 
     @functools.cached_property
     def top_imports(self) -> dict[str, str]:
-        """``imports`` bound by a statement of the module's own (no function's, no ``if``'s or ``try``'s), an import or
-        an alias: what code written into a method may name."""
+        """``imports`` bound by a statement of the module's own (no function's, no ``if``'s; a ``try``'s, whose every
+        binding of the name ``imports`` resolves alike), an import or an alias: what code written into a method may name."""
         top = {i.bound for i in a.module_imports(self.module)}  # and a module-level alias (``ops = torch.ops._C``)
+        tried = [n for t in self.tree.body if isinstance(t, ast.Try) for n in ast.walk(t) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        top |= runtime.bound_by(tried)
         top |= {t.id for n in self.tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
         return {k: v for k, v in self.imports.items() if k in top}
 

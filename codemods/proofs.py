@@ -32,8 +32,8 @@ def op_namespace(op: a.OpCall, imports: Mapping[str, str]) -> str | None:
     if namespace is None:
         shown = a.code(func) if op.wrapper is None else f"wrapper `{op.wrapper.name}`"
         raise Unsupported(
-            f"the op is called through {shown}, and no statement of the module's own imports `vllm._custom_ops` (an "
-            "import in a function binds its name there alone), "
+            f"the op is called through {shown}, and no statement of the module's own imports `vllm._custom_ops` (one "
+            "in a function or under an `if` binds its name there alone, or not at all), "
             f"where `{schema.RESHAPE_OP}` is: add `from vllm import _custom_ops as ops`, then run again"
         )
     return namespace

@@ -249,8 +249,7 @@ def guard_of(arg: cst.Arg | None) -> str | None:
 
 
 def unguarded(arg: cst.Arg) -> cst.BaseExpression:
-    found = _condition(arg)
-    return found[0] if found is not None else arg.value
+    return (_condition(arg) or (arg.value,))[0]
 
 
 def guard_local(condition: str) -> str | None:
@@ -552,7 +551,8 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, scope: roles.Scope, init_attrs
         tree = scope.methods.get(method.name.value)
         named = roles.set_by_name(tree, m.imports) if tree is not None else set()
         for name in sorted(pieces if named is None else {n.removeprefix("self.") for n in named} & pieces):
-            note(name, f"`self.{name}` may be set by name in {method.name.value} (the bypass relies on it being set once, in __init__)")
+            how = "sets by name" if named is not None else "hands `self` to code the reading does not follow (or sets by a computed name),"
+            note(name, f"{method.name.value} {how} which may set `self.{name}` (the bypass relies on it being set once, in __init__)")
 
 
 _CLASS_ATTR = (cst.AssignTarget, cst.AnnAssign)

@@ -107,8 +107,10 @@ def judge(result: FileResult) -> FileResult:
     take it back out to the file ``run`` started from; it says why, in ``revert``'s words). ``run``'s
     own is proven by what ``run`` is proven by. Running it fails: refused (a native call may write the
     wrong rows, or none; so may the fp8 path of a wired bypass); not run here: it says so. A run kept
-    with the verdict of the same bytes (``rewriter.verdicts``) is read, not run again."""
-    patched = [s for s in result.sites if s.state is SiteState.PATCHED]
+    with the verdict of the same bytes (``rewriter.verdicts``) is read, not run again; so is a skip the level
+    reported (what the stand-in cannot model), and bytes ``run`` wrote are its own without a round trip."""
+    kept = Verdict.load(result.path, result.original)  # these bytes, judged before by this version
+    patched = [s for s in result.sites if s.state is SiteState.PATCHED and not (kept is not None and kept.written)]
     if patched:  # the bytes check judged, not a new read; a round trip compared byte for byte, never written
         reverted = plan_revert_file(result.path, raw=result.original, second_pass=False)
         if reverted.new is not None:  # `run` writes this file again into what `revert` leaves: its own
@@ -124,9 +126,9 @@ def judge(result: FileResult) -> FileResult:
         return result
     from rewriter import proof
 
-    kept = Verdict.load(result.path, result.original)  # these bytes, run before by this version: not again
-    if kept is not None and kept.fine and kept.proven:
-        result.proof = Proof(proof.PASSED, kept.proven[0], tuple(kept.proven[1]))
+    if kept is not None and kept.fine and (kept.proven or kept.skipped):  # run before: not again
+        status, (reason, details) = (proof.PASSED, kept.proven) if kept.proven else (proof.SKIPPED, kept.skipped)
+        result.proof = Proof(status, reason, tuple(details))
     else:
         result.proof = proof.prove_apart(result.path, result.original, others)
     shown = shlex.quote(shown_path(result.path))

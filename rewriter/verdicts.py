@@ -44,6 +44,8 @@ class Verdict:
         self.classes: tuple[str, ...] = tuple(facts["classes"])
         self.refusal: str | None = facts["refusal"]
         self.proven: list | None = facts.get("proven")  # the semantic level's reason, details: where it passed
+        self.skipped: list | None = facts.get("skipped")  # the same, where the level reported it cannot run them
+        self.written: bool = facts.get("written", False)  # ``run`` wrote these bytes
 
     @staticmethod
     def key_of(raw: bytes) -> str:
@@ -75,6 +77,7 @@ class Verdict:
             states = ", ".join(f"{s.state.value} at line {s.line}" for s in work) or "unreadable"
         refused = result.status is not FileStatus.NEEDS_REWRITE
         proof = result.proof if raw is None and result.proof is not None and result.proof.proven else None
+        skip = result.proof if raw is None and kept_skip(result) else None
         facts = {
             "installed": str(result.path),
             "fine": fine,
@@ -83,6 +86,9 @@ class Verdict:
             "classes": sorted({s.class_name for s in work}) if all(s.class_name for s in work) else [],
             "refusal": None if fine or not refused else (work[0].reason if work else result.error),
             "proven": [proof.reason, list(proof.details)] if proof is not None else None,
+            "skipped": [skip.reason, list(skip.details)] if skip is not None else None,  # type: ignore[union-attr]
+            # ``run`` wrote these bytes (now, or before: a later check keeps its word)
+            "written": raw is not None or bool((old := cls.load(result.path, result.original)) and old.written),
         }
         verdict = cls(result.path, cls.key_of(result.original if raw is None else raw), facts)
         if keep:
@@ -103,6 +109,12 @@ def remember(result: FileResult) -> None:
     if result.status is FileStatus.REWRITTEN and result.new is not None:
         Verdict.of(result, result.new)
     elif result.status is FileStatus.UNCHANGED and any(s.state.value in FINE for s in result.sites) and (
-        result.proof is None or result.proof.proven  # (not run here: the plugin runs it, where torch is)
+        result.proof is None or result.proof.proven or kept_skip(result)  # (no torch: the plugin runs it, where torch is)
     ):
         Verdict.of(result)
+
+
+def kept_skip(result: FileResult) -> bool:
+    """A proof the semantic level skipped itself, reporting its rows (the stand-in cannot model the file): a fact of
+    these bytes and this version, kept. Not a skip of its process (it stopped, torch is missing or broken)."""
+    return result.proof is not None and result.proof.status == "skipped" and bool(result.proof.details)

@@ -47,3 +47,71 @@ def test_a_strip_is_not_called_run_without_torch(tmp_path: Path, monkeypatch: py
     (site,) = [s for s in result.sites if s.action.value == "strip"]
     assert result.status.value == "needs-rewrite"
     assert "; what `run` leaves was not run here: torch is not installed" in site.reason
+
+
+NATIVE = (FIXTURES / "native" / "model.py").read_text()
+# a statement of __init__ the stand-in does not run (its projection has no quant_method), read by forward
+UNMODELLED = [
+    ("        self.kv_cache = torch.tensor([])\n",
+     "        self.kv_cache = torch.tensor([])\n        self.epilogue = self.qkv_proj.quant_method is None\n"),
+    ("        qkv, _ = self.qkv_proj(hidden_states)\n        num_tokens",
+     "        qkv, _ = self.qkv_proj(hidden_states)\n        assert not self.epilogue\n        num_tokens"),
+]
+
+
+def _checked_twice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: Path) -> tuple[str, str]:
+    """The reason ``check`` gives the native site, run; then read from what the first kept (running it fails)."""
+    from rewriter import commands, proof
+    from rewriter.targets import Target
+
+    monkeypatch.setenv("MM3_CODEMOD_SERVE_CACHE", str(tmp_path / "served"))
+    reasons = []
+    for _ in range(2):
+        (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
+        reasons += [s.reason for s in result.sites if s.class_name == "MiniMaxM3SparseAttention"]
+        monkeypatch.setattr(proof, "prove_apart", lambda *a: pytest.fail("run again"))
+    return reasons[0], reasons[1]
+
+
+def test_what_the_stand_in_cannot_run_is_kept_and_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    from test_hunt47 import _edited
+
+    path = tmp_path / "model.py"
+    path.write_text(_edited(NATIVE, UNMODELLED))
+    first, second = _checked_twice(tmp_path, monkeypatch, path)
+    assert "; it was not run here: " in first and "the stand-in" in first and second == first
+
+
+def test_bytes_run_wrote_are_its_own_without_a_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rewriter import commands
+    from rewriter.targets import Target
+
+    monkeypatch.setenv("MM3_CODEMOD_SERVE_CACHE", str(tmp_path / "served"))
+    path = tmp_path / "model.py"
+    path.write_text((FIXTURES / "fork_era" / "model.py").read_text())
+    assert commands.write_targets("run", [Target(path, "t")], prove=False).exit_code == 0
+    monkeypatch.setattr(commands, "plan_revert_file", lambda *a, **k: pytest.fail("a round trip"))
+    (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
+    assert [s.state.value for s in result.sites if s.class_name == "MiniMaxM3SparseAttention"] == ["patched"]
+    path.write_text(path.read_text() + "\n")  # other bytes: run did not write them
+    with pytest.raises(pytest.fail.Exception, match="a round trip"):
+        commands.analyze_targets("check", [Target(path, "t")])
+
+
+def test_an_isinstance_of_an_unmodelled_class_is_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.34's forward asks ``isinstance(hidden_states, QuantizedActivation)``: the stand-in hands it a tensor,
+    which is no such thing (it was a gap: "not modelled by the stand-in", and the file was not run)."""
+    pytest.importorskip("torch")
+    from test_hunt47 import _edited
+
+    path = tmp_path / "model.py"
+    source = _edited(NATIVE, [
+        ("from vllm import _custom_ops as ops\n", "from vllm import _custom_ops as ops\nfrom vllm.quant import QuantizedActivation\n"),
+        ("        qkv, _ = self.qkv_proj(hidden_states)\n        num_tokens",
+         "        if isinstance(hidden_states, QuantizedActivation):\n            raise ValueError\n"
+         "        qkv, _ = self.qkv_proj(hidden_states)\n        num_tokens"),
+    ])
+    path.write_text(source)
+    first, _ = _checked_twice(tmp_path, monkeypatch, path)
+    assert "; it was run: " in first, first

@@ -112,3 +112,19 @@ def test_a_class_that_is_made_otherwise_is_refused(tmp_path: Path, case: str, ba
 @pytest.mark.parametrize("case", sorted(INERT))
 def test_machinery_that_leaves_the_class_as_it_is_is_no_refusal(tmp_path: Path, case: str) -> None:
     assert [state for state, _ in _states(tmp_path, _made(PATCHED, CLASS, *INERT[case]))] == ["patched"]
+
+
+IMPORT = "from vllm import _custom_ops as ops\n"
+TRIED = f"try:\n    {IMPORT}except ImportError:  # a CPU build\n    import vllm._custom_ops as ops\n"
+
+
+def test_an_import_in_a_module_level_try_is_the_modules_own(tmp_path: Path) -> None:
+    """The write names ``ops`` as the file binds it: a ``try`` whose every import binds it to ``vllm._custom_ops``
+    does, for the code ``run`` writes into a method (it was refused as "an import in a function")."""
+    path = tmp_path / "model.py"
+    path.write_text(_edited(FORK_ERA, [(IMPORT, TRIED)]))
+    result = plan_file(path)
+    assert result.status.value == "needs-rewrite" and result.new is not None, [s.reason for s in result.sites]
+    assert b"ops.reshape_and_cache_flash(" in result.new
+    path.write_text(_edited(FORK_ERA, [(IMPORT, TRIED.replace("import vllm._custom_ops as ops", "ops = None"))]))
+    assert "vllm._custom_ops" in " ".join(s.reason for s in plan_file(path).sites)  # bound to two things: not known

@@ -152,6 +152,11 @@ class _Imported:
     def __contains__(self, item: Any) -> bool:
         return False
 
+    def __instancecheck__(self, value: Any) -> bool:
+        """``isinstance(x, <an unmodelled class>)``: what the stand-in hands the layer (its tensors) is none; what
+        the file made by calling it (``_Imported("<name>(...)")``) is."""
+        return isinstance(value, _Imported) and value._name.startswith(f"{self._name}(")
+
     def __iter__(self) -> Any:
         raise StandInGap(f"`{self._name}` is not modelled by the stand-in")
 
