@@ -551,8 +551,8 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, scope: roles.Scope, init_attrs
         tree = scope.methods.get(method.name.value)
         named = roles.set_by_name(tree, m.imports) if tree is not None else set()
         for name in sorted(pieces if named is None else {n.removeprefix("self.") for n in named} & pieces):
-            how = "sets by name" if named is not None else "hands `self` to code the reading does not follow (or sets by a computed name),"
-            note(name, f"{method.name.value} {how} which may set `self.{name}` (the bypass relies on it being set once, in __init__)")
+            how = "" if named is not None else ": it hands `self` to code the reading does not follow, or names what it sets"
+            note(name, f"`self.{name}` may be set by name in {method.name.value}{how} (the bypass relies on it being set once, in __init__)")
 
 
 _CLASS_ATTR = (cst.AssignTarget, cst.AnnAssign)

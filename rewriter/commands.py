@@ -108,9 +108,9 @@ def judge(result: FileResult) -> FileResult:
     own is proven by what ``run`` is proven by. Running it fails: refused (a native call may write the
     wrong rows, or none; so may the fp8 path of a wired bypass); not run here: it says so. A run kept
     with the verdict of the same bytes (``rewriter.verdicts``) is read, not run again; so is a skip the level
-    reported (what the stand-in cannot model), and bytes ``run`` wrote are its own without a round trip."""
+    reported (what the stand-in cannot model)."""
     kept = Verdict.load(result.path, result.original)  # these bytes, judged before by this version
-    patched = [s for s in result.sites if s.state is SiteState.PATCHED and not (kept is not None and kept.written)]
+    patched = [s for s in result.sites if s.state is SiteState.PATCHED]
     if patched:  # the bytes check judged, not a new read; a round trip compared byte for byte, never written
         reverted = plan_revert_file(result.path, raw=result.original, second_pass=False)
         if reverted.new is not None:  # `run` writes this file again into what `revert` leaves: its own

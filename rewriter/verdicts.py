@@ -45,7 +45,6 @@ class Verdict:
         self.refusal: str | None = facts["refusal"]
         self.proven: list | None = facts.get("proven")  # the semantic level's reason, details: where it passed
         self.skipped: list | None = facts.get("skipped")  # the same, where the level reported it cannot run them
-        self.written: bool = facts.get("written", False)  # ``run`` wrote these bytes
 
     @staticmethod
     def key_of(raw: bytes) -> str:
@@ -87,8 +86,6 @@ class Verdict:
             "refusal": None if fine or not refused else (work[0].reason if work else result.error),
             "proven": [proof.reason, list(proof.details)] if proof is not None else None,
             "skipped": [skip.reason, list(skip.details)] if skip is not None else None,  # type: ignore[union-attr]
-            # ``run`` wrote these bytes (now, or before: a later check keeps its word)
-            "written": raw is not None or bool((old := cls.load(result.path, result.original)) and old.written),
         }
         verdict = cls(result.path, cls.key_of(result.original if raw is None else raw), facts)
         if keep:
