@@ -231,7 +231,7 @@ def _check_nothing_left(
 def _attribute_reads(m: FileModel, cls: cst.ClassDef, name: str) -> list[cst.CSTNode]:
     """Every ``<x>.<name>`` in the file, and every string that is ``name`` (``getattr(x, "<name>")``); but
     ``self.<name>`` in a class outside the layer's lineage, another object's attribute."""
-    lineage = {id(n) for c in m.lineage(cls) for n in a.walk_all(c)}
+    lineage = {id(n) for c in m.lineage(cls) for n in a.nodes_in(c)}
     found = [n for n in m.named(name) if isinstance(n, (cst.Attribute, cst.SimpleString))]
     return [n for n in found if a.self_attr(n) is None or id(n) in lineage]
 
