@@ -10,12 +10,14 @@ baseline of the same file measured in the same rounds.
 
 - ``check`` on the vLLM 0.34.0 model file (native, 83 KB; the wheel is
   downloaded once into the tests' cache, ``~/.cache/mm3-codemod/wheels`` or
-  ``$MM3_CODEMOD_WHEEL_CACHE``), on the bundled fork-era example (needs a
-  rewrite) and on that example after ``run`` (patched);
+  ``$MM3_CODEMOD_WHEEL_CACHE``): reading the run a first ``check`` kept, and
+  running it (a verdict cache emptied before each); on the bundled fork-era
+  example (needs a rewrite) and on that example after ``run`` (patched);
 - the baseline: ``python -c "import libcst; libcst.parse_module(src)"``;
 - ``patch -p1 --dry-run`` with the seed's diff (``bench/seed.diff``) on a tree
   holding the example as its fork-era model file;
-- ``run`` on a fresh copy of the example (parse, rewrite, validate, diff, write);
+- ``run --no-prove`` on a fresh copy of the example (parse, rewrite, validate,
+  diff, write), and ``run`` with its proof (the semantic level, where torch is);
 - ``survey`` over 50 files (one per folder, as from 50 environments: the
   0.34.0 file, the example and the patched example in turn) with ``--jobs 1``
   and ``--jobs 2``.
@@ -213,10 +215,14 @@ def ratios(by_key: dict[str, Measure], files: int) -> list[dict[str, object]]:
         else []
     )
     return [
-        row("check, native (vLLM 0.34.0)", "check-native", "libcst-native", GOALS["check"]),
+        row(
+            "check, native (vLLM 0.34.0), its kept run read", "check-native", "libcst-native", GOALS["check"]
+        ),
+        row("check, native, run (no kept run)", "check-native-first", "libcst-native", None),
         row("check, patched (example after run)", "check-patched", "libcst-patched", GOALS["check-patched"]),
         row("check, needs-bypass (example)", "check-example", "libcst-example", None),
-        row("run, example -> temp copy", "run-example", "libcst-example", GOALS["run"]),
+        row("run --no-prove, example -> temp copy", "run-example", "libcst-example", GOALS["run"]),
+        row("run, example -> temp copy, proved", "run-proved", "libcst-example", None),
         row("patch -p1 --dry-run, seed diff", "patch-seed", "libcst-example", None),
         *survey,
     ]
@@ -231,6 +237,8 @@ def markdown(result: dict) -> str:
 
     files = {
         "check-native": f"vLLM {VLLM_VERSION} `model.py` (native, {kb('native')})",
+        "check-native-first": "the same",
+        "run-proved": "bundled example, temp copy",
         "check-patched": f"example after `run` (patched, {kb('patched')})",
         "check-example": f"bundled example (needs-bypass, {kb('example')})",
         "run-example": "bundled example, temp copy",
@@ -239,10 +247,12 @@ def markdown(result: dict) -> str:
         "control-2": "(how much of a second core the machine gave)",
     }
     labels = {
-        "check-native": "`check`",
+        "check-native": "`check`, its kept run read",
+        "check-native-first": "`check`, run first (no kept run)",
+        "run-proved": "`run`, its proof included (the semantic level)",
         "check-patched": "`check`",
         "check-example": "`check` (LibCST path)",
-        "run-example": "`run` (parse, rewrite, validate, diff, write)",
+        "run-example": "`run --no-prove` (parse, rewrite, validate, diff, write)",
         "patch-seed": "`patch -p1 --dry-run` with the seed's diff",
         "survey-2": "`survey --jobs 2` (baseline: `--jobs 1`)",
         "control-2": "control: a CPU-bound pool of 2 (baseline: of 1)",
@@ -330,14 +340,33 @@ def main() -> None:
         def base(f: Path) -> list[str]:
             return [sys.executable, "-c", BASELINE, str(f)]
 
+        first = work / "served-first"  # a verdict cache of its own, emptied before each run
+
+        def no_kept_run() -> None:
+            shutil.rmtree(first, ignore_errors=True)
+
         measures = [
             Measure("check-native", "check native", [*tool, "check", str(native)], {0}),
+            Measure(
+                "check-native-first",
+                "check native, no kept run",
+                ["env", f"MM3_CODEMOD_SERVE_CACHE={first}", *tool, "check", str(native)],
+                {0},
+                before=no_kept_run,
+            ),
             Measure("libcst-native", "libcst parse native", base(native), {0}),
             Measure("check-patched", "check patched", [*tool, "check", str(patched)], {0}),
             Measure("libcst-patched", "libcst parse patched", base(patched), {0}),
             Measure("check-example", "check example", [*tool, "check", str(example)], {1}),
             Measure("libcst-example", "libcst parse example", base(example), {0}),
-            Measure("run-example", "run example", [*tool, "run", str(copy)], {0}, before=fresh_copy),
+            Measure(
+                "run-example",
+                "run --no-prove example",
+                [*tool, "run", "--no-prove", str(copy)],
+                {0},
+                before=fresh_copy,
+            ),
+            Measure("run-proved", "run example (proved)", [*tool, "run", str(copy)], {0}, before=fresh_copy),
             Measure(
                 "patch-seed",
                 "patch --dry-run seed",

@@ -55,12 +55,14 @@ def test_bench_runs_and_writes_every_row(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert set(result["measures"]) == {
         "check-native",
+        "check-native-first",
         "libcst-native",
         "check-patched",
         "libcst-patched",
         "check-example",
         "libcst-example",
         "run-example",
+        "run-proved",
         "patch-seed",
         "survey-1",
         "survey-2",
