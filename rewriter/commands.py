@@ -81,12 +81,13 @@ def analyze_targets(command: str, targets: list[Target]) -> Report:
     return Report(command, targets, files)
 
 
-def check_plan(path: Path, name: str | None = None) -> FileResult:
-    """What ``check`` (and ``survey``) say ``run`` does with a file: its plan, judged. A plan that
-    leaves a native call promises that call runs ("run with --kv-cache-dtype fp8 directly"): what it
-    writes is run first, as ``judge`` runs a native call and as ``run`` will before writing it."""
+def check_plan(path: Path, name: str | None = None, promise: bool = True) -> FileResult:
+    """What ``check``, ``survey`` and a dry ``run`` say ``run`` does with a file: its plan, judged. A plan
+    that leaves a native call promises that call runs ("run with --kv-cache-dtype fp8 directly"): what it
+    writes is run first, as ``judge`` runs a native call and as ``run`` will before writing it (``promise``
+    False: ``run`` itself, which proves every file it writes)."""
     result = judge(honour_off(plan_file(path, name=name)))
-    if result.status is not FileStatus.NEEDS_REWRITE or result.new is None:
+    if not promise or result.status is not FileStatus.NEEDS_REWRITE or result.new is None:
         return result
     if not any(s.state is SiteState.NATIVE for s in result.new_sites):
         return result
@@ -109,7 +110,6 @@ def judge(result: FileResult) -> FileResult:
     wrong rows, or none; so may the fp8 path of a wired bypass); not run here: it says so. A run kept
     with the verdict of the same bytes (``rewriter.verdicts``) is read, not run again; so is a skip the level
     reported (what the stand-in cannot model)."""
-    kept = Verdict.load(result.path, result.original)  # these bytes, judged before by this version
     patched = [s for s in result.sites if s.state is SiteState.PATCHED]
     if patched:  # the bytes check judged, not a new read; a round trip compared byte for byte, never written
         reverted = plan_revert_file(result.path, raw=result.original, second_pass=False)
@@ -126,6 +126,7 @@ def judge(result: FileResult) -> FileResult:
         return result
     from rewriter import proof
 
+    kept = Verdict.load(result.path, result.original)  # these bytes, judged before by this version
     if kept is not None and kept.fine and (kept.proven or kept.skipped):  # run before: not again
         status, (reason, details) = (proof.PASSED, kept.proven) if kept.proven else (proof.SKIPPED, kept.skipped)
         result.proof = Proof(status, reason, tuple(details))
@@ -243,7 +244,7 @@ def write_targets(
 
     def plan() -> Report:
         if command == "run":
-            files = [judge(honour_off(plan_file(t.path, name=t.diff_name))) for t in targets]
+            files = [check_plan(t.path, t.diff_name, promise=dry_run) for t in targets]
         else:
             files = [plan_revert_file(t.path, t.diff_name, whole_bypass) for t in targets]
             if under_pre_commit():  # the revert hook: it stays reverted

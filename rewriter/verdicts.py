@@ -114,4 +114,6 @@ def remember(result: FileResult) -> None:
 def kept_skip(result: FileResult) -> bool:
     """A proof the semantic level skipped itself, reporting its rows (the stand-in cannot model the file): a fact of
     these bytes and this version, kept. Not a skip of its process (it stopped, torch is missing or broken)."""
-    return result.proof is not None and result.proof.status == "skipped" and bool(result.proof.details)
+    from rewriter.apply import SKIPPED
+
+    return result.proof is not None and result.proof.status == SKIPPED and bool(result.proof.details)

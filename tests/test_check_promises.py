@@ -24,9 +24,10 @@ def test_a_strip_that_run_would_refuse_is_refused_by_check_too(tmp_path: Path) -
     broken = STALE.replace(RETURN, "        q = q.view(-1, 7, 5)\n" + RETURN)  # (fails with any cache)
     path.write_text(broken)
     checked = cli("check", str(path))
+    dry = cli("run", "--dry-run", str(path))  # "as check"
     ran = cli("run", str(path))
-    assert checked.returncode == ran.returncode == 2, (checked.stderr, ran.stderr)
-    for proc in (checked, ran):
+    assert checked.returncode == dry.returncode == ran.returncode == 2, (checked.stderr, dry.stderr, ran.stderr)
+    for proc in (checked, dry, ran):
         assert "the rewrite failed its proof (semantic level): " in proc.stderr, proc.stderr
     assert path.read_text() == broken
 
