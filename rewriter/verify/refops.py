@@ -9,7 +9,7 @@ on any device, CPU included:
   are rewritten in place in ``qkv``, q and index_q go to ``q_out`` /
   ``index_q_out`` (in place without them); newer builds' ``q_fp8_out`` also
   gets q as saturating e4m3 of ``q / q_fp8_scale`` (their NVFP4 cache scales are
-  not modelled). With a cache it also scatters k/v
+  not modelled), and ``write_qkv=False`` leaves ``qkv`` as it was. With a cache it also scatters k/v
   into ``[num_blocks, 2, block_size, kv_heads, head_dim]`` and index_k by its
   own slots, and - like the fork kernel - it accepts bf16 main caches only. The
   index cache is of the qkv dtype (copied) or float8_e4m3fn (``indexer_kv_dtype``
@@ -114,6 +114,7 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
     q_fp8_scale: torch.Tensor | float = 1.0,
     kv_k_scale: torch.Tensor | None = None,
     kv_v_scale: torch.Tensor | None = None,
+    write_qkv: bool = True,
 ) -> None:
     if kv_cache_dtype != "auto" and kv_cache_dtype not in FP8_DTYPES:
         raise NotImplementedError(f"reference op: kv_cache_dtype={kv_cache_dtype!r}")
@@ -127,10 +128,12 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
 
     q = _norm_rope(qkv[:, :q_end], num_heads, q_norm_weight, eps, cos_sin, rotary_dim)
     k = _norm_rope(qkv[:, q_end:k_end], num_kv_heads, k_norm_weight, eps, cos_sin, rotary_dim)
-    (q_out if q_out is not None else qkv[:, :q_end]).copy_(q)
+    if q_out is not None or write_qkv:
+        (q_out if q_out is not None else qkv[:, :q_end]).copy_(q)
     if q_fp8_out is not None:  # newer builds: q for an fp8-query attention too
         _bytes(q_fp8_out).copy_(to_e4m3_bits(q, q_fp8_scale).reshape(q_fp8_out.shape))
-    qkv[:, q_end:k_end] = k
+    if write_qkv:
+        qkv[:, q_end:k_end] = k
 
     index_k = None
     if num_index_heads:
@@ -143,8 +146,10 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
         index_k = _norm_rope(
             qkv[:, iq_end : iq_end + idx_dim], 1, index_k_norm_weight, eps, cos_sin, rotary_dim
         )
-        (index_q_out if index_q_out is not None else qkv[:, v_end:iq_end]).copy_(index_q)
-        qkv[:, iq_end : iq_end + idx_dim] = index_k
+        if index_q_out is not None or write_qkv:
+            (index_q_out if index_q_out is not None else qkv[:, v_end:iq_end]).copy_(index_q)
+        if write_qkv:
+            qkv[:, iq_end : iq_end + idx_dim] = index_k
 
     if kv_cache is None:
         return
@@ -159,7 +164,7 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
     assert slot_mapping is not None
     if kv_cache.shape[2] != block_size:
         raise RuntimeError(f"block_size {block_size} does not match the cache ({kv_cache.shape[2]})")
-    for half, rows in ((0, qkv[:, q_end:k_end]), (1, qkv[:, k_end:v_end])):
+    for half, rows in ((0, k), (1, qkv[:, k_end:v_end])):
         _scatter_into(kv_cache[:, half], slot_mapping, rows if kv_cache_dtype == "auto" else to_e4m3_bits(rows))
     if index_cache is not None and index_k is not None:
         slots = index_slot_mapping if index_slot_mapping is not None else slot_mapping

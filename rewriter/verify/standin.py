@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import contextvars
 import functools
 import inspect
 import re
@@ -93,6 +94,24 @@ class _Recorder:
     def sink(self, *args: Any, **kwargs: Any) -> Any:
         """A collaborator the file calls but does not define (attention, say)."""
         return next((x for x in args if isinstance(x, torch.Tensor)), None)
+
+
+class _Submodule(types.SimpleNamespace):
+    """A module of the layer the stand-in models by what the op reads of it (a norm's weight, the rotary
+    cache): calling it, or asking it for more, is what the stand-in does not run."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise StandInGap("the file calls a module of the layer (a norm, the rotary embedding) that the stand-in models "
+                         "by the tensors the op reads of it alone")
+
+
+class _IndexCache:
+    """The indexer's cache layer as vLLM builds it: its cache, dtype and prefix, and the dtype of
+    the index query it reads (e4m3 for an fp8 index cache, else bf16)."""
+
+    def __init__(self, prefix: str, kv_cache: torch.Tensor) -> None:
+        self.prefix, self.kv_cache, self.dtype = prefix, kv_cache, kv_cache.dtype
+        self.query_dtype = torch.float8_e4m3fn if kv_cache.dtype == torch.float8_e4m3fn else torch.bfloat16
 
 
 class _Indexer:
@@ -379,6 +398,26 @@ def _pinned_setattr(self: Any, name: str, value: Any) -> None:
         type(self).unheld[name] = value  # __init__ computes another size than the rank's
 
 
+# Set while __init__ runs: see ``_import``.
+_IN_INIT: contextvars.ContextVar[bool] = contextvars.ContextVar("_IN_INIT", default=False)
+
+
+def _import(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
+    """``import`` in the code the stand-in runs. While ``__init__`` runs, a vLLM module that is not here
+    (vLLM 0.34's kernel classes, imported to ask which one a projection uses) is made up as a
+    module-level import of it is (``_Imported``): what ``__init__`` decides of the layer's set-up. Elsewhere
+    it is a gap: what a method imports there is the path of a platform (the AMD file's AITER ops)."""
+    try:
+        return builtins.__import__(name, globals, locals, fromlist, level)
+    except ModuleNotFoundError:
+        if level or not _IN_INIT.get() or name.partition(".")[0] != "vllm":
+            raise
+        return _Imported(name if fromlist else "vllm")
+
+
+_BUILTINS = {**vars(builtins), "__import__": _import}
+
+
 def _standin(
     code: LayerCode, backend: Backend, inputs: Inputs, mode: str
 ) -> tuple[Any, _Recorder, dict]:
@@ -406,7 +445,7 @@ def _standin(
     )
     backend = replace(backend, fused=rec.fused(backend.fused))
     torch_proxy = _TorchProxy(backend, compiling)
-    namespace: dict[str, Any] = {"__builtins__": builtins, "__name__": f"mm3_standin_{code.class_name}"}
+    namespace: dict[str, Any] = {"__builtins__": _BUILTINS, "__name__": f"mm3_standin_{code.class_name}"}
     for name in code.module_names:
         namespace[name] = code.constants[name] if name in code.constants else _Imported(name)
     for name, origin in code.imported.items():
@@ -460,7 +499,7 @@ def _standin(
     layer = cls()
     ctx.no_compile_layers[LAYER_NAME] = layer
     weights = inputs.weights
-    norm = types.SimpleNamespace
+    norm = _Submodule
     full = _Projection(None)
     full.full = qkv
     values: dict[str, Any] = {
@@ -475,7 +514,7 @@ def _standin(
         "index_k_norm": norm(weight=weights["index_k_norm"], variance_epsilon=s.eps),
         "rotary_emb": norm(cos_sin_cache=inputs.cos_sin_cache, rotary_dim=s.rotary_dim, head_size=s.head_dim),
         "kv_cache": kv_cache,
-        "indexer": _Indexer(rec, norm(prefix=INDEX_PREFIX, kv_cache=index_cache, dtype=index_cache.dtype)),
+        "indexer": _Indexer(rec, _IndexCache(INDEX_PREFIX, index_cache)),
         "impl": _Impl(rec),
         "o_proj": lambda x: (x, None),
     }
@@ -501,7 +540,7 @@ def _standin(
         owner = layer
         for part in chain[:-1]:
             if not hasattr(owner, part):
-                setattr(owner, part, types.SimpleNamespace())
+                setattr(owner, part, _Submodule())
             owner = getattr(owner, part)
         setattr(owner, chain[-1], value_of[what[0]])  # a tie's first size: its value (LayerCode.fit)
         values.setdefault(chain[0], None)
@@ -523,16 +562,20 @@ def _standin(
         Returned.__name__: Returned,
     }
     failed: NameError | None = None
-    for statement in code.init.statements:
-        try:
-            with torch.device(dev):  # vLLM builds its layers on the target device
-                exec(statement, local)
-        except Returned:
-            break
-        except NameError as exc:  # a name the file binds nowhere: vLLM raises it too, building the layer
-            failed = failed or (exc if code.binds is not None and exc.name not in code.binds else None)
-        except Exception:  # builds something the stand-in does not model
-            continue
+    in_init = _IN_INIT.set(True)
+    try:
+        for statement in code.init.statements:
+            try:
+                with torch.device(dev):  # vLLM builds its layers on the target device
+                    exec(statement, local)
+            except Returned:
+                break
+            except NameError as exc:  # a name the file binds nowhere: vLLM raises it too, building the layer
+                failed = failed or (exc if code.binds is not None and exc.name not in code.binds else None)
+            except Exception:  # builds something the stand-in does not model
+                continue
+    finally:
+        _IN_INIT.reset(in_init)
     cls.pinned = frozenset()
     for owner, key, cache in spots:
         object.__setattr__(owner, key, cache)
@@ -554,7 +597,7 @@ def _made_here(value: Any) -> bool:
 
 
 # The stand-in's own objects: an attribute one of them lacks is what it does not model.
-_STAND_INS = (_Indexer, _Impl, _Projection, _Recorder)
+_STAND_INS = (_Indexer, _IndexCache, _Impl, _Projection, _Recorder, _Submodule)
 
 
 def _gap(exc: BaseException, layer: Any, frame: types.FrameType | None, code: LayerCode) -> str | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class StandInGap(Exception):
@@ -94,6 +94,61 @@ TP = {
 }
 
 
+class DeviceCapability(NamedTuple):
+    """vLLM's ``DeviceCapability``."""
+
+    major: int
+    minor: int
+
+    def to_int(self) -> int:
+        return self.major * 10 + self.minor
+
+    def as_version_str(self) -> str:
+        return f"{self.major}.{self.minor}"
+
+
+class Sm89Platform:
+    """vLLM's ``current_platform`` as the card the tool is for answers it (an RTX 4090 class GPU: CUDA,
+    compute capability 8.9), so a file's platform branches take the path they take there; any other
+    query is a :class:`StandInGap`."""
+
+    CAPABILITY: DeviceCapability
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise StandInGap(f"`current_platform.{name}` is not modelled by the stand-in")
+
+    def is_cuda(self) -> bool:
+        return True
+
+    def is_cuda_alike(self) -> bool:
+        return True
+
+    def is_rocm(self) -> bool:
+        return False
+
+    def get_device_capability(self, device_id: int = 0) -> DeviceCapability:
+        return self.CAPABILITY
+
+    def has_device_capability(self, capability: tuple[int, int] | int, device_id: int = 0) -> bool:
+        return _capability(self.CAPABILITY) >= _capability(capability)
+
+    def is_device_capability(self, capability: tuple[int, int] | int, device_id: int = 0) -> bool:
+        return _capability(self.CAPABILITY) == _capability(capability)
+
+    def is_device_capability_family(self, capability: int, device_id: int = 0) -> bool:
+        return _capability(self.CAPABILITY) // 10 == capability // 10
+
+
+def _capability(capability: tuple[int, int] | int) -> int:
+    """89 for (8, 9) and for 89, as vLLM compares them."""
+    return DeviceCapability(*capability).to_int() if isinstance(capability, tuple) else capability
+
+
+Sm89Platform.CAPABILITY = DeviceCapability(8, 9)
+
+
 # vLLM helpers the stand-in runs as vLLM defines them, by the name vLLM gives them (a file may
 # import one under another name); any other imported name is a made-up `_Imported`.
 VLLM_HELPERS: dict[str, Callable[..., Any]] = {
@@ -101,6 +156,7 @@ VLLM_HELPERS: dict[str, Callable[..., Any]] = {
     "divide": _divide,
     "get_kv_quant_mode": get_kv_quant_mode,
     "KVQuantMode": KVQuantMode,  # (a class: what the file compares a mode with)
+    "current_platform": Sm89Platform(),  # type: ignore[dict-item]
 }
 
 
