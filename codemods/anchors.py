@@ -137,9 +137,8 @@ def walk_all(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
         yield from walk_all(child)
 
 
-# `node.children` visits the node again to list them; reading the dataclass
-# fields is four times quicker. Field order is not source order, so these
-# serve questions where order does not count (any, all, a set).
+# `node.children` visits the node again to list them; reading the dataclass fields is four times
+# quicker. Field order is not source order: for questions where order does not count (any, all, a set).
 _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
@@ -147,14 +146,9 @@ def _child_nodes(node: cst.CSTNode) -> list[cst.CSTNode]:
     names = _FIELDS.get(type(node))
     if names is None:
         names = _FIELDS[type(node)] = tuple(f.name for f in dataclasses.fields(node))
-    out: list[cst.CSTNode] = []
-    for name in names:
-        value = getattr(node, name)
-        if isinstance(value, cst.CSTNode):
-            out.append(value)
-        elif isinstance(value, (list, tuple)):
-            out.extend(v for v in value if isinstance(v, cst.CSTNode))
-    return out
+    values = (getattr(node, name) for name in names)
+    nested = (v if isinstance(v, (list, tuple)) else [v] for v in values)
+    return [x for value in nested for x in value if isinstance(x, cst.CSTNode)]
 
 
 def nodes_in(node: cst.CSTNode, scope_only: bool = False) -> list[cst.CSTNode]:
@@ -343,9 +337,9 @@ def _bound_by(node: cst.CSTNode) -> Iterator[str]:
 
 @functools.lru_cache(maxsize=16)  # asked again for each argument of one call; nodes hash by identity
 def bindings(func: cst.FunctionDef) -> dict[str, list[cst.CSTNode]]:
-    """Every way a name is bound in a function's own scope: parameters, assignments
-    of any form (unpacking, augmented, ``for``, ``with … as``, ``:=``, ``except … as``,
-    imports, nested defs, ``match`` captures, ``del``) and ``global``/``nonlocal``."""
+    """Every way a name is bound in a function's own scope: parameters, assignments of any form (unpacking,
+    augmented, ``for``, ``with … as``, ``:=``, ``except … as``, imports, nested defs, ``match`` captures,
+    ``del``) and ``global``/``nonlocal``."""
     found: dict[str, list[cst.CSTNode]] = {p.name.value: [p] for p in _all_params(func.params)}
     for name, nodes in scope_bindings(func.body).items():
         found.setdefault(name, []).extend(nodes)
@@ -430,10 +424,8 @@ def delegates(
     found: list[cst.FunctionDef] = []
     for call in (n for n in nodes_in(fn.body, scope_only=True) if isinstance(n, cst.Call)):
         method = self_attr(call.func)
-        if method is not None:
-            target = find_method(cls, method)
-        else:
-            target = functions.get(call.func.value) if isinstance(call.func, cst.Name) else None
+        named = functions.get(call.func.value) if isinstance(call.func, cst.Name) else None
+        target = find_method(cls, method) if method is not None else named
         if target is not None and target is not fn and all(target is not f for f in found):
             found.append(target)
     return found
@@ -445,11 +437,9 @@ def raw_scatters(fn: cst.FunctionDef) -> list[StatementSlot]:
     params = set(param_names(fn))
     found = []
     for slot in statement_slots(fn):
-        pair = simple_assignment(slot.statement)
-        if pair is None or not isinstance(pair[0], cst.Subscript) or len(pair[0].slice) != 1:
-            continue
-        index = pair[0].slice[0].slice
-        if isinstance(index, cst.Index) and isinstance(index.value, cst.Name) and index.value.value in params:
+        target = (simple_assignment(slot.statement) or (None,))[0]
+        key = target.slice[0].slice if isinstance(target, cst.Subscript) and len(target.slice) == 1 else None
+        if isinstance(key, cst.Index) and isinstance(key.value, cst.Name) and key.value.value in params:
             found.append(slot)
     return found
 
@@ -573,11 +563,9 @@ def products(init_attrs: Assignments) -> list[tuple[str, cst.BaseExpression, str
     found = []
     for attr, defs in init_attrs.items():
         value = defs[0][1] if len(defs) == 1 else None
-        if not (isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Multiply)):
-            continue
-        for count, dim in ((value.left, value.right), (value.right, value.left)):
-            if self_attr(dim) is not None:
-                found.append((attr, count, code(dim)))
+        if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Multiply):
+            pairs = ((value.left, value.right), (value.right, value.left))
+            found += [(attr, count, code(dim)) for count, dim in pairs if self_attr(dim) is not None]
     return found
 
 
