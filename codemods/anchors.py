@@ -1,7 +1,6 @@
-"""Structural finders shared by classification and rewriting: code is found by its shape
-(a call of the fused op, ``self.<attr> = …``, ``X if flag else None``), never by line or text.
-Plain isinstance tests, not libcst.matchers: importing those costs more than parsing an 80 KB
-model file (``python -X importtime``)."""
+"""Structural finders shared by classification and rewriting: code is found by its shape (a call of the
+fused op, ``self.<attr> = …``, ``X if flag else None``), never by line or text. Plain isinstance tests, not
+libcst.matchers: importing those costs more than parsing an 80 KB model file (``python -X importtime``)."""
 
 from __future__ import annotations
 
@@ -104,9 +103,8 @@ def is_pure(node: cst.BaseExpression) -> bool:
     if isinstance(node, cst.Attribute):
         return is_pure(node.value)
     if isinstance(node, cst.Subscript):
-        return is_pure(node.value) and all(
-            isinstance(el.slice, cst.Index) and is_pure(el.slice.value) for el in node.slice
-        )
+        keys = (el.slice for el in node.slice)
+        return is_pure(node.value) and all(isinstance(k, cst.Index) and is_pure(k.value) for k in keys)
     return False
 
 
@@ -146,9 +144,14 @@ def _child_nodes(node: cst.CSTNode) -> list[cst.CSTNode]:
     names = _FIELDS.get(type(node))
     if names is None:
         names = _FIELDS[type(node)] = tuple(f.name for f in dataclasses.fields(node))
-    values = (getattr(node, name) for name in names)
-    nested = (v if isinstance(v, (list, tuple)) else [v] for v in values)
-    return [x for value in nested for x in value if isinstance(x, cst.CSTNode)]
+    out: list[cst.CSTNode] = []
+    for name in names:
+        value = getattr(node, name)
+        if isinstance(value, cst.CSTNode):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(v for v in value if isinstance(v, cst.CSTNode))
+    return out
 
 
 def nodes_in(node: cst.CSTNode, scope_only: bool = False) -> list[cst.CSTNode]:
