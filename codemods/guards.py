@@ -99,7 +99,8 @@ def compile_locals(fn: ast.FunctionDef | None, imports: Mapping[str, str]) -> se
 def _bound_once(fn: ast.AST | None) -> dict[str, ast.expr]:
     """The locals ``fn`` binds once, by a plain ``name = value``: their values."""
     nodes = list(ast.walk(fn)) if fn is not None else []
-    stores = collections.Counter(n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
+    names = (n for n in nodes if isinstance(n, ast.Name))
+    stores = collections.Counter(n.id for n in names if isinstance(n.ctx, ast.Store))
     assigns = ((n.targets[0], n.value) for n in nodes if isinstance(n, ast.Assign) and len(n.targets) == 1)
     return {t.id: value for t, value in assigns if isinstance(t, ast.Name) and stores[t.id] == 1}
 
@@ -107,15 +108,13 @@ def _bound_once(fn: ast.AST | None) -> dict[str, ast.expr]:
 def writes_cache(method: str | None, scope: Scope) -> bool:
     """``self.<method>(…)`` writes a cache: the method, or a method or module function it calls,
     calls the reshape op - whatever it is handed (the post-call write found by its shape)."""
-    def calls(fn: ast.AST | None) -> list[ast.Call]:
-        return [n for n in ast.walk(fn) if isinstance(n, ast.Call)] if fn is not None else []
-
     def defined(call: ast.Call) -> ast.FunctionDef | None:  # a method of the class, or a module function
         name = self_member(call.func)
         return scope.methods.get(name) if name is not None else scope.functions.get(dotted(call.func) or "")
 
     fn = scope.methods.get(method) if method is not None else None
-    return any(is_reshape(c, scope.imports) for f in [fn, *map(defined, calls(fn))] for c in calls(f))
+    called = [defined(n) for n in ast.walk(fn) if isinstance(n, ast.Call)] if fn is not None else []
+    return any(is_reshape(n, scope.imports) for f in (fn, *called) if f is not None for n in ast.walk(f))
 
 
 def own_writes(
