@@ -365,12 +365,8 @@ def local_value(func: cst.FunctionDef, name: str, before: StatementSlot) -> cst.
     bound = bindings(func).get(name, [])
     if len(bound) != 1 or not isinstance(bound[0], cst.AssignTarget):
         return None
-    for level in slot_chain(func, before):
-        for stmt in level.before():
-            pair = simple_assignment(stmt)
-            if pair is not None and pair[0] is bound[0].target:
-                return pair[1]
-    return None
+    pairs = (simple_assignment(stmt) for level in slot_chain(func, before) for stmt in level.before())
+    return next((pair[1] for pair in pairs if pair is not None and pair[0] is bound[0].target), None)
 
 
 def _assigns_within(func: cst.FunctionDef, chain: cst.Attribute) -> bool:

@@ -38,9 +38,8 @@ class Guard:
         """The rows over ``COMPILING``, ``self.<flag>`` and a local nothing binds, in
         ``itertools.product`` order, and ``expr``'s truth on each (the local's value read over
         them); None: not a function of those alone."""
-        atoms = [COMPILING] + ([f"self.{flag}"] if flag else [])
-        if self.local is not None and self.value is None:
-            atoms.append(self.local)
+        unbound = [self.local] if self.local is not None and self.value is None else []
+        atoms = [COMPILING, *([f"self.{flag}"] if flag else []), *unbound]
         rows = [dict(zip(atoms, values)) for values in itertools.product((False, True), repeat=len(atoms))]
         scope, table = self.scope, []
         for row in rows:
