@@ -1,7 +1,6 @@
-"""Structural finders shared by classification and rewriting: code is found by its shape
-(a call of the fused op, ``self.<attr> = …``, ``X if flag else None``), never by line or text.
-Plain isinstance tests, not libcst.matchers: importing those costs more than parsing an 80 KB
-model file (``python -X importtime``)."""
+"""Structural finders shared by classification and rewriting: code is found by its shape (a call of the
+fused op, ``self.<attr> = …``, ``X if flag else None``), never by line or text. Plain isinstance tests, not
+libcst.matchers: importing those costs more than parsing an 80 KB model file (``python -X importtime``)."""
 
 from __future__ import annotations
 
@@ -104,9 +103,8 @@ def is_pure(node: cst.BaseExpression) -> bool:
     if isinstance(node, cst.Attribute):
         return is_pure(node.value)
     if isinstance(node, cst.Subscript):
-        return is_pure(node.value) and all(
-            isinstance(el.slice, cst.Index) and is_pure(el.slice.value) for el in node.slice
-        )
+        keys = (el.slice for el in node.slice)
+        return is_pure(node.value) and all(isinstance(k, cst.Index) and is_pure(k.value) for k in keys)
     return False
 
 
@@ -137,9 +135,8 @@ def walk_all(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
         yield from walk_all(child)
 
 
-# `node.children` visits the node again to list them; reading the dataclass
-# fields is four times quicker. Field order is not source order, so these
-# serve questions where order does not count (any, all, a set).
+# `node.children` visits the node again to list them; reading the dataclass fields is four times
+# quicker. Field order is not source order: for questions where order does not count (any, all, a set).
 _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
@@ -343,9 +340,9 @@ def _bound_by(node: cst.CSTNode) -> Iterator[str]:
 
 @functools.lru_cache(maxsize=16)  # asked again for each argument of one call; nodes hash by identity
 def bindings(func: cst.FunctionDef) -> dict[str, list[cst.CSTNode]]:
-    """Every way a name is bound in a function's own scope: parameters, assignments
-    of any form (unpacking, augmented, ``for``, ``with … as``, ``:=``, ``except … as``,
-    imports, nested defs, ``match`` captures, ``del``) and ``global``/``nonlocal``."""
+    """Every way a name is bound in a function's own scope: parameters, assignments of any form (unpacking,
+    augmented, ``for``, ``with … as``, ``:=``, ``except … as``, imports, nested defs, ``match`` captures,
+    ``del``) and ``global``/``nonlocal``."""
     found: dict[str, list[cst.CSTNode]] = {p.name.value: [p] for p in _all_params(func.params)}
     for name, nodes in scope_bindings(func.body).items():
         found.setdefault(name, []).extend(nodes)
@@ -368,12 +365,8 @@ def local_value(func: cst.FunctionDef, name: str, before: StatementSlot) -> cst.
     bound = bindings(func).get(name, [])
     if len(bound) != 1 or not isinstance(bound[0], cst.AssignTarget):
         return None
-    for level in slot_chain(func, before):
-        for stmt in level.before():
-            pair = simple_assignment(stmt)
-            if pair is not None and pair[0] is bound[0].target:
-                return pair[1]
-    return None
+    pairs = (simple_assignment(stmt) for level in slot_chain(func, before) for stmt in level.before())
+    return next((pair[1] for pair in pairs if pair is not None and pair[0] is bound[0].target), None)
 
 
 def _assigns_within(func: cst.FunctionDef, chain: cst.Attribute) -> bool:
@@ -430,10 +423,8 @@ def delegates(
     found: list[cst.FunctionDef] = []
     for call in (n for n in nodes_in(fn.body, scope_only=True) if isinstance(n, cst.Call)):
         method = self_attr(call.func)
-        if method is not None:
-            target = find_method(cls, method)
-        else:
-            target = functions.get(call.func.value) if isinstance(call.func, cst.Name) else None
+        named = functions.get(call.func.value) if isinstance(call.func, cst.Name) else None
+        target = find_method(cls, method) if method is not None else named
         if target is not None and target is not fn and all(target is not f for f in found):
             found.append(target)
     return found
@@ -445,11 +436,9 @@ def raw_scatters(fn: cst.FunctionDef) -> list[StatementSlot]:
     params = set(param_names(fn))
     found = []
     for slot in statement_slots(fn):
-        pair = simple_assignment(slot.statement)
-        if pair is None or not isinstance(pair[0], cst.Subscript) or len(pair[0].slice) != 1:
-            continue
-        index = pair[0].slice[0].slice
-        if isinstance(index, cst.Index) and isinstance(index.value, cst.Name) and index.value.value in params:
+        target = (simple_assignment(slot.statement) or (None,))[0]
+        key = target.slice[0].slice if isinstance(target, cst.Subscript) and len(target.slice) == 1 else None
+        if isinstance(key, cst.Index) and isinstance(key.value, cst.Name) and key.value.value in params:
             found.append(slot)
     return found
 
@@ -573,11 +562,9 @@ def products(init_attrs: Assignments) -> list[tuple[str, cst.BaseExpression, str
     found = []
     for attr, defs in init_attrs.items():
         value = defs[0][1] if len(defs) == 1 else None
-        if not (isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Multiply)):
-            continue
-        for count, dim in ((value.left, value.right), (value.right, value.left)):
-            if self_attr(dim) is not None:
-                found.append((attr, count, code(dim)))
+        if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Multiply):
+            pairs = ((value.left, value.right), (value.right, value.left))
+            found += [(attr, count, code(dim)) for count, dim in pairs if self_attr(dim) is not None]
     return found
 
 

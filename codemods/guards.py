@@ -23,13 +23,11 @@ def self_attrs(node: ast.expr) -> set[str]:
 @dataclass(frozen=True)
 class Guard:
     """What the cache arguments are conditioned on: ``fused_when``, true where the fused op
-    gets the caches (``G`` of ``X if G else None``, ``not C`` of ``None if C else X``);
-    ``local``: the local it reads (None: inlined); ``value``: what the local holds before
-    the call (None: bound nowhere, a lost guard)."""
+    gets the caches (``G`` of ``X if G else None``, ``not C`` of ``None if C else X``)."""
 
     fused_when: ast.expr
-    local: str | None = None
-    value: ast.expr | None = None
+    local: str | None = None  # the local it reads (None: inlined)
+    value: ast.expr | None = None  # what the local holds before the call (None: bound nowhere, a lost guard)
     scope: Scope = NO_SCOPE  # the file's functions and imports (``model.FileModel.module_scope``)
 
     def reads(self) -> set[str]:
@@ -40,9 +38,8 @@ class Guard:
         """The rows over ``COMPILING``, ``self.<flag>`` and a local nothing binds, in
         ``itertools.product`` order, and ``expr``'s truth on each (the local's value read over
         them); None: not a function of those alone."""
-        atoms = [COMPILING] + ([f"self.{flag}"] if flag else [])
-        if self.local is not None and self.value is None:
-            atoms.append(self.local)
+        unbound = [self.local] if self.local is not None and self.value is None else []
+        atoms = [COMPILING, *([f"self.{flag}"] if flag else []), *unbound]
         rows = [dict(zip(atoms, values)) for values in itertools.product((False, True), repeat=len(atoms))]
         scope, table = self.scope, []
         for row in rows:
@@ -95,23 +92,28 @@ def no_token(test: str, params: list[str]) -> bool:
 
 def compile_locals(fn: ast.FunctionDef | None, imports: Mapping[str, str]) -> set[str]:
     """The locals of ``fn`` bound once, to ``torch.compiler.is_compiling()`` however imported (``compiling = …``)."""
-    stores = collections.Counter(n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)) if fn else {}
-    assigns = [n for n in ast.walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1] if fn else []
-    return {t.id for n in assigns if isinstance(t := n.targets[0], ast.Name) and stores[t.id] == 1 and is_compiling(n.value, imports)}
+    return {name for name, value in _bound_once(fn).items() if is_compiling(value, imports)}
+
+
+def _bound_once(fn: ast.AST | None) -> dict[str, ast.expr]:
+    """The locals ``fn`` binds once, by a plain ``name = value``: their values."""
+    nodes = list(ast.walk(fn)) if fn is not None else []
+    names = (n for n in nodes if isinstance(n, ast.Name))
+    stores = collections.Counter(n.id for n in names if isinstance(n.ctx, ast.Store))
+    assigns = ((n.targets[0], n.value) for n in nodes if isinstance(n, ast.Assign) and len(n.targets) == 1)
+    return {t.id: value for t, value in assigns if isinstance(t, ast.Name) and stores[t.id] == 1}
 
 
 def writes_cache(method: str | None, scope: Scope) -> bool:
     """``self.<method>(…)`` writes a cache: the method, or a method or module function it calls,
     calls the reshape op - whatever it is handed (the post-call write found by its shape)."""
-    def calls(fn: ast.AST | None) -> list[ast.Call]:
-        return [n for n in ast.walk(fn) if isinstance(n, ast.Call)] if fn is not None else []
-
     def defined(call: ast.Call) -> ast.FunctionDef | None:  # a method of the class, or a module function
         name = self_member(call.func)
         return scope.methods.get(name) if name is not None else scope.functions.get(dotted(call.func) or "")
 
     fn = scope.methods.get(method) if method is not None else None
-    return any(is_reshape(c, scope.imports) for f in [fn, *map(defined, calls(fn))] for c in calls(f))
+    called = [defined(n) for n in ast.walk(fn) if isinstance(n, ast.Call)] if fn is not None else []
+    return any(is_reshape(n, scope.imports) for f in (fn, *called) if f is not None for n in ast.walk(f))
 
 
 def own_writes(
@@ -120,13 +122,10 @@ def own_writes(
     """What ``method`` reaches (``reached``) that writes a cache itself: a call of the reshape op, or a
     store indexed by one of the call's ``slots``."""
     dumps = {ast.dump(s) for s in slots}
-
-    def indexed(n: ast.Subscript) -> bool:
-        return isinstance(n.ctx, ast.Store) and any(ast.dump(x) in dumps for x in ast.walk(n.slice))
-
     return [
         n for fn in reached(method, scope, init) for n in ast.walk(fn)
-        if is_reshape(n, scope.imports) or (isinstance(n, ast.Subscript) and indexed(n))
+        if is_reshape(n, scope.imports) or isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store)
+        and any(ast.dump(x) in dumps for x in ast.walk(n.slice))
     ]
 
 
@@ -381,19 +380,13 @@ def unproven_scales(
 
     found: list[ast.expr] = []
     for fn in code:
-        bound: dict[str, list[ast.AST]] = {}  # a local's bindings: the value of a lone `x = …`, else the node
-        for n in ast.walk(fn):
-            if isinstance(getattr(n, "ctx", None), ast.Store) and isinstance(n, ast.Name):
-                bound.setdefault(n.id, []).append(n)
-        for n in ast.walk(fn):
-            if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
-                bound[n.targets[0].id] = [n.value] * len(bound[n.targets[0].id])
+        once = _bound_once(fn)
         calls = reshape_calls([fn], imports)
         scales = (x for c in calls for x in [*c.args[6:8], *(k.value for k in c.keywords if k.arg in ("k_scale", "v_scale"))])
         for scale in scales:
-            local = isinstance(scale, ast.Name) and len(bound.get(scale.id, [])) == 1
-            value = bound[scale.id][0] if local else scale  # type: ignore[union-attr]
-            attr = self_member(value)  # type: ignore[arg-type]
+            value = once.get(scale.id, scale) if isinstance(scale, ast.Name) else scale  # a local's value
+            local = value is not scale
+            attr = self_member(value)
             held: list[ast.expr | None] = made.get(attr, [None]) if attr is not None else [None]  # type: ignore[assignment]
             replaced = upgraded and local and isinstance(value, ast.Call) and dotted(value.func) == "torch.ones"
             if not (replaced or ones(value, False) or len(held) == 1 and ones(held[0], True)):
@@ -441,11 +434,8 @@ def kept_write_problems(
     runs: list[ast.AST], init: ast.FunctionDef | None, imports: Mapping[str, str], upgraded: bool, name: str,
     carries: Callable[[ast.expr], bool], caches: list[str], dtyped: set[str], alike: Callable[[ast.expr], bool],
 ) -> list[str]:
-    """What the write a bypass keeps must not do, in words (``runs``: what it and the post-call block run):
-    the first host sync (``host_syncs``), unproven scale (``unproven_scales``), reshape op vLLM does not define
-    (``foreign_reshapes``), kv-cache dtype not the layer's (``foreign_dtypes``), cache held since ``__init__``
-    (``_captured``: ``caches`` are the call's), what depends on which fp8 dtype (``spelled_writes``) or on
-    the batch size (``batch_branches``), and an ``except`` that swallows a failed write."""
+    """What the write a bypass keeps must not do, in words, the first of each kind (``runs``: what it and the
+    post-call block run; ``caches``: the call's cache attributes, read for ``_captured``)."""
     stores = init_stores(init)
     syncs, scales = host_syncs(runs, _made_tensors(stores))[:1], unproven_scales(runs, stores, upgraded, imports)[:1]
     held = _captured(stores, caches)

@@ -9,7 +9,6 @@ import collections
 from collections.abc import Mapping
 
 
-
 def dotted(node: ast.expr) -> str | None:
     """``a.b.c``; ``getattr(a, "b", <constant>)`` is ``a.b`` (its default stands only where the
     attribute is unset, where the reading knows no value)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import warnings
 from collections.abc import Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import libcst as cst
@@ -85,14 +86,13 @@ def _sub_blocks_of(
     """The statement lists inside a compound statement, LibCST's and ast's side by side, in
     source order: body, handlers, else (an ``elif``: the ``If`` it holds), finally; a one-line
     suite (``if x: y``) holds small statements: not paired. None where the clauses differ."""
-    if isinstance(stmt, cst.Match):
-        suites = [case.body for case in stmt.cases]
-        blocks = [case.body for case in node.cases]  # type: ignore[attr-defined]
-    else:
-        suites = [stmt.body, *(h.body for h in getattr(stmt, "handlers", ()))]  # type: ignore[attr-defined]
-        suites += [getattr(stmt, "orelse", None), getattr(stmt, "finalbody", None)]
-        blocks = [node.body, *(h.body for h in getattr(node, "handlers", ()))]  # type: ignore[attr-defined]
-        blocks += [getattr(node, "orelse", []), getattr(node, "finalbody", [])]
+    def clauses(x: Any, absent: object) -> list[Any]:  # the same for either tree
+        if isinstance(x, (cst.Match, ast.Match)):
+            return [case.body for case in x.cases]
+        handlers = [h.body for h in getattr(x, "handlers", ())]
+        return [x.body, *handlers, getattr(x, "orelse", absent), getattr(x, "finalbody", absent)]
+
+    suites, blocks = clauses(stmt, None), clauses(node, [])
     if len(suites) != len(blocks):
         return None
     pairs: list[tuple[Sequence[cst.BaseStatement], list[ast.stmt]]] = []
