@@ -58,9 +58,6 @@ class Unsupported(Exception):
     """The change cannot be proven safe; the message says what was missing."""
 
 
-# --- states -------------------------------------------------------------------------
-
-
 class SiteState(str, enum.Enum):
     NEEDS_BYPASS = "needs-bypass"
     PATCHED = "patched"
@@ -104,9 +101,6 @@ class InsertSite:
         fields = asdict(self)  # in their order, ``pieces`` copied
         state, action = self.state.value, self.action.value
         return {"class": fields.pop("class_name"), **fields, "state": state, "action": action}
-
-
-# --- what the analysis finds at a call ------------------------------------------------
 
 
 @dataclass
