@@ -35,8 +35,7 @@ class BypassPlan:
     guard: str
     guard_code: str  # goes before the call
     wrap_args: list[cst.Arg]  # `X` -> `X if <guard> else None`
-    # the wrapped arguments whose line would pass vLLM's line length (88): each goes on its own
-    # lines in parentheses, as ruff format writes an argument that does not fit
+    # wrapped arguments whose line would pass vLLM's line length (88): on lines of their own, as ruff
     split_args: list[cst.Arg]
     post_insert_code: str  # goes after the call
     flag_slot: a.StatementSlot  # insert `self._fp8_kv = ...` (and the scale) after it

@@ -270,8 +270,21 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
         return refuse(f.broken)
     p = pieces()
     present = p.present()
-    if p.role_problems or p.flag_unproven is not None:
-        return refuse(_unproven_roles(p))
+    if p.flag_unproven is not None:  # a piece of the file's own bypass whose role cannot be proven
+        return refuse(
+            f"the guard reads `self.{p.flag_attr}`, set in __init__ to `{p.flag_unproven}`, which cannot be "
+            f'proven true for "fp8", "fp8_e4m3", "fp8_e5m2" and false for "bfloat16" and "{AUTO_DTYPE}" from '
+            f"`self.{DTYPE_ATTR}` alone: the flag's role is not proven, nothing was changed. Either that is no "
+            f"fp8 test, or __init__ hands `self` to code the reading cannot follow, which may change the flag or "
+            f"the dtype (hand such calls what they read instead). If it is meant to be true for the fp8 cache "
+            f'dtypes, write it as `"fp8" in self.{DTYPE_ATTR}` (or a helper returning that) after __init__ sets '
+            f"`self.{DTYPE_ATTR}`, once, then run again"
+        )
+    if p.role_problems:
+        return refuse(
+            f"the file's own fp8 bypass cannot be proven: {'; '.join(p.role_problems)}. "
+            "Nothing was changed; no piece of it is the tool's to remove"
+        )
     if p.dtype_unread:
         return refuse(
             f"`self.{DTYPE_ATTR}` is not proven to hold the cache dtype once __init__ has run (it is set more than "
@@ -350,24 +363,6 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
         return site(SiteState.HALF_APPLIED, Action.COMPLETE, _half_applied_reason(p, present))
     reason = "fork-era insert call (no kv_cache_dtype): the fused op would assert on an fp8 cache"
     return site(SiteState.NEEDS_BYPASS, Action.REWRITE, reason)
-
-
-def _unproven_roles(p: Pieces) -> str:
-    """A piece of the file's own bypass whose role cannot be proven: what, and nothing to delete."""
-    if p.flag_unproven is not None:
-        return (
-            f"the guard reads `self.{p.flag_attr}`, set in __init__ to `{p.flag_unproven}`, which cannot be "
-            f'proven true for "fp8", "fp8_e4m3", "fp8_e5m2" and false for "bfloat16" and "{AUTO_DTYPE}" from '
-            f"`self.{DTYPE_ATTR}` alone: the flag's role is not proven, nothing was changed. Either that is no "
-            f"fp8 test, or __init__ hands `self` to code the reading cannot follow, which may change the flag or "
-            f"the dtype (hand such calls what they read instead). If it is meant to be true for the fp8 cache "
-            f'dtypes, write it as `"fp8" in self.{DTYPE_ATTR}` (or a helper returning that) after __init__ sets '
-            f"`self.{DTYPE_ATTR}`, once, then run again"
-        )
-    return (
-        f"the file's own fp8 bypass cannot be proven: {'; '.join(p.role_problems)}. "
-        "Nothing was changed; no piece of it is the tool's to remove"
-    )
 
 
 COMPILED_DESIGN = (
