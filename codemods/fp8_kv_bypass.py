@@ -27,8 +27,7 @@ from codemods.sourcemap import SourceMap
 
 @dataclass
 class BypassPlan:
-    """Everything the transformer needs, found in and checked against the file (a code of ""
-    adds nothing)."""
+    """Everything the transformer needs, found in and checked against the file (a code of "" adds nothing)."""
 
     method: cst.FunctionDef
     call_slot: a.StatementSlot

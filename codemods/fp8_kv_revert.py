@@ -305,8 +305,7 @@ def _metadata_key(method: cst.FunctionDef, op: a.OpCall, param: schema.OpParam, 
 def _exclusive_delegates(
     m: FileModel, cls: cst.ClassDef, fn: cst.FunctionDef, gone: list[cst.CSTNode] = ()
 ) -> list[cst.FunctionDef]:
-    """Methods ``fn`` hands its work to that nothing else names (they go with it);
-    ``gone``: code removed anyway."""
+    """Methods ``fn`` hands its work to that nothing else names: they go with it (``gone``: removed too)."""
     inside = {id(n) for root in (fn, *gone) for n in a.nodes_in(root)}
     return [d for d in a.delegates(fn, cls, {}) if all(id(n) in inside for n in _uses(m, d.name.value, d))]
 

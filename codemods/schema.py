@@ -472,8 +472,7 @@ def one_candidate(sites: list[InsertSite]) -> list[InsertSite]:
 
 
 def reverted(site: InsertSite, revert_reason: str | None, failure: str | None) -> InsertSite:
-    """``revert`` at one site: the bypass found there is taken out (``revert_reason`` says what),
-    cannot be taken out (``failure``), or there is none."""
+    """``revert`` at one site: its bypass taken out (``revert_reason``), refused (``failure``), or none."""
     if failure is not None:
         return replace(site, action=Action.REFUSE, reason=f"cannot revert: {failure}")
     if revert_reason is not None:

@@ -166,8 +166,7 @@ def _holds(first: int, last: int, op_lines: list[int]) -> bool:
 
 
 def call_facts(found: FoundCall, m: FileModel) -> tuple[schema.CallFacts, a.StatementSlot | None]:
-    """Where the call sits and what it passes, asked of the file's model ``m``; the statement
-    slot of a call directly in a method."""
+    """Where the call sits and what it passes (asked of ``m``); the slot of a call directly in a method."""
     call = found.call
     kv = found.op.arg(schema.KV_CACHE)
     dtype = found.op.arg(schema.KV_CACHE_DTYPE)
