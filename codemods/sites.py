@@ -155,7 +155,7 @@ def _ast_calls(tree: ast.Module, op_lines: list[int], wanted: set[str]) -> list[
             visit(child)
 
     visit(tree)
-    # ast keeps fields, not source order (decorators after the body); outer calls first at one place
+    # ast keeps fields, not source order (decorators after the body); outer first where two start together
     found.sort(key=lambda n: (n.lineno, n.col_offset, -(n.end_lineno or 0), -(n.end_col_offset or 0)))
     return found
 
@@ -343,9 +343,8 @@ def collect_pieces(
     # Once set, whether the flag is also read decides nothing (schema.Pieces.any_bypass).
     p.flag_read = not p.flag_set and p.flag_attr in attrs and p.flag_unproven is None
 
-    # The post-call block: the `if` after the call that hands the call's slot mappings to a method when the
-    # fused op did not write, whatever the names; else (a block that lost them) a call of a write-shaped
-    # method.
+    # The post-call block: the `if` after the call handing its slot mappings to a method when the fused op
+    # did not write, whatever the names; else (a block that lost them) a call of a write-shaped method.
     main, index = op.arg(schema.SLOT_MAPPING), op.arg(schema.INDEX_SLOT_MAPPING)
     forms: dict[str, str] = {}
 
