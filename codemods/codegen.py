@@ -309,8 +309,7 @@ def remove_unused_imports(
     return module.visit(Remove())
 
 
-# --- the comments the bypass writes (run's, and the seed write-up's), which revert takes out ---
-
+# The comments the bypass writes (run's, and the seed write-up's), which revert takes out.
 SEED_COMMENTS = (
     (
         "fp8 main-K/V cache: the fused qknorm+rope+kv-insert op is bf16-cache-only",

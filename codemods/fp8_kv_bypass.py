@@ -1,23 +1,12 @@
 """The rewrite's plan and its application: route fp8 KV-cache writes around MiniMax-M3's
-bf16-only fused insert op.
-
-For a call that needs work (``analysis.classify``), ``plan_bypass`` checks every name the bypass
-needs (``proofs``) and fills the templates (``codegen``) into a ``BypassPlan``, or refuses
-(``Unsupported``); ``Fp8KvBypass`` applies the plan. What it writes::
-
-    # before: a fork-era forward              # after
-    ops.fused_…(qkv, …,                        insert_via_fused = not self._fp8_kv
-        self.kv_cache,                         ops.fused_…(qkv, …,
-        self.indexer.kv_cache, …)                  self.kv_cache if insert_via_fused else None,
-                                                   self.indexer.kv_cache if insert_via_fused else None, …)
-                                               if not insert_via_fused:
-                                                   k, v, index_k = <strided views of qkv>
-                                                   self._insert_kv(k, v, index_k, slots, index_slots)
-
-plus ``self._fp8_kv = "fp8" in self.kv_cache_dtype`` in ``__init__`` and an ``_insert_kv`` that
-writes with ``reshape_and_cache_flash`` (which quantizes and skips padded slot -1). An older
-``_insert_kv`` whose index write is a raw scatter is upgraded in place (``_scatter_edits``).
-"""
+bf16-only fused insert op. For a call that needs work (``analysis.classify``), ``plan_bypass``
+checks every name the bypass needs (``proofs``) and fills the templates (``codegen``) into a
+``BypassPlan``, or refuses (``Unsupported``); ``Fp8KvBypass`` applies it. Before the call it writes
+``insert_via_fused = not self._fp8_kv``, the cache arguments become ``X if insert_via_fused else None``,
+and after it ``if not insert_via_fused:`` hands strided views of qkv to ``self._insert_kv(k, v, index_k,
+slots, index_slots)``; plus ``self._fp8_kv = "fp8" in self.kv_cache_dtype`` in ``__init__`` and an
+``_insert_kv`` writing with ``reshape_and_cache_flash`` (which quantizes and skips padded slot -1). An
+older ``_insert_kv`` whose index write is a raw scatter is upgraded in place (``_scatter_edits``)."""
 
 from __future__ import annotations
 
@@ -38,16 +27,14 @@ from codemods.sourcemap import SourceMap
 
 @dataclass
 class BypassPlan:
-    """Everything the transformer needs, found in and checked against the file (a code of ""
-    adds nothing)."""
+    """Everything the transformer needs, found in and checked against the file (a code of "" adds nothing)."""
 
     method: cst.FunctionDef
     call_slot: a.StatementSlot
     guard: str
     guard_code: str  # goes before the call
     wrap_args: list[cst.Arg]  # `X` -> `X if <guard> else None`
-    # the wrapped arguments whose line would pass vLLM's line length (88): each goes on its own
-    # lines in parentheses, as ruff format writes an argument that does not fit
+    # wrapped arguments whose line would pass vLLM's line length (88): on lines of their own, as ruff
     split_args: list[cst.Arg]
     post_insert_code: str  # goes after the call
     flag_slot: a.StatementSlot  # insert `self._fp8_kv = ...` (and the scale) after it
@@ -139,10 +126,8 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     reshape_import = bare_import(a.module_imports(module)) if names["reshape"] == schema.RESHAPE_OP else None
 
     # The upgrade: the raw index scatters of `_insert_kv` and of what it hands its work to.
-    upgraded: list[cst.FunctionDef] = []
-    if insert_kv == "upgrade":
-        assert old_insert_kv is not None
-        upgraded = [old_insert_kv, *a.delegates(old_insert_kv, cls, m.functions)]
+    older = old_insert_kv if insert_kv == "upgrade" else None
+    upgraded = [older, *a.delegates(older, cls, m.functions)] if older is not None else []
     edits: list[tuple[cst.BaseStatement, str]] = []
     for fn in upgraded:
         edits += [e for x in a.raw_scatters(fn) for e in _scatter_edits(fn, x, module)]
@@ -276,9 +261,6 @@ def _assignments(fn: cst.FunctionDef, name: str) -> list[tuple[a.StatementSlot, 
     """The ``<name> = <value>`` statements of ``fn``: (where, value)."""
     pairs = ((x, a.simple_assignment(x.statement)) for x in a.statement_slots(fn))
     return [(x, p[1]) for x, p in pairs if p and isinstance(p[0], cst.Name) and p[0].value == name]
-
-
-# --- the transformer --------------------------------------------------------------------
 
 
 class Fp8KvBypass(codegen.Splice):

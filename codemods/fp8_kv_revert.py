@@ -1,13 +1,11 @@
-"""Revert the fp8 KV-cache bypass: the structural inverse of ``fp8_kv_bypass``, found with the
-same finders (``sites.collect_pieces``), so that ``revert(run(x)) == x`` byte for byte on every
-before-state fixture: the cache arguments ``X if insert_via_fused else None`` become ``X``; the
-guard, the flag and the guarded post-call block go, with the comment lines the rewrite (or the
-seed write-up's diff) put above them; the slot-mapping ``_insert_kv`` goes back to the fork-era
-``attn_metadata`` form (``codegen.INSERT_KV_METADATA``) where the file imports the metadata
-classes it asserts on (one ``run`` dropped as unused comes back beside its sibling), else it goes.
-On a native call with a stale or half-applied bypass the result is a clean native call; anything
-it cannot prove is refused, with the reason.
-"""
+"""Revert the fp8 KV-cache bypass: the structural inverse of ``fp8_kv_bypass``, found with the same
+finders (``sites.collect_pieces``), so that ``revert(run(x)) == x`` byte for byte on every before-state
+fixture: ``X if insert_via_fused else None`` becomes ``X``; the guard, the flag and the guarded post-call
+block go, with the comment lines the rewrite (or the seed write-up's diff) put above them; the slot-mapping
+``_insert_kv`` goes back to the fork-era ``attn_metadata`` form (``codegen.INSERT_KV_METADATA``) where the
+file imports the metadata classes it asserts on (one ``run`` dropped as unused comes back), else it goes.
+On a native call with a stale or half-applied bypass the result is a clean native call; anything it cannot
+prove is refused, with the reason."""
 
 from __future__ import annotations
 
@@ -307,8 +305,7 @@ def _metadata_key(method: cst.FunctionDef, op: a.OpCall, param: schema.OpParam, 
 def _exclusive_delegates(
     m: FileModel, cls: cst.ClassDef, fn: cst.FunctionDef, gone: list[cst.CSTNode] = ()
 ) -> list[cst.FunctionDef]:
-    """Methods ``fn`` hands its work to that nothing else names (they go with it);
-    ``gone``: code removed anyway."""
+    """Methods ``fn`` hands its work to that nothing else names: they go with it (``gone``: removed too)."""
     inside = {id(n) for root in (fn, *gone) for n in a.nodes_in(root)}
     return [d for d in a.delegates(fn, cls, {}) if all(id(n) in inside for n in _uses(m, d.name.value, d))]
 
@@ -342,9 +339,6 @@ def _used_only_in(m: FileModel, stmt: cst.BaseStatement, gone: set[int]) -> bool
             return False
         uses = [n for n in _uses(m, name, stmt) if not isinstance(n, cst.SimpleString)]
     return bool(uses) and all(id(n) in gone for n in uses)
-
-
-# --- the transformer -------------------------------------------------------------
 
 
 class Fp8KvRevert(codegen.Splice):

@@ -1,8 +1,6 @@
-"""The decision: how a call of the fused op reaches each state and action, by rules applied in
-order: ``verdict`` (from the facts found at the call), ``planned``, ``one_candidate`` and, for
-``revert``, ``reverted`` and ``one_revert``. It imports nothing heavy: ``check`` on a native file
-(read by ``prefilter`` with ``ast``) must not pay for importing LibCST.
-"""
+"""The decision, by rules applied in order: ``verdict`` (from the facts found at a call), ``planned``,
+``one_candidate`` and, for ``revert``, ``reverted`` and ``one_revert``. It imports nothing heavy: ``check``
+on a native file (read by ``prefilter`` with ``ast``) must not pay for importing LibCST."""
 
 from __future__ import annotations
 
@@ -60,9 +58,6 @@ class Unsupported(Exception):
     """The change cannot be proven safe; the message says what was missing."""
 
 
-# --- states -------------------------------------------------------------------------
-
-
 class SiteState(str, enum.Enum):
     NEEDS_BYPASS = "needs-bypass"
     PATCHED = "patched"
@@ -108,9 +103,6 @@ class InsertSite:
         return {"class": fields.pop("class_name"), **fields, "state": state, "action": action}
 
 
-# --- what the analysis finds at a call ------------------------------------------------
-
-
 @dataclass
 class CallFacts:
     """Where a call of the fused op sits and what it passes (no bypass pieces yet)."""
@@ -128,8 +120,7 @@ class CallFacts:
     in_block: bool  # the call is a statement of its own in a block of the method
     is_async: bool = False  # the method holding the call is an `async def`
     in_wrapper: bool = False  # outside a class: in a pass-through wrapper (the layer's call of it is the site)
-    # a cache argument of a native call that is no `self.` attribute (nor a local proven to hold one)
-    cache_unproven: str | None = None
+    cache_unproven: str | None = None  # a native call's cache argument that is no `self.` attribute
     broken: str | None = None  # why the layer as vLLM runs it does not run the call with an fp8 cache (``runtime.broken``)
 
 
@@ -148,10 +139,8 @@ class Pieces:
     post_insert: bool = False  # `self._insert_kv(...)` after the call
     post_insert_wired: bool = False
     insert_kv: str = "absent"  # absent | metadata | slots | scatter | other
-    # cache arguments `X if C else None` whose condition the bypass did not write (the caller's own)
-    user_conditions: list[str] = field(default_factory=list)
-    # the bypass's names (`_fp8_kv`, `_fp8_kv_scale`, `_insert_kv`) used by the file for something else
-    taken: list[str] = field(default_factory=list)
+    user_conditions: list[str] = field(default_factory=list)  # `X if C else None`, C the caller's own
+    taken: list[str] = field(default_factory=list)  # the bypass's names used by the file for something else
     # the post-call block also runs while compiling, when the call's slot mappings are None: its
     # compiled branch is the only cache write under torch.compile (a torch.compile-aware fork)
     compiled_write: bool = False
@@ -161,8 +150,8 @@ class Pieces:
     subclassed: str | None = None  # a class of the file derives from this one and redefines a piece (in words)
     own_write: str | None = None  # a cache write the call's method reaches besides a bypass's (``guards.own_writes``)
     slots_none: bool = False  # a slot mapping the call passes is set to None somewhere (while compiling, say)
-    # The roles' names in this file (``roles``): the flag the guard reads, the method the post-call
-    # block hands the write to; codegen's names where the file has none (sites.FoundPieces).
+    # The roles' names in this file (``roles``): the flag the guard reads, the method the post-call block
+    # hands the write to; codegen's names where the file has none (sites.FoundPieces).
     flag_attr: str = ""
     insert_method: str = ""
     guard_inline: str | None = None  # the cache arguments' condition, where no local holds it
@@ -171,8 +160,7 @@ class Pieces:
     insert_from_file: bool = False  # the write method is the one the file's post-call block calls
     # the file's own pieces used otherwise than a bypass does (what they hold at the call is not proven)
     role_problems: list[str] = field(default_factory=list)
-    # the bypass needs a flag and the layer's `self.kv_cache_dtype` is not proven to hold the cache dtype
-    # after __init__ (set twice on one path, say): no flag read from it can be proven
+    # a flag is needed and `self.kv_cache_dtype` is not proven to hold the cache dtype after __init__
     dtype_unread: bool = False
 
     def present(self, native: bool = False) -> dict[str, bool]:
@@ -195,8 +183,7 @@ class Pieces:
         return acts or (not native and (inert or self.scale_set or self.scale_read))
 
 
-# `_insert_kv` taking the slot mappings: the current form, and the older ones `run` upgrades in
-# place, with what is wrong with each.
+# `_insert_kv` taking the slot mappings: the current form, and the older ones `run` upgrades (what is wrong).
 SLOTS_FORMS = ("slots", "scatter", "bf16-index")
 OLDER_FORMS = {
     "scatter": "its index-key write `idx_cache[<slots>] = ...` sends padded tokens (slot -1, CUDA-graph "
@@ -215,10 +202,9 @@ WIRED = (
 
 
 def insert_kv_form(reads_metadata: bool, params_after_self: int, raw_scatter: bool, bf16_index: bool) -> str:
-    """Which `_insert_kv` the class has (``fp8_kv_bypass`` says when it has none, "absent"):
-    the fork-era ``(self, key, value, index_key)`` reading attn_metadata, the bypass's with the
-    two slot mappings after those (current, raw scatter or bf16 index write, in it or a function it
-    hands its arguments to: ``anchors.raw_scatters``, ``anchors.bf16_index_writes``), or other."""
+    """Which `_insert_kv` the class has ("absent": none, said by the caller): the fork-era ``(self, key,
+    value, index_key)`` reading attn_metadata, the bypass's with the two slot mappings after those (current,
+    raw scatter or bf16 index write: ``anchors.raw_scatters``, ``bf16_index_writes``), or other."""
     if reads_metadata and params_after_self == 3:
         return "metadata"
     if not reads_metadata and params_after_self == 5:
@@ -284,8 +270,21 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
         return refuse(f.broken)
     p = pieces()
     present = p.present()
-    if p.role_problems or p.flag_unproven is not None:
-        return refuse(_unproven_roles(p))
+    if p.flag_unproven is not None:  # a piece of the file's own bypass whose role cannot be proven
+        return refuse(
+            f"the guard reads `self.{p.flag_attr}`, set in __init__ to `{p.flag_unproven}`, which cannot be "
+            f'proven true for "fp8", "fp8_e4m3", "fp8_e5m2" and false for "bfloat16" and "{AUTO_DTYPE}" from '
+            f"`self.{DTYPE_ATTR}` alone: the flag's role is not proven, nothing was changed. Either that is no "
+            f"fp8 test, or __init__ hands `self` to code the reading cannot follow, which may change the flag or "
+            f"the dtype (hand such calls what they read instead). If it is meant to be true for the fp8 cache "
+            f'dtypes, write it as `"fp8" in self.{DTYPE_ATTR}` (or a helper returning that) after __init__ sets '
+            f"`self.{DTYPE_ATTR}`, once, then run again"
+        )
+    if p.role_problems:
+        return refuse(
+            f"the file's own fp8 bypass cannot be proven: {'; '.join(p.role_problems)}. "
+            "Nothing was changed; no piece of it is the tool's to remove"
+        )
     if p.dtype_unread:
         return refuse(
             f"`self.{DTYPE_ATTR}` is not proven to hold the cache dtype once __init__ has run (it is set more than "
@@ -366,24 +365,6 @@ def verdict(f: CallFacts, pieces: Callable[[], Pieces]) -> InsertSite:
     return site(SiteState.NEEDS_BYPASS, Action.REWRITE, reason)
 
 
-def _unproven_roles(p: Pieces) -> str:
-    """A piece of the file's own bypass whose role cannot be proven: what, and nothing to delete."""
-    if p.flag_unproven is not None:
-        return (
-            f"the guard reads `self.{p.flag_attr}`, set in __init__ to `{p.flag_unproven}`, which cannot be "
-            f'proven true for "fp8", "fp8_e4m3", "fp8_e5m2" and false for "bfloat16" and "{AUTO_DTYPE}" from '
-            f"`self.{DTYPE_ATTR}` alone: the flag's role is not proven, nothing was changed. Either that is no "
-            f"fp8 test, or __init__ hands `self` to code the reading cannot follow, which may change the flag or "
-            f"the dtype (hand such calls what they read instead). If it is meant to be true for the fp8 cache "
-            f'dtypes, write it as `"fp8" in self.{DTYPE_ATTR}` (or a helper returning that) after __init__ sets '
-            f"`self.{DTYPE_ATTR}`, once, then run again"
-        )
-    return (
-        f"the file's own fp8 bypass cannot be proven: {'; '.join(p.role_problems)}. "
-        "Nothing was changed; no piece of it is the tool's to remove"
-    )
-
-
 COMPILED_DESIGN = (
     "while compiling, the call's slot mappings are None and the post-call block's compiled "
     "branch writes the cache"
@@ -396,12 +377,9 @@ def _compiled_bypass(f: CallFacts, p: Pieces, site: Callable[..., InsertSite]) -
     what = f"native call (kv_cache_dtype={f.dtype}) with a torch.compile-aware fp8 bypass ({COMPILED_DESIGN})"
     if all(p.present(native=True).values()):
         if p.insert_kv in OLDER_FORMS:
-            return site(
-                SiteState.OUTDATED,
-                Action.UPGRADE,
-                f"{what}, in an older form: {OLDER_FORMS[p.insert_kv]}, on the eager and the compiled path "
-                "alike; `run` upgrades that write where it is",
-            )
+            older = f"{OLDER_FORMS[p.insert_kv]}, on the eager and the compiled path alike"
+            reason = f"{what}, in an older form: {older}; `run` upgrades that write where it is"
+            return site(SiteState.OUTDATED, Action.UPGRADE, reason)
         return site(SiteState.PATCHED, Action.NONE, f"{what}: present and wired")
     fix = (
         f"`run` restores the guard as `{(p.guard_args or ['<guard>'])[0]} = not torch.compiler.is_compiling()`: in eager "
@@ -487,20 +465,14 @@ def one_candidate(sites: list[InsertSite]) -> list[InsertSite]:
     candidates = [s for s in sites if s.action in CHANGING or s.state is SiteState.PATCHED]
     if len(candidates) < 2 or not any(s.action in CHANGING for s in candidates):
         return sites
-    reason = (
-        f"{len(candidates)} candidate insert sites ({_where(candidates)}); "
-        "the bypass can be proven for one only"
-    )
-    refused = {id(s) for s in candidates}
-    return [
-        replace(s, state=SiteState.UNSUPPORTED, action=Action.REFUSE, reason=reason) if id(s) in refused else s
-        for s in sites
-    ]
+    where = _where(candidates)
+    reason = f"{len(candidates)} candidate insert sites ({where}); the bypass can be proven for one only"
+    refusal = {"state": SiteState.UNSUPPORTED, "action": Action.REFUSE, "reason": reason}
+    return [replace(s, **refusal) if any(s is c for c in candidates) else s for s in sites]
 
 
 def reverted(site: InsertSite, revert_reason: str | None, failure: str | None) -> InsertSite:
-    """``revert`` at one site: the bypass found there is taken out (``revert_reason`` says what),
-    cannot be taken out (``failure``), or there is none."""
+    """``revert`` at one site: its bypass taken out (``revert_reason``), refused (``failure``), or none."""
     if failure is not None:
         return replace(site, action=Action.REFUSE, reason=f"cannot revert: {failure}")
     if revert_reason is not None:

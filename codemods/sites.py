@@ -155,8 +155,7 @@ def _ast_calls(tree: ast.Module, op_lines: list[int], wanted: set[str]) -> list[
             visit(child)
 
     visit(tree)
-    # ast keeps fields, not source order (decorators after the body); outer calls
-    # first where two start at one place.
+    # ast keeps fields, not source order (decorators after the body); outer first where two start together
     found.sort(key=lambda n: (n.lineno, n.col_offset, -(n.end_lineno or 0), -(n.end_col_offset or 0)))
     return found
 
@@ -167,8 +166,7 @@ def _holds(first: int, last: int, op_lines: list[int]) -> bool:
 
 
 def call_facts(found: FoundCall, m: FileModel) -> tuple[schema.CallFacts, a.StatementSlot | None]:
-    """Where the call sits and what it passes, asked of the file's model ``m``; the statement
-    slot of a call directly in a method."""
+    """Where the call sits and what it passes (asked of ``m``); the slot of a call directly in a method."""
     call = found.call
     kv = found.op.arg(schema.KV_CACHE)
     dtype = found.op.arg(schema.KV_CACHE_DTYPE)
@@ -180,6 +178,13 @@ def call_facts(found: FoundCall, m: FileModel) -> tuple[schema.CallFacts, a.Stat
     held = dtype_value  # what the dtype argument holds: a local's one value, where it has one
     if isinstance(held, cst.Name) and method is not None and slot is not None:
         held = a.local_value(method, held.value, slot) or held
+    # the dtype holds the cache dtype: by what ``__init__`` leaves in it (``roles.carries_dtype``); outside
+    # a class, only as ``<layer>.kv_cache_dtype`` of a local layer
+    if found.cls is not None:
+        proven = held is not None and m.carries_dtype(found.cls, held)
+    else:
+        layer = isinstance(held, cst.Attribute) and isinstance(held.value, cst.Name)
+        proven = layer and held.attr.value == schema.DTYPE_ATTR  # type: ignore[union-attr]
     facts = schema.CallFacts(
         line=found.line,
         class_name=found.cls.name.value if found.cls else None,
@@ -187,7 +192,7 @@ def call_facts(found: FoundCall, m: FileModel) -> tuple[schema.CallFacts, a.Stat
         module_function=found.module_function, nested_in=found.nested_in, in_block=slot is not None,
         star_args=any(arg.star for arg in call.args), has_cache=kv is not None and not a.is_none(kv.value),
         dtype=a.code(dtype_value) if dtype_value is not None else None, dtype_is_auto=auto,
-        dtype_proven=_carries_dtype(found, held, m),
+        dtype_proven=proven,
         is_async=found.method is not None and found.method.asynchronous is not None,
         in_wrapper=found.module_function in m.wrappers,
         cache_unproven=a.unproven_cache(found.op, method, slot) if dtype_value is not None and found.cls else None,
@@ -208,15 +213,6 @@ def _broken(found: FoundCall, m: FileModel) -> str | None:
     calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and n.lineno == found.line] if fn else []
     cls, call, values = m.ast_of(found.cls), calls[0] if calls else None, m.init_values(found.cls)
     return runtime.broken(m.runtime, cls, init, fn, call, values, scope, known)  # type: ignore[arg-type]
-
-
-def _carries_dtype(found: FoundCall, held: cst.BaseExpression | None, m: FileModel) -> bool:
-    """The dtype argument holds the cache dtype: in a layer's method, by what ``__init__`` leaves in
-    it (``roles.carries_dtype``); outside a class, only as ``<layer>.kv_cache_dtype`` of a local layer."""
-    if found.cls is not None:
-        return held is not None and m.carries_dtype(found.cls, held)
-    layers = isinstance(held, cst.Attribute) and isinstance(held.value, cst.Name)
-    return layers and held.attr.value == schema.DTYPE_ATTR  # type: ignore[union-attr]
 
 
 @dataclass
@@ -301,8 +297,7 @@ def collect_pieces(
             guard = guards.Guard(fused_when, local, value, tests)
             guard_flag = guards.guard_flag(guard, native)
             if guard_flag is None and (local is None or value is not None):
-                # the local the cache arguments test holds something else; or, with no local,
-                # an inlined condition that is not the bypass's: the caller's
+                # the tested local holds something else; or, with no local, the condition is the caller's
                 guard = None
                 p.guard_other = local is not None
     if guard is not None:
@@ -332,16 +327,15 @@ def collect_pieces(
             and not (native and dtype_free(c))
         ]
 
-    # The flag: the attribute the guard reads, else the one __init__ leaves holding whether
-    # the cache dtype is fp8 (``roles.flags``: by its value, whatever statements decide it).
-    # (a property, the class's API, is the flag only where the guard reads it)
+    # The flag: the attribute the guard reads, else the one __init__ leaves holding whether the cache dtype
+    # is fp8 (``roles.flags``: by its value); a property, the class's API, only where the guard reads it.
     flags, scope = m.flags(cls), m.scope(cls)
     proven = [attr for attr, ok in flags.items() if ok and attr not in scope.properties()]
     p.flag_from_file = bool(guard_flag) or len(proven) == 1
     if p.flag_from_file:
         p.flag_attr = guard_flag or proven[0]
     p.flag_set = flags.get(p.flag_attr) is True
-    if not p.flag_set and p.flag_unproven is None and not native:  # (run writes one reading the dtype)
+    if not p.flag_set and not native:  # (run writes one reading the dtype)
         p.dtype_unread = not m.carries_dtype(cls, names.expression(roles.DTYPE))
     if guard_flag and p.flag_attr in init_attrs and not p.flag_set:
         p.flag_unproven = "`, then `".join(a.code(v) for _, v in init_attrs[p.flag_attr])  # set to what?
@@ -349,9 +343,8 @@ def collect_pieces(
     # Once set, whether the flag is also read decides nothing (schema.Pieces.any_bypass).
     p.flag_read = not p.flag_set and p.flag_attr in attrs and p.flag_unproven is None
 
-    # The post-call block: the `if` after the call that hands the call's slot mappings to a
-    # method when the fused op did not write - whatever the method and the test are called; else
-    # (a block that lost them) a call of a method shaped as the write method, by its shape.
+    # The post-call block: the `if` after the call handing its slot mappings to a method when the fused op
+    # did not write, whatever the names; else (a block that lost them) a call of a write-shaped method.
     main, index = op.arg(schema.SLOT_MAPPING), op.arg(schema.INDEX_SLOT_MAPPING)
     forms: dict[str, str] = {}
 
@@ -378,9 +371,8 @@ def collect_pieces(
         if block_guard is None and p.flag_set and not guarded:
             block_guard = guards.Guard(ast.parse(f"not self.{p.flag_attr}", mode="eval").body, scope=tests)
         post = guards.post_block(test, block_guard, guard_flag or p.flag_attr) if test and block_guard else None
-        # wired: right after the call (before anything, attention say, reads the caches), and
-        # nothing in the block leaves it before the write
-        # (a failed write re-raised in an `except` leaves loudly: no silent skip)
+        # wired: right after the call (before anything, attention say, reads the caches), and nothing in the
+        # block leaves it before the write (an `except` re-raising a failed write leaves loudly)
         handled = {id(r) for h in a.nodes_in(stmt) if isinstance(h, _HANDLERS) for r in a.nodes_in(h) if isinstance(r, cst.Raise)}
         straight = at == 0 and a.first_in(stmt, lambda n: isinstance(n, _EXITS) and id(n) not in handled) is None
         write = m.methods(cls).get(p.insert_method)
@@ -414,10 +406,9 @@ def collect_pieces(
         args = [op.arg(x) for x in schema.CACHE_ARGS]
         caches = [d for x in args if x and (t := names.expression(a.code(unguarded(x)))) and (d := names.dotted(t))]
         alike = functools.partial(m.fp8_alike, cls)
-        problems = guards.kept_write_problems(
+        p.role_problems += guards.kept_write_problems(
             runs, init_tree, m.imports, upgraded, p.insert_method, carries, caches, m.fp8_dtyped(cls), alike
         )
-        p.role_problems += problems
     write = m.methods(cls).get(p.insert_method)
     # The scale: the identity scale (``torch.ones``) __init__ makes that the write method reads.
     read = {a.self_attr(n) for n in a.nodes_in(write.body)} - {None} if write is not None else set()
@@ -523,10 +514,9 @@ def _taken_names(m: FileModel, cls: cst.ClassDef, scope: roles.Scope, init_attrs
     decorators = [names.qualified(getattr(d, "func", d), m.imports) for d in decorators]
     if len(insert_kv) > 1 or set(decorators) - set(grad) or not all(isinstance(n, cst.FunctionDef) for n in insert_kv):
         note(p.insert_method, f"`{p.insert_method}` is bound in the class body other than by one `def` with no decorator")
-    # Not a clash: __init__'s first scale assignment where it is the bypass's, and a proven
-    # flag's assignments in __init__ and the methods it calls (``roles.flags``: all of it); a
-    # property flag's: what it reads (and the methods it calls read), set there - stored elsewhere,
-    # the flag changes after __init__.
+    # Not a clash: __init__'s first scale assignment where it is the bypass's, and a proven flag's
+    # assignments in __init__ and the methods it calls (``roles.flags``: all of it); a property flag's:
+    # what it reads (and the methods it calls read), set there - stored elsewhere, it changes after __init__.
     setters = {f.name for f in roles.init_methods(scope.methods["__init__"], scope)} if p.flag_set else set()
     reads: set[str] = set()
     if flag_def is not None:
