@@ -70,13 +70,11 @@ class _Defer(Exception):
 
 
 def _after(call: ast.Call, body: list[ast.stmt]) -> list[ast.stmt]:
-    """The statements after the one holding ``call``, in its block (within ``body``)."""
-    for i, stmt in enumerate(body):
-        if any(n is call for n in ast.walk(stmt)):
-            blocks = (getattr(stmt, f, None) or [] for f in ("body", "orelse", "finalbody"))
-            inner = next((b for b in blocks if any(n is call for s in b for n in ast.walk(s))), None)
-            return _after(call, inner) if inner is not None else body[i + 1 :]
-    return []
+    """The statements after the one holding ``call``, in its block (within ``body``; no handler's)."""
+    after: list[ast.stmt] = []
+    for block, i in runtime.path_to(call, body, ("body", "orelse", "finalbody")):
+        after = block[i + 1 :]
+    return after
 
 
 def _site(

@@ -9,13 +9,14 @@ import ast
 import builtins
 import functools
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from codemods import guards, names, roles, schema
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.DictComp)
 _EXITS = (ast.Return, ast.Raise)
+_BLOCKS = ("body", "orelse", "finalbody", "handlers")
 
 
 # What Python binds in every module: its builtins, ``__name__`` and the like, and a method's ``__class__``.
@@ -196,10 +197,17 @@ def _decorated(method: ast.FunctionDef, init: ast.FunctionDef | None, module: Mo
     return f"line {at[0].lineno} binds `self.{method.name}` in __init__: what runs is not the method" if at else None
 
 
-def _inner(stmt: ast.AST, call: ast.AST) -> list[ast.stmt] | None:
-    """The block of ``stmt`` (its body, else branch, ``finally``, handlers) that holds ``call``."""
-    blocks = [b for f in ("body", "orelse", "finalbody", "handlers") for b in [getattr(stmt, f, None)] if isinstance(b, list)]
-    return next((b for b in blocks if any(n is call for s in b for n in ast.walk(s))), None)
+def _holds(block: list, call: ast.AST) -> bool:
+    return any(n is call for s in block for n in ast.walk(s))
+
+
+def path_to(call: ast.AST, body: list | None, fields: tuple = _BLOCKS) -> Iterator[tuple[list, int]]:
+    """Each block from ``body`` down to ``call`` (a statement's ``fields``: body, else branch, ``finally``,
+    handlers), with the index of its statement that holds ``call``."""
+    while body and (i := next((i for i, s in enumerate(body) if _holds([s], call)), None)) is not None:
+        yield body, i
+        blocks = (getattr(body[i], f, None) for f in fields)
+        body = next((b for b in blocks if isinstance(b, list) and _holds(b, call)), None)
 
 
 def _unreached(body: list[ast.stmt], call: ast.AST, runs: Iterable[dict[str, object]], scope: roles.Scope) -> str | None:
@@ -208,38 +216,31 @@ def _unreached(body: list[ast.stmt], call: ast.AST, runs: Iterable[dict[str, obj
     def holds(test: ast.expr) -> list[bool]:
         try:
             return [bool(roles.evaluate(test, dict(env), scope)) for env in runs]
-        except (roles.Unknown, TypeError, ValueError, RecursionError, AttributeError, LookupError):
+        except roles.EVAL_ERRORS:
             return []
 
-    for i, stmt in enumerate(body):
-        if not any(n is call for n in ast.walk(stmt)):
-            continue
-        for before in body[:i]:
+    for block, i in path_to(call, body):
+        for before in block[:i]:
             leaves = isinstance(before, ast.If) and not before.orelse and isinstance(before.body[-1], _EXITS)
             if leaves and any(holds(before.test)):  # type: ignore[attr-defined]
                 return f"`{ast.unparse(before.test)}` (line {before.lineno}) leaves the method first"  # type: ignore[attr-defined]
-        if isinstance(stmt, ast.If):
-            inside = any(n is call for s in stmt.body for n in ast.walk(s))
+        if isinstance(stmt := block[i], ast.If):
+            inside = _holds(stmt.body, call)
             if not all(t == inside for t in holds(stmt.test)):
                 return f"`{ast.unparse(stmt.test)}` (line {stmt.lineno}) takes the other branch"
-        inner = _inner(stmt, call)
-        return _unreached(inner, call, runs, scope) if inner is not None else None
     return None
 
 
 def _again(body: list[ast.stmt], call: ast.Call) -> str | None:
     """Where the call may run other than once a forward: a loop holding it, or a statement beside it that calls the
     op too. The op norms and ropes the fused buffer in place: run twice, it ropes the keys it writes twice."""
-    for i, stmt in enumerate(body):
-        if not any(n is call for n in ast.walk(stmt)):
-            continue
-        beside = [s.value for s in body if s is not stmt and isinstance(getattr(s, "value", None), ast.Call)]  # type: ignore[attr-defined]
+    for block, i in path_to(call, body):
+        stmt = block[i]
+        beside = [s.value for s in block if s is not stmt and isinstance(getattr(s, "value", None), ast.Call)]  # type: ignore[attr-defined]
         if again := [c for c in beside if names.dotted(c.func) == names.dotted(call.func)]:
             return f"line {again[0].lineno} calls the op again, on the same path"
-        if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)) and any(n is call for s in stmt.body for n in ast.walk(s)):
+        if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)) and _holds(stmt.body, call):
             return f"it stands in the loop at line {stmt.lineno}"
-        inner = _inner(stmt, call)
-        return _again(inner, call) if inner is not None else None
     return None
 
 
