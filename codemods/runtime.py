@@ -1,7 +1,6 @@
-"""What runs when vLLM runs the layer, whatever the cache dtype: the names ``__init__`` and the call's method read
-as they are bound at run time, the method as its decorators leave it, and whether the call runs at all with an
-fp8 cache. ``check`` answers only for a layer that runs; ``verify``'s stand-in runs neither the module's own
-statements nor a decorator, so these are read here, once, for ``sites`` and ``prefilter`` alike."""
+"""What runs when vLLM runs the layer, whatever the cache dtype (``check`` answers only for one that runs):
+the names ``__init__`` and the call's method read as bound at run time, the method as its decorators leave it,
+whether the call runs with an fp8 cache; read here: ``verify``'s stand-in runs no module code or decorator."""
 
 from __future__ import annotations
 
@@ -66,8 +65,8 @@ class Module:
         return cls(None if star else PYTHON_NAMES | bound_by(own), _rebound(tree), functions, tree, imports)
 
     def redefined_below(self, cls: ast.ClassDef, methods: set[str], attrs: set[str]) -> str | None:
-        """A class of the file that derives from ``cls`` and defines one of ``methods`` or a method storing
-        ``self.<attr>`` of ``attrs``: the layer it builds runs what ``cls`` was not proven with. In words."""
+        """A subclass in the file defining one of ``methods`` or storing ``self.<attr>`` of ``attrs``: the
+        layer it builds runs what ``cls`` was not proven with. In words."""
         for sub in (c for c in self.classes if c is not cls and cls in names.lineage(c, self.tree)):
             stored = set().union(*(roles.stored(f) for f in sub.body if isinstance(f, ast.FunctionDef)))
             if found := sorted(methods & bound_by(_own(sub)) | attrs & stored):
@@ -75,9 +74,9 @@ class Module:
         return None
 
     def remade(self, cls: ast.ClassDef) -> str | None:
-        """What runs when ``cls`` is made and may leave another class than its own ``def``s: a class decorator, a
-        metaclass (the class's and its bases' of this file) or a base's ``__init_subclass__`` that changes what it is
-        handed (``_changes``), or one the file does not define but vLLM's own and ``abc``'s. In words."""
+        """What runs when ``cls`` is made and may leave another class than its own ``def``s: a class
+        decorator, a metaclass (its or its bases') or a base's ``__init_subclass__`` that changes what it is
+        handed (``_changes``), or one the file does not define but vLLM's and ``abc``'s. In words."""
         lineage = names.lineage(cls, self.tree)
         metaclasses = [k.value for c in lineage for k in c.keywords if k.arg == "metaclass"]
         hooks = [*(d for c in lineage for d in c.decorator_list), *metaclasses]
@@ -162,9 +161,8 @@ def _read(code: list[ast.AST]) -> list[ast.Name]:
 
 
 def _names(code: list[ast.AST], module: Module, known: set[str]) -> str | None:
-    """A name a function reads that neither it nor the module binds at run time, or that the module binds again after
-    its import, or that the function reads before binding a local of that module name (UnboundLocalError);
-    ``known``: another rule's (a lost guard)."""
+    """A name a function reads that neither it nor the module binds at run time, or the module binds again
+    after its import, or read before its local is bound (UnboundLocalError); ``known``: a lost guard's."""
     for fn in code:
         inner = bound_by(list(ast.walk(fn)))  # (its locals, and its comprehensions' and lambdas')
         for n in (n for n in _read([fn]) if n.id not in known and n.id not in inner):
@@ -187,8 +185,8 @@ def _names(code: list[ast.AST], module: Module, known: set[str]) -> str | None:
 
 
 def _decorated(method: ast.FunctionDef, init: ast.FunctionDef | None, module: Module) -> str | None:
-    """What vLLM runs by the method's name that is not proven to be it: the method under a decorator the file defines,
-    or ``staticmethod``/``classmethod`` (no ``self``), or an attribute ``__init__`` binds by its name."""
+    """What vLLM runs by the method's name, not proven to be it: the method under a decorator the file
+    defines, ``staticmethod``/``classmethod`` (no ``self``), or an attribute ``__init__`` binds by it."""
     for d in method.decorator_list:
         name = names.dotted(d.func if isinstance(d, ast.Call) else d)
         if name in module.functions or name in ("staticmethod", "classmethod"):
@@ -248,11 +246,10 @@ def broken(
     module: Module, cls: ast.ClassDef | None, init: ast.FunctionDef | None, method: ast.FunctionDef | None,
     call: ast.AST, values: Mapping[str, Mapping[str, object]] | None, scope: roles.Scope, known: set[str],
 ) -> str | None:
-    """Why the layer, as vLLM runs it, does not run the call with an fp8 cache, whatever the bypass (in words), or
-    None: a name (``_names``) ``__init__`` or what the method reaches (``guards.reached``) reads, a decorator of the method
-    (``_decorated``), the call run other than once (``_again``), a subclass that redefines the method or the cache
-    dtype, the cache dtype set by a method ``__init__`` does not run, a test that keeps the call from running
-    (``_unreached``)."""
+    """Why the layer as vLLM runs it does not run the call with an fp8 cache, whatever the bypass (in words),
+    or None: a name ``__init__`` or what the method reaches reads (``_names``), a decorator (``_decorated``),
+    the call run other than once (``_again``), a subclass redefining the method or cache dtype, the cache
+    dtype set where ``__init__`` does not run, a test keeping the call from running (``_unreached``)."""
     code = [c for c in (init, *(guards.reached(method, scope, init) if method else ())) if c is not None]
     if (lost := _names(code, module, known)) is not None:
         return f"{lost}: vLLM fails building or running the layer, with any cache dtype. Bind it once, at module level, then run again"
