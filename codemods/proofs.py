@@ -88,8 +88,8 @@ def qkv_and_slots(op: a.OpCall) -> tuple[str, str, str]:
         arg = op.arg(param)
         if arg is None or a.is_none(arg.value) or not a.is_pure(arg.value):
             shown = a.code(arg.value) if arg is not None else "nothing"
-            raise Unsupported(f"`{param.keyword}` ({shown}) is not a name or attribute that can be passed "
-                              "again")
+            raise Unsupported(f"`{param.keyword}` ({shown}) is not a name or attribute "
+                              "that can be passed again")
         slots.append(a.code(arg.value))
     return qkv.value.value, slots[0], slots[1]
 
@@ -148,8 +148,9 @@ def widths(
     }
 
 
-def _norm_sizes(op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments,
-                params) -> set[str]:
+def _norm_sizes(
+    op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments, params
+) -> set[str]:
     """The ``self.D`` that the norms passed as ``params`` (``self.N.weight``) are built with: ``self.N =
     Norm(self.D, …)`` in __init__, assigned once."""
     sizes = set()

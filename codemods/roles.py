@@ -207,8 +207,9 @@ def _bind(fn: ast.FunctionDef, call: ast.Call, passed: tuple[list, dict], scope:
     return bound
 
 
-def _helper(fn: ast.FunctionDef, call: ast.Call, passed: tuple[list, dict], env: Mapping[str, object],
-            scope: Scope, depth: int) -> object:
+def _helper(
+    fn: ast.FunctionDef, call: ast.Call, passed: tuple[list, dict], env: Mapping[str, object], scope: Scope, depth: int
+) -> object:
     """A small function's value: its body is one ``return <expr>`` (after a docstring)."""
     body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None:
