@@ -97,15 +97,11 @@ class FileModel:
         found: dict[str, list[cst.CSTNode]] = {}
         nodes = a.nodes_in(self.module)
         defined = {id(n.name) for n in nodes if isinstance(n, (cst.FunctionDef, cst.ClassDef))}
-        for n in nodes:
-            if id(n) in defined:
-                continue
-            if isinstance(n, cst.Name):
-                found.setdefault(n.value, []).append(n)
-            elif isinstance(n, cst.Attribute):
-                found.setdefault(n.attr.value, []).append(n)
-            elif isinstance(n, cst.SimpleString) and isinstance(n.evaluated_value, str):
-                found.setdefault(n.evaluated_value, []).append(n)
+        for n in (n for n in nodes if id(n) not in defined):
+            name = n.value if isinstance(n, cst.Name) else n.attr.value if isinstance(n, cst.Attribute) else (
+                n.evaluated_value if isinstance(n, cst.SimpleString) else None)
+            if isinstance(name, str):
+                found.setdefault(name, []).append(n)
         return found
 
     def named(self, name: str) -> list[cst.CSTNode]:
