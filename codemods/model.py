@@ -20,8 +20,8 @@ from codemods.sourcemap import SourceMap
 
 
 def _defs(defs: dict[str, cst.FunctionDef], source_map: SourceMap | None) -> dict[str, ast.FunctionDef]:
-    """LibCST defs by name, as Python's own tree: the one the source map paired with it, else
-    read from its code; a def Python's parser reads as no plain def is left out."""
+    """LibCST defs by name as Python's own tree (the source map's, else parsed from its code); a def
+    Python's parser reads as no plain def is left out."""
     trees = {}
     for name, fn in defs.items():
         node = source_map.trees.get(id(fn)) if source_map is not None else None
@@ -63,8 +63,8 @@ class FileModel:
 
     @functools.cached_property
     def top_imports(self) -> dict[str, str]:
-        """``imports`` bound by a statement of the module's own (no function's, no ``if``'s; a ``try``'s, whose every
-        binding of the name ``imports`` resolves alike), an import or an alias: what code written into a method may name."""
+        """``imports`` bound by an import or alias of the module's own (no function's, no ``if``'s; a
+        ``try``'s, each binding resolving alike): what code written into a method may name."""
         top = {i.bound for i in a.module_imports(self.module)}  # and a module-level alias (``ops = torch.ops._C``)
         tried = [n for t in self.tree.body if isinstance(t, ast.Try) for n in ast.walk(t) if isinstance(n, (ast.Import, ast.ImportFrom))]
         top |= runtime.bound_by(tried)
@@ -92,20 +92,16 @@ class FileModel:
 
     @functools.cached_property
     def _names(self) -> dict[str, list[cst.CSTNode]]:
-        """Every place a name is named - a name, an attribute (``x.name``), a string - but
-        where a def or class is given its own name, by the name: one walk of the file."""
+        """By name, every place it is named (a name, an attribute ``x.name``, a string) but a def's or class's
+        own name: one walk of the file."""
         found: dict[str, list[cst.CSTNode]] = {}
         nodes = a.nodes_in(self.module)
         defined = {id(n.name) for n in nodes if isinstance(n, (cst.FunctionDef, cst.ClassDef))}
-        for n in nodes:
-            if id(n) in defined:
-                continue
-            if isinstance(n, cst.Name):
-                found.setdefault(n.value, []).append(n)
-            elif isinstance(n, cst.Attribute):
-                found.setdefault(n.attr.value, []).append(n)
-            elif isinstance(n, cst.SimpleString) and isinstance(n.evaluated_value, str):
-                found.setdefault(n.evaluated_value, []).append(n)
+        for n in (n for n in nodes if id(n) not in defined):
+            name = n.value if isinstance(n, cst.Name) else n.attr.value if isinstance(n, cst.Attribute) else (
+                n.evaluated_value if isinstance(n, cst.SimpleString) else None)
+            if isinstance(name, str):
+                found.setdefault(name, []).append(n)
         return found
 
     def named(self, name: str) -> list[cst.CSTNode]:
@@ -120,8 +116,7 @@ class FileModel:
 
     def init_stores(self, cls: cst.ClassDef) -> dict[str, list[ast.FunctionDef]]:
         """What ``__init__`` and the methods it calls store (``guards.reach_stores``), by attribute."""
-        scope = self.scope(cls)
-        return guards.reach_stores(scope.methods.get("__init__"), scope)
+        return guards.reach_stores((scope := self.scope(cls)).methods.get("__init__"), scope)
 
     def lineage(self, cls: cst.ClassDef) -> list[cst.ClassDef]:
         """The class, then its bases that this file defines (``names.lineage``)."""
@@ -169,19 +164,19 @@ class FileModel:
         return roles.module_constants(self.tree, self.module_scope)
 
     def init_values(self, cls: cst.ClassDef) -> dict[str, dict[str, object]] | None:
-        """What ``__init__`` leaves in each attribute, per cache dtype (``roles.init_values``), read
-        once a class; None where Python's parser reads no plain ``def __init__``."""
+        """What ``__init__`` leaves in each attribute, per cache dtype (``roles.init_values``), read once a
+        class; None where Python's parser reads no plain ``def __init__``."""
         if id(cls) not in self._init_values:
             init, tree = self.scope(cls).methods.get("__init__"), self.ast_of(cls)
             attrs = roles.module_constants(self.tree, roles.NO_SCOPE, tree) if tree else {}  # type: ignore[arg-type]
-            values = roles.init_values(init, self.scope(cls), self.constants | attrs) if init is not None else None
+            values = roles.init_values(init, self.scope(cls), self.constants | attrs) if init else None
             self._init_values[id(cls)] = values
         return self._init_values[id(cls)]
 
     def flags(self, cls: cst.ClassDef) -> dict[str, bool]:
-        """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``roles.flags``).
-        Not kept: read from the kept values, it costs under a millisecond a class."""
-        values, scope = self.init_values(cls), self.scope(cls)  # values: None where no plain def __init__
+        """Each attribute ``__init__`` sets: whether it is a flag by the value it holds (``roles.flags``);
+        not kept: from the kept values it costs under a millisecond a class."""
+        values, scope = self.init_values(cls), self.scope(cls)
         return roles.flags(scope.methods["__init__"], scope, values) if values is not None else {}
 
     def dtype_free(self, cls: cst.ClassDef) -> set[str]:
@@ -212,7 +207,7 @@ class FileModel:
         values = self.init_values(cls) or {}
         try:
             held = {repr(roles.evaluate(expr, dict(values[d]), self.scope(cls))) for d in roles.FP8_DTYPES}
-        except (roles.Unknown, TypeError, ValueError, RecursionError, AttributeError, LookupError, KeyError):
+        except roles.EVAL_ERRORS:
             return False
         return len(held) == 1
 
@@ -244,17 +239,15 @@ class FileModel:
         return tree is not None and (names.qualified(tree, self.imports) or "").startswith("torch.ops.")
 
     def flag_definition(self, cls: cst.ClassDef, init: cst.FunctionDef, flag: str) -> list[cst.BaseStatement]:
-        """The statements of ``__init__`` that do nothing but decide ``self.<flag>``: its
-        assignments, an ``if`` on a pure test whose branches only assign it, a call of a method
-        of the class that only assigns it (with that method), the locals only they read; or the
-        class's property that is the flag."""
+        """The statements of ``__init__`` that do nothing but decide ``self.<flag>``: its assignments, an
+        ``if`` on a pure test whose branches only assign it, a call of a method of the class that only assigns
+        it (with that method), the locals only they read; or the class's property that is the flag."""
         scope = self.scope(cls)
         setters: list[cst.FunctionDef] = []
 
         def evaluated(expr: cst.BaseExpression) -> object | None:
             """What ``expr`` holds for an fp8 cache dtype, where that can be read (else None)."""
-            tree = names.expression(a.code(expr))
-            env = {**_locals, roles.DTYPE: "fp8"}
+            tree, env = names.expression(a.code(expr)), {**_locals, roles.DTYPE: "fp8"}
             try:
                 return roles.evaluate(tree, env, scope) if tree is not None else None
             except (roles.Unknown, TypeError, ValueError, RecursionError, AttributeError):
@@ -294,11 +287,9 @@ class FileModel:
         found = [stmt for stmt in body if only_sets(stmt)]
         # locals read only by those statements (``quantized = "fp8" in d``; ``self.F = quantized``)
         for stmt, name, expr in reversed(assigned):
-            if stmt in found:
-                continue
             readers = [s for s in body if s is not stmt and name in a.names_read(s)]
             only_theirs = readers and all(any(r is f for f in found) for r in readers)
-            if only_theirs and evaluated(expr) is not None:
+            if stmt not in found and only_theirs and evaluated(expr) is not None:
                 found.append(stmt)
         prop = self.flag_property(cls, flag)  # the flag as a property
         return [*found, *setters, *([prop] if prop is not None else [])]

@@ -18,11 +18,9 @@ _DEFS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
     """Every call's site when all are native or not a site, else None (ask LibCST)."""
     try:
-        tree = ast.parse(raw)
-        text = importlib.util.decode_source(raw)
+        tree, lines = ast.parse(raw), importlib.util.decode_source(raw).split("\n")
     except (SyntaxError, ValueError, RecursionError, MemoryError, UnicodeDecodeError):
         return None
-    lines = text.split("\n")
     imports = names.import_table(tree)
     functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
     constants = roles.module_constants(tree, roles.Scope(functions, {}, imports))
@@ -60,9 +58,7 @@ def prefilter(raw: bytes) -> list[schema.InsertSite] | None:
     if guards.set_through_another(stores, [schema.DTYPE_ATTR]):
         return None  # a layer's cache dtype changed from outside: LibCST says what
     answered = (schema.SiteState.NATIVE, schema.SiteState.NOT_A_SITE)
-    if named != len(sites) or any(s.state not in answered for s in sites):
-        return None
-    return sites
+    return sites if named == len(sites) and all(s.state in answered for s in sites) else None
 
 
 class _Defer(Exception):
@@ -70,13 +66,11 @@ class _Defer(Exception):
 
 
 def _after(call: ast.Call, body: list[ast.stmt]) -> list[ast.stmt]:
-    """The statements after the one holding ``call``, in its block (within ``body``)."""
-    for i, stmt in enumerate(body):
-        if any(n is call for n in ast.walk(stmt)):
-            blocks = (getattr(stmt, f, None) or [] for f in ("body", "orelse", "finalbody"))
-            inner = next((b for b in blocks if any(n is call for s in b for n in ast.walk(s))), None)
-            return _after(call, inner) if inner is not None else body[i + 1 :]
-    return []
+    """The statements after the one holding ``call``, in its block (within ``body``; no handler's)."""
+    after: list[ast.stmt] = []
+    for block, i in runtime.path_to(call, body, ("body", "orelse", "finalbody")):
+        after = block[i + 1 :]
+    return after
 
 
 def _site(

@@ -1,7 +1,6 @@
-"""Proving the values the bypass relies on, from the file: the caches ``_insert_kv`` can
-reach, the fused buffer and slot mappings, each width of the buffer's layout, where the
-flag goes in ``__init__``, and where ``reshape_and_cache_flash`` is. Each either returns
-code that names what it proved or raises ``Unsupported`` saying what was missing."""
+"""Proving from the file what the bypass relies on: the caches ``_insert_kv`` reaches, the fused buffer, slot
+mappings and each width of its layout, where the flag goes in ``__init__``, where ``reshape_and_cache_flash``
+is. Each returns code naming what it proved, or raises ``Unsupported`` saying what was missing."""
 
 from __future__ import annotations
 
@@ -17,9 +16,8 @@ from codemods.sites import guard_of, unguarded
 
 
 def op_namespace(op: a.OpCall, imports: Mapping[str, str]) -> str | None:
-    """Where ``reshape_and_cache_flash`` is, from how the module reaches the fused op:
-    ``torch.ops._C`` -> ``torch.ops._C_cache_ops``; a bare name -> None (``bare_import``); any
-    other namespace is not known to hold it: the name the module binds ``vllm._custom_ops`` to."""
+    """Where ``reshape_and_cache_flash`` is, from how the module reaches the fused op: ``torch.ops._C`` ->
+    ``torch.ops._C_cache_ops``; a bare name -> None (``bare_import``); else the ``vllm._custom_ops`` name."""
     func = op.call.func
     if op.wrapper is None and isinstance(func, cst.Attribute):  # (by what it is bound to: `from torch.ops import _C`)
         tree = names.expression(a.code(func.value))
@@ -43,12 +41,10 @@ def write_names(
     op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init: cst.FunctionDef, imports: Mapping[str, str],
     stored: Mapping[str, object],
 ) -> dict[str, str]:
-    """What a write method and the post-call block are filled in with, the bypass's
-    (``codegen.INSERT_KV_METHOD``, ``POST_INSERT``) and the fork-era one ``revert`` restores
-    (``INSERT_KV_METADATA``) alike: the caches the call passes (``cache_args``), the widths of the
-    fused buffer's parts (``widths``), the cache dtype, and ``reshape_and_cache_flash`` where the
-    module reaches it (``op_namespace``; bare: the op's own name). ``stored``: what ``__init__`` and the methods it
-    calls store (``FileModel.init_stores``), the cache dtype among them."""
+    """What a write method and the post-call block are filled in with (the bypass's ``INSERT_KV_METHOD``,
+    ``POST_INSERT`` and revert's ``INSERT_KV_METADATA`` alike): the caches (``cache_args``), the widths
+    (``widths``), the cache dtype, ``reshape_and_cache_flash`` where the module reaches it (``op_namespace``;
+    bare: the op's own name). ``stored``: what ``__init__`` and its methods store (``init_stores``)."""
     init_attrs = a.self_assignments(init)
     names = cache_args(op, method, slot) | widths(op, method, slot, init_attrs, stale_widths(init, init_attrs))
     if schema.DTYPE_ATTR not in stored:
@@ -61,17 +57,16 @@ def write_names(
 
 
 def cache_args(op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot) -> dict[str, str]:
-    """The cache expressions `_insert_kv` can reach (an argument under a condition: a guard's), by
-    the parameters' keywords (``kv_cache``, ``index_cache``: the templates' names for them)."""
+    """The cache expressions `_insert_kv` can reach (an argument under a condition: a guard's), by the
+    parameters' keywords (``kv_cache``, ``index_cache``: the templates' names for them)."""
     caches: dict[str, str] = {}
     for param in schema.CACHE_ARGS:
         arg = op.arg(param)
         if arg is None or a.is_none(arg.value):
             raise Unsupported(f"the call passes no `{param.keyword}` argument to guard")
         if isinstance(arg.value, cst.IfExp) and guard_of(arg) is None:
-            raise Unsupported(
-                f"`{param.keyword}` is a conditional that cannot be guarded: {a.code(arg.value)}"
-            )
+            shown = a.code(arg.value)
+            raise Unsupported(f"`{param.keyword}` is a conditional that cannot be guarded: {shown}")
         value = unguarded(arg)
         resolved = a.resolve_self_expr(method, value, slot)
         if resolved is None:
@@ -93,9 +88,8 @@ def qkv_and_slots(op: a.OpCall) -> tuple[str, str, str]:
         arg = op.arg(param)
         if arg is None or a.is_none(arg.value) or not a.is_pure(arg.value):
             shown = a.code(arg.value) if arg is not None else "nothing"
-            raise Unsupported(
-                f"`{param.keyword}` ({shown}) is not a name or attribute that can be passed again"
-            )
+            raise Unsupported(f"`{param.keyword}` ({shown}) is not a name or attribute "
+                              "that can be passed again")
         slots.append(a.code(arg.value))
     return qkv.value.value, slots[0], slots[1]
 
@@ -103,12 +97,11 @@ def qkv_and_slots(op: a.OpCall) -> tuple[str, str, str]:
 def widths(
     op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments, stale: set[str]
 ) -> dict[str, str]:
-    """Code for the widths of the fused buffer's parts, [q | k | v | index_q | index_k] (index_k is one
-    head: ``idx_head_dim`` wide), by the templates' names; each size by what it is in the layout, never
-    by the first product that fits: a head size is what that part's norms are built with (the call
-    passes their ``.weight``), else the one size that multiplies its head counts in ``__init__``; a width
-    is a ``self.W = <count> * <size>`` of ``__init__`` assigned once but a stale one
-    (``anchors.stale_widths``: it may hold the model's width), else that product itself."""
+    """Code for the widths of the fused buffer's parts [q | k | v | index_q | index_k] (index_k: one head), by
+    the templates' names; each by what it is in the layout, never the first product that fits: a head size is
+    what that part's norms are built with (the call passes their ``.weight``), else the one size multiplying
+    its head counts in ``__init__``; a width is a ``self.W = <count> * <size>`` of ``__init__`` assigned once
+    and not stale (``anchors.stale_widths``: it may hold the model's width), else that product."""
     counts: dict[str, cst.BaseExpression] = {}
     for param in (schema.NUM_HEADS, schema.NUM_KV_HEADS, schema.NUM_INDEX_HEADS):
         arg = op.arg(param)
@@ -158,8 +151,8 @@ def widths(
 def _norm_sizes(
     op: a.OpCall, method: cst.FunctionDef, slot: a.StatementSlot, init_attrs: a.Assignments, params
 ) -> set[str]:
-    """The ``self.D`` that the norms passed as ``params`` are built with: ``self.N = Norm(self.D, …)``
-    in __init__ (assigned once), ``self.N.weight`` passed."""
+    """The ``self.D`` that the norms passed as ``params`` (``self.N.weight``) are built with: ``self.N =
+    Norm(self.D, …)`` in __init__, assigned once."""
     sizes = set()
     for param in params:
         arg = op.arg(param)
@@ -195,15 +188,13 @@ def dtype_anchor(init: cst.FunctionDef, attrs: a.Assignments, setters: Sequence[
 
 def _is_dtype_conversion(node: cst.CSTNode) -> bool:
     """``kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, …)``."""
-    return (
-        isinstance(node, cst.Call) and a.callee_name(node) == "kv_cache_dtype_str_to_dtype"
-        and bool(node.args) and a.self_attr(node.args[0].value) == schema.DTYPE_ATTR
-    )
+    convert = isinstance(node, cst.Call) and a.callee_name(node) == "kv_cache_dtype_str_to_dtype"
+    return convert and bool(node.args) and a.self_attr(node.args[0].value) == schema.DTYPE_ATTR
 
 
 def bare_import(imports: list[a.ImportedName]) -> tuple[cst.SimpleStatementLine, cst.ImportFrom] | None:
     """For a bare ``fused_…(…)`` callee: ``from vllm._custom_ops import fused_…``, beside which
-    ``reshape_and_cache_flash`` is imported."""
+    ``reshape_and_cache_flash`` is imported (None: it is imported already)."""
     if any(i.bound == schema.RESHAPE_OP for i in imports):
         return None
     for imp in imports:

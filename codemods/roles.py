@@ -1,10 +1,8 @@
-"""The roles of a bypass, proven from what its expressions do, never from how they are spelled.
+"""The roles of a bypass, proven from what its expressions do, never from how they are spelled (on ``ast``).
 
-A fork may name every piece differently and write every condition another way round. The *flag*
-is a ``self.<attr>`` that ``__init__`` leaves true for every fp8 dtype and false for "bfloat16" and "auto"
-(``flags`` runs ``__init__`` on each dtype, reading with ``evaluate``); the *guard* conditions the
-cache arguments on ``not flag`` and the *post-call block* runs when the guard is false, read as
-truth tables over ``evaluate`` (``codemods.guards``). All on Python's own ``ast``."""
+The *flag* is a ``self.<attr>`` that ``__init__`` leaves true for every fp8 dtype and false for "bfloat16"
+and "auto" (``flags`` runs ``__init__`` on each dtype, reading with ``evaluate``); the *guard* (``not flag``
+on the cache arguments) and the *post-call block* (run when it is false) are truth tables of ``evaluate``."""
 
 from __future__ import annotations
 
@@ -26,7 +24,6 @@ VLLM_HELPERS = {"is_quantized_kv_cache": lambda dtype: dtype.startswith("fp8") o
 _METHODS = {str: {"startswith", "endswith", "lower", "upper", "strip", "casefold", "replace", "partition"}, dict: {"get"}}
 _BUILTINS = {"bool": bool, "str": str, "any": any, "all": all, "frozenset": frozenset, "set": frozenset, "tuple": tuple}
 DEPTH = 3  # how deep the reading follows helpers calling helpers (or methods __init__ calls)
-_ERRORS = (TypeError, ValueError, RecursionError, AttributeError, LookupError)  # besides Unknown, from evaluating
 _MISSING = object()
 _STEPPED_OVER = (ast.Pass, ast.Assert, ast.Import, ast.ImportFrom, ast.Expr, ast.Global, ast.Nonlocal)  # bind nothing read
 _SOURCES = "<dtype sources>"  # env's key for the names that are the cache dtype (to that dtype)
@@ -47,11 +44,14 @@ class Unknown(Exception):
     """The expression holds something the reading cannot evaluate."""
 
 
+# What evaluating raises: Unknown, or Python's own error on the values the reading holds.
+EVAL_ERRORS = (Unknown, TypeError, ValueError, RecursionError, AttributeError, LookupError)
+
+
 @dataclass(frozen=True)
 class Scope:
-    """What an expression's calls can reach: the module's functions, the class's methods
-    (``ast`` defs by name) and what the file's imports bind (``import_table``); ``compiling``: the locals
-    that hold ``torch.compiler.is_compiling()`` (``compiling = torch.compiler.is_compiling()``, bound once)."""
+    """What an expression's calls can reach: module functions, class methods (``ast`` defs by name), what
+    imports bind (``import_table``); ``compiling``: locals bound once to ``torch.compiler.is_compiling()``."""
 
     functions: Mapping[str, ast.FunctionDef]
     methods: Mapping[str, ast.FunctionDef]
@@ -67,8 +67,7 @@ NO_SCOPE = Scope({}, {})
 
 
 def evaluate(node: ast.expr, env: Mapping[str, object], scope: Scope = NO_SCOPE, depth: int = 0) -> object:
-    """The value of ``node`` where ``env`` gives names, ``self.`` attributes (dotted) and
-    ``COMPILING``; ``Unknown`` for anything else."""
+    """``node``'s value, ``env`` giving names, ``self.`` attributes (dotted), ``COMPILING``; else Unknown."""
 
     def ev(n: ast.expr) -> object:
         return evaluate(n, env, scope, depth)
@@ -193,8 +192,8 @@ def _arguments(call: ast.Call, env: Mapping[str, object], scope: Scope, depth: i
 
 
 def _bind(fn: ast.FunctionDef, call: ast.Call, passed: tuple[list, dict], scope: Scope, depth: int) -> dict:
-    """``fn``'s parameters (but a non-static method's ``self``) bound to ``passed``, ``call``'s argument values
-    (``_arguments``), defaults read; ``Unknown`` past ``DEPTH`` or for ``*args``, ``**kwargs``, keyword-only."""
+    """``fn``'s parameters (but a non-static method's ``self``) bound to ``call``'s argument values
+    (``passed``), defaults read; ``Unknown`` past ``DEPTH`` or for ``*args``, ``**kwargs``, keyword-only."""
     args, kwargs = passed
     skip = self_member(call.func) is not None and "staticmethod" not in map(dotted, fn.decorator_list)
     params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)][skip:]
@@ -239,10 +238,9 @@ class _Stop(Exception):
 
 
 def _dtype_sources(init: ast.FunctionDef, scope: Scope) -> tuple[set[str], bool, set[str]]:
-    """``self.kv_cache_dtype`` and the chain of names it is assigned from (``d = cache_config.cache_dtype``;
-    ``self.kv_cache_dtype = d``), each set by one statement of __init__ or a method it calls (two, ``= "auto"``
-    then the real one: which is the dtype's is not known); whether __init__ sets it (the dtype from there); and
-    the objects the chain reads that are there on the dtype's path (``_source``)."""
+    """``self.kv_cache_dtype`` and the chain of names it is assigned from (``d = cache_config.cache_dtype``),
+    each set by one statement on a path of __init__ or a method it calls (two: which is the dtype's is not
+    known); whether __init__ sets it (the dtype from there); the objects the chain reads that are there."""
     body = [*init.body, *(s for fn in init_methods(init, scope)[1:] for s in fn.body)]
     assigns = [n for n in ast.walk(init) if isinstance(n, ast.Assign) and len(n.targets) == 1]
     values = {name: n.value for n in reversed(assigns) if (name := dotted(n.targets[0]))}  # (the first)
@@ -279,23 +277,20 @@ def _stores_on_a_path(body: list[ast.stmt], name: str) -> int:
     def stores(node: ast.AST) -> int:
         return sum(dotted(n) == name for n in ast.walk(node) if isinstance(getattr(n, "ctx", None), ast.Store))
 
-    return sum(
-        stores(s.test) + max(_stores_on_a_path(s.body, name), _stores_on_a_path(s.orelse, name))
-        if isinstance(s, ast.If) else stores(s)
-        for s in body
-    )
+    return sum(stores(s.test) + max(_stores_on_a_path(s.body, name), _stores_on_a_path(s.orelse, name))
+               if isinstance(s, ast.If) else stores(s) for s in body)
 
 
 def _assign(target: ast.expr, value: ast.expr | None, env: dict[str, object], scope: Scope) -> None:
     try:  # (the whole value first, as Python does)
         _store(target, _MISSING if value is None else evaluate(value, env, scope), env)
-    except (Unknown, *_ERRORS):
+    except EVAL_ERRORS:
         _store(target, _MISSING, env)
 
 
 def _store(target: ast.expr, value: object, env: dict[str, object]) -> None:
-    """``target`` holds ``value`` now (``_MISSING``: something not known); a tuple of targets
-    takes a tuple of as many values item by item (``self.F, self.x = "fp8" in d, 1``)."""
+    """``target`` holds ``value`` now (``_MISSING``: not known); a tuple of targets takes a tuple of as many
+    values item by item (``self.F, self.x = "fp8" in d, 1``)."""
     if isinstance(target, (ast.Tuple, ast.List)):
         fits = isinstance(value, tuple) and len(value) == len(target.elts)
         fits = fits and not any(isinstance(e, ast.Starred) for e in target.elts)
@@ -314,8 +309,7 @@ def _store(target: ast.expr, value: object, env: dict[str, object]) -> None:
 
 
 def _forget(node: ast.AST, env: dict[str, object], scope: Scope) -> None:
-    """Every name or ``self.`` attribute a statement may bind, itself or in a method of the class
-    it calls (and those call in turn): no longer known."""
+    """Every name or ``self.`` attribute a statement may bind, itself or in methods it calls: not known."""
     todo, seen = [node], set()
     while todo:
         for sub in ast.walk(todo.pop()):
@@ -346,7 +340,7 @@ def _statement(stmt: ast.stmt, env: dict[str, object], scope: Scope, depth: int)
     elif isinstance(stmt, ast.If):
         try:
             taken = bool(evaluate(stmt.test, env, scope))
-        except (Unknown, *_ERRORS):
+        except EVAL_ERRORS:
             _either(stmt, env, scope, depth)
         else:
             _block(stmt.body if taken else stmt.orelse, env, scope, depth)
@@ -383,8 +377,8 @@ def _raises_nothing(body: list[ast.stmt], env: dict[str, object], scope: Scope) 
 
 
 def _unrolled(stmt: ast.For | ast.While | ast.Match, env: dict[str, object], scope: Scope, depth: int) -> None:
-    """A ``for`` over a known tuple or string, or a ``while`` whose test it reads (no ``break``/``continue``; 16
-    rounds at most), round by round; a ``match`` by literal patterns, the case that matches. Else forgotten."""
+    """A ``for`` over a known tuple or string, or a ``while`` whose test it reads (no ``break``/``continue``;
+    16 rounds at most), round by round; a ``match`` on literals, the case that matches. Else forgotten."""
     before = dict(env)
     try:
         if isinstance(stmt, ast.Match):
@@ -405,7 +399,7 @@ def _unrolled(stmt: ast.For | ast.While | ast.Match, env: dict[str, object], sco
         if isinstance(stmt, ast.While) and evaluate(stmt.test, env, scope):
             raise Unknown("while")  # still running after 16 rounds
         _block(stmt.orelse, env, scope, depth)
-    except (Unknown, *_ERRORS):
+    except EVAL_ERRORS:
         env.clear()
         env.update(before)
         _forget(stmt, env, scope)
@@ -486,7 +480,7 @@ def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int)
         passed = _arguments(call, env, scope, depth)
         inner = {k: v for k, v in env.items() if k.startswith("self.")} | _bind(fn, call, passed, scope, depth)
         _block(fn.body, inner, scope, depth + 1)
-    except (Unknown, _Stop, *_ERRORS):  # (_Stop: the reading does not follow which path returned)
+    except (_Stop, *EVAL_ERRORS):  # (_Stop: the reading does not follow which path returned)
         _forget(fn, env, scope)
         return
     for key in [k for k in env if k.startswith("self.") and k not in inner]:
@@ -495,8 +489,8 @@ def _self_call(call: ast.Call, env: dict[str, object], scope: Scope, depth: int)
 
 
 def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object]) -> dict[str, dict[str, object]]:
-    """What each ``self.<attr>`` holds when ``__init__`` returns (``base``: before), for each fp8 dtype, "bfloat16"
-    and "auto" as ``self.kv_cache_dtype``, where every path the reading cannot decide agrees. Read once a class."""
+    """What each ``self.<attr>`` holds when ``__init__`` returns (``base``: before), for each fp8 dtype,
+    "bfloat16" and "auto" as the cache dtype, where every path the reading cannot decide agrees."""
     # what a def nested in __init__ (or in a method it calls) stores through ``self``: whenever it is called
     nested = [d for fn in init_methods(init, scope) for d in ast.walk(fn) if d is not fn and isinstance(d, _NESTED)]
     late = {f"self.{attr}" for d in nested for attr in stored(d)}
@@ -508,15 +502,15 @@ def init_values(init: ast.FunctionDef, scope: Scope, base: Mapping[str, object])
         with contextlib.suppress(_Stop):
             _block(init.body, env, scope, 0)
         for name, call in props.items():  # what a property gives once __init__ has run
-            with contextlib.suppress(Unknown, *_ERRORS):
+            with contextlib.suppress(*EVAL_ERRORS):
                 env[f"self.{name}"] = _helper(scope.methods[name], call, ([], {}), env, scope, 0)
         values[dtype] = {k: v for k, v in env.items() if k.startswith("self.") and k not in late}
     return values
 
 
 def flags(init: ast.FunctionDef, scope: Scope, values: Mapping[str, Mapping[str, object]]) -> dict[str, bool]:
-    """Each attribute ``__init__`` assigns (or property): whether it is a flag - true for every fp8 dtype
-    and false for "bfloat16" and "auto" once ``__init__`` has run (``values``: ``init_values``), however decided."""
+    """Each attribute ``__init__`` assigns (or property): whether it is a flag - true for every fp8 dtype and
+    false for "bfloat16" and "auto" once ``__init__`` has run (``values``: ``init_values``)."""
     assigned = set().union(*map(stored, init_methods(init, scope)), scope.properties()) - {schema.DTYPE_ATTR}
     held = {attr: {d: run.get(f"self.{attr}", _MISSING) for d, run in values.items()} for attr in assigned}
     return {
@@ -526,13 +520,13 @@ def flags(init: ast.FunctionDef, scope: Scope, values: Mapping[str, Mapping[str,
 
 
 def carries_dtype(node: ast.expr, scope: Scope, values: Mapping[str, Mapping[str, object]]) -> bool:
-    """A native call's ``kv_cache_dtype`` argument holds the cache dtype: for each of the fp8 dtypes, "bfloat16"
-    and "auto", that dtype (or "fp8" for "fp8_e4m3": one to vLLM's kernels) once ``__init__`` has run (``values``)."""
+    """A native call's ``kv_cache_dtype`` argument holds the cache dtype once ``__init__`` has run
+    (``values``): for each dtype, that dtype (or "fp8" for "fp8_e4m3": one to vLLM's kernels)."""
     kernel = {"fp8_e4m3": "fp8"}.get
     try:  # (each env a copy: a `:=` in it binds nothing here)
         found = {dtype: evaluate(node, dict(env), scope) for dtype, env in values.items()}
         return all(kernel(v, v) == kernel(d, d) for d, v in found.items())  # type: ignore[call-overload]
-    except (Unknown, *_ERRORS):
+    except EVAL_ERRORS:
         return False
 
 

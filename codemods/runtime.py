@@ -1,7 +1,6 @@
-"""What runs when vLLM runs the layer, whatever the cache dtype: the names ``__init__`` and the call's method read
-as they are bound at run time, the method as its decorators leave it, and whether the call runs at all with an
-fp8 cache. ``check`` answers only for a layer that runs; ``verify``'s stand-in runs neither the module's own
-statements nor a decorator, so these are read here, once, for ``sites`` and ``prefilter`` alike."""
+"""What runs when vLLM runs the layer, whatever the cache dtype (``check`` answers only for one that runs):
+the names ``__init__`` and the call's method read as bound at run time, the method as its decorators leave it,
+whether the call runs with an fp8 cache; read here: ``verify``'s stand-in runs no module code or decorator."""
 
 from __future__ import annotations
 
@@ -9,13 +8,14 @@ import ast
 import builtins
 import functools
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from codemods import guards, names, roles, schema
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.DictComp)
 _EXITS = (ast.Return, ast.Raise)
+_BLOCKS = ("body", "orelse", "finalbody", "handlers")
 
 
 # What Python binds in every module: its builtins, ``__name__`` and the like, and a method's ``__class__``.
@@ -65,8 +65,8 @@ class Module:
         return cls(None if star else PYTHON_NAMES | bound_by(own), _rebound(tree), functions, tree, imports)
 
     def redefined_below(self, cls: ast.ClassDef, methods: set[str], attrs: set[str]) -> str | None:
-        """A class of the file that derives from ``cls`` and defines one of ``methods`` or a method storing
-        ``self.<attr>`` of ``attrs``: the layer it builds runs what ``cls`` was not proven with. In words."""
+        """A subclass in the file defining one of ``methods`` or storing ``self.<attr>`` of ``attrs``: the
+        layer it builds runs what ``cls`` was not proven with. In words."""
         for sub in (c for c in self.classes if c is not cls and cls in names.lineage(c, self.tree)):
             stored = set().union(*(roles.stored(f) for f in sub.body if isinstance(f, ast.FunctionDef)))
             if found := sorted(methods & bound_by(_own(sub)) | attrs & stored):
@@ -74,9 +74,9 @@ class Module:
         return None
 
     def remade(self, cls: ast.ClassDef) -> str | None:
-        """What runs when ``cls`` is made and may leave another class than its own ``def``s: a class decorator, a
-        metaclass (the class's and its bases' of this file) or a base's ``__init_subclass__`` that changes what it is
-        handed (``_changes``), or one the file does not define but vLLM's own and ``abc``'s. In words."""
+        """What runs when ``cls`` is made and may leave another class than its own ``def``s: a class
+        decorator, a metaclass (its or its bases') or a base's ``__init_subclass__`` that changes what it is
+        handed (``_changes``), or one the file does not define but vLLM's and ``abc``'s. In words."""
         lineage = names.lineage(cls, self.tree)
         metaclasses = [k.value for c in lineage for k in c.keywords if k.arg == "metaclass"]
         hooks = [*(d for c in lineage for d in c.decorator_list), *metaclasses]
@@ -161,9 +161,8 @@ def _read(code: list[ast.AST]) -> list[ast.Name]:
 
 
 def _names(code: list[ast.AST], module: Module, known: set[str]) -> str | None:
-    """A name a function reads that neither it nor the module binds at run time, or that the module binds again after
-    its import, or that the function reads before binding a local of that module name (UnboundLocalError);
-    ``known``: another rule's (a lost guard)."""
+    """A name a function reads that neither it nor the module binds at run time, or the module binds again
+    after its import, or read before its local is bound (UnboundLocalError); ``known``: a lost guard's."""
     for fn in code:
         inner = bound_by(list(ast.walk(fn)))  # (its locals, and its comprehensions' and lambdas')
         for n in (n for n in _read([fn]) if n.id not in known and n.id not in inner):
@@ -186,8 +185,8 @@ def _names(code: list[ast.AST], module: Module, known: set[str]) -> str | None:
 
 
 def _decorated(method: ast.FunctionDef, init: ast.FunctionDef | None, module: Module) -> str | None:
-    """What vLLM runs by the method's name that is not proven to be it: the method under a decorator the file defines,
-    or ``staticmethod``/``classmethod`` (no ``self``), or an attribute ``__init__`` binds by its name."""
+    """What vLLM runs by the method's name, not proven to be it: the method under a decorator the file
+    defines, ``staticmethod``/``classmethod`` (no ``self``), or an attribute ``__init__`` binds by it."""
     for d in method.decorator_list:
         name = names.dotted(d.func if isinstance(d, ast.Call) else d)
         if name in module.functions or name in ("staticmethod", "classmethod"):
@@ -196,10 +195,17 @@ def _decorated(method: ast.FunctionDef, init: ast.FunctionDef | None, module: Mo
     return f"line {at[0].lineno} binds `self.{method.name}` in __init__: what runs is not the method" if at else None
 
 
-def _inner(stmt: ast.AST, call: ast.AST) -> list[ast.stmt] | None:
-    """The block of ``stmt`` (its body, else branch, ``finally``, handlers) that holds ``call``."""
-    blocks = [b for f in ("body", "orelse", "finalbody", "handlers") for b in [getattr(stmt, f, None)] if isinstance(b, list)]
-    return next((b for b in blocks if any(n is call for s in b for n in ast.walk(s))), None)
+def _holds(block: list, call: ast.AST) -> bool:
+    return any(n is call for s in block for n in ast.walk(s))
+
+
+def path_to(call: ast.AST, body: list | None, fields: tuple = _BLOCKS) -> Iterator[tuple[list, int]]:
+    """Each block from ``body`` down to ``call`` (a statement's ``fields``: body, else branch, ``finally``,
+    handlers), with the index of its statement that holds ``call``."""
+    while body and (i := next((i for i, s in enumerate(body) if _holds([s], call)), None)) is not None:
+        yield body, i
+        blocks = (getattr(body[i], f, None) for f in fields)
+        body = next((b for b in blocks if isinstance(b, list) and _holds(b, call)), None)
 
 
 def _unreached(body: list[ast.stmt], call: ast.AST, runs: Iterable[dict[str, object]], scope: roles.Scope) -> str | None:
@@ -208,38 +214,31 @@ def _unreached(body: list[ast.stmt], call: ast.AST, runs: Iterable[dict[str, obj
     def holds(test: ast.expr) -> list[bool]:
         try:
             return [bool(roles.evaluate(test, dict(env), scope)) for env in runs]
-        except (roles.Unknown, TypeError, ValueError, RecursionError, AttributeError, LookupError):
+        except roles.EVAL_ERRORS:
             return []
 
-    for i, stmt in enumerate(body):
-        if not any(n is call for n in ast.walk(stmt)):
-            continue
-        for before in body[:i]:
+    for block, i in path_to(call, body):
+        for before in block[:i]:
             leaves = isinstance(before, ast.If) and not before.orelse and isinstance(before.body[-1], _EXITS)
             if leaves and any(holds(before.test)):  # type: ignore[attr-defined]
                 return f"`{ast.unparse(before.test)}` (line {before.lineno}) leaves the method first"  # type: ignore[attr-defined]
-        if isinstance(stmt, ast.If):
-            inside = any(n is call for s in stmt.body for n in ast.walk(s))
+        if isinstance(stmt := block[i], ast.If):
+            inside = _holds(stmt.body, call)
             if not all(t == inside for t in holds(stmt.test)):
                 return f"`{ast.unparse(stmt.test)}` (line {stmt.lineno}) takes the other branch"
-        inner = _inner(stmt, call)
-        return _unreached(inner, call, runs, scope) if inner is not None else None
     return None
 
 
 def _again(body: list[ast.stmt], call: ast.Call) -> str | None:
     """Where the call may run other than once a forward: a loop holding it, or a statement beside it that calls the
     op too. The op norms and ropes the fused buffer in place: run twice, it ropes the keys it writes twice."""
-    for i, stmt in enumerate(body):
-        if not any(n is call for n in ast.walk(stmt)):
-            continue
-        beside = [s.value for s in body if s is not stmt and isinstance(getattr(s, "value", None), ast.Call)]  # type: ignore[attr-defined]
+    for block, i in path_to(call, body):
+        stmt = block[i]
+        beside = [s.value for s in block if s is not stmt and isinstance(getattr(s, "value", None), ast.Call)]  # type: ignore[attr-defined]
         if again := [c for c in beside if names.dotted(c.func) == names.dotted(call.func)]:
             return f"line {again[0].lineno} calls the op again, on the same path"
-        if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)) and any(n is call for s in stmt.body for n in ast.walk(s)):
+        if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)) and _holds(stmt.body, call):
             return f"it stands in the loop at line {stmt.lineno}"
-        inner = _inner(stmt, call)
-        return _again(inner, call) if inner is not None else None
     return None
 
 
@@ -247,11 +246,10 @@ def broken(
     module: Module, cls: ast.ClassDef | None, init: ast.FunctionDef | None, method: ast.FunctionDef | None,
     call: ast.AST, values: Mapping[str, Mapping[str, object]] | None, scope: roles.Scope, known: set[str],
 ) -> str | None:
-    """Why the layer, as vLLM runs it, does not run the call with an fp8 cache, whatever the bypass (in words), or
-    None: a name (``_names``) ``__init__`` or what the method reaches (``guards.reached``) reads, a decorator of the method
-    (``_decorated``), the call run other than once (``_again``), a subclass that redefines the method or the cache
-    dtype, the cache dtype set by a method ``__init__`` does not run, a test that keeps the call from running
-    (``_unreached``)."""
+    """Why the layer as vLLM runs it does not run the call with an fp8 cache, whatever the bypass (in words),
+    or None: a name ``__init__`` or what the method reaches reads (``_names``), a decorator (``_decorated``),
+    the call run other than once (``_again``), a subclass redefining the method or cache dtype, the cache
+    dtype set where ``__init__`` does not run, a test keeping the call from running (``_unreached``)."""
     code = [c for c in (init, *(guards.reached(method, scope, init) if method else ())) if c is not None]
     if (lost := _names(code, module, known)) is not None:
         return f"{lost}: vLLM fails building or running the layer, with any cache dtype. Bind it once, at module level, then run again"
