@@ -4,6 +4,7 @@ the one that needs it (a ``BypassPlan``, or a ``RevertPlan`` stripping a native 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import libcst as cst
@@ -48,8 +49,8 @@ def analyze(module: cst.Module, source: str | bytes | None = None) -> FileAnalys
     finder = find_calls(module, m.source_map, m.wrappers)
     classified = [classify(m, f) for f in finder.found]
     strays = [_stray_site(stmt, m.source_map) for _, stmt in finder.strays()]
-    sites = schema.one_candidate([site for site, _ in classified] + strays)
-    plans = [plan for (_, plan), site in zip(classified, sites) if plan is not None and site.action in CHANGING]
+    sites = schema.one_candidate([site for site, _, _ in classified] + strays)
+    plans = [plan for (_, plan, _), site in zip(classified, sites) if plan is not None and site.action in CHANGING]
     return FileAnalysis(module, sites, plans, m.source_map)
 
 
@@ -69,24 +70,38 @@ def _stray_site(stmt: cst.CSTNode | None, source_map: SourceMap | None) -> Inser
     return InsertSite(None, "<module>", span[0] if span else 0, SiteState.UNSUPPORTED, Action.REFUSE, reason)
 
 
-def classify(m: FileModel, found: FoundCall) -> tuple[InsertSite, BypassPlan | RevertPlan | None]:
-    """One call's site, asked of the file's model ``m``, and the plan of its change."""
+def classify(
+    m: FileModel, found: FoundCall
+) -> tuple[InsertSite, BypassPlan | RevertPlan | None, Callable[[], RevertPlan | None]]:
+    """One call's site, asked of the file's model ``m``, the plan of its change, and ``revert``: the
+    plan of taking its bypass out (``plan_site``), planned once, on the pieces the verdict found."""
     facts, slot = call_facts(found, m)
     found_pieces: list[FoundPieces] = []
+    reverted: list[RevertPlan | Unsupported | None] = []
 
     def collect() -> FoundPieces:
         assert found.cls is not None and found.method is not None
         found_pieces.append(collect_pieces(m, found.cls, found.method, found.op, slot))
         return found_pieces[-1]
 
+    def revert() -> RevertPlan | None:
+        if not reverted:
+            try:
+                reverted.append(plan_site(m, found, found_pieces[-1] if found_pieces else None))
+            except Unsupported as exc:
+                reverted.append(exc)
+        if isinstance(reverted[0], Unsupported):
+            raise reverted[0]
+        return reverted[0]
+
     decided = schema.verdict(facts, collect)
     plan: BypassPlan | RevertPlan | None = None
     failure = None
     try:
         if decided.state is SiteState.PATCHED:  # what `revert` would say of it, said here too
-            plan_site(m, found, found_pieces[-1])
+            revert()
         elif decided.action is Action.STRIP:  # the strip is the revert of that one site
-            plan = plan_site(m, found, found_pieces[-1])
+            plan = revert()
             if plan is None:
                 raise Unsupported("no bypass piece could be delimited")
         elif decided.action in CHANGING:
@@ -95,8 +110,8 @@ def classify(m: FileModel, found: FoundCall) -> tuple[InsertSite, BypassPlan | R
     except Unsupported as exc:
         failure = str(exc)
     if decided.state is SiteState.PATCHED and failure is not None:
-        return replace(decided, reason=f"{decided.reason}; `revert` cannot take it out: {failure}"), None
-    return schema.planned(decided, failure, found_pieces[-1] if found_pieces else None), plan
+        return replace(decided, reason=f"{decided.reason}; `revert` cannot take it out: {failure}"), None, revert
+    return schema.planned(decided, failure, found_pieces[-1] if found_pieces else None), plan, revert
 
 
 def rewrite(analysis: FileAnalysis) -> cst.Module:
@@ -117,10 +132,10 @@ def analyze_revert(module: cst.Module) -> FileAnalysis:
     sites: list[InsertSite] = []
     plans: list[RevertPlan | None] = []
     for found in finder.found:
-        site, _ = classify(m, found)
+        site, _, revert = classify(m, found)
         plan = failure = None
         try:
-            plan = plan_site(m, found)
+            plan = revert()
         except Unsupported as exc:
             failure = str(exc)
         sites.append(schema.reverted(site, revert_reason(plan) if plan else None, failure))

@@ -133,3 +133,18 @@ def test_names_counted_where_they_can_be(variant: str) -> None:
     full = a.name_uses(module)
     quick = a.name_uses(module, skip=silent)
     assert {w: quick.get(w, 0) for w in words} == {w: full.get(w, 0) for w in words}
+
+
+@pytest.mark.parametrize("name", ["patched", "native_stale_bypass"])
+def test_revert_plans_each_site_once(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``analyze_revert`` asks ``classify`` (which plans a patched site's revert, to say what `revert` would) and
+    takes that plan: it planned every site twice, collecting its pieces again."""
+    from codemods import analysis
+
+    calls: list[object] = []
+    real = analysis.plan_site
+    monkeypatch.setattr(analysis, "plan_site", lambda *args: calls.append(args[1]) or real(*args))
+    path = next(p for p in CORPUS if p.parent.name == name and p.name == "model.py")
+    result = analysis.analyze_revert(cst.parse_module(path.read_text()))
+    assert any(s.action.value == "revert" for s in result.sites) and result.plans
+    assert calls and len(calls) == len({id(c) for c in calls}), len(calls)
