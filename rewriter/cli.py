@@ -33,21 +33,15 @@ if TYPE_CHECKING:
 
 
 class Option:
-    """One option, as both readers take it (no ``flags``: the positional PATHS). A plain class:
+    """One option, as both readers take it: ``flags`` its spellings ("--jobs -j", "--timing/--no-timing";
+    none: the positional PATHS), ``dest`` the body's argument, ``metavar`` None for a switch (bool),
+    ``kind`` of its value (str, Path, int or float), ``many`` repeatable (a list). A plain class:
     a dataclass or NamedTuple would cost a millisecond or more at every start."""
 
     def __init__(
-        self,
-        flags: str,  # its spellings: "--jobs -j", "--timing/--no-timing"
-        dest: str,  # the body's argument it is
-        help: str,
-        metavar: str | None = None,  # None: a switch (bool)
-        kind: type = str,  # of its value: str, Path, int or float
-        default: Any = None,
-        many: bool = False,  # repeatable: a list
-        minimum: float | None = None,
-        choices: tuple[str, ...] = (),
-        hidden: bool = False,
+        self, flags: str, dest: str, help: str, metavar: str | None = None, kind: type = str,
+        default: Any = None, many: bool = False, minimum: float | None = None,
+        choices: tuple[str, ...] = (), hidden: bool = False,
     ) -> None:
         self.flags, self.dest, self.help, self.metavar = tuple(flags.split()), dest, help, metavar
         self.is_flag = metavar is None

@@ -28,11 +28,7 @@ STATE_STYLE |= {SiteState.NATIVE: "green", SiteState.NOT_A_SITE: "dim", SiteStat
 
 
 def envelope(
-    command: str,
-    exit_code: int,
-    error: str | None,
-    note: str | None,
-    files: list[dict[str, object]],
+    command: str, exit_code: int, error: str | None, note: str | None, files: list[dict[str, object]],
     summary: dict[str, int],
 ) -> dict[str, object]:
     """The one JSON shape every command prints with ``--json`` (``verify`` adds ``kernel``)."""
@@ -336,8 +332,8 @@ Section = tuple[list[RenderableType], list[tuple[RenderableType, ...]]]
 
 
 def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
-    """survey's table (``file_sections``): each file listed, with a row per insert site (a file
-    without one, a row saying why), its columns fit to ``width``."""
+    """survey's table (``file_sections``): a row per insert site of each file (a file without one, a
+    row saying why), its columns fit to ``width``."""
     sections: list[Section] = []
     all_rows: list[Row] = []
     for target, result in zip(report.targets, report.files):
@@ -376,12 +372,9 @@ def file_sections(
     would cut its path), then its rows in columns of ``widths``. No vertical rules: 80 columns are few."""
 
     def columns(rows: list[tuple[RenderableType, ...]], header: bool = False) -> Table:
+        # SIMPLE_HEAD: its rules are blanks but for the line under the header
         table = Table(
-            box=box.SIMPLE_HEAD,  # its rules are blanks but for the line under the header
-            show_header=header,
-            header_style="bold",
-            show_edge=False,
-            pad_edge=False,
+            box=box.SIMPLE_HEAD, show_header=header, header_style="bold", show_edge=False, pad_edge=False,
             padding=(0, COLUMN_GAP - 1, 0, 0),
         )
         for name, column_width in zip(headers, widths):
