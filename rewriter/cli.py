@@ -246,15 +246,9 @@ def _write(command: str, o: SimpleNamespace, dry: bool, copy: Path | None = None
     targets = [dataclasses.replace(t, origin="--example") if t.path == copy else t for t in targets]
     waiting = f"another mm3-codemod run holds it (up to {o.lock_timeout:g} s)"
     report = failed or write_targets(
-        command,
-        targets,
-        backup=o.backup,
-        dry_run=dry,
-        exit_non_zero_on_fix=o.exit_non_zero_on_fix,
-        lock_timeout=o.lock_timeout,
-        on_wait=lambda path: say(stderr(), f"waiting for {path}: {waiting}"),
-        prove=getattr(o, "prove", False),
-        whole_bypass=getattr(o, "whole_bypass", False),
+        command, targets, backup=o.backup, dry_run=dry, exit_non_zero_on_fix=o.exit_non_zero_on_fix,
+        lock_timeout=o.lock_timeout, on_wait=lambda path: say(stderr(), f"waiting for {path}: {waiting}"),
+        prove=getattr(o, "prove", False), whole_bypass=getattr(o, "whole_bypass", False),
     )
     if copy is not None and not failed:
         say(stderr(), f"the bundled example, copied to {copy} for this run (removed afterwards)")
@@ -311,15 +305,11 @@ def verify(o: SimpleNamespace) -> int:
     if failed is not None or no_kernels:
         report = VerifyReport([], error=failed.error if failed else f"{o.kernels}: --kernels: no such file")
     else:
+        engine = EngineOptions(o.engine_block_size, o.engine_backend, o.engine_eager) if o.engine else None
+        kernels = str(o.kernels) if o.kernels else None
         report = verify_targets(
-            targets,
-            python=o.python,
-            kernels=str(o.kernels) if o.kernels else None,
-            require_gpu=o.require_gpu,
-            timing=o.timing,
-            require_import=o.require_import,
-            engine=EngineOptions(o.engine_block_size, o.engine_backend, o.engine_eager) if o.engine else None,
-            tp_sizes=o.tp,
+            targets, python=o.python, kernels=kernels, require_gpu=o.require_gpu, timing=o.timing,
+            require_import=o.require_import, engine=engine, tp_sizes=o.tp,
         )
     print_verify(report, stderr(), verbose=o.verbose)
     if o.as_json:

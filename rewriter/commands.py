@@ -221,15 +221,9 @@ def mark_off(result: FileResult, name: str | None) -> None:
 
 
 def write_targets(
-    command: str,  # "run" or "revert"
-    targets: list[Target],
-    backup: bool = False,
-    dry_run: bool = False,
-    exit_non_zero_on_fix: bool = False,
-    lock_timeout: float = DEFAULT_TIMEOUT,
-    on_wait: Callable[[Path], None] | None = None,
-    prove: bool = True,
-    whole_bypass: bool = False,
+    command: str, targets: list[Target], backup: bool = False, dry_run: bool = False,
+    exit_non_zero_on_fix: bool = False, lock_timeout: float = DEFAULT_TIMEOUT,
+    on_wait: Callable[[Path], None] | None = None, prove: bool = True, whole_bypass: bool = False,
 ) -> Report:
     """Rewrite (``run``) or revert every target that needs it, all or nothing: a vLLM tree is
     left fully rewritten or as it was (barring a failing rename, which the report names).

@@ -118,14 +118,14 @@ def entry_verb(entry: str) -> str | None:
     return None
 
 
-def configured_hook(verb: str, config: Path = Path(PRE_COMMIT_CONFIG)) -> tuple[str, str | None] | None:
+def configured_hook(verb: str) -> tuple[str, str | None] | None:
     """(id, the ``--hook-stage`` it needs or None) of the first hook of the pre-commit config
     that runs ``mm3-codemod <verb>``: a hook with its own ``entry`` by that entry, a hook of a
     remote repo without one by this project's manifest. None where there is none (or no config)."""
     try:
         import yaml  # libcst's dependency: there wherever mm3-codemod is
 
-        data = yaml.safe_load(config.read_text(encoding="utf-8"))
+        data = yaml.safe_load(Path(PRE_COMMIT_CONFIG).read_text(encoding="utf-8"))
     except Exception:  # no config, not YAML, no yaml: name no hook
         return None
     if not isinstance(data, dict):
@@ -166,9 +166,7 @@ def direct_command() -> str:
     if shutil.which("mm3-codemod", path=os.pathsep.join(user_path)):
         return "mm3-codemod"
     script = Path(sys.executable).parent / "mm3-codemod"
-    if script.is_file():
-        return shlex.quote(str(script))
-    return f"{shlex.quote(sys.executable)} -m mm3_codemod"
+    return shlex.quote(str(script)) if script.is_file() else f"{shlex.quote(sys.executable)} -m mm3_codemod"
 
 
 def command_for(verb: str, report: Report, indices: Iterable[int]) -> str:
@@ -180,8 +178,7 @@ def command_for(verb: str, report: Report, indices: Iterable[int]) -> str:
         return "; ".join(commands)
     hook = configured_hook(verb)
     if hook is None:
-        direct = direct_command()
-        return "; ".join(direct + c.removeprefix("mm3-codemod") for c in commands)
+        return "; ".join(direct_command() + c.removeprefix("mm3-codemod") for c in commands)
     hook_id, stage = hook
     stages = [f"--hook-stage {stage}"] if stage else []
     names = [shlex.quote(shown_path(t.path)) for t in targets]
