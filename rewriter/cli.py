@@ -408,12 +408,8 @@ def typer_app() -> typer.Typer:
             info: Any = typer.Argument(metavar=declared.metavar, help=declared.help, show_default=False)
         else:
             info = typer.Option(
-                *declared.flags,
-                metavar=declared.metavar,
-                help=declared.help,
-                min=declared.minimum,
-                hidden=declared.hidden,
-                show_default=declared.default is not None,
+                *declared.flags, metavar=declared.metavar, help=declared.help, min=declared.minimum,
+                hidden=declared.hidden, show_default=declared.default is not None,
                 callback=choice_check(declared.choices) if declared.choices else None,
             )
         return inspect.Parameter(
@@ -440,9 +436,7 @@ def typer_app() -> typer.Typer:
         return function
 
     app = typer.Typer(
-        add_completion=False,
-        no_args_is_help=True,
-        context_settings={"help_option_names": ["-h", "--help"]},
+        add_completion=False, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
         help="Rewrite vLLM's MiniMax-M3 NVIDIA model so that an fp8 KV cache works on SM89 GPUs.",
     )
     for name, (options, body) in COMMANDS.items():
