@@ -136,7 +136,7 @@ def source_text(raw: bytes) -> str:
 
 
 def read_source(path: Path | str) -> str:
-    """The text of the file at ``path`` as ``run`` reads it: every reader in ``verify`` uses this."""
+    """The file's text as ``run`` reads it: every reader in ``verify`` uses this."""
     return source_text(read_bytes(Path(path)))
 
 
@@ -190,10 +190,8 @@ def _check_nesting(body: bytes) -> None:
         for token in tokenize.tokenize(io.BytesIO(body).readline):
             if token.type == tokenize.NEWLINE:
                 operators = 0
-            elif token.type == tokenize.OP and token.string in ("(", "[", "{"):
-                depth += 1
-            elif token.type == tokenize.OP and token.string in (")", "]", "}"):
-                depth -= 1
+            elif token.type == tokenize.OP and token.string in ("(", "[", "{", ")", "]", "}"):
+                depth += 1 if token.string in ("(", "[", "{") else -1
             elif token.type not in _NOT_OPERATORS and token.string not in (",", ":"):
                 operators += 1
             if depth > MAX_BRACKETS or operators > MAX_OPERATORS:
@@ -239,13 +237,12 @@ def _lost_tail(module: cst.Module, raw: bytes) -> bytes:
 
 
 def plan_file(
-    path: Path, name: str | None = None, raw: bytes | None = None, revert: bool = False, transform: bool = True,
-    second_pass: bool = True,
+    path: Path, name: str | None = None, raw: bytes | None = None, revert: bool = False,
+    transform: bool = True, second_pass: bool = True,
 ) -> FileResult:
-    """Read (or take ``raw``), pre-filter, parse, analyze; then, where a rewrite (or a revert) is
-    needed, prepare the validated new bytes. ``name`` is the path the diff names (``Target.diff_name``;
-    default: the file's name); ``transform=False``: classify only; ``second_pass=False``: the new
-    bytes are not validated (a round trip's, compared, never written)."""
+    """Read (or take ``raw``), pre-filter, parse, analyze; where a rewrite (or revert) is needed, the
+    validated new bytes. ``name``: the path the diff names (``Target.diff_name``; default: the file's
+    name); ``second_pass=False``: the new bytes are not validated (a round trip's, never written)."""
     result = FileResult(path, FileStatus.ERROR)
     try:
         raw = result.original = read_bytes(path) if raw is None else raw
@@ -281,7 +278,7 @@ def plan_file(
         tail = _lost_tail(module, raw)
         try:
             new = (BOM if raw.startswith(BOM) else b"") + rewrite(analysis).bytes + tail
-            if second_pass:  # (else never to be written: see the docstring)
+            if second_pass:  # (else never written: see the docstring)
                 result.new_sites = validate(new, path, revert, analysis.patched_after)
         except FileError as exc:
             raise FileError(f"rewrite failed validation: {exc}") from exc
@@ -317,10 +314,9 @@ def plan_revert_file(
 
 
 def undo_refusal(reverted: FileResult, second_pass: bool = True) -> str | None:
-    """Why the planned revert is not an undo of ``run``, else None. It is one where ``run``, given
-    what the revert leaves, writes this file again byte for byte; or, where the revert's second
-    pass proved it left no bypass, has nothing to do there (a stale bypass on a native call, which
-    ``run`` takes out too: nothing of its own is undone)."""
+    """Why the planned revert is not an undo of ``run``, else None. It is one where ``run`` writes this
+    file again byte for byte from what the revert leaves, or (the revert's second pass proved no bypass
+    left) has nothing to do there: a stale bypass on a native call, which ``run`` takes out too."""
     raw, path = reverted.original, reverted.path
     again = plan_file(path, raw=reverted.new, second_pass=second_pass)
     if again.new == raw or (second_pass and again.status is FileStatus.UNCHANGED):
@@ -350,9 +346,7 @@ def undo_refusal(reverted: FileResult, second_pass: bool = True) -> str | None:
 def _first_words(lines: list[bytes], encoding: str, width: int = 60) -> str:
     """The first line of ``lines`` with words on it, quoted and cut to ``width``; else ``nothing``."""
     line = next((x.decode(encoding, "replace").strip() for x in lines if x.strip()), None)
-    if line is None:
-        return "nothing"
-    return f"`{line if len(line) <= width else line[: width - 3] + '...'}`"
+    return "nothing" if line is None else f"`{line if len(line) <= width else line[: width - 3] + '...'}`"
 
 
 def quick_sites(raw: bytes) -> list[InsertSite] | None:
@@ -362,9 +356,9 @@ def quick_sites(raw: bytes) -> list[InsertSite] | None:
 
 
 def compile_quietly(source: bytes, path: Path) -> None:
-    """Compile ``source`` with this Python; raises ``SyntaxError``."""
+    """Compile ``source`` with this Python (``SyntaxError``), hiding the file's own warnings."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the file's own warnings (`x is 1`, "\d") are not ours to print
+        warnings.simplefilter("ignore")  # (`x is 1`, "\d"): not ours to print
         compile(source.removeprefix(BOM), str(path), "exec", dont_inherit=True)
 
 
@@ -388,7 +382,7 @@ def validate(new: bytes, path: Path, revert: bool, expected_patched: int) -> lis
         if stale:
             raise FileError(f"line {stale[0].line} is still {stale[0].state.value} after the revert")
         return []
-    patched = sum(1 for s in sites if s.state is SiteState.PATCHED)
+    patched = sum(s.state is SiteState.PATCHED for s in sites)
     if patched < expected_patched:
         raise FileError(f"second pass finds {patched} patched site(s), expected {expected_patched}")
     return sites

@@ -33,21 +33,15 @@ if TYPE_CHECKING:
 
 
 class Option:
-    """One option, as both readers take it (no ``flags``: the positional PATHS). A plain class:
+    """One option, as both readers take it: ``flags`` its spellings ("--jobs -j", "--timing/--no-timing";
+    none: the positional PATHS), ``dest`` the body's argument, ``metavar`` None for a switch (bool),
+    ``kind`` of its value (str, Path, int or float), ``many`` repeatable (a list). A plain class:
     a dataclass or NamedTuple would cost a millisecond or more at every start."""
 
     def __init__(
-        self,
-        flags: str,  # its spellings: "--jobs -j", "--timing/--no-timing"
-        dest: str,  # the body's argument it is
-        help: str,
-        metavar: str | None = None,  # None: a switch (bool)
-        kind: type = str,  # of its value: str, Path, int or float
-        default: Any = None,
-        many: bool = False,  # repeatable: a list
-        minimum: float | None = None,
-        choices: tuple[str, ...] = (),
-        hidden: bool = False,
+        self, flags: str, dest: str, help: str, metavar: str | None = None, kind: type = str,
+        default: Any = None, many: bool = False, minimum: float | None = None,
+        choices: tuple[str, ...] = (), hidden: bool = False,
     ) -> None:
         self.flags, self.dest, self.help, self.metavar = tuple(flags.split()), dest, help, metavar
         self.is_flag = metavar is None
@@ -252,15 +246,9 @@ def _write(command: str, o: SimpleNamespace, dry: bool, copy: Path | None = None
     targets = [dataclasses.replace(t, origin="--example") if t.path == copy else t for t in targets]
     waiting = f"another mm3-codemod run holds it (up to {o.lock_timeout:g} s)"
     report = failed or write_targets(
-        command,
-        targets,
-        backup=o.backup,
-        dry_run=dry,
-        exit_non_zero_on_fix=o.exit_non_zero_on_fix,
-        lock_timeout=o.lock_timeout,
-        on_wait=lambda path: say(stderr(), f"waiting for {path}: {waiting}"),
-        prove=getattr(o, "prove", False),
-        whole_bypass=getattr(o, "whole_bypass", False),
+        command, targets, backup=o.backup, dry_run=dry, exit_non_zero_on_fix=o.exit_non_zero_on_fix,
+        lock_timeout=o.lock_timeout, on_wait=lambda path: say(stderr(), f"waiting for {path}: {waiting}"),
+        prove=getattr(o, "prove", False), whole_bypass=getattr(o, "whole_bypass", False),
     )
     if copy is not None and not failed:
         say(stderr(), f"the bundled example, copied to {copy} for this run (removed afterwards)")
@@ -317,15 +305,11 @@ def verify(o: SimpleNamespace) -> int:
     if failed is not None or no_kernels:
         report = VerifyReport([], error=failed.error if failed else f"{o.kernels}: --kernels: no such file")
     else:
+        engine = EngineOptions(o.engine_block_size, o.engine_backend, o.engine_eager) if o.engine else None
+        kernels = str(o.kernels) if o.kernels else None
         report = verify_targets(
-            targets,
-            python=o.python,
-            kernels=str(o.kernels) if o.kernels else None,
-            require_gpu=o.require_gpu,
-            timing=o.timing,
-            require_import=o.require_import,
-            engine=EngineOptions(o.engine_block_size, o.engine_backend, o.engine_eager) if o.engine else None,
-            tp_sizes=o.tp,
+            targets, python=o.python, kernels=kernels, require_gpu=o.require_gpu, timing=o.timing,
+            require_import=o.require_import, engine=engine, tp_sizes=o.tp,
         )
     print_verify(report, stderr(), verbose=o.verbose)
     if o.as_json:
@@ -424,12 +408,8 @@ def typer_app() -> typer.Typer:
             info: Any = typer.Argument(metavar=declared.metavar, help=declared.help, show_default=False)
         else:
             info = typer.Option(
-                *declared.flags,
-                metavar=declared.metavar,
-                help=declared.help,
-                min=declared.minimum,
-                hidden=declared.hidden,
-                show_default=declared.default is not None,
+                *declared.flags, metavar=declared.metavar, help=declared.help, min=declared.minimum,
+                hidden=declared.hidden, show_default=declared.default is not None,
                 callback=choice_check(declared.choices) if declared.choices else None,
             )
         return inspect.Parameter(
@@ -456,9 +436,7 @@ def typer_app() -> typer.Typer:
         return function
 
     app = typer.Typer(
-        add_completion=False,
-        no_args_is_help=True,
-        context_settings={"help_option_names": ["-h", "--help"]},
+        add_completion=False, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
         help="Rewrite vLLM's MiniMax-M3 NVIDIA model so that an fp8 KV cache works on SM89 GPUs.",
     )
     for name, (options, body) in COMMANDS.items():

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from codemods.schema import CHANGING, Action, SiteState
-from rewriter import testhook
+from rewriter import proof, testhook
 from rewriter.apply import (
     BOM,
     FileError,
@@ -91,8 +91,6 @@ def check_plan(path: Path, name: str | None = None, promise: bool = True) -> Fil
         return result
     if not any(s.state is SiteState.NATIVE for s in result.new_sites):
         return result
-    from rewriter import proof
-
     result.proof = proof.prove_apart(result.path, result.new, result.new_sites)
     if not failed_proof(result):
         ran = "was run" if result.proof.proven else "was not run here"
@@ -105,11 +103,10 @@ def judge(result: FileResult) -> FileResult:
     """What no rewrite proves is run: ``verify``'s semantic level on the file as it is, bf16 cache
     against fp8 cache. That is a native call (its cache arguments, slots and dtype are the file's own),
     and a patched site whose bypass is not ``run``'s own (a fork's, a hand edit: ``revert`` does not
-    take it back out to the file ``run`` started from; it says why, in ``revert``'s words). ``run``'s
-    own is proven by what ``run`` is proven by. Running it fails: refused (a native call may write the
-    wrong rows, or none; so may the fp8 path of a wired bypass); not run here: it says so. A run kept
-    with the verdict of the same bytes (``rewriter.verdicts``) is read, not run again; so is a skip the level
-    reported (what the stand-in cannot model)."""
+    give back the file ``run`` started from; it says why, in ``revert``'s words); ``run``'s own is
+    proven as ``run`` is. Running it fails: refused (a native call, or a wired bypass's fp8 path, may
+    write the wrong rows, or none); not run here: it says so. A pass, or a skip the level reported (what
+    the stand-in cannot model), kept with the verdict of the same bytes (``rewriter.verdicts``) is read."""
     patched = [s for s in result.sites if s.state is SiteState.PATCHED]
     if patched:  # the bytes check judged, not a new read; a round trip compared byte for byte, never written
         reverted = plan_revert_file(result.path, raw=result.original, second_pass=False)
@@ -124,12 +121,10 @@ def judge(result: FileResult) -> FileResult:
     others = patched + [s for s in result.sites if s.state is SiteState.NATIVE]
     if not others:
         return result
-    from rewriter import proof
-
     kept = Verdict.load(result.path, result.original)  # these bytes, judged before by this version
     if kept is not None and kept.fine and (kept.proven or kept.skipped):  # run before: not again
-        status, (reason, details) = (proof.PASSED, kept.proven) if kept.proven else (proof.SKIPPED, kept.skipped)
-        result.proof = Proof(status, reason, tuple(details))
+        reason, details = kept.proven or kept.skipped
+        result.proof = Proof(proof.PASSED if kept.proven else proof.SKIPPED, reason, tuple(details))
     else:
         result.proof = proof.prove_apart(result.path, result.original, others)
     shown = shlex.quote(shown_path(result.path))
@@ -226,15 +221,9 @@ def mark_off(result: FileResult, name: str | None) -> None:
 
 
 def write_targets(
-    command: str,  # "run" or "revert"
-    targets: list[Target],
-    backup: bool = False,
-    dry_run: bool = False,
-    exit_non_zero_on_fix: bool = False,
-    lock_timeout: float = DEFAULT_TIMEOUT,
-    on_wait: Callable[[Path], None] | None = None,
-    prove: bool = True,
-    whole_bypass: bool = False,
+    command: str, targets: list[Target], backup: bool = False, dry_run: bool = False,
+    exit_non_zero_on_fix: bool = False, lock_timeout: float = DEFAULT_TIMEOUT,
+    on_wait: Callable[[Path], None] | None = None, prove: bool = True, whole_bypass: bool = False,
 ) -> Report:
     """Rewrite (``run``) or revert every target that needs it, all or nothing: a vLLM tree is
     left fully rewritten or as it was (barring a failing rename, which the report names).
@@ -285,8 +274,6 @@ def _prove_all(report: Report, prove: bool) -> None:
     to_write = [f for f in report.files if f.status is FileStatus.NEEDS_REWRITE and f.new is not None]
     if not to_write or any(f.failed for f in report.files):
         return
-    from rewriter import proof
-
     for result in to_write:
         result.proof = proof.prove(result) if prove else proof.NO_PROVE
         failed_proof(result)
@@ -294,8 +281,6 @@ def _prove_all(report: Report, prove: bool) -> None:
 
 def failed_proof(result: FileResult) -> bool:
     """A rewrite whose proof failed is an error: nothing is written (``run``), or would be (``check``)."""
-    from rewriter import proof
-
     if result.proof is None or result.proof.status != proof.FAILED:
         return False
     why = f"the rewrite failed its proof ({proof.LEVEL} level): {result.proof.reason}"

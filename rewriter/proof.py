@@ -45,9 +45,8 @@ def prove_apart(path: Path, raw: bytes, sites: list[InsertSite]) -> Proof:
     classes = insert_classes(sites)
     if "torch" in sys.modules or importlib.util.find_spec("torch") is None:
         return prove_source(path, raw, classes)
-    child = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(path), *classes], input=raw, capture_output=True, timeout=600, check=False
-    )
+    argv = [sys.executable, "-c", _CHILD, str(path), *classes]
+    child = subprocess.run(argv, input=raw, capture_output=True, timeout=600, check=False)
     try:
         status, reason, details = json.loads(child.stdout.decode(errors="replace").splitlines()[-1])
     except (ValueError, IndexError):
@@ -73,8 +72,9 @@ def prove_source(path: Path, raw: bytes, classes: list[str]) -> Proof:
     try:  # (LibCST reads newer syntax than this Python may compile: not the file's failure)
         compile_quietly(raw, path)
     except SyntaxError as exc:
-        here = f"Python {sys.version_info.major}.{sys.version_info.minor}"
-        return Proof(SKIPPED, f"{here} cannot compile it (line {exc.lineno}: {exc.msg}): run mm3-codemod under the Python vLLM runs on")
+        here = f"Python {sys.version_info.major}.{sys.version_info.minor} cannot compile it"
+        why = f"(line {exc.lineno}: {exc.msg}): run mm3-codemod under the Python vLLM runs on"
+        return Proof(SKIPPED, f"{here} {why}")
     if not classes:  # not expected: a rewrite is of a layer class's insert call
         return Proof(SKIPPED, "no layer class with an insert site in the new source")
     try:

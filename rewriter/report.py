@@ -28,11 +28,7 @@ STATE_STYLE |= {SiteState.NATIVE: "green", SiteState.NOT_A_SITE: "dim", SiteStat
 
 
 def envelope(
-    command: str,
-    exit_code: int,
-    error: str | None,
-    note: str | None,
-    files: list[dict[str, object]],
+    command: str, exit_code: int, error: str | None, note: str | None, files: list[dict[str, object]],
     summary: dict[str, int],
 ) -> dict[str, object]:
     """The one JSON shape every command prints with ``--json`` (``verify`` adds ``kernel``)."""
@@ -122,14 +118,14 @@ def entry_verb(entry: str) -> str | None:
     return None
 
 
-def configured_hook(verb: str, config: Path = Path(PRE_COMMIT_CONFIG)) -> tuple[str, str | None] | None:
+def configured_hook(verb: str) -> tuple[str, str | None] | None:
     """(id, the ``--hook-stage`` it needs or None) of the first hook of the pre-commit config
     that runs ``mm3-codemod <verb>``: a hook with its own ``entry`` by that entry, a hook of a
     remote repo without one by this project's manifest. None where there is none (or no config)."""
     try:
         import yaml  # libcst's dependency: there wherever mm3-codemod is
 
-        data = yaml.safe_load(config.read_text(encoding="utf-8"))
+        data = yaml.safe_load(Path(PRE_COMMIT_CONFIG).read_text(encoding="utf-8"))
     except Exception:  # no config, not YAML, no yaml: name no hook
         return None
     if not isinstance(data, dict):
@@ -170,9 +166,7 @@ def direct_command() -> str:
     if shutil.which("mm3-codemod", path=os.pathsep.join(user_path)):
         return "mm3-codemod"
     script = Path(sys.executable).parent / "mm3-codemod"
-    if script.is_file():
-        return shlex.quote(str(script))
-    return f"{shlex.quote(sys.executable)} -m mm3_codemod"
+    return shlex.quote(str(script)) if script.is_file() else f"{shlex.quote(sys.executable)} -m mm3_codemod"
 
 
 def command_for(verb: str, report: Report, indices: Iterable[int]) -> str:
@@ -184,8 +178,7 @@ def command_for(verb: str, report: Report, indices: Iterable[int]) -> str:
         return "; ".join(commands)
     hook = configured_hook(verb)
     if hook is None:
-        direct = direct_command()
-        return "; ".join(direct + c.removeprefix("mm3-codemod") for c in commands)
+        return "; ".join(direct_command() + c.removeprefix("mm3-codemod") for c in commands)
     hook_id, stage = hook
     stages = [f"--hook-stage {stage}"] if stage else []
     names = [shlex.quote(shown_path(t.path)) for t in targets]
@@ -336,8 +329,8 @@ Section = tuple[list[RenderableType], list[tuple[RenderableType, ...]]]
 
 
 def survey_table(report: Report, width: int, show_all: bool = False) -> Group:
-    """survey's table (``file_sections``): each file listed, with a row per insert site (a file
-    without one, a row saying why), its columns fit to ``width``."""
+    """survey's table (``file_sections``): a row per insert site of each file (a file without one, a
+    row saying why), its columns fit to ``width``."""
     sections: list[Section] = []
     all_rows: list[Row] = []
     for target, result in zip(report.targets, report.files):
@@ -376,12 +369,9 @@ def file_sections(
     would cut its path), then its rows in columns of ``widths``. No vertical rules: 80 columns are few."""
 
     def columns(rows: list[tuple[RenderableType, ...]], header: bool = False) -> Table:
+        # SIMPLE_HEAD: its rules are blanks but for the line under the header
         table = Table(
-            box=box.SIMPLE_HEAD,  # its rules are blanks but for the line under the header
-            show_header=header,
-            header_style="bold",
-            show_edge=False,
-            pad_edge=False,
+            box=box.SIMPLE_HEAD, show_header=header, header_style="bold", show_edge=False, pad_edge=False,
             padding=(0, COLUMN_GAP - 1, 0, 0),
         )
         for name, column_width in zip(headers, widths):

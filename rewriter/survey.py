@@ -28,9 +28,7 @@ def survey_file(path: Path) -> FileResult:
 
 
 def survey_targets(
-    targets: list[Target],
-    jobs: int | None = None,
-    advance: Callable[[], None] | None = None,
+    targets: list[Target], jobs: int | None = None, advance: Callable[[], None] | None = None,
     no_vllm: Mapping[str, str] | None = None,
 ) -> Report:
     """Plan every target (nothing is written); ``advance`` is called after each file. Each

@@ -327,12 +327,8 @@ def _path_root(path: Path, outside: Path) -> Path:
 
 
 def resolve(
-    paths: Sequence[Path] = (),
-    pythons: Sequence[str] = (),
-    vllm_roots: Sequence[Path] = (),
-    example: bool = False,
-    no_vllm: dict[str, str] | None = None,
-    versions: bool = False,
+    paths: Sequence[Path] = (), pythons: Sequence[str] = (), vllm_roots: Sequence[Path] = (),
+    example: bool = False, no_vllm: dict[str, str] | None = None, versions: bool = False,
 ) -> list[Target]:
     """All files to process, each once (by the first name given), in a stable order; with nothing
     given, ``default_targets``. Given ``no_vllm``, an interpreter without a vLLM is put there

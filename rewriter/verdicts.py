@@ -1,8 +1,7 @@
 """What the analysis said of one model file's bytes, kept in the user's cache: the vLLM plugin
-(``mm3_codemod.plugin``) reads it instead of analysing the same bytes again, in every process
-of a start and in every later start; ``run`` and ``check`` leave one for each file ``run``
-writes or either finds native or patched, so that the first fp8 start after them does not pay for the
-analysis.
+(``mm3_codemod.plugin``) reads it instead of analysing the same bytes again, in every process of
+every start; ``run`` and ``check`` leave one for each file ``run`` writes or either finds native or
+patched, so that the first fp8 start after them does not pay for the analysis.
 Standard library only: the plugin imports it in every vLLM process."""
 
 from __future__ import annotations
@@ -43,8 +42,9 @@ class Verdict:
         self.states: str = facts["states"]
         self.classes: tuple[str, ...] = tuple(facts["classes"])
         self.refusal: str | None = facts["refusal"]
-        self.proven: list | None = facts.get("proven")  # the semantic level's reason, details: where it passed
-        self.skipped: list | None = facts.get("skipped")  # the same, where the level reported it cannot run them
+        # [reason, details] of the semantic level where it passed; where it reported it cannot run them
+        self.proven: list | None = facts.get("proven")
+        self.skipped: list | None = facts.get("skipped")
 
     @staticmethod
     def key_of(raw: bytes) -> str:
@@ -85,7 +85,7 @@ class Verdict:
             "classes": sorted({s.class_name for s in work}) if all(s.class_name for s in work) else [],
             "refusal": None if fine or not refused else (work[0].reason if work else result.error),
             "proven": [proof.reason, list(proof.details)] if proof is not None else None,
-            "skipped": [skip.reason, list(skip.details)] if skip is not None else None,  # type: ignore[union-attr]
+            "skipped": [skip.reason, list(skip.details)] if skip else None,  # type: ignore[union-attr]
         }
         verdict = cls(result.path, cls.key_of(result.original if raw is None else raw), facts)
         if keep:
@@ -106,14 +106,16 @@ def remember(result: FileResult) -> None:
     if result.status is FileStatus.REWRITTEN and result.new is not None:
         Verdict.of(result, result.new)
     elif result.status is FileStatus.UNCHANGED and any(s.state.value in FINE for s in result.sites) and (
-        result.proof is None or result.proof.proven or kept_skip(result)  # (no torch: the plugin runs it, where torch is)
+        # (no torch: the plugin runs it, where torch is)
+        result.proof is None or result.proof.proven or kept_skip(result)
     ):
         Verdict.of(result)
 
 
 def kept_skip(result: FileResult) -> bool:
-    """A proof the semantic level skipped itself, reporting its rows (the stand-in cannot model the file): a fact of
-    these bytes and this version, kept. Not a skip of its process (it stopped, torch is missing or broken)."""
+    """A proof the semantic level skipped itself, reporting its rows (the stand-in cannot model the file):
+    a fact of these bytes and this version, kept. Not a skip of its process (it stopped, torch is missing
+    or broken)."""
     from rewriter.apply import SKIPPED
 
     return result.proof is not None and result.proof.status == SKIPPED and bool(result.proof.details)
