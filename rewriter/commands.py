@@ -146,7 +146,8 @@ def judge(result: FileResult) -> FileResult:
         else:
             ran = "it was run: " if proven else "it was not run here: "
             whose = ("it is not the bypass `run` writes, " + ("so " if proven else "and ")) if bypass else ""
-            verify = "" if proven else f"; `mm3-codemod verify {shown}` runs it"
+            step = proof.how_to_run(result.proof, f"mm3-codemod verify {shown}")
+            verify = "" if proven else f"; to run it: {step}"
             site.reason += f"; {whose}{ran}{result.proof.reason}{verify}"
     if result.proof.status == proof.FAILED:
         result.status = FileStatus.REFUSED

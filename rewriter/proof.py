@@ -100,14 +100,23 @@ def proof_line(result: FileResult, example: bool, verify: str) -> str | None:
     name = shown_path(result.path)
     if proof.proven:
         return f"proven: {name}: the {LEVEL} level passed before writing: {proof.reason}"
-    from rewriter.verify.levels import ENGINE_STEP, install_torch  # ENGINE_STEP runs what the stand-in cannot
+    from rewriter.verify.levels import install_torch
 
     if proof.status == UNAVAILABLE:
         why = f"{proof.reason}, so the new code was not run before writing"
-        how = f"{install_torch()} and run it again" if example else f"{install_torch()}, then {verify}"
+        how = f"{install_torch()} and run it again" if example else how_to_run(proof, verify)
     elif proof.status == OFF:
         why, how = proof.reason, ("run it again without --no-prove" if example else verify)
     else:
         why = f"the {LEVEL} level cannot run it here: {proof.reason}"
-        how = None if example else f"{verify} {ENGINE_STEP}"  # the kernel level has the same stand-in
+        how = None if example else how_to_run(proof, verify)
     return f"unproven: {name}: {why}" + (f"; to prove it: {how}" if how else "")
+
+
+def how_to_run(proof: Proof, verify: str) -> str:
+    """The step that runs what ``proof`` did not, where the user stands (``verify``: the command naming the
+    file): torch installed first where it is missing; else the engine level, for ``verify`` alone would
+    skip it again (the kernel level runs on the same stand-in)."""
+    from rewriter.verify.levels import ENGINE_STEP, install_torch
+
+    return f"{install_torch()}, then {verify}" if proof.status == UNAVAILABLE else f"{verify} {ENGINE_STEP}"

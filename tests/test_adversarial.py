@@ -575,7 +575,9 @@ def test_a_bypass_not_runs_own_is_not_called_proven_without_torch(tmp_path: Path
     path.write_text(edit(PATCHED_RUN, KV_SWAP))
     (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
     (site,) = [s for s in result.sites if s.state.value != "not-a-site"]
-    assert "it was not run here: torch is not installed; `mm3-codemod verify " in site.reason, site.reason
+    # the step that runs it where the user stands: torch first (verify alone would not run it either)
+    assert "it was not run here: torch is not installed; to run it: " in site.reason, site.reason
+    assert "-m pip install torch --index-url " in site.reason and ", then mm3-codemod verify " in site.reason
 
 
 def test_runs_own_bypass_is_not_run_again(tmp_path: Path, monkeypatch) -> None:

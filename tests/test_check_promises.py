@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, cli
 
+from rewriter.verify.levels import ENGINE_STEP
+
 STALE = (FIXTURES / "native_stale_bypass" / "model.py").read_text()
 RETURN = "        return self.attend(q, index_q)\n"
 
@@ -82,6 +84,8 @@ def test_what_the_stand_in_cannot_run_is_kept_and_read(tmp_path: Path, monkeypat
     path.write_text(_edited(NATIVE, UNMODELLED))
     first, second = _checked_twice(tmp_path, monkeypatch, path)
     assert "; it was not run here: " in first and "the stand-in" in first and second == first
+    # `verify` alone runs the same stand-in and would skip it again: the engine level is the step
+    assert first.endswith(f"; to run it: mm3-codemod verify {path} {ENGINE_STEP}"), first
 
 
 def test_an_isinstance_of_an_unmodelled_class_is_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

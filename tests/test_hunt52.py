@@ -102,7 +102,8 @@ def test_a_native_call_is_not_called_proven_without_torch(tmp_path: Path, monkey
     path.write_text(NATIVE)
     (result,) = commands.analyze_targets("check", [Target(path, "t")]).files
     (site,) = [s for s in result.sites if s.class_name == "MiniMaxM3SparseAttention"]
-    assert site.state.value == "native" and "; it was not run here: torch is not installed; `mm3-codemod verify " in site.reason
+    assert site.state.value == "native" and "; it was not run here: torch is not installed; to run it: " in site.reason
+    assert "-m pip install torch" in site.reason and ", then mm3-codemod verify " in site.reason
 
 
 SUBCLASS = "\n\nclass Fp8Attention(MiniMaxM3SparseAttention):\n"
