@@ -423,8 +423,10 @@ def delegates(
     found: list[cst.FunctionDef] = []
     for call in (n for n in nodes_in(fn.body, scope_only=True) if isinstance(n, cst.Call)):
         method = self_attr(call.func)
-        named = functions.get(call.func.value) if isinstance(call.func, cst.Name) else None
-        target = find_method(cls, method) if method is not None else named
+        if method is not None:
+            target = find_method(cls, method)
+        else:
+            target = functions.get(call.func.value) if isinstance(call.func, cst.Name) else None
         if target is not None and target is not fn and all(target is not f for f in found):
             found.append(target)
     return found
@@ -436,9 +438,11 @@ def raw_scatters(fn: cst.FunctionDef) -> list[StatementSlot]:
     params = set(param_names(fn))
     found = []
     for slot in statement_slots(fn):
-        target = (simple_assignment(slot.statement) or (None,))[0]
-        key = target.slice[0].slice if isinstance(target, cst.Subscript) and len(target.slice) == 1 else None
-        if isinstance(key, cst.Index) and isinstance(key.value, cst.Name) and key.value.value in params:
+        pair = simple_assignment(slot.statement)
+        if pair is None or not isinstance(pair[0], cst.Subscript) or len(pair[0].slice) != 1:
+            continue
+        index = pair[0].slice[0].slice
+        if isinstance(index, cst.Index) and isinstance(index.value, cst.Name) and index.value.value in params:
             found.append(slot)
     return found
 

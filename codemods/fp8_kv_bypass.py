@@ -126,8 +126,10 @@ def plan_bypass(m: FileModel, found: FoundCall, slot: a.StatementSlot, p: FoundP
     reshape_import = bare_import(a.module_imports(module)) if names["reshape"] == schema.RESHAPE_OP else None
 
     # The upgrade: the raw index scatters of `_insert_kv` and of what it hands its work to.
-    older = old_insert_kv if insert_kv == "upgrade" else None
-    upgraded = [older, *a.delegates(older, cls, m.functions)] if older is not None else []
+    upgraded: list[cst.FunctionDef] = []
+    if insert_kv == "upgrade":
+        assert old_insert_kv is not None
+        upgraded = [old_insert_kv, *a.delegates(old_insert_kv, cls, m.functions)]
     edits: list[tuple[cst.BaseStatement, str]] = []
     for fn in upgraded:
         edits += [e for x in a.raw_scatters(fn) for e in _scatter_edits(fn, x, module)]

@@ -122,10 +122,13 @@ def own_writes(
     """What ``method`` reaches (``reached``) that writes a cache itself: a call of the reshape op, or a
     store indexed by one of the call's ``slots``."""
     dumps = {ast.dump(s) for s in slots}
+
+    def indexed(n: ast.Subscript) -> bool:
+        return isinstance(n.ctx, ast.Store) and any(ast.dump(x) in dumps for x in ast.walk(n.slice))
+
     return [
         n for fn in reached(method, scope, init) for n in ast.walk(fn)
-        if is_reshape(n, scope.imports) or isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store)
-        and any(ast.dump(x) in dumps for x in ast.walk(n.slice))
+        if is_reshape(n, scope.imports) or (isinstance(n, ast.Subscript) and indexed(n))
     ]
 
 

@@ -97,11 +97,15 @@ class FileModel:
         found: dict[str, list[cst.CSTNode]] = {}
         nodes = a.nodes_in(self.module)
         defined = {id(n.name) for n in nodes if isinstance(n, (cst.FunctionDef, cst.ClassDef))}
-        for n in (n for n in nodes if id(n) not in defined):
-            name = n.value if isinstance(n, cst.Name) else n.attr.value if isinstance(n, cst.Attribute) else (
-                n.evaluated_value if isinstance(n, cst.SimpleString) else None)
-            if isinstance(name, str):
-                found.setdefault(name, []).append(n)
+        for n in nodes:
+            if id(n) in defined:
+                continue
+            if isinstance(n, cst.Name):
+                found.setdefault(n.value, []).append(n)
+            elif isinstance(n, cst.Attribute):
+                found.setdefault(n.attr.value, []).append(n)
+            elif isinstance(n, cst.SimpleString) and isinstance(n.evaluated_value, str):
+                found.setdefault(n.evaluated_value, []).append(n)
         return found
 
     def named(self, name: str) -> list[cst.CSTNode]:
@@ -116,7 +120,8 @@ class FileModel:
 
     def init_stores(self, cls: cst.ClassDef) -> dict[str, list[ast.FunctionDef]]:
         """What ``__init__`` and the methods it calls store (``guards.reach_stores``), by attribute."""
-        return guards.reach_stores((scope := self.scope(cls)).methods.get("__init__"), scope)
+        scope = self.scope(cls)
+        return guards.reach_stores(scope.methods.get("__init__"), scope)
 
     def lineage(self, cls: cst.ClassDef) -> list[cst.ClassDef]:
         """The class, then its bases that this file defines (``names.lineage``)."""
@@ -169,7 +174,7 @@ class FileModel:
         if id(cls) not in self._init_values:
             init, tree = self.scope(cls).methods.get("__init__"), self.ast_of(cls)
             attrs = roles.module_constants(self.tree, roles.NO_SCOPE, tree) if tree else {}  # type: ignore[arg-type]
-            values = roles.init_values(init, self.scope(cls), self.constants | attrs) if init else None
+            values = roles.init_values(init, self.scope(cls), self.constants | attrs) if init is not None else None
             self._init_values[id(cls)] = values
         return self._init_values[id(cls)]
 
@@ -247,7 +252,8 @@ class FileModel:
 
         def evaluated(expr: cst.BaseExpression) -> object | None:
             """What ``expr`` holds for an fp8 cache dtype, where that can be read (else None)."""
-            tree, env = names.expression(a.code(expr)), {**_locals, roles.DTYPE: "fp8"}
+            tree = names.expression(a.code(expr))
+            env = {**_locals, roles.DTYPE: "fp8"}
             try:
                 return roles.evaluate(tree, env, scope) if tree is not None else None
             except (roles.Unknown, TypeError, ValueError, RecursionError, AttributeError):

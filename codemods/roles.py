@@ -277,8 +277,11 @@ def _stores_on_a_path(body: list[ast.stmt], name: str) -> int:
     def stores(node: ast.AST) -> int:
         return sum(dotted(n) == name for n in ast.walk(node) if isinstance(getattr(n, "ctx", None), ast.Store))
 
-    return sum(stores(s.test) + max(_stores_on_a_path(s.body, name), _stores_on_a_path(s.orelse, name))
-               if isinstance(s, ast.If) else stores(s) for s in body)
+    return sum(
+        stores(s.test) + max(_stores_on_a_path(s.body, name), _stores_on_a_path(s.orelse, name))
+        if isinstance(s, ast.If) else stores(s)
+        for s in body
+    )
 
 
 def _assign(target: ast.expr, value: ast.expr | None, env: dict[str, object], scope: Scope) -> None:

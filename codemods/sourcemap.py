@@ -7,8 +7,8 @@ from __future__ import annotations
 import ast
 import warnings
 from collections.abc import Sequence
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import libcst as cst
 

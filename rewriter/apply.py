@@ -190,8 +190,10 @@ def _check_nesting(body: bytes) -> None:
         for token in tokenize.tokenize(io.BytesIO(body).readline):
             if token.type == tokenize.NEWLINE:
                 operators = 0
-            elif token.type == tokenize.OP and token.string in ("(", "[", "{", ")", "]", "}"):
-                depth += 1 if token.string in ("(", "[", "{") else -1
+            elif token.type == tokenize.OP and token.string in ("(", "[", "{"):
+                depth += 1
+            elif token.type == tokenize.OP and token.string in (")", "]", "}"):
+                depth -= 1
             elif token.type not in _NOT_OPERATORS and token.string not in (",", ":"):
                 operators += 1
             if depth > MAX_BRACKETS or operators > MAX_OPERATORS:
@@ -242,7 +244,8 @@ def plan_file(
 ) -> FileResult:
     """Read (or take ``raw``), pre-filter, parse, analyze; where a rewrite (or revert) is needed, the
     validated new bytes. ``name``: the path the diff names (``Target.diff_name``; default: the file's
-    name); ``second_pass=False``: the new bytes are not validated (a round trip's, never written)."""
+    name); ``transform=False``: classify only; ``second_pass=False``: the new bytes are not validated
+    (a round trip's, never written)."""
     result = FileResult(path, FileStatus.ERROR)
     try:
         raw = result.original = read_bytes(path) if raw is None else raw

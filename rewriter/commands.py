@@ -146,8 +146,8 @@ def judge(result: FileResult) -> FileResult:
         else:
             ran = "it was run: " if proven else "it was not run here: "
             whose = ("it is not the bypass `run` writes, " + ("so " if proven else "and ")) if bypass else ""
-            step = proof.how_to_run(result.proof, f"mm3-codemod verify {shown}")
-            verify = "" if proven else f"; to run it: {step}"
+            step = "" if proven else proof.how_to_run(result.proof, f"mm3-codemod verify {shown}")
+            verify = f"; to run it: {step}" if step else ""
             site.reason += f"; {whose}{ran}{result.proof.reason}{verify}"
     if result.proof.status == proof.FAILED:
         result.status = FileStatus.REFUSED

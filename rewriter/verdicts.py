@@ -85,7 +85,7 @@ class Verdict:
             "classes": sorted({s.class_name for s in work}) if all(s.class_name for s in work) else [],
             "refusal": None if fine or not refused else (work[0].reason if work else result.error),
             "proven": [proof.reason, list(proof.details)] if proof is not None else None,
-            "skipped": [skip.reason, list(skip.details)] if skip else None,  # type: ignore[union-attr]
+            "skipped": [skip.reason, list(skip.details)] if skip is not None else None,  # type: ignore[union-attr]
         }
         verdict = cls(result.path, cls.key_of(result.original if raw is None else raw), facts)
         if keep:

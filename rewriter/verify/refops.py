@@ -128,8 +128,10 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
 
     q = _norm_rope(qkv[:, :q_end], num_heads, q_norm_weight, eps, cos_sin, rotary_dim)
     k = _norm_rope(qkv[:, q_end:k_end], num_kv_heads, k_norm_weight, eps, cos_sin, rotary_dim)
-    if q_out is not None or write_qkv:
-        (q_out if q_out is not None else qkv[:, :q_end]).copy_(q)
+    if q_out is not None:
+        q_out.copy_(q)
+    elif write_qkv:
+        qkv[:, :q_end] = q
     if q_fp8_out is not None:  # newer builds: q for an fp8-query attention too
         _bytes(q_fp8_out).copy_(to_e4m3_bits(q, q_fp8_scale).reshape(q_fp8_out.shape))
     if write_qkv:
@@ -146,8 +148,10 @@ def fused_minimax_m3_qknorm_rope_kv_insert(
         index_k = _norm_rope(
             qkv[:, iq_end : iq_end + idx_dim], 1, index_k_norm_weight, eps, cos_sin, rotary_dim
         )
-        if index_q_out is not None or write_qkv:
-            (index_q_out if index_q_out is not None else qkv[:, v_end:iq_end]).copy_(index_q)
+        if index_q_out is not None:
+            index_q_out.copy_(index_q)
+        elif write_qkv:
+            qkv[:, v_end:iq_end] = index_q
         if write_qkv:
             qkv[:, iq_end : iq_end + idx_dim] = index_k
 

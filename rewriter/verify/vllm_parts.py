@@ -112,7 +112,7 @@ class Sm89Platform:
     compute capability 8.9), so a file's platform branches take the path they take there; any other
     query is a :class:`StandInGap`."""
 
-    CAPABILITY: DeviceCapability
+    CAPABILITY = DeviceCapability(8, 9)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -145,8 +145,6 @@ def _capability(capability: tuple[int, int] | int) -> int:
     """89 for (8, 9) and for 89, as vLLM compares them."""
     return DeviceCapability(*capability).to_int() if isinstance(capability, tuple) else capability
 
-
-Sm89Platform.CAPABILITY = DeviceCapability(8, 9)
 
 
 # vLLM helpers the stand-in runs as vLLM defines them, by the name vLLM gives them (a file may
